@@ -1,0 +1,55 @@
+# optcc_mpi: the two commands a fresh machine needs are `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+STAMP := $(VENV)/.installed
+# Ranks for the MPI test runs (8 oversubscribes 2 cores, on purpose).
+MPI_SIZES ?= 2 3 4 5 8
+# Wall-clock limit for one whole mpiexec run: a hang fails instead of blocking CI.
+MPI_RUN_TIMEOUT ?= 1500
+PYTEST_FLAGS ?= -q -p no:cacheprovider
+
+.PHONY: install test test-serial test-mpi demo lint clean help
+
+help:
+	@echo "make install   create $(VENV) with the pinned dependencies (MPICH wheel included)"
+	@echo "make demo      the main job: every algorithm on 8 ranks, checked, and the model table"
+	@echo "make test      serial tests, then the MPI tests at $(MPI_SIZES) ranks"
+	@echo "make lint      ruff"
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $@
+
+test: $(STAMP)
+	$(MAKE) --no-print-directory test-serial
+	$(MAKE) --no-print-directory test-mpi
+
+test-serial: $(STAMP)
+	$(PY) -m pytest $(PYTEST_FLAGS) tests
+
+# `python -m mpi4py` aborts every rank when one raises, and pytest-timeout fails a hung
+# test; `timeout` is the last line of defence. Exit code 5 (no tests collected) fails too.
+test-mpi: $(STAMP)
+	@set -e; for n in $(MPI_SIZES); do \
+	  echo "== MPI tests on $$n ranks =="; \
+	  timeout --signal=KILL $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m mpi4py -m pytest \
+	    --with-mpi --only-mpi $(PYTEST_FLAGS) tests || { echo "MPI tests failed on $$n ranks"; exit 1; }; \
+	done
+
+demo: $(STAMP)
+	$(VENV)/bin/optcc-mpi demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check optcc_mpi tests
+	$(VENV)/bin/ruff format --check optcc_mpi tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
