@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 MPI_SIZES ?= 2 3 4 5 8
 # Wall-clock limit for one whole mpiexec run: a hang fails instead of blocking CI.
 MPI_RUN_TIMEOUT ?= 1500
+# MPICH ranks beyond the cores spin in their progress engines and starve each other;
+# throttling idle progress makes oversubscribed runs about ten times faster.
+export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
 .PHONY: install test test-serial test-mpi demo lint clean help

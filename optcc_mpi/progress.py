@@ -48,11 +48,14 @@ class Progress:
         self.unit = unit
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.min_interval = min_interval if min_interval is not None else (0.1 if self.tty else 10.0)
+        self.min_interval = (
+            min_interval if min_interval is not None else (0.1 if self.tty else 10.0)
+        )
         self.n = 0
         self.postfix = ""
         self._start = time.perf_counter()
         self._last = -1e300
+        self._drawn = -1  # self.n at the last draw
 
     def __enter__(self) -> Progress:
         return self
@@ -68,11 +71,14 @@ class Progress:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if now - self._last >= self.min_interval or (self.total is not None and self.n >= self.total):
+        if now - self._last >= self.min_interval or (
+            self.total is not None and self.n >= self.total
+        ):
             self._last = now
             self._draw(now)
 
     def _draw(self, now: float) -> None:
+        self._drawn = self.n
         elapsed = now - self._start
         rate = self.n / elapsed if elapsed > 0 else 0.0
         if self.total:
@@ -99,7 +105,8 @@ class Progress:
         """Draw the final state and end the line."""
         if not self.enabled:
             return
-        self._draw(time.perf_counter())
+        if self._drawn != self.n or self.tty:
+            self._draw(time.perf_counter())
         if self.tty:
             self.stream.write("\n")
         self.stream.flush()

@@ -1,0 +1,335 @@
+"""OptCC: AllReduce that keeps degraded ranks off the ring's critical path.
+
+The four stages (after the OptCC paper; the details below are our reading, see
+``docs/optcc.md``): the healthy ranks form a ring; each *straggler* exchanges each data
+section once in each direction with one healthy rank, instead of carrying ~2n bytes each
+way as a ring member.
+
+Per segment of the buffer, cut into h = (number of healthy ranks) sections, section j
+owned by healthy index j:
+
+* **S1** reduce-scatter over the healthy ring; the chain of section j starts at healthy
+  index j+1 and ends at the owner.
+* **S2/S3** a straggler either *closes* the section (ordering 1: the owner sends it the
+  partial sum, the straggler adds its input and returns the global sum), or *folds* its
+  raw input into the chain before it starts (ordering 2: it sends section j to the
+  chain's first rank, which adds it before forwarding).
+* **S4** all-gather over the healthy ring; stragglers that folded receive the global
+  section from a healthy rank (spread over the ring, so no healthy rank carries more than
+  its share).
+
+The two orderings alternate from segment to segment (``pattern="alternate"``), so the
+straggler sends raw input of one segment while it receives and returns another: both
+directions of its link stay busy. Segments are pipelined: each rank's ring queue carries
+the reduce-scatter of segment L+depth before the all-gather of segment L, so the ring
+works on later segments while a straggler handles earlier ones.
+
+Several stragglers, and any vector of per-rank bandwidths, are handled by the plan of
+:func:`optcc_mpi.model.optcc_plan` (ours): the buffer is split over *schemes*, each
+attaching a set of slow ranks to the ring of the others, plus (when stragglers keep more
+than about half their bandwidth) a share through the plain ring over all ranks, which
+fills the bubbles on the stragglers' links. All schemes run at once on separate channels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from optcc_mpi.algorithms import register
+from optcc_mpi.algorithms.ring import (
+    CHUNK_BYTES,
+    add_ring_allreduce,
+    all_gather,
+    reduce_scatter,
+    ring_chunks,
+)
+from optcc_mpi.links import Links
+from optcc_mpi.model import OptccPlan, optcc_plan
+from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
+
+__all__ = ["optcc", "add_attached", "choose_segments", "PATTERNS"]
+
+PATTERNS = ("alternate", "closer", "raw")
+#: Channels used by one attached scheme: reduce-scatter, all-gather, raw folds, closer
+#: exchange, returns.
+_CHANNELS_PER_SCHEME = 5
+
+
+#: Smallest message (one section of one segment) worth cutting a segment into.
+SECTION_BYTES = 256 * 1024
+
+
+def choose_segments(
+    nbytes: int, healthy: int, *, section_bytes: int = SECTION_BYTES, lo: int = 4, hi: int = 128
+) -> int:
+    """Segments k for an attached scheme.
+
+    The pipeline head and tail cost about one segment each, so the time is about
+    ``(1 + 1/k)`` times the fluid time (:func:`optcc_mpi.model.optcc_time`): more segments
+    are better until messages get so small that per-message costs dominate. k is the
+    number of segments whose sections are ``section_bytes``, within ``[lo, hi]``.
+    """
+    return int(np.clip(nbytes // max(1, healthy * section_bytes), lo, hi))
+
+
+def add_attached(
+    b: ScheduleBuilder,
+    healthy: Sequence[int],
+    stragglers: Sequence[int],
+    lo: int,
+    hi: int,
+    *,
+    k: int,
+    depth: int = 2,
+    pattern: str = "alternate",
+    chan: int = 0,
+    lookahead: int | None = None,
+    fold_ahead: int = 1,
+) -> None:
+    """Add the four-stage AllReduce of ``[lo, hi)``: ``stragglers`` attached to the ring
+    of ``healthy`` (in ring order), in ``k`` pipelined segments.
+
+    Parameters
+    ----------
+    b : ScheduleBuilder
+        Where to add the operations.
+    healthy, stragglers : sequence of int
+        Ring members and attached ranks (disjoint; at least one healthy rank).
+    lo, hi : int
+        Element range.
+    k : int
+        Segments.
+    depth : int
+        Segments of reduce-scatter each ring queue runs ahead of the all-gather.
+    pattern : {"alternate", "closer", "raw"}
+        Which ordering the segments use: alternate closing (ordering 1) and folding
+        (ordering 2), always close, or always fold. With several stragglers at most one
+        closes a given segment (the others fold); closers rotate.
+    chan : int
+        First of the five channels this scheme uses.
+    lookahead : int, optional
+        Messages each straggler keeps in flight per direction, across all its peers
+        (default: one segment's worth, ``h``). Without this bound a straggler would share
+        its slow link among every segment that is ready and finish none of them early.
+    fold_ahead : int
+        Segments by which a straggler's raw sends run ahead of its closing work.
+    """
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown OptCC pattern {pattern!r}; choose one of {PATTERNS}")
+    H = np.asarray(healthy, dtype=np.int64)
+    D = np.asarray(stragglers, dtype=np.int64)
+    nh, m = H.size, D.size
+    if nh < 1:
+        raise ValueError("an attached scheme needs at least one healthy rank")
+    if hi <= lo:
+        return
+    # Reduce-scatter and all-gather use separate channels, so an all-gather waiting for
+    # a straggler never holds up the reduce-scatter of later segments behind it.
+    c_rs, c_ag, c_fold, c_close, c_ret = range(chan, chan + _CHANNELS_PER_SCHEME)
+    seg = split(lo, hi, k)
+    sec = split(seg[:-1], seg[1:], nh)  # (k, nh + 1)
+    j = np.arange(nh)
+    starter = (j + 1) % nh  # healthy index that starts section j's chain
+    lookahead = nh if lookahead is None else lookahead
+    streams: dict[tuple[int, str], list[int]] = {}
+
+    def paced(u: int, direction: str, ids: np.ndarray) -> None:
+        b.stream(ids, lookahead, streams.setdefault((u, direction), []))
+
+    def closer_of(L: int) -> int | None:
+        if m == 0 or pattern == "raw":
+            return None
+        if pattern == "closer":
+            return L % m
+        return (L // 2) % m if L % 2 == 0 else None
+
+    pending: dict[int, tuple[Any, ...]] = {}
+    finals: dict[int, np.ndarray] = {}  # per segment, by healthy index: section complete
+
+    folded: dict[int, tuple[np.ndarray, dict[int, np.ndarray]]] = {}
+
+    def fold(L: int) -> None:
+        # S3 first (ordering 2): raw sections go to the chain's first rank, which adds
+        # them one after the other (a fixed order keeps the sum bit-reproducible). Created
+        # `fold_ahead` segments early, so each straggler's paced stream sends raw input of
+        # later segments before it closes earlier ones and no straggler waits on another.
+        slo, shi = sec[L, :-1], sec[L, 1:]
+        closer = closer_of(L)
+        fold_last = np.full(nh, -1, dtype=np.int64)  # by healthy index
+        raw_sends = {}
+        for u in range(m):
+            if u == closer:
+                continue
+            sids, rids = b.transfer(
+                D[u],
+                H[starter],
+                slo,
+                shi,
+                chan=c_fold,
+                reduce=True,
+                recv_deps=fold_last[starter],
+            )
+            raw_sends[u] = sids
+            paced(u, "send", sids)
+            fold_last[starter] = rids
+        folded[L] = (fold_last, raw_sends)
+
+    def front(L: int) -> None:
+        slo, shi = sec[L, :-1], sec[L, 1:]
+        closer = closer_of(L)
+        fold_last, raw_sends = folded.pop(L)
+        # S1: reduce-scatter over the healthy ring, at most `depth` segments ahead of the
+        # all-gather (each member waits until it holds the result of segment L - depth).
+        throttle = finals[L - depth] if L >= depth else -1
+        rs_sends, final = reduce_scatter(
+            b,
+            H,
+            slo[:, None],
+            shi[:, None],
+            chan=c_rs,
+            first_deps=[fold_last[:, None], np.reshape(throttle, (-1, 1))],
+        )
+        final = np.where(final[:, 0] >= 0, final[:, 0], fold_last)
+        # S2 then S3 (ordering 1): the closer completes each section and returns it.
+        if closer is not None:
+            c = D[closer]
+            s_up, r_up = b.transfer(H, c, slo, shi, chan=c_close, reduce=True, send_deps=final)
+            s_down, r_down = b.transfer(
+                c, H, slo, shi, chan=c_close, send_deps=r_up, recv_deps=s_up
+            )
+            paced(closer, "recv", r_up)
+            paced(closer, "send", s_down)
+            final = r_down
+        finals[L] = final
+        pending[L] = (rs_sends, final, raw_sends)
+
+    def back(L: int) -> None:
+        rs_sends, final, raw_sends = pending.pop(L)
+        slo, shi = sec[L, :-1], sec[L, 1:]
+        # S4: all-gather over the healthy ring.
+        ag = all_gather(
+            b,
+            H,
+            slo[:, None],
+            shi[:, None],
+            chan=c_ag,
+            first_deps=final[:, None],
+            rs_sends=rs_sends,
+        )
+        # S2 last (ordering 2): folders get the global sections back. Straggler u takes
+        # section j from healthy index j+u, which holds it after all-gather step u-1, so
+        # the returns are spread over the ring.
+        for u, raw in raw_sends.items():
+            step = u % nh
+            src = (j + step) % nh
+            dep = final if step == 0 else ag[step - 1][src, 0]
+            _, rids = b.transfer(H[src], D[u], slo, shi, chan=c_ret, send_deps=dep, recv_deps=raw)
+            paced(u, "recv", rids)
+
+    for tau in range(k + fold_ahead + depth):
+        if tau < k:
+            fold(tau)
+        if 0 <= tau - fold_ahead - depth < k:
+            back(tau - fold_ahead - depth)
+        if 0 <= tau - fold_ahead < k:
+            front(tau - fold_ahead)
+
+
+def _share_bounds(lo: int, hi: int, shares: Sequence[float]) -> list[tuple[int, int]]:
+    """Cut ``[lo, hi)`` into consecutive ranges proportional to ``shares``."""
+    cum = np.concatenate(([0.0], np.cumsum(shares)))
+    cuts = lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
+    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def plan_for(p: int, links: Links, fill: bool) -> OptccPlan:
+    """The schemes OptCC runs: the model's plan, or without bubble filling all degraded
+    ranks attached at once."""
+    if fill or links.healthy:
+        return optcc_plan(p, links)
+    slow = tuple(r for r in links.degraded if r < p)
+    if len(slow) >= p:  # everyone equally slow: a ring is optimal
+        return OptccPlan((((), 1.0),), 0.0)
+    return OptccPlan(((slow, 1.0),), 0.0)
+
+
+@register("optcc", "four-stage pipelined AllReduce that attaches degraded ranks to a healthy ring")
+def optcc(
+    p: int,
+    count: int,
+    links: Links | None = None,
+    *,
+    itemsize: int = 4,
+    k: int | None = None,
+    depth: int = 3,
+    window: int = 2,
+    pattern: str = "closer",
+    fill: bool = True,
+    chunk_bytes: int = CHUNK_BYTES,
+    lookahead: int | None = None,
+) -> Schedule:
+    """OptCC AllReduce schedule.
+
+    Parameters
+    ----------
+    p, count : int
+        Ranks and elements.
+    links : Links
+        Which ranks are degraded; with none, OptCC is the ring.
+    itemsize : int
+        Bytes per element (segment and chunk sizes).
+    k : int, optional
+        Segments per attached scheme; chosen from the size by default.
+    depth : int
+        Pipeline depth of the healthy ring (segments of look-ahead).
+    window : int
+        Messages in flight per connection.
+    pattern : {"alternate", "closer", "raw"}
+        Stage ordering per segment (see :func:`add_attached`).
+    fill : bool
+        Use the bubble-filling split of :func:`optcc_mpi.model.optcc_plan`; False
+        attaches every degraded rank to all of the data.
+    chunk_bytes : int
+        Message size target of the full-ring share.
+    lookahead : int, optional
+        Messages a straggler keeps in flight per direction (see :func:`add_attached`).
+    """
+    links = links if links is not None else Links()
+    plan = plan_for(p, links, fill)
+    ks: list[int] = []
+    b = ScheduleBuilder(p, count, "optcc", window=window)
+    chan = 0
+    shares = [x for _, x in plan.schemes]
+    for (stragglers, _), (lo, hi) in zip(plan.schemes, _share_bounds(0, count, shares)):
+        if not stragglers:
+            chunks = ring_chunks(-(-(hi - lo) // p), itemsize, chunk_bytes)
+            add_ring_allreduce(b, range(p), lo, hi, chunks=chunks, chan=chan)
+            chan += 1
+            continue
+        healthy = [r for r in range(p) if r not in stragglers]
+        kk = k if k is not None else choose_segments((hi - lo) * itemsize, len(healthy))
+        ks.append(kk)
+        add_attached(
+            b,
+            healthy,
+            stragglers,
+            lo,
+            hi,
+            k=kk,
+            depth=depth,
+            pattern=pattern,
+            chan=chan,
+            lookahead=lookahead,
+        )
+        chan += _CHANNELS_PER_SCHEME
+    b.params.update(
+        schemes=tuple((tuple(d), round(x, 6)) for d, x in plan.schemes),
+        k=tuple(ks),
+        depth=depth,
+        pattern=pattern,
+        window=window,
+    )
+    return b.build()

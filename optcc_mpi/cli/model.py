@@ -1,0 +1,161 @@
+"""``optcc-mpi model``: modelled times, ratios to fault-free and to the lower bound."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from optcc_mpi.cli._common import links_arg, print_table, rate_arg, size_arg
+from optcc_mpi.links import Links
+
+EPILOG = """\
+The model is the fluid (bandwidth-only) model: per-rank full-duplex NICs, the degraded
+ranks at FRACTION of --bw. Times are for one AllReduce of --size bytes per rank.
+  fault-free  2(p-1)/p * n/B, the ring with every link healthy
+  bound       max(n / (B min f), 2(p-1) n / (B sum f))  (derived; docs/model.md)
+  ring        the ring held back by its slowest link
+  r2ccl       R2CCL-AllReduce by its own cost model (K -> infinity)
+  optcc       OptCC's fluid time (the bubble-filling plan; meets the bound with one
+              degraded rank)
+
+examples:
+  optcc-mpi model --p 8 --degrade 0:0.5 --size 256M --bw 25GB/s
+  optcc-mpi model --p 64 --degrade 0:0.5,9:0.75 --json
+  optcc-mpi model --sweep          # the README table: p x bandwidth loss
+"""
+
+
+def sweep(size: int, bw: float, ps: list[int], losses: list[float]) -> list[dict[str, Any]]:
+    """Modelled overheads over fault-free for every (p, loss): the README table."""
+    from optcc_mpi import model
+
+    rows = []
+    for p in ps:
+        for loss in losses:
+            t = model.table(p, size, bw, {0: 1.0 - loss})
+            rows.append(
+                {
+                    "p": p,
+                    "loss": loss,
+                    **{
+                        a: t["algorithms"][a]["ratio_fault_free"]
+                        for a in ("ring", "r2ccl", "optcc")
+                    },
+                    "bound": t["bound_ratio_fault_free"],
+                }
+            )
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from optcc_mpi import model
+
+    if args.sweep:
+        rows = sweep(args.size, args.bw, args.ps, args.losses)
+        if args.json:
+            print(json.dumps(rows))
+            return 0
+        pct = lambda r: f"{100 * (r - 1):+.1f}%"  # noqa: E731
+        print_table(
+            ["p", "loss", "ring", "r2ccl", "optcc", "bound"],
+            [
+                [
+                    r["p"],
+                    f"{100 * r['loss']:g}%",
+                    pct(r["ring"]),
+                    pct(r["r2ccl"]),
+                    pct(r["optcc"]),
+                    pct(r["bound"]),
+                ]
+                for r in rows
+            ],
+        )
+        return 0
+    links: Links = args.degrade
+    links.check(args.p)
+    t = model.table(args.p, args.size, args.bw, links)
+    if args.json:
+        print(json.dumps(t))
+        return 0
+    print(f"p={args.p}  size={args.size} B  bw={args.bw / 1e9:g} GB/s  degraded: {links}")
+    rows = [
+        [
+            "fault-free ring",
+            f"{t['fault_free_s'] * 1e3:.3f}",
+            "1.000",
+            f"{t['fault_free_s'] / t['bound_s']:.3f}" if t["bound_s"] else "-",
+        ]
+    ]
+    for name, a in t["algorithms"].items():
+        rows.append(
+            [
+                name,
+                f"{a['time_s'] * 1e3:.3f}",
+                f"{a['ratio_fault_free']:.3f}",
+                f"{a['ratio_bound']:.3f}",
+            ]
+        )
+    rows.append(
+        ["lower bound", f"{t['bound_s'] * 1e3:.3f}", f"{t['bound_ratio_fault_free']:.3f}", "1.000"]
+    )
+    print_table(["algorithm", "time (ms)", "x fault-free", "x bound"], rows)
+    plan = model.optcc_plan(args.p, links)
+    schemes = "; ".join(
+        f"{x:.1%} "
+        + ("ring over all ranks" if not d else f"ranks {','.join(map(str, d))} attached")
+        for d, x in plan.schemes
+    )
+    print(f"optcc plan: {schemes}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "model",
+        help="modelled AllReduce times, ratios to fault-free and to the lower bound",
+        description="Print the fluid-model time of each algorithm for one AllReduce, with "
+        "its ratio to the fault-free optimum and to the lower bound.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--p", type=int, default=8, help="ranks (default 8)")
+    p.add_argument(
+        "--degrade",
+        "--links",
+        type=links_arg,
+        default=Links.parse("0:0.5"),
+        metavar="RANK:FRACTION[,...]",
+        help="degraded ranks and their bandwidth fractions (default 0:0.5)",
+    )
+    p.add_argument(
+        "--size",
+        type=size_arg,
+        default=256 * 2**20,
+        help="bytes per rank, e.g. 256M (default 256M)",
+    )
+    p.add_argument(
+        "--bw",
+        type=rate_arg,
+        default=25e9,
+        help="healthy NIC bandwidth per direction, e.g. 25GB/s, 400mbit (default 25GB/s)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="table over --ps and --losses (one rank degraded) instead",
+    )
+    p.add_argument(
+        "--ps",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[8, 16, 32, 64, 128],
+        help="ranks for --sweep (default 8,16,32,64,128)",
+    )
+    p.add_argument(
+        "--losses",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.125, 0.25, 0.5],
+        help="bandwidth losses for --sweep (default 0.125,0.25,0.5)",
+    )
+    p.set_defaults(func=run)

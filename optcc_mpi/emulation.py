@@ -1,0 +1,142 @@
+"""Software emulation of slow links, where kernel shaping is impossible.
+
+Every rank gets a *virtual NIC*: a send side and a receive side of ``bw`` bytes/s (times
+the rank's fraction from the link profile), and a per-message latency. The executor asks
+a :class:`Pacer` when it may post each send and when each receive counts as complete, so
+a program behaves as in the simulator's link model (:mod:`optcc_mpi.simulate`): each side
+is a first-in-first-out server of bytes, and a message completes ``latency`` after both
+its sender's and its receiver's side served it.
+
+The real transfers (shared memory, or a fast network) must be faster than the virtual
+NIC for the emulation to be faithful; the benchmark reports what the emulation achieved.
+
+String form (CLI ``--emulate`` and ``$OPTCC_EMULATE``): ``"bw=200MB/s,latency=20us"``;
+either key may be left out. ``$OPTCC_EMULATE_FRACTION`` (set per rank, e.g. by
+``jobs/degrade-wrapper.sh``) scales this rank's virtual NIC regardless of the profile.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from optcc_mpi.links import Links, parse_duration, parse_rate
+
+__all__ = ["Emulation", "Pacer", "ENV_EMULATE", "ENV_FRACTION"]
+
+ENV_EMULATE = "OPTCC_EMULATE"
+ENV_FRACTION = "OPTCC_EMULATE_FRACTION"
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """Virtual NIC rate and per-message latency.
+
+    Parameters
+    ----------
+    bw : float, optional
+        Healthy virtual NIC rate in bytes/s per direction; None leaves bandwidth unpaced.
+    latency : float
+        Seconds added to every message.
+
+    Examples
+    --------
+    >>> Emulation.parse("bw=200MB/s,latency=20us")
+    Emulation(bw=200000000.0, latency=2e-05)
+    """
+
+    bw: float | None = None
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.bw is not None and not (self.bw > 0 and math.isfinite(self.bw)):
+            raise ValueError(f"emulation: bandwidth {self.bw!r} must be positive")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"emulation: latency {self.latency!r} must be >= 0")
+
+    @classmethod
+    def parse(cls, text: str) -> Emulation:
+        """Parse ``"bw=RATE,latency=DURATION"`` (keys optional, in any order)."""
+        bw: float | None = None
+        latency = 0.0
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip().lower()
+            if not sep:
+                raise ValueError(f"emulation: expected KEY=VALUE, got {item!r} in {text!r}")
+            if key in ("bw", "bandwidth", "rate"):
+                bw = parse_rate(value)
+            elif key in ("latency", "lat", "alpha"):
+                latency = parse_duration(value)
+            else:
+                raise ValueError(f"emulation: unknown key {key!r} in {text!r}; use bw, latency")
+        return cls(bw=bw, latency=latency)
+
+    @classmethod
+    def coerce(cls, emulate: Emulation | str | None) -> Emulation | None:
+        """Accept an Emulation, a string, or None (read ``$OPTCC_EMULATE``, if set)."""
+        if emulate is None:
+            text = os.environ.get(ENV_EMULATE, "").strip()
+            return cls.parse(text) if text else None
+        if isinstance(emulate, Emulation):
+            return emulate
+        if isinstance(emulate, str):
+            return cls.parse(emulate) if emulate.strip() else None
+        raise TypeError(f"emulate must be an Emulation or a string, not {type(emulate).__name__}")
+
+    def pacer(self, rank: int, p: int, links: Links) -> Pacer:
+        """The virtual NIC of ``rank`` in a communicator of ``p`` ranks."""
+        fractions = links.vector(p)
+        mine = float(fractions[rank])
+        forced = os.environ.get(ENV_FRACTION)
+        if forced:
+            mine = float(forced)
+            if not 0 < mine <= 1:
+                raise ValueError(f"{ENV_FRACTION}={forced!r} must be in (0, 1]")
+        return Pacer(self, mine, float(fractions.min()), p)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.bw is not None:
+            parts.append(f"bw={self.bw / 1e6:g}MB/s")
+        if self.latency:
+            parts.append(f"latency={self.latency * 1e6:g}us")
+        return ",".join(parts) or "none"
+
+
+class Pacer:
+    """One rank's virtual NIC: when to post sends and when receives are complete."""
+
+    def __init__(self, emu: Emulation, fraction: float, slowest: float, p: int) -> None:
+        self.latency = emu.latency
+        self.rate = None if emu.bw is None else emu.bw * fraction
+        self.coll_rate = None if emu.bw is None else emu.bw * slowest
+        self.p = p
+        self.send_free = 0.0
+        self.recv_free = 0.0
+
+    def send_release(self, now: float, nbytes: int) -> float:
+        """Time the send side finishes serving a message that became ready at ``now``."""
+        if self.rate is None:
+            return now
+        start = max(now, self.send_free)
+        self.send_free = start + nbytes / self.rate
+        return self.send_free
+
+    def recv_done(self, posted: float, arrived: float, nbytes: int) -> float:
+        """Time a receive posted at ``posted`` whose data arrived at ``arrived`` completes."""
+        done = arrived
+        if self.rate is not None:
+            start = max(posted, self.recv_free)
+            self.recv_free = start + nbytes / self.rate
+            done = max(done, self.recv_free)
+        return done + self.latency
+
+    def coll_done(self, posted: float, nbytes: int) -> float:
+        """Completion of a library AllReduce started at ``posted``: bandwidth-optimal,
+        held back by the slowest rank, with 2 log2(p) latencies."""
+        t = posted + 2 * math.ceil(math.log2(max(self.p, 2))) * self.latency
+        if self.coll_rate is not None:
+            t += 2 * (self.p - 1) / self.p * nbytes / self.coll_rate
+        return t

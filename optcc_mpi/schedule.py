@@ -1,0 +1,603 @@
+"""The schedule: one representation of a collective for every reader.
+
+An algorithm is a pure function that returns a :class:`Schedule`: for every rank, a
+*program* of operations on element ranges, each with the operations (of the same rank)
+it must wait for. Three readers take the same object and know nothing of the algorithm
+that made it: the MPI executor (:mod:`optcc_mpi.executor`), the simulator
+(:mod:`optcc_mpi.simulate`) and the symbolic verifier (:mod:`optcc_mpi.verify`).
+
+Operations
+----------
+``SEND``         send ``buf[lo:hi]`` to ``peer`` on channel ``chan``
+``RECV``         receive from ``peer`` into ``buf[lo:hi]`` (overwrite)
+``RECV_REDUCE``  receive from ``peer`` and reduce into ``buf[lo:hi]``
+``COPY``         ``buf[lo:hi] = sbuf[slo:slo+hi-lo]`` (local)
+``REDUCE``       ``buf[lo:hi] op= sbuf[slo:slo+hi-lo]`` (local)
+``COLL``         the MPI library's own AllReduce of ``buf[lo:hi]`` over all ranks
+
+Buffer 0 is the user's buffer: it holds the rank's input when the program starts and must
+hold the reduced result when it ends. Buffer 1, if the schedule asks for ``scratch``
+elements, is uninitialised work space.
+
+Semantics (what the executor implements and the verifier checks)
+-----------------------------------------------------------------
+* An operation may start once every operation it depends on has *completed*.
+* Point-to-point operations are matched in order per *queue* = (sender, receiver,
+  channel): the k-th send from a to b on channel c meets the k-th receive at b from a on
+  c, and must have the same length. The executor posts the operations of one queue in
+  program order, so matching is deterministic; channels map to MPI tags.
+* A program may not have two operations that touch overlapping elements, at least one of
+  them writing, without a dependency path between them. This is what makes results
+  independent of message timing, hence bit-identical from run to run.
+* ``COLL`` operations are matched in program order across all ranks, with equal ranges.
+
+Operations whose range is empty are dropped when the schedule is built (on both sides
+of a transfer, since every rank computes the same schedule), and dependencies on them
+are dropped with them; an empty range carries no data, so no hazard is lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "SEND",
+    "RECV",
+    "RECV_REDUCE",
+    "COPY",
+    "REDUCE",
+    "COLL",
+    "KIND_NAMES",
+    "Schedule",
+    "ScheduleBuilder",
+    "Program",
+    "split",
+]
+
+SEND, RECV, RECV_REDUCE, COPY, REDUCE, COLL = range(6)
+_COLUMNS = ("kind", "rank", "peer", "chan", "buf", "lo", "hi", "sbuf", "slo")
+KIND_NAMES = ("send", "recv", "recv_reduce", "copy", "reduce", "coll")
+_COMM = (SEND, RECV, RECV_REDUCE)
+
+
+def split(lo: Any, hi: Any, parts: int) -> np.ndarray:
+    """Cut ``[lo, hi)`` into ``parts`` contiguous pieces, the first ``len % parts`` one
+    element longer.
+
+    Vectorised over ``lo`` and ``hi``: returns boundaries of shape ``(..., parts + 1)``.
+    Every rank computes the same offsets, which is what makes the schedule agree
+    across ranks.
+    """
+    lo = np.asarray(lo, dtype=np.int64)
+    hi = np.asarray(hi, dtype=np.int64)
+    length = hi - lo
+    base, extra = np.divmod(length, parts)
+    j = np.arange(parts + 1, dtype=np.int64)
+    return lo[..., None] + j * base[..., None] + np.minimum(j, extra[..., None])
+
+
+@dataclass(frozen=True)
+class Program:
+    """One rank's operations, in program order, with local dependency lists.
+
+    Attributes are plain Python lists: the executor walks them one operation at a time,
+    where list indexing is much cheaper than NumPy scalar access.
+    """
+
+    rank: int
+    ops: list[tuple[int, int, int, int, int, int, int, int]]
+    """(kind, peer, chan, buf, lo, hi, sbuf, slo) per operation."""
+    deps: list[list[int]]
+    """Local indices each operation waits for."""
+    dependents: list[list[int]]
+    """Local indices that wait for each operation."""
+    qprev: list[int]
+    """Local index of the previous operation of the same queue, or -1."""
+    qnext: list[int]
+    """Local index of the next operation of the same queue, or -1."""
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """A collective as per-rank programs of point-to-point operations.
+
+    All per-operation data is stored as flat arrays over every rank's operations
+    (structure of arrays), ordered by operation id; a rank's program is its operations in
+    id order. This keeps schedules for thousands of ranks compact and lets the simulator
+    and verifier work with NumPy.
+    """
+
+    name: str
+    p: int
+    count: int
+    kind: np.ndarray
+    rank: np.ndarray
+    peer: np.ndarray
+    chan: np.ndarray
+    buf: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    sbuf: np.ndarray
+    slo: np.ndarray
+    dep_ptr: np.ndarray
+    dep_idx: np.ndarray
+    scratch: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+
+    # -- basic queries ----------------------------------------------------------------------
+    @property
+    def n_ops(self) -> int:
+        """Number of operations over all ranks."""
+        return int(self.kind.size)
+
+    @property
+    def length(self) -> np.ndarray:
+        """Elements each operation touches."""
+        return self.hi - self.lo
+
+    def deps(self, op: int) -> np.ndarray:
+        """Global ids of the operations ``op`` waits for."""
+        return self.dep_idx[self.dep_ptr[op] : self.dep_ptr[op + 1]]
+
+    @cached_property
+    def _rank_order(self) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(self.rank, kind="stable")
+        ptr = np.zeros(self.p + 1, dtype=np.int64)
+        np.cumsum(np.bincount(self.rank, minlength=self.p), out=ptr[1:])
+        return order, ptr
+
+    def op_ids(self, rank: int) -> np.ndarray:
+        """Global ids of ``rank``'s operations, in program order."""
+        order, ptr = self._rank_order
+        return order[ptr[rank] : ptr[rank + 1]]
+
+    def program(self, rank: int) -> Program:
+        """Rank ``rank``'s program with local dependency lists (cached)."""
+        cache = self.__dict__.setdefault("_programs", {})
+        prog = cache.get(rank)
+        if prog is None:
+            prog = self._make_program(rank)
+            cache[rank] = prog
+        return prog
+
+    def _make_program(self, rank: int) -> Program:
+        ids = self.op_ids(rank)
+        local = {int(g): i for i, g in enumerate(ids)}
+        cols = (self.kind, self.peer, self.chan, self.buf, self.lo, self.hi, self.sbuf, self.slo)
+        rows = np.stack([c[ids].astype(np.int64) for c in cols], axis=1).tolist()
+        ops = [tuple(r) for r in rows]
+        deps: list[list[int]] = []
+        dependents: list[list[int]] = [[] for _ in ids]
+        for i, g in enumerate(ids):
+            mine = [local[int(d)] for d in self.deps(int(g))]
+            deps.append(mine)
+            for d in mine:
+                dependents[d].append(i)
+        qprev = [local.get(int(q), -1) for q in self.queue_prev[ids]]
+        qnext = [-1] * len(ids)
+        for i, q in enumerate(qprev):
+            if q >= 0:
+                qnext[q] = i
+        return Program(
+            rank=rank, ops=ops, deps=deps, dependents=dependents, qprev=qprev, qnext=qnext
+        )
+
+    # -- matching ---------------------------------------------------------------------------
+    @cached_property
+    def partner(self) -> np.ndarray:
+        """For each point-to-point op, the id of the op it matches on the other rank.
+
+        The k-th send from a to b on channel c matches the k-th receive at b from a on c.
+        ``-1`` for local and ``COLL`` operations. Raises ValueError when a queue has
+        unequal numbers of sends and receives or a pair has unequal lengths: such a
+        schedule would hang or corrupt data under MPI.
+        """
+        partner = np.full(self.n_ops, -1, dtype=np.int64)
+        sends = np.flatnonzero(self.kind == SEND)
+        recvs = np.flatnonzero((self.kind == RECV) | (self.kind == RECV_REDUCE))
+        # Sort both sides by queue (sender, receiver, channel), then by program order.
+        s_order = np.lexsort((sends, self.chan[sends], self.peer[sends], self.rank[sends]))
+        r_order = np.lexsort((recvs, self.chan[recvs], self.rank[recvs], self.peer[recvs]))
+        sends, recvs = sends[s_order], recvs[r_order]
+        s_key = np.stack([self.rank[sends], self.peer[sends], self.chan[sends]], axis=1)
+        r_key = np.stack([self.peer[recvs], self.rank[recvs], self.chan[recvs]], axis=1)
+        if sends.size != recvs.size or not np.array_equal(s_key, r_key):
+            raise ValueError(f"{self.name}: unmatched messages: {_first_unmatched(s_key, r_key)}")
+        bad = self.length[sends] != self.length[recvs]
+        if bad.any():
+            j = int(np.flatnonzero(bad)[0])
+            a, b, c = s_key[j]
+            raise ValueError(
+                f"{self.name}: message {a}->{b} on channel {c}: send of "
+                f"{self.length[sends[j]]} elements meets receive of {self.length[recvs[j]]}"
+            )
+        partner[sends] = recvs
+        partner[recvs] = sends
+        return partner
+
+    @cached_property
+    def queue_prev(self) -> np.ndarray:
+        """For each point-to-point or ``COLL`` op, the previous op of its queue, or -1.
+
+        A queue is (rank, peer, channel, direction); a rank's collectives form one more.
+        The executor posts the operations of a queue in program order; this is what keeps
+        message matching deterministic.
+        """
+        prev = np.full(self.n_ops, -1, dtype=np.int64)
+        ids, pos = _queues(self.kind, self.rank, self.peer, self.chan)
+        later = pos > 0
+        prev[ids[later]] = ids[np.flatnonzero(later) - 1]
+        return prev
+
+    # -- traffic --------------------------------------------------------------------------
+    def traffic(self) -> dict[str, np.ndarray]:
+        """Elements and messages sent and received per rank (``COLL`` not counted)."""
+        send = self.kind == SEND
+        recv = (self.kind == RECV) | (self.kind == RECV_REDUCE)
+        n = self.length
+        return {
+            "sent": np.bincount(self.rank[send], weights=n[send], minlength=self.p),
+            "received": np.bincount(self.rank[recv], weights=n[recv], minlength=self.p),
+            "messages_sent": np.bincount(self.rank[send], minlength=self.p),
+            "messages_received": np.bincount(self.rank[recv], minlength=self.p),
+        }
+
+    def describe(self) -> str:
+        """One line: name, size, operation counts, parameters."""
+        kinds = np.bincount(self.kind, minlength=len(KIND_NAMES))
+        parts = ", ".join(f"{KIND_NAMES[k]}={n}" for k, n in enumerate(kinds) if n)
+        params = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        return f"{self.name}(p={self.p}, count={self.count}; {parts}; {params})"
+
+    def __repr__(self) -> str:
+        return f"<Schedule {self.describe()}>"
+
+
+class ScheduleBuilder:
+    """Accumulates operations, vectorised over ranks, and builds a :class:`Schedule`.
+
+    Each method takes array-likes (broadcast together) so one call adds the same step for
+    many ranks, and returns the new operations' global ids (``-1`` where the range was
+    empty and nothing was added). Ids grow in call order, so the order of calls is each
+    rank's program order.
+
+    Parameters
+    ----------
+    p, count : int
+        Ranks and elements.
+    name : str
+        Algorithm name, kept in the schedule.
+    scratch : int
+        Elements of work space (buffer 1) every rank needs.
+    window : int or None
+        If set, each point-to-point operation also waits for the operation ``window``
+        places earlier in its queue (same rank, peer, channel and direction). This bounds
+        the messages in flight per connection, and with them the executor's temporary
+        memory, and is visible to every reader like any other dependency.
+    **params
+        Algorithm parameters, recorded in the schedule.
+    """
+
+    def __init__(
+        self,
+        p: int,
+        count: int,
+        name: str,
+        *,
+        scratch: int = 0,
+        window: int | None = None,
+        **params: Any,
+    ) -> None:
+        if p < 1:
+            raise ValueError(f"schedule needs at least one rank, got p={p}")
+        if count < 0:
+            raise ValueError(f"element count must be >= 0, got {count}")
+        self.p = int(p)
+        self.count = int(count)
+        self.name = name
+        self.scratch = int(scratch)
+        self.window = window
+        self.params = dict(params)
+        # One (n, 9) block per call, columns in _COLUMNS order: a single concatenation
+        # at build time is much cheaper than nine lists of many small arrays.
+        self._blocks: list[np.ndarray] = []
+        self._dep_op: list[np.ndarray] = []
+        self._dep_on: list[np.ndarray] = []
+        self._next = 0
+
+    # -- primitive ---------------------------------------------------------------------
+    def _add(
+        self,
+        kind: int,
+        rank: Any,
+        peer: Any,
+        lo: Any,
+        hi: Any,
+        *,
+        chan: Any = 0,
+        buf: Any = 0,
+        sbuf: Any = 0,
+        slo: Any = 0,
+        deps: Any = (),
+    ) -> np.ndarray:
+        block = np.stack(
+            np.broadcast_arrays(kind, rank, peer, chan, buf, lo, hi, sbuf, slo), axis=-1
+        ).astype(np.int64, copy=False)
+        shape = block.shape[:-1]
+        block = block.reshape(-1, len(_COLUMNS))
+        keep = block[:, 6] > block[:, 5]  # hi > lo
+        n_keep = int(keep.sum())
+        ids = np.full(block.shape[0], -1, dtype=np.int64)
+        ids[keep] = np.arange(self._next, self._next + n_keep)
+        self._next += n_keep
+        self._blocks.append(block[keep])
+        kept_ids = ids[keep]
+        for dep in _dep_list(deps):
+            d = np.broadcast_to(np.asarray(dep, np.int64), shape).ravel()[keep]
+            has = d >= 0
+            if has.any():
+                self._dep_op.append(kept_ids[has])
+                self._dep_on.append(d[has])
+        return ids.reshape(shape)
+
+    @property
+    def next_id(self) -> int:
+        """Id the next added operation will get (mark a point in program order)."""
+        return self._next
+
+    def sinks(self, start: int, stop: int | None = None) -> dict[int, np.ndarray]:
+        """Per rank, the operations added between marks ``start`` and ``stop`` that no
+        other operation of that stretch waits for.
+
+        Every operation of the stretch is one of these or an ancestor of one, so waiting
+        for the sinks is waiting for all of it, with few dependencies.
+        """
+        stop = self._next if stop is None else stop
+        ranks = self._table()[start:stop, 1]
+        waited = np.zeros(stop - start, dtype=bool)
+        for op, on in zip(self._dep_op, self._dep_on):
+            inside = (op >= start) & (op < stop) & (on >= start) & (on < stop)
+            waited[on[inside] - start] = True
+        ids = np.arange(start, stop)[~waited]
+        ranks = ranks[~waited]
+        order = np.argsort(ranks, kind="stable")
+        ids, ranks = ids[order], ranks[order]
+        cuts = np.flatnonzero(np.diff(ranks)) + 1
+        return {int(g[0]): i for g, i in zip(np.split(ranks, cuts), np.split(ids, cuts)) if g.size}
+
+    def depend(self, ops: Any, on: Any) -> None:
+        """Make ``ops`` also wait for ``on`` (array-likes broadcast together; -1 ignored).
+
+        For orderings known only after both operations exist, e.g. pacing one rank's
+        messages across several queues.
+        """
+        ops_a, on_a = (
+            a.ravel()
+            for a in np.broadcast_arrays(np.asarray(ops, np.int64), np.asarray(on, np.int64))
+        )
+        has = (ops_a >= 0) & (on_a >= 0)
+        if has.any():
+            self._dep_op.append(ops_a[has])
+            self._dep_on.append(on_a[has])
+
+    def stream(self, ops: Any, window: int, state: list[int]) -> None:
+        """Append ``ops`` (in the given order) to a stream of one rank's operations held in
+        ``state``, each waiting for the one ``window`` places before it in the stream.
+
+        Per-queue windows bound what is in flight on one connection; a stream bounds it
+        across connections, so that (for example) a straggler works through segments
+        oldest first instead of sharing its link among all of them.
+        """
+        for op in np.asarray(ops, np.int64).ravel().tolist():
+            if op < 0:
+                continue
+            if len(state) >= window:
+                self.depend(op, state[-window])
+            state.append(op)
+
+    # -- point to point -------------------------------------------------------------------
+    def send(
+        self, rank: Any, peer: Any, lo: Any, hi: Any, *, chan: Any = 0, buf: Any = 0, deps: Any = ()
+    ) -> np.ndarray:
+        """Send ``buf[lo:hi]`` from ``rank`` to ``peer``."""
+        return self._add(SEND, rank, peer, lo, hi, chan=chan, buf=buf, deps=deps)
+
+    def recv(
+        self,
+        rank: Any,
+        peer: Any,
+        lo: Any,
+        hi: Any,
+        *,
+        chan: Any = 0,
+        buf: Any = 0,
+        reduce: bool = False,
+        deps: Any = (),
+    ) -> np.ndarray:
+        """Receive at ``rank`` from ``peer`` into ``buf[lo:hi]``, reducing if ``reduce``."""
+        kind = RECV_REDUCE if reduce else RECV
+        return self._add(kind, rank, peer, lo, hi, chan=chan, buf=buf, deps=deps)
+
+    def transfer(
+        self,
+        src: Any,
+        dst: Any,
+        lo: Any,
+        hi: Any,
+        *,
+        chan: Any = 0,
+        reduce: bool = False,
+        send_deps: Any = (),
+        recv_deps: Any = (),
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Both sides of a message ``src -> dst`` of ``[lo, hi)`` (same offsets).
+
+        Returns ``(send_ids, recv_ids)``. The send is added first, so on a rank that both
+        sends and receives in one call the send comes first in its program.
+        """
+        s = self.send(src, dst, lo, hi, chan=chan, deps=send_deps)
+        r = self.recv(dst, src, lo, hi, chan=chan, reduce=reduce, deps=recv_deps)
+        return s, r
+
+    # -- local ------------------------------------------------------------------------------
+    def copy(
+        self, rank: Any, lo: Any, hi: Any, slo: Any, *, buf: Any = 0, sbuf: Any = 0, deps: Any = ()
+    ) -> np.ndarray:
+        """``buf[lo:hi] = sbuf[slo:slo + hi - lo]`` on ``rank``."""
+        return self._add(COPY, rank, -1, lo, hi, buf=buf, sbuf=sbuf, slo=slo, deps=deps)
+
+    def reduce(
+        self, rank: Any, lo: Any, hi: Any, slo: Any, *, buf: Any = 0, sbuf: Any = 0, deps: Any = ()
+    ) -> np.ndarray:
+        """``buf[lo:hi] op= sbuf[slo:slo + hi - lo]`` on ``rank``."""
+        return self._add(REDUCE, rank, -1, lo, hi, buf=buf, sbuf=sbuf, slo=slo, deps=deps)
+
+    def coll(self, lo: Any, hi: Any, *, deps: Any = ()) -> np.ndarray:
+        """The MPI library's AllReduce of ``[lo, hi)``, one operation on every rank."""
+        ranks = np.arange(self.p)
+        return self._add(COLL, ranks, -1, lo, hi, deps=deps)
+
+    # -- result -----------------------------------------------------------------------------
+    def _table(self) -> np.ndarray:
+        """All operations so far as one (n, 9) array (merged in place, so cheap to repeat)."""
+        if len(self._blocks) != 1:
+            self._blocks = [
+                np.concatenate(self._blocks)
+                if self._blocks
+                else np.zeros((0, len(_COLUMNS)), np.int64)
+            ]
+        return self._blocks[0]
+
+    def build(self) -> Schedule:
+        """Check the operations and return the immutable :class:`Schedule`."""
+        table = np.ascontiguousarray(self._table().T)  # contiguous columns
+        cols = {k: table[i] for i, k in enumerate(_COLUMNS)}
+        n = self._next
+        kind = cols["kind"].astype(np.int8)
+        rank = cols["rank"].astype(np.int32)
+        peer = cols["peer"].astype(np.int32)
+        self._check(cols)
+        dep_op = np.concatenate(self._dep_op) if self._dep_op else np.zeros(0, np.int64)
+        dep_on = np.concatenate(self._dep_on) if self._dep_on else np.zeros(0, np.int64)
+        if self.window:
+            w_op, w_on = _window_deps(kind, rank, peer, cols["chan"], self.window)
+            dep_op = np.concatenate([dep_op, w_op])
+            dep_on = np.concatenate([dep_on, w_on])
+        if dep_op.size:
+            if np.any(dep_on >= dep_op):
+                i = int(np.flatnonzero(dep_on >= dep_op)[0])
+                raise ValueError(
+                    f"{self.name}: op {dep_op[i]} depends on later op {dep_on[i]} "
+                    "(dependencies must point backwards in program order)"
+                )
+            if np.any(rank[dep_op] != rank[dep_on]):
+                i = int(np.flatnonzero(rank[dep_op] != rank[dep_on])[0])
+                raise ValueError(
+                    f"{self.name}: op {dep_op[i]} (rank {rank[dep_op[i]]}) depends on op "
+                    f"{dep_on[i]} of rank {rank[dep_on[i]]}; dependencies are per rank"
+                )
+            # Sort by op, then dependency, and drop duplicates, through one integer key.
+            key = np.sort(dep_op * max(n, 1) + dep_on)
+            key = key[np.concatenate(([True], key[1:] != key[:-1]))]
+            dep_op, dep_on = np.divmod(key, max(n, 1))
+        dep_ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(dep_op, minlength=n), out=dep_ptr[1:])
+        return Schedule(
+            name=self.name,
+            p=self.p,
+            count=self.count,
+            kind=kind,
+            rank=rank,
+            peer=peer,
+            chan=cols["chan"].astype(np.int32),
+            buf=cols["buf"].astype(np.int8),
+            lo=cols["lo"],
+            hi=cols["hi"],
+            sbuf=cols["sbuf"].astype(np.int8),
+            slo=cols["slo"],
+            dep_ptr=dep_ptr,
+            dep_idx=dep_on.astype(np.int64),
+            scratch=self.scratch,
+            params=dict(self.params),
+        )
+
+    def _check(self, cols: dict[str, np.ndarray]) -> None:
+        kind, rank, peer = cols["kind"], cols["rank"], cols["peer"]
+        if np.any((rank < 0) | (rank >= self.p)):
+            raise ValueError(f"{self.name}: operation on a rank outside 0..{self.p - 1}")
+        comm = kind <= RECV_REDUCE
+        bad = comm & ((peer < 0) | (peer >= self.p) | (peer == rank))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{self.name}: op {i} on rank {rank[i]} has invalid peer {peer[i]}")
+        for which, lo_key, buf_key in (("target", "lo", "buf"), ("source", "slo", "sbuf")):
+            lo = cols[lo_key]
+            hi = lo + (cols["hi"] - cols["lo"])
+            size = np.where(cols[buf_key] == 0, self.count, self.scratch)
+            local = (kind == COPY) | (kind == REDUCE)
+            used = np.ones_like(local) if which == "target" else local
+            bad = used & ((lo < 0) | (hi > size) | (cols[buf_key] < 0) | (cols[buf_key] > 1))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(
+                    f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) {which} range "
+                    f"[{lo[i]}, {hi[i]}) of buffer {cols[buf_key][i]} is out of bounds"
+                )
+
+
+def _dep_list(deps: Any) -> list[Any]:
+    """Normalise ``deps``: one array-like, or a list/tuple of them."""
+    if isinstance(deps, (list, tuple)):
+        return list(deps)
+    return [deps]
+
+
+def _queues(
+    kind: np.ndarray, rank: np.ndarray, peer: np.ndarray, chan: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Point-to-point op ids grouped by queue (rank, peer, channel, direction), each queue
+    in program order, and each op's position within its queue."""
+    # Collectives form one more queue per rank: they too must be posted in program order.
+    ids = np.flatnonzero((kind <= RECV_REDUCE) | (kind == COLL))
+    direction = np.where(kind[ids] == SEND, 1, np.where(kind[ids] == COLL, 2, 0))
+    # One integer key per queue; a stable sort keeps each queue in program (id) order.
+    p = int(max(rank.max(initial=0), peer.max(initial=0))) + 2
+    c = int(chan.max(initial=0)) + 1
+    key = ((rank[ids].astype(np.int64) * p + (peer[ids] + 1)) * c + chan[ids]) * 3 + direction
+    order = np.argsort(key, kind="stable")
+    ids, key = ids[order], key[order]
+    new = np.ones(ids.size, dtype=bool)
+    new[1:] = key[1:] != key[:-1]
+    start = np.maximum.accumulate(np.where(new, np.arange(ids.size), 0))
+    return ids, np.arange(ids.size) - start
+
+
+def _window_deps(
+    kind: np.ndarray, rank: np.ndarray, peer: np.ndarray, chan: np.ndarray, window: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Dependency of each point-to-point op on the op ``window`` places earlier in its queue."""
+    ids, pos = _queues(kind, rank, peer, chan)
+    far = pos >= window
+    return ids[far], ids[np.flatnonzero(far) - window]
+
+
+def _first_unmatched(s_key: np.ndarray, r_key: np.ndarray) -> str:
+    """Describe the first queue whose sends and receives do not pair up."""
+
+    def counts(keys: np.ndarray) -> dict[tuple[int, int, int], int]:
+        uniq, n = np.unique(keys, axis=0, return_counts=True) if keys.size else ([], [])
+        return {tuple(int(x) for x in k): int(c) for k, c in zip(uniq, n)}
+
+    cs, cr = counts(s_key), counts(r_key)
+    for key in sorted(set(cs) | set(cr)):
+        if cs.get(key, 0) != cr.get(key, 0):
+            a, b, c = key
+            return (
+                f"{cs.get(key, 0)} sends from rank {a} to rank {b} on channel {c} "
+                f"but {cr.get(key, 0)} receives"
+            )
+    return "queues differ"

@@ -1,0 +1,153 @@
+"""Test aids: a fake device array, so the GPU code paths run on machines without a GPU.
+
+:class:`HostDeviceArray` exposes ``__cuda_array_interface__`` over host memory, as a GPU
+array would over device memory, and :class:`FakeDeviceBackend` treats it as device memory:
+every element-wise operation is "queued" on a fake stream, and handing a buffer to MPI
+while work is queued raises :class:`UnsynchronizedError`. Tests therefore fail if the
+executor ever forgets to synchronise before an MPI call. With ``cuda_aware=True`` the
+array itself goes to mpi4py (through the CUDA array interface); otherwise data is staged
+through host copies, exactly as for CuPy.
+
+Importing this module registers the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from optcc_mpi.backend import Backend, _reduce_with, register_backend
+
+__all__ = ["HostDeviceArray", "FakeDeviceBackend", "UnsynchronizedError", "device_array"]
+
+
+class UnsynchronizedError(AssertionError):
+    """A device buffer reached MPI while work on the stream was still queued."""
+
+
+class HostDeviceArray:
+    """A 1-D-or-more array in host memory that presents itself as device memory."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = host
+
+    # The parts of the array API the package uses.
+    @property
+    def dtype(self) -> np.dtype:
+        return self.host.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.host.shape
+
+    @property
+    def size(self) -> int:
+        return self.host.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.nbytes
+
+    @property
+    def flags(self) -> Any:
+        return self.host.flags
+
+    def reshape(self, *shape: Any, **kw: Any) -> HostDeviceArray:
+        return HostDeviceArray(self.host.reshape(*shape, **kw))
+
+    def ravel(self, order: str = "C") -> HostDeviceArray:
+        return HostDeviceArray(self.host.ravel(order=order))
+
+    def view(self, dtype: Any) -> HostDeviceArray:
+        return HostDeviceArray(self.host.view(dtype))
+
+    def __getitem__(self, key: Any) -> HostDeviceArray:
+        return HostDeviceArray(self.host[key])
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        h = self.host
+        return {
+            "shape": h.shape,
+            "typestr": h.dtype.str if h.dtype.kind != "V" else "|V2",
+            "data": (h.ctypes.data, not h.flags.writeable),
+            "version": 3,
+            "strides": None if h.flags.c_contiguous else h.strides,
+        }
+
+    def get(self) -> np.ndarray:
+        """Copy to the host (as ``cupy.ndarray.get``)."""
+        return self.host.copy()
+
+    def __repr__(self) -> str:
+        return f"HostDeviceArray({self.host!r})"
+
+
+def device_array(values: np.ndarray) -> HostDeviceArray:
+    """A fake device array holding a copy of ``values``."""
+    return HostDeviceArray(np.array(values, copy=True))
+
+
+class FakeDeviceBackend(Backend):
+    """Backend of :class:`HostDeviceArray` with a fake, checked stream."""
+
+    name = "fake-device"
+    device = True
+
+    def __init__(self) -> None:
+        self.queued = 0  # element-wise operations not yet synchronised
+        self.syncs = 0
+        self.mpi_calls = 0
+        self.staged = 0
+
+    def owns(self, arr: Any) -> bool:
+        return isinstance(arr, HostDeviceArray)
+
+    def empty(self, n: int, dtype: np.dtype) -> HostDeviceArray:
+        return HostDeviceArray(np.empty(n, dtype=dtype))
+
+    def empty_like(self, arr: HostDeviceArray) -> HostDeviceArray:
+        return HostDeviceArray(np.empty_like(arr.host))
+
+    def copyto(self, dst: HostDeviceArray, src: HostDeviceArray) -> None:
+        np.copyto(dst.host, src.host)
+        self.queued += 1
+
+    def reduce(self, op: str, dst: HostDeviceArray, src: HostDeviceArray) -> None:
+        _reduce_with(np, op, dst.host, src.host)
+        self.queued += 1
+
+    def synchronize(self) -> None:
+        self.queued = 0
+        self.syncs += 1
+
+    def _check(self) -> None:
+        self.mpi_calls += 1
+        if self.queued:
+            raise UnsynchronizedError(
+                f"device buffer handed to MPI with {self.queued} operation(s) still queued"
+            )
+
+    def mpi_buffer(self, arr: HostDeviceArray) -> HostDeviceArray:
+        self._check()
+        return arr.view(np.uint8)
+
+    def to_host(self, arr: HostDeviceArray) -> np.ndarray:
+        self._check()
+        self.staged += 1
+        return arr.host.copy()
+
+    def from_host(self, dst: HostDeviceArray, host: np.ndarray) -> None:
+        np.copyto(dst.host, host)
+        self.queued += 1
+
+    def flat(self, arr: HostDeviceArray) -> HostDeviceArray:
+        return arr.ravel(order="K")
+
+    def writable(self, arr: HostDeviceArray) -> bool:
+        return bool(arr.host.flags.writeable)
+
+
+#: The registered instance factory (tests reset its counters through it).
+FAKE_DEVICE = register_backend(FakeDeviceBackend)

@@ -1,0 +1,373 @@
+"""Symbolic verification of a schedule.
+
+The verifier runs a schedule without data: every element range carries the *set of ranks
+whose contributions it holds* (a bit mask). It proves, for the given ``p`` and ``count``:
+
+1. **Matching**: every send meets a receive of the same length (per queue, in order).
+2. **No deadlock**: executing the programs under the executor's rules (an operation
+   starts when its dependencies completed and the earlier operations of its queue were
+   posted; a message completes when both sides are posted; ``COLL`` when every rank has
+   posted it) completes every operation. Because these rules never block a rank on a
+   single operation, this covers every interleaving MPI may choose.
+3. **No races**: two operations of one rank that touch overlapping elements, one of them
+   writing, are ordered by a dependency path. With (2), the result cannot depend on
+   message timing, which is what makes results bit-identical from run to run.
+4. **Exactly once**: no reduction ever combines two ranges holding the same rank's
+   contribution, no operation reads elements holding no contribution, and at the end
+   every element of every rank's buffer holds every contribution.
+
+Masks are arrays of 64-bit words, so any ``p`` works. Ranges are handled as elementary
+segments (the common refinement of every range boundary), so the cost does not depend
+on ``count``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from optcc_mpi.schedule import (
+    COLL,
+    COPY,
+    KIND_NAMES,
+    RECV,
+    RECV_REDUCE,
+    REDUCE,
+    SEND,
+    Schedule,
+)
+
+__all__ = ["VerificationError", "Report", "verify"]
+
+
+class VerificationError(AssertionError):
+    """A schedule failed verification; the message says which rule and where."""
+
+
+@dataclass
+class Report:
+    """Outcome of :func:`verify`."""
+
+    name: str
+    p: int
+    count: int
+    n_ops: int
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def __str__(self) -> str:
+        head = f"{self.name} p={self.p} count={self.count} ops={self.n_ops}"
+        if self.ok:
+            return f"{head}: verified (matching, no deadlock, no races, exactly once)"
+        return f"{head}: {len(self.errors)} error(s)\n  " + "\n  ".join(self.errors[:20])
+
+
+def verify(schedule: Schedule, *, raise_on_error: bool = True, max_errors: int = 20) -> Report:
+    """Verify ``schedule``; see the module docstring for what is proven.
+
+    Parameters
+    ----------
+    schedule : Schedule
+        The schedule to check.
+    raise_on_error : bool
+        Raise :class:`VerificationError` on the first failed rule (with up to
+        ``max_errors`` messages) instead of returning a failed report.
+    """
+    rep = Report(schedule.name, schedule.p, schedule.count, schedule.n_ops)
+    try:
+        partner = schedule.partner
+    except ValueError as exc:
+        rep.errors.append(f"matching: {exc}")
+    else:
+        _check_races(schedule, rep, max_errors)
+        if rep.ok:
+            _execute(schedule, partner, rep, max_errors)
+    if raise_on_error and not rep.ok:
+        raise VerificationError(str(rep))
+    return rep
+
+
+# -- elementary segments --------------------------------------------------------------------
+class _Segments:
+    """Maps element ranges of each buffer to runs of elementary segments."""
+
+    def __init__(self, s: Schedule) -> None:
+        length = s.hi - s.lo
+        pts: list[set[int]] = [{0, s.count}, {0, s.scratch}]
+        for b in (0, 1):
+            mine = s.buf == b
+            pts[b].update(s.lo[mine].tolist())
+            pts[b].update(s.hi[mine].tolist())
+            src = np.isin(s.kind, (COPY, REDUCE)) & (s.sbuf == b)
+            pts[b].update(s.slo[src].tolist())
+            pts[b].update((s.slo[src] + length[src]).tolist())
+        # A transfer or local copy whose source and target offsets differ must carry every
+        # boundary of one side over to the other, until nothing changes.
+        moves = self._moves(s, length)
+        changed = bool(moves)
+        while changed:
+            changed = False
+            for sb, slo, db, dlo, n in moves:
+                for src_b, src_lo, dst_b, dst_lo in ((sb, slo, db, dlo), (db, dlo, sb, slo)):
+                    inner = [x for x in pts[src_b] if src_lo < x < src_lo + n]
+                    for x in inner:
+                        y = x - src_lo + dst_lo
+                        if y not in pts[dst_b]:
+                            pts[dst_b].add(y)
+                            changed = True
+        self.bounds = [np.array(sorted(x), dtype=np.int64) for x in pts]
+        self.size = [max(0, b.size - 1) for b in self.bounds]
+
+    @staticmethod
+    def _moves(s: Schedule, length: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+        moves = []
+        sends = np.flatnonzero(s.kind == SEND)
+        part = s.partner[sends] if sends.size else sends
+        for a, b in zip(sends.tolist(), part.tolist()):
+            if s.lo[a] != s.lo[b] or s.buf[a] != s.buf[b]:
+                moves.append(
+                    (int(s.buf[a]), int(s.lo[a]), int(s.buf[b]), int(s.lo[b]), int(length[a]))
+                )
+        for a in np.flatnonzero(np.isin(s.kind, (COPY, REDUCE))).tolist():
+            if s.slo[a] != s.lo[a] or s.sbuf[a] != s.buf[a]:
+                moves.append(
+                    (int(s.sbuf[a]), int(s.slo[a]), int(s.buf[a]), int(s.lo[a]), int(length[a]))
+                )
+        return moves
+
+    def run(self, buf: int, lo: int, hi: int) -> tuple[int, int]:
+        """Segment indices ``[a, b)`` covering elements ``[lo, hi)`` of buffer ``buf``."""
+        bnd = self.bounds[buf]
+        return int(np.searchsorted(bnd, lo)), int(np.searchsorted(bnd, hi))
+
+
+def _accesses(s: Schedule, op: int) -> list[tuple[int, int, int, bool]]:
+    """(buffer, lo, hi, writes) for each range ``op`` touches."""
+    kind = int(s.kind[op])
+    buf, lo, hi = int(s.buf[op]), int(s.lo[op]), int(s.hi[op])
+    if kind == SEND:
+        return [(buf, lo, hi, False)]
+    if kind in (COPY, REDUCE):
+        n = hi - lo
+        return [(int(s.sbuf[op]), int(s.slo[op]), int(s.slo[op]) + n, False), (buf, lo, hi, True)]
+    return [(buf, lo, hi, True)]  # RECV, RECV_REDUCE, COLL write (the latter two also read)
+
+
+# -- rule 3: races --------------------------------------------------------------------------
+def _check_races(s: Schedule, rep: Report, max_errors: int) -> None:
+    seg = _Segments(s)
+    for rank in range(s.p):
+        ids = s.op_ids(rank).tolist()
+        local = {g: i for i, g in enumerate(ids)}
+        # Ancestor sets as Python integers used as bit sets over the rank's local ops.
+        anc = [0] * len(ids)
+        for i, g in enumerate(ids):
+            a = 0
+            for d in s.deps(g).tolist():
+                j = local[d]
+                a |= anc[j] | (1 << j)
+            anc[i] = a
+        last_write: dict[tuple[int, int], int] = {}
+        reads: dict[tuple[int, int], list[int]] = {}
+        for i, g in enumerate(ids):
+            for buf, lo, hi, writes in _accesses(s, g):
+                a, b = seg.run(buf, lo, hi)
+                for k in range(a, b):
+                    key = (buf, k)
+                    w = last_write.get(key)
+                    if w is not None and not (anc[i] >> w) & 1:
+                        _race(s, rep, rank, ids[w], g, seg, buf, k)
+                    if writes:
+                        for r in reads.get(key, ()):
+                            if r != i and not (anc[i] >> r) & 1:
+                                _race(s, rep, rank, ids[r], g, seg, buf, k)
+                        last_write[key] = i
+                        reads[key] = []
+                    else:
+                        reads.setdefault(key, []).append(i)
+                if len(rep.errors) >= max_errors:
+                    return
+
+
+def _race(
+    s: Schedule, rep: Report, rank: int, a: int, b: int, seg: _Segments, buf: int, k: int
+) -> None:
+    lo, hi = seg.bounds[buf][k], seg.bounds[buf][k + 1]
+    msg = (
+        f"race on rank {rank}: {_op(s, a)} and {_op(s, b)} both touch buffer {buf} "
+        f"[{lo}, {hi}) and are not ordered by dependencies"
+    )
+    if msg not in rep.errors:
+        rep.errors.append(msg)
+
+
+def _op(s: Schedule, g: int) -> str:
+    kind = int(s.kind[g])
+    text = f"op {g} ({KIND_NAMES[kind]}"
+    if kind in (SEND, RECV, RECV_REDUCE):
+        text += f" {'to' if kind == SEND else 'from'} {s.peer[g]} ch {s.chan[g]}"
+    return text + f" [{s.lo[g]}, {s.hi[g]}))"
+
+
+# -- rules 2 and 4: execution ----------------------------------------------------------------
+def _execute(s: Schedule, partner: np.ndarray, rep: Report, max_errors: int) -> None:
+    seg = _Segments(s)
+    words = (s.p + 63) // 64
+    full = np.zeros(words, dtype=np.uint64)
+    for r in range(s.p):
+        full[r // 64] |= np.uint64(1) << np.uint64(r % 64)
+    state = [np.zeros((s.p, n, words), dtype=np.uint64) for n in seg.size]
+    for r in range(s.p):
+        a, b = seg.run(0, 0, s.count)
+        state[0][r, a:b, r // 64] = np.uint64(1) << np.uint64(r % 64)
+
+    n = s.n_ops
+    kind = s.kind.tolist()
+    rank = s.rank.tolist()
+    waiting = np.diff(s.dep_ptr).tolist()
+    qprev = s.queue_prev.tolist()
+    qnext = [-1] * n
+    for i, j in enumerate(qprev):
+        if j >= 0:
+            qnext[j] = i
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for op in range(n):
+        for d in s.deps(op).tolist():
+            dependents[d].append(op)
+    posted = [False] * n
+    done = [False] * n
+    coll_ops = [s.op_ids(r)[s.kind[s.op_ids(r)] == COLL].tolist() for r in range(s.p)]
+    coll_posted = [0] * s.p
+    coll_next = 0  # index of the next collective to complete
+
+    def read(r: int, buf: int, lo: int, hi: int, op: int) -> np.ndarray:
+        a, b = seg.run(buf, lo, hi)
+        val = state[buf][r, a:b].copy()
+        if b > a and not np.all(val.any(axis=-1)):
+            rep.errors.append(f"rank {r}: {_op(s, op)} reads elements holding no contribution")
+        return val
+
+    def write(r: int, buf: int, lo: int, hi: int, val: np.ndarray, reduce: bool, op: int) -> None:
+        a, b = seg.run(buf, lo, hi)
+        cur = state[buf][r, a:b]
+        if reduce:
+            if np.any(cur & val):
+                rep.errors.append(
+                    f"rank {r}: {_op(s, op)} would count a contribution twice "
+                    f"(ranks {_ranks(np.bitwise_or.reduce(cur & val, axis=0))})"
+                )
+            cur |= val
+        else:
+            cur[...] = val
+
+    work: deque[int] = deque(op for op in range(n) if waiting[op] == 0 and qprev[op] < 0)
+    completed = 0
+
+    def complete(op: int) -> None:
+        nonlocal completed
+        done[op] = True
+        completed += 1
+        for d in dependents[op]:
+            waiting[d] -= 1
+            if waiting[d] == 0 and (qprev[d] < 0 or posted[qprev[d]]):
+                work.append(d)
+
+    while work:
+        op = work.popleft()
+        if posted[op]:
+            continue
+        posted[op] = True
+        k = kind[op]
+        r = rank[op]
+        if k in (SEND, RECV, RECV_REDUCE):
+            nxt = qnext[op]
+            if nxt >= 0 and waiting[nxt] == 0:
+                work.append(nxt)
+            other = int(partner[op])
+            if posted[other]:
+                snd, rcv = (op, other) if k == SEND else (other, op)
+                val = read(rank[snd], int(s.buf[snd]), int(s.lo[snd]), int(s.hi[snd]), snd)
+                write(
+                    rank[rcv],
+                    int(s.buf[rcv]),
+                    int(s.lo[rcv]),
+                    int(s.hi[rcv]),
+                    val,
+                    kind[rcv] == RECV_REDUCE,
+                    rcv,
+                )
+                complete(snd)
+                complete(rcv)
+        elif k in (COPY, REDUCE):
+            length = int(s.hi[op] - s.lo[op])
+            val = read(r, int(s.sbuf[op]), int(s.slo[op]), int(s.slo[op]) + length, op)
+            write(r, int(s.buf[op]), int(s.lo[op]), int(s.hi[op]), val, k == REDUCE, op)
+            complete(op)
+        elif k == COLL:
+            coll_posted[r] += 1
+            while coll_next < min(coll_posted):
+                ops = [coll_ops[q][coll_next] for q in range(s.p)]
+                lo, hi = int(s.lo[ops[0]]), int(s.hi[ops[0]])
+                if any(int(s.lo[o]) != lo or int(s.hi[o]) != hi for o in ops):
+                    rep.errors.append(
+                        f"collective {coll_next} has different ranges on different ranks"
+                    )
+                    return
+                vals = [read(q, int(s.buf[o]), lo, hi, o) for q, o in enumerate(ops)]
+                total = np.zeros_like(vals[0])
+                for q, v in enumerate(vals):
+                    if np.any(total & v):
+                        rep.errors.append(
+                            f"collective {coll_next}: rank {q} adds a contribution twice"
+                        )
+                    total |= v
+                for q, o in enumerate(ops):
+                    write(q, int(s.buf[o]), lo, hi, total, False, o)
+                coll_next += 1
+                for o in ops:
+                    complete(o)
+        if len(rep.errors) >= max_errors:
+            return
+
+    if completed < n:
+        stuck = [op for op in range(n) if not done[op]]
+        rep.errors.append(f"deadlock: {len(stuck)} of {n} operations never complete")
+        for op in stuck[:5]:
+            why = []
+            deps_left = [d for d in s.deps(op).tolist() if not done[d]]
+            if deps_left:
+                why.append(f"waits for {', '.join(_op(s, d) for d in deps_left[:3])}")
+            elif qprev[op] >= 0 and not posted[qprev[op]]:
+                why.append(f"queued behind {_op(s, qprev[op])}")
+            elif partner[op] >= 0:
+                why.append(f"partner {_op(s, int(partner[op]))} never posted")
+            rep.errors.append(f"  rank {rank[op]}: {_op(s, op)} {'; '.join(why)}")
+        return
+
+    a, b = seg.run(0, 0, s.count)
+    for r in range(s.p):
+        got = state[0][r, a:b]
+        missing = ~got & full
+        if np.any(missing):
+            bad = int(np.flatnonzero(np.any(missing, axis=-1))[0])
+            lo, hi = seg.bounds[0][a + bad], seg.bounds[0][a + bad + 1]
+            rep.errors.append(
+                f"rank {r} ends without the contributions of ranks "
+                f"{_ranks(missing[bad])} in elements [{lo}, {hi})"
+            )
+            if len(rep.errors) >= max_errors:
+                return
+
+
+def _ranks(mask: np.ndarray) -> list[int]:
+    out = []
+    for w, word in enumerate(np.atleast_1d(mask).tolist()):
+        for bit in range(64):
+            if (int(word) >> bit) & 1:
+                out.append(64 * w + bit)
+    return out

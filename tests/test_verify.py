@@ -1,0 +1,93 @@
+"""The symbolic verifier: every algorithm passes for p = 2..64; broken schedules fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from optcc_mpi import algorithms
+from optcc_mpi.schedule import ScheduleBuilder
+from optcc_mpi.verify import VerificationError, verify
+
+P_ALL = list(range(2, 17)) + [17, 24, 31, 32, 33, 47, 63, 64]
+
+
+def profiles(p: int) -> list[str]:
+    out = ["", f"{p - 1}:0.5", "0:0.9"]
+    if p >= 3:
+        out += [f"0:0.5,{p // 2}:0.5", f"1:0.6,{p - 1}:0.8"]
+    return out
+
+
+@pytest.mark.parametrize("p", P_ALL)
+def test_ring_and_native(p: int) -> None:
+    for count in (0, 1, p - 1, p + 1, 7 * p + 3):
+        verify(algorithms.build("ring", p, count, chunk_bytes=8))
+        verify(algorithms.build("native", p, count))
+
+
+@pytest.mark.parametrize("p", P_ALL)
+def test_optcc(p: int) -> None:
+    big = p >= 24
+    for links in profiles(p)[: 3 if big else None]:
+        for k in (1, 4) if big else (1, 2, 5):
+            for pattern in ("closer",) if big else ("closer", "alternate", "raw"):
+                count = 3 * k * p + 5
+                verify(algorithms.build("optcc", p, count, links, k=k, pattern=pattern))
+    # count < p: most sections empty
+    verify(algorithms.build("optcc", p, p - 1, f"{p - 1}:0.5", k=3))
+
+
+@pytest.mark.parametrize("p", P_ALL)
+def test_r2ccl(p: int) -> None:
+    for links in profiles(p)[: 3 if p >= 24 else None]:
+        for chunks in (1, 4):
+            verify(algorithms.build("r2ccl", p, 9 * p + 7, links, chunks=chunks, itemsize=4))
+
+
+def test_catches_deadlock() -> None:
+    b = ScheduleBuilder(2, 4, "dl")
+    r0 = b.recv(0, 1, 0, 4)
+    r1 = b.recv(1, 0, 0, 4, reduce=True)
+    b.send(0, 1, 0, 4, deps=r0)
+    b.send(1, 0, 0, 4, deps=r1)
+    with pytest.raises(VerificationError, match="deadlock"):
+        verify(b.build())
+
+
+def test_catches_race() -> None:
+    b = ScheduleBuilder(2, 4, "race")
+    b.transfer(0, 1, 0, 4, reduce=True)
+    b.transfer(1, 0, 0, 4)  # overwrites rank 0's buffer while its send may be in flight
+    with pytest.raises(VerificationError, match="race on rank 0"):
+        verify(b.build())
+
+
+def test_catches_double_count_and_missing() -> None:
+    b = ScheduleBuilder(3, 4, "twice")
+    _, r = b.transfer(0, 1, 0, 4, reduce=True)
+    _, r2 = b.transfer(1, 2, 0, 4, reduce=True, send_deps=r)
+    b.transfer(0, 2, 0, 4, reduce=True, recv_deps=r2)
+    with pytest.raises(VerificationError, match="count a contribution twice"):
+        verify(b.build())
+    rep = verify(b.build(), raise_on_error=False)
+    assert any("ends without the contributions" in e for e in rep.errors)
+
+
+def test_catches_dropped_dependency() -> None:
+    """Removing the hazard dependency of the ring's all-gather is caught."""
+    good = algorithms.build("ring", 4, 40)
+    assert verify(good).ok
+    b = ScheduleBuilder(4, 40, "bad-ring")
+    import numpy as np
+
+    from optcc_mpi.algorithms.ring import all_gather, reduce_scatter
+
+    m = np.arange(4)
+    sec = np.array([0, 10, 20, 30, 40])
+    clo, chi = sec[:-1, None], sec[1:, None]
+    sends, final = reduce_scatter(b, m, clo, chi, chan=0)
+    all_gather(
+        b, m, clo, chi, chan=0, first_deps=final, rs_sends=[np.full_like(s, -1) for s in sends]
+    )
+    with pytest.raises(VerificationError, match="race"):
+        verify(b.build())
