@@ -1,0 +1,80 @@
+"""Mixed-precision communication-avoiding SGD (CA-SGD) for generalized linear models.
+
+Models: logistic, linear least squares, Poisson (log link); objective
+``mean loss + (lambda/2) ||w||^2``. Data in the 1D block-column layout: each rank holds all
+rows of a block of columns and the matching weights.
+
+Solvers: ``sgd`` (one AllReduce of the b mini-batch margins per step) and ``casgd``
+(one AllReduce of the packed base margins and Gram matrix per s steps, the s dependent
+updates replayed identically on every rank). Both follow the same sample sequence, so in
+exact arithmetic they produce the same iterates.
+
+Precision recipes (:mod:`optcc_mpi.glm.precision`): ``fp64``, ``fp32``, ``C``, ``D``, and
+any per-slot override.
+
+Modules
+-------
+``models``      losses, residuals, label domains
+``precision``   recipes and rounding helpers
+``sampler``     the shared per-epoch sample sequence
+``kernels``     a rank's column block and its local kernels (CPU, sparse, GPU; the
+                bf16-in, fp32-out Gram is ``optcc_mpi.backend.gram_bf16``)
+``comm``        the pluggable, counted AllReduce; error agreement
+``solvers``     SGD and CA-SGD steps, the recurrence, the training loop
+``checkpoint``  HDF5 checkpoints and exact resume
+``api``         :func:`fit`, :func:`fit_partition`
+``estimator``   :class:`GLM`, :class:`CASGDClassifier`, :class:`CASGDRegressor`
+``synthetic``   synthetic problems for tests and benchmarks
+
+Example
+-------
+>>> from optcc_mpi.glm import fit, make_glm_data
+>>> X, y = make_glm_data("logistic", 4096, 64, seed=1)
+>>> res = fit(X, y, model="logistic", solver="casgd", s=8, b=16, lr=0.5, epochs=2,
+...           recipe="C")
+>>> round(res.final_loss, 2) < 0.69
+True
+"""
+
+from __future__ import annotations
+
+from .api import FitResult, column_block, fit, fit_partition
+from .comm import Reducer, agree
+from .estimator import GLM, CASGDClassifier, CASGDRegressor
+from .models import MODELS, Model, get_model, model_for_task
+from .precision import PRECISIONS, RECIPES, SLOTS, Recipe, get_recipe
+from .solvers import (
+    EXIT_AFTER_ENV,
+    SOLVERS,
+    DivergenceError,
+    casgd_recurrence,
+    least_squares_deltas,
+)
+from .synthetic import make_glm_data
+
+__all__ = [
+    "EXIT_AFTER_ENV",
+    "GLM",
+    "MODELS",
+    "PRECISIONS",
+    "RECIPES",
+    "SLOTS",
+    "SOLVERS",
+    "CASGDClassifier",
+    "CASGDRegressor",
+    "DivergenceError",
+    "FitResult",
+    "Model",
+    "Recipe",
+    "Reducer",
+    "agree",
+    "casgd_recurrence",
+    "column_block",
+    "fit",
+    "fit_partition",
+    "get_model",
+    "get_recipe",
+    "least_squares_deltas",
+    "make_glm_data",
+    "model_for_task",
+]

@@ -1,0 +1,452 @@
+"""``fit``: train a GLM with SGD or CA-SGD over MPI, from arrays or a loaded partition.
+
+Every check on the inputs runs before any training and ends in one small collective
+(:func:`~optcc_mpi.glm.comm.agree`), so a bad input stops every rank with the same message
+instead of leaving some ranks waiting in an AllReduce.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+from mpi4py import MPI
+
+from ..progress import Progress
+from .checkpoint import load_checkpoint, save_checkpoint
+from .comm import Reducer, agree, checksum
+from .kernels import GRAM_LAYOUTS, LocalData
+from .models import get_model
+from .precision import Recipe, get_recipe, rounded
+from .solvers import EXIT_AFTER_ENV, SOLVERS, TrainConfig, Trainer, TrainState
+
+__all__ = ["FitResult", "column_block", "fit", "fit_partition", "resolve_device"]
+
+
+def column_block(n_features: int, size: int, rank: int) -> slice:
+    """Columns of rank ``rank`` in the 1D block-column layout (as :mod:`optcc_mpi.data`
+    splits files, so arrays split here and files loaded there agree)."""
+    from optcc_mpi import data
+
+    return data.column_block(n_features, size, rank)
+
+
+def resolve_device(device: Any) -> Any:
+    """Array module for the local kernels: NumPy for ``"cpu"``, CuPy for ``"gpu"``.
+
+    ``"auto"`` picks the GPU when one is usable. CuPy is obtained from
+    ``optcc_mpi.backend.get_cupy()`` (the only module allowed to import it), which returns
+    the module when ``cupy.is_available()`` and None otherwise. A module object is
+    returned unchanged (for callers and tests that bring their own).
+    """
+    if not isinstance(device, str):
+        return device
+    name = device.lower()
+    if name == "cpu":
+        return np
+    if name not in ("gpu", "auto"):
+        raise ValueError(f"unknown device {device!r}; choose cpu, gpu or auto")
+    from optcc_mpi.backend import get_cupy
+
+    cp = get_cupy()
+    if cp is not None:
+        return cp
+    if name == "auto":
+        return np
+    raise ValueError(
+        "device='gpu' but no usable GPU (CuPy missing or cupy.is_available() is False)"
+    )
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit` returns (the same on every rank except ``coef_local``).
+
+    Attributes
+    ----------
+    coef : ndarray
+        All ``n_features`` weights, float64, on every rank.
+    coef_local : ndarray
+        This rank's slice in the update precision.
+    cols : slice
+        This rank's global columns.
+    final_loss : float
+        Full training objective at the end.
+    history : list of dict
+        Loss records (``steps``, ``epoch``, ``loss``, ``train_s``, ``epoch_end``).
+    stats : dict
+        AllReduce calls and bytes, ``comm_s``, ``compute_s``, ``train_s`` (rank 0's; the
+        ``*_max`` entries are the maxima over ranks), evaluation counters.
+    config : dict
+        Settings of the run (model, solver, s, b, lr, lam, seed, recipe, P, m, n ...).
+    resumed_from : dict or None
+        ``steps`` and ``epoch`` of the checkpoint the run continued from.
+    """
+
+    coef: np.ndarray
+    coef_local: np.ndarray
+    cols: slice
+    final_loss: float
+    history: list[dict[str, Any]]
+    stats: dict[str, Any]
+    config: dict[str, Any]
+    resumed_from: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def epoch_losses(self) -> list[float]:
+        """Full training loss at the end of each epoch."""
+        return [h["loss"] for h in self.history if h["epoch_end"]]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (weights omitted)."""
+        return {
+            "final_loss": self.final_loss,
+            "epoch_losses": self.epoch_losses(),
+            "history": self.history,
+            "stats": self.stats,
+            "config": self.config,
+            "resumed_from": self.resumed_from,
+        }
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or int(value) != value or int(value) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _finite(name: str, value: Any, *, positive: bool = False) -> float:
+    v = float(value)
+    if not math.isfinite(v) or (v <= 0 if positive else v < 0):
+        raise ValueError(
+            f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
+            f"got {value!r}"
+        )
+    return v
+
+
+def _check_X(X: Any) -> Any:
+    if sp.issparse(X):
+        if X.ndim != 2:
+            raise ValueError(f"X must be 2-D, got shape {X.shape}")
+        values = X.tocsr().data
+    else:
+        if not hasattr(X, "shape") or not hasattr(X, "dtype"):
+            X = np.asarray(X)
+        if X.ndim != 2:
+            raise ValueError(f"X must be a 2-D array (rows = samples), got shape {X.shape}")
+        if X.dtype.kind in "iub":
+            X = X.astype(np.float64)
+        values = X
+    if values.dtype.kind not in "fV" and values.dtype.name != "bfloat16":
+        raise ValueError(f"X must hold floating-point numbers, got dtype {values.dtype}")
+    if not np.isfinite(values).all():
+        raise ValueError("X contains NaN or inf")
+    return X
+
+
+def fit(
+    X: Any,
+    y: Any,
+    *,
+    model: str = "logistic",
+    solver: str = "casgd",
+    s: int = 16,
+    b: int = 32,
+    lr: float = 0.5,
+    epochs: int = 5,
+    lam: float = 0.0,
+    seed: int = 0,
+    recipe: str | Recipe | Mapping[str, str] = "fp32",
+    slots: Iterable[str] | Mapping[str, str] | None = None,
+    comm: MPI.Comm | None = None,
+    allreduce: str | Callable[[np.ndarray, MPI.Comm], None] = "mpi",
+    links: Any = None,
+    emulate: Any = None,
+    cols: slice | None = None,
+    w0: np.ndarray | None = None,
+    gram_layout: str = "lower",
+    eval_every: int = 0,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    progress: bool = False,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    device: Any = "cpu",
+) -> FitResult:
+    """Fit a GLM by mini-batch SGD or CA-SGD; collective over ``comm``.
+
+    The objective is ``mean loss + (lam/2) ||w||^2`` without an intercept (append a
+    column of ones for one; it is then penalised too).
+
+    Parameters
+    ----------
+    X : ndarray or scipy.sparse matrix
+        With ``cols=None``: the full ``(m, n)`` matrix, the same on every rank; each rank
+        keeps its column block. With ``cols``: this rank's ``(m, n_local)`` block.
+        Any float dtype, bf16 included.
+    y : array_like, shape (m,)
+        Labels, the same on every rank: {0, 1} or {-1, +1} (logistic), real (linear),
+        non-negative integers (poisson).
+    model : str
+        ``logistic``, ``linear`` or ``poisson``.
+    solver : str
+        ``sgd`` (one AllReduce of b margins per step) or ``casgd`` (one AllReduce of the
+        packed ``[r; G]`` per ``s`` steps).
+    s : int
+        Steps per outer iteration (``sgd`` uses it only to group steps for checkpoints).
+    b : int
+        Mini-batch size.
+    lr : float
+        Step size ``eta``; the mini-batch gradient is a mean, so the step is ``eta/b``
+        times the summed gradient.
+    epochs : int
+        Passes over the data (total, including those before a resume).
+    lam : float
+        L2 strength ``lambda`` (0 allowed).
+    seed : int
+        Seed of the shared sample sequence.
+    recipe : str, Recipe or mapping
+        Precision preset (``fp64``, ``fp32``, ``C``, ``D``) or recipe.
+    slots : iterable of str or mapping, optional
+        Per-slot overrides, e.g. ``["comm=bf16"]``.
+    comm : mpi4py.MPI.Comm, optional
+        Defaults to ``MPI.COMM_WORLD``.
+    allreduce : str or callable
+        ``"mpi"``, an ``optcc_mpi.allreduce`` algorithm, or ``f(buf, comm)`` reducing in place.
+    links : Links or str, optional
+        Link profile for an ``optcc_mpi.allreduce`` algorithm (``"3:0.5"``).
+    emulate : Emulation or str, optional
+        Network emulation (``"latency=50us"``), passed to the AllReduce; for ``"mpi"`` and
+        callables each AllReduce waits ``ceil(log2 P)`` message latencies here.
+    cols : slice, optional
+        Global columns of this rank's block (see ``X``).
+    w0 : ndarray, optional
+        Initial weights (this rank's slice when ``cols`` is given, else all of them);
+        zeros by default.
+    gram_layout : str
+        ``lower`` (send only the Gram blocks the recurrence reads) or ``full``.
+    eval_every : int
+        Record the full loss every this many SGD steps as well as at each epoch end.
+    checkpoint : path-like, optional
+        HDF5 checkpoint file.
+    checkpoint_every : int
+        Write the checkpoint every this many outer iterations (and at the end).
+    resume : bool
+        Continue from ``checkpoint`` if it exists (a missing file starts afresh).
+    progress : bool
+        Show a progress bar on rank 0.
+    on_record : callable, optional
+        Called with every loss record (on every rank).
+    device : str or module
+        ``cpu``, ``gpu``, ``auto``, or an array module for the local kernels.
+
+    Returns
+    -------
+    FitResult
+
+    Raises
+    ------
+    ValueError
+        On every rank, before training, for any invalid input on any rank.
+    optcc_mpi.glm.DivergenceError
+        If the iterates become non-finite.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    size, rank = comm.size, comm.rank
+    error = None
+    payload = None
+    try:
+        mdl = get_model(model)
+        if solver not in SOLVERS:
+            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        rcp = get_recipe(recipe, slots)
+        if gram_layout not in GRAM_LAYOUTS:
+            raise ValueError(f"unknown gram_layout {gram_layout!r}; choose one of {GRAM_LAYOUTS}")
+        s = _positive_int("s", s)
+        b = _positive_int("b", b)
+        epochs = _positive_int("epochs", epochs, 0)
+        seed = _positive_int("seed", seed, 0)
+        eval_every = _positive_int("eval_every", eval_every, 0)
+        checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 0)
+        lr = _finite("lr", lr, positive=True)
+        lam = _finite("lam", lam)
+        if resume and checkpoint is None:
+            raise ValueError("resume needs a checkpoint file")
+        xp = resolve_device(device)
+        reducer = Reducer(comm, allreduce, links=links, emulate=emulate)
+        X = _check_X(X)
+        y64 = mdl.check_labels(y)
+        if y64.shape[0] != X.shape[0]:
+            raise ValueError(f"X has {X.shape[0]} rows but y has {y64.shape[0]} labels")
+        if cols is not None:
+            if not isinstance(cols, slice) or cols.step not in (None, 1):
+                raise ValueError(f"cols must be a contiguous slice, got {cols!r}")
+            if cols.stop - cols.start != X.shape[1]:
+                raise ValueError(
+                    f"cols {cols.start}:{cols.stop} name {cols.stop - cols.start} columns but "
+                    f"X has {X.shape[1]}"
+                )
+        if w0 is not None and np.shape(w0) != (X.shape[1],):
+            raise ValueError(f"w0 needs shape ({X.shape[1]},) like X's columns, got {np.shape(w0)}")
+        payload = (
+            X.shape[0],
+            X.shape[1],
+            None if cols is None else (cols.start, cols.stop),
+            checksum(y64),
+        )
+    except (ValueError, TypeError, OverflowError) as exc:
+        error = str(exc)
+    shared = agree(comm, error, payload)
+
+    # Global checks; every rank computes the same verdict from the same gathered data.
+    m = shared[0][0]
+    if any(p[0] != m for p in shared):
+        raise ValueError(f"ranks disagree on the number of rows: {[p[0] for p in shared]}")
+    if any(p[3] != shared[0][3] for p in shared):
+        raise ValueError("ranks hold different labels y (they must be replicated)")
+    if len({p[2] is None for p in shared}) > 1:
+        raise ValueError("either every rank passes cols (its column block) or none does")
+    if cols is None:
+        n_features = shared[0][1]
+        if any(p[1] != n_features for p in shared):
+            raise ValueError("without cols every rank must pass the full X (same shape)")
+    else:
+        spans = [p[2] for p in shared]
+        if spans[0][0] != 0 or any(spans[i][1] != spans[i + 1][0] for i in range(size - 1)):
+            raise ValueError(f"the ranks' cols must tile 0..n in rank order, got {spans}")
+        n_features = spans[-1][1]
+    if n_features < size:
+        raise ValueError(
+            f"{size} ranks but only {n_features} features: every rank needs at least one "
+            f"column; run on at most {n_features} ranks"
+        )
+    if any(p[1] == 0 for p in shared) and cols is not None:
+        raise ValueError("every rank needs at least one column (a block has width 0)")
+    if b > m:
+        raise ValueError(f"the batch size b = {b} exceeds the {m} training rows")
+    if solver == "sgd":
+        s = min(s, m // b)  # SGD groups steps only for bookkeeping: any s works
+    elif s * b > m:
+        raise ValueError(f"s*b = {s}*{b} = {s * b} exceeds the {m} training rows; lower s or b")
+
+    if cols is None:
+        cols = column_block(n_features, size, rank) if size > 1 else slice(0, n_features)
+        X_local = X[:, cols]
+        if w0 is not None:
+            w0 = np.asarray(w0)[cols]
+    else:
+        X_local = X
+    if not sp.issparse(X_local):
+        X_local = np.ascontiguousarray(X_local)
+    else:
+        X_local = X_local.tocsr()
+
+    cfg = TrainConfig(mdl.name, solver, s, b, lr, lam, seed, rcp, gram_layout)
+    local = LocalData(X_local, rcp, xp=xp, layout=gram_layout)
+    trainer = Trainer(comm, local, X_local, y64, mdl, cfg, reducer)
+    state = TrainState(w=trainer.initial_weights(w0))
+
+    ck_config = {**cfg.as_dict(), "m": m, "n_features": n_features, "y_crc32": checksum(y64)}
+    resumed = None
+    if checkpoint is not None and resume:
+        saved = load_checkpoint(checkpoint, comm, ck_config, cols)
+        if saved is None:
+            if rank == 0:
+                print(f"no checkpoint at {checkpoint}; starting from scratch", file=sys.stderr)
+        else:
+            state = TrainState(
+                w=rounded(saved["w"], rcp.update),
+                epoch=saved["epoch"],
+                block=saved["block"],
+                steps=saved["steps"],
+                outer=saved["outer"],
+                history=saved["history"],
+                train_s=saved["train_s"],
+                prior=saved["counters"],
+            )
+            resumed = {"steps": state.steps, "epoch": state.epoch, "block": state.block}
+
+    def write(st: TrainState) -> None:
+        save_checkpoint(
+            checkpoint,
+            comm,
+            local.host(st.w),
+            config=ck_config,
+            position={
+                "epoch": st.epoch,
+                "block": st.block,
+                "steps": st.steps,
+                "outer": st.outer,
+                "train_s": st.train_s,
+            },
+            history=st.history,
+            counters=trainer.stats(st),
+        )
+
+    exit_env = os.environ.get(EXIT_AFTER_ENV)
+    exit_after = int(exit_env) if exit_env else None
+    total = epochs * trainer.sampler.blocks_per_epoch
+    bar = Progress(
+        total,
+        desc=f"{solver}{'' if solver == 'sgd' else f' s={s}'} b={b} {rcp.name}",
+        enabled=progress and rank == 0,
+        unit="outer",
+    )
+    bar.n = min(state.outer, total)
+    with bar:
+        trainer.run(
+            state,
+            epochs,
+            eval_every=eval_every,
+            progress=bar,
+            checkpoint=write if checkpoint is not None else None,
+            checkpoint_every=checkpoint_every,
+            exit_after=exit_after,
+            on_record=on_record,
+        )
+
+    w_local = np.asarray(local.host(state.w))
+    coef = np.concatenate(comm.allgather(w_local.astype(np.float64)))
+    stats = trainer.stats(state)
+    maxima = np.array([stats["train_s"], stats["comm_s"], stats["compute_s"]])
+    comm.Allreduce(MPI.IN_PLACE, maxima, MPI.MAX)
+    stats.update(train_s_max=maxima[0], comm_s_max=maxima[1], compute_s_max=maxima[2])
+    config = {
+        **ck_config,
+        "epochs": epochs,
+        "P": size,
+        "allreduce": reducer.name,
+        "emulate": None if reducer.emulate is None else str(reducer.emulate),
+        "links": None if links is None else str(links),
+        "device": "gpu" if local.on_device else "cpu",
+        "steps_per_epoch": trainer.sampler.steps_per_epoch,
+        "outer_per_epoch": trainer.sampler.blocks_per_epoch,
+    }
+    return FitResult(
+        coef=coef,
+        coef_local=w_local,
+        cols=cols,
+        final_loss=state.history[-1]["loss"],
+        history=state.history,
+        stats=stats,
+        config=config,
+        resumed_from=resumed,
+    )
+
+
+def fit_partition(partition: Any, **kwargs: Any) -> FitResult:
+    """:func:`fit` on a ``optcc_mpi.data.Partition`` (this rank's block of a dataset file).
+
+    The model defaults to the one matching the partition's ``task``.
+    """
+    from .models import model_for_task
+
+    kwargs.setdefault("model", model_for_task(partition.task))
+    return fit(partition.X, partition.y, cols=partition.cols, **kwargs)

@@ -1,0 +1,190 @@
+"""This rank's column block and the local kernels, each in its recipe slot's precision.
+
+Rank ``p`` holds ``X[:, C_p]`` for all ``m`` rows and the weight slice ``w[C_p]``. The local
+kernels of an outer iteration are the row gather ``Y = X[I, C_p]``, the margin GEMV
+``Y @ w``, the Gram product ``Y @ Y.T`` and the gradient GEMV ``Y.T @ v``; everything else
+(the reduction, the recurrence) happens on the host on small arrays.
+
+The kernels run on NumPy, on SciPy CSR matrices, or on CuPy arrays (``xp``). On the CPU the
+lower-layout Gram is one GEMM per block row, written into the packed vector (half the
+flops of the full product); for bf16 inputs on a GPU it is the fp32-output GemmEx of
+:func:`optcc_mpi.backend.gram_bf16`.
+
+Gram layout. The recurrence reads only the strictly block-lower blocks ``G[j, t]``
+(``t < j``) of the ``sb x sb`` Gram matrix. ``layout="lower"`` (the default) packs just those,
+``b^2 s (s - 1) / 2`` words, row block after row block; ``layout="full"`` sends the whole
+matrix (``(sb)^2`` words) as the paper's description does. Either way the recurrence
+receives the packed lower blocks. Sending only the lower blocks is our choice.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+from .precision import Recipe, compute_dtype, is_half, rounded, storage_dtype
+
+__all__ = ["GRAM_LAYOUTS", "LocalData", "lower_block_index", "packed_size"]
+
+GRAM_LAYOUTS = ("lower", "full")
+
+
+def packed_size(s: int, b: int, layout: str = "lower") -> int:
+    """Words of the packed Gram part for ``s`` steps of batch ``b``."""
+    if layout == "full":
+        return (s * b) ** 2
+    return b * b * s * (s - 1) // 2
+
+
+@lru_cache(maxsize=64)
+def lower_block_index(s: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row and column indices of the strictly block-lower blocks, in packed order.
+
+    Row block ``j`` (rows ``jb .. jb+b-1``) contributes its first ``jb`` columns, row by row,
+    so block row ``j`` starts at offset ``b^2 j (j - 1) / 2`` of the packed vector and is a
+    C-ordered ``b x jb`` matrix there.
+    """
+    rows, cols = [], []
+    for j in range(1, s):
+        r = np.arange(j * b, (j + 1) * b)
+        c = np.arange(j * b)
+        rows.append(np.repeat(r, j * b))
+        cols.append(np.tile(c, b))
+    if not rows:
+        empty = np.zeros(0, dtype=np.intp)
+        return empty, empty
+    return np.concatenate(rows), np.concatenate(cols)
+
+
+class LocalData:
+    """A rank's column block stored in ``recipe.data`` precision, and its kernels.
+
+    Parameters
+    ----------
+    X : ndarray or scipy.sparse matrix
+        The ``(m, n_local)`` column block, any float dtype (bf16 included).
+    recipe : Recipe
+        Precision of each slot.
+    xp : module, optional
+        Array module for the kernels: NumPy (default) or CuPy.
+    layout : str
+        Gram packing, ``"lower"`` or ``"full"``.
+    """
+
+    def __init__(self, X: Any, recipe: Recipe, *, xp: Any = None, layout: str = "lower") -> None:
+        if layout not in GRAM_LAYOUTS:
+            raise ValueError(f"unknown Gram layout {layout!r}; choose one of {GRAM_LAYOUTS}")
+        self.recipe = recipe
+        self.layout = layout
+        self.xp = np if xp is None else xp
+        self.sparse = sp.issparse(X)
+        self.on_device = self.xp is not np
+        data = recipe.data
+        if self.sparse:
+            if self.on_device:
+                raise ValueError("sparse X runs on the CPU only")
+            # SciPy has no 16-bit sparse arithmetic: hold 16-bit values in float32.
+            self.X = rounded(sp.csr_matrix(X), data)
+        else:
+            X = np.asarray(X) if not self.on_device else X
+            stored = X.astype(storage_dtype(data), copy=False)
+            self.X = self.xp.ascontiguousarray(self.xp.asarray(stored))
+        self.m, self.n_local = self.X.shape
+        self._index_cache: dict[int, Any] = {}
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def host(self, a: Any) -> np.ndarray:
+        """``a`` as a NumPy array (copies device arrays to the host, which synchronises)."""
+        return a.get() if self.on_device else a
+
+    def device(self, a: np.ndarray) -> Any:
+        """``a`` as an array of the kernel module."""
+        return self.xp.asarray(a) if self.on_device else a
+
+    def _operand(self, Yd: Any, slot: str, acc: str) -> Any:
+        """Rows as the input of a kernel with input precision ``slot``, accumulating in ``acc``."""
+        A = Yd
+        if is_half(slot) and slot != self.recipe.data:
+            A = rounded(A, slot)
+        return A.astype(compute_dtype(acc), copy=False)
+
+    # -- kernels -----------------------------------------------------------------------
+
+    def gather(self, rows: np.ndarray) -> Any:
+        """``X[rows]`` widened to the arithmetic dtype of the data precision.
+
+        One widening per outer iteration; every kernel of the iteration reuses it.
+        """
+        Y = self.X[self.device(rows) if self.on_device else rows]
+        return Y.astype(compute_dtype(self.recipe.data), copy=False)
+
+    def margins(self, Yd: Any, w: Any) -> Any:
+        """Partial margins ``Y @ w`` (slots weights_in, margin_acc, margin)."""
+        rc = self.recipe
+        A = self._operand(Yd, rc.data, rc.margin_acc)
+        w_in = rounded(w, rc.weights_in).astype(compute_dtype(rc.margin_acc), copy=False)
+        r = A @ w_in
+        if is_half(rc.margin_acc):
+            r = rounded(r, rc.margin_acc)
+        return rounded(r, rc.margin)
+
+    def gram_packed(self, Yd: Any, s: int, b: int) -> Any:
+        """Partial Gram of the gathered rows, packed per the layout (slots gram_in, gram_acc)."""
+        rc = self.recipe
+        if self.layout == "lower" and s == 1:
+            return self.xp.zeros(0, dtype=compute_dtype(rc.gram_acc))
+        if self.sparse:
+            A = self._operand(Yd, rc.gram_in, rc.gram_acc)
+            G = (A @ A.T).toarray()
+        elif self.on_device:
+            G = self._gram_device(Yd)
+        elif self.layout == "lower":
+            # Only the blocks the recurrence reads, one GEMM per block row written straight
+            # into the packed vector: half the flops of the full product, no gather after.
+            A = self._operand(Yd, rc.gram_in, rc.gram_acc)
+            out = np.empty(packed_size(s, b), dtype=A.dtype)
+            for j in range(1, s):
+                off, lo = b * b * j * (j - 1) // 2, j * b
+                np.matmul(A[lo : lo + b], A[:lo].T, out=out[off : off + b * lo].reshape(b, lo))
+            return rounded(out, rc.gram_acc) if is_half(rc.gram_acc) else out
+        else:
+            A = self._operand(Yd, rc.gram_in, rc.gram_acc)
+            G = A @ A.T
+        if is_half(rc.gram_acc):
+            G = rounded(G, rc.gram_acc)
+        if self.layout == "full":
+            return G.reshape(-1)
+        ri, ci = self._lower_index(s, b)
+        return G[ri, ci]
+
+    def _gram_device(self, Yd: Any) -> Any:
+        rc = self.recipe
+        if rc.data == "bf16" and rc.gram_in == "bf16" and rc.gram_acc == "fp32":
+            from optcc_mpi.backend import gram_bf16
+
+            return gram_bf16(self.xp, Yd.astype(storage_dtype("bf16")))
+        A = self._operand(Yd, rc.gram_in, rc.gram_acc)
+        return A @ A.T
+
+    def _lower_index(self, s: int, b: int) -> tuple[Any, Any]:
+        key = s * 100003 + b
+        if key not in self._index_cache:
+            ri, ci = lower_block_index(s, b)
+            self._index_cache[key] = (self.device(ri), self.device(ci))
+        return self._index_cache[key]
+
+    def unpack_lower(self, G_full: np.ndarray, s: int, b: int) -> np.ndarray:
+        """Packed lower blocks of a reduced full ``(sb)^2`` Gram (host)."""
+        ri, ci = lower_block_index(s, b)
+        return G_full.reshape(s * b, s * b)[ri, ci]
+
+    def gradient(self, Yd: Any, v: Any) -> Any:
+        """``Y.T @ v`` in the update precision (v already holds the step coefficients)."""
+        rc = self.recipe
+        A = self._operand(Yd, rc.data, rc.update)
+        g = A.T @ v.astype(compute_dtype(rc.update), copy=False)
+        return rounded(g, rc.update) if is_half(rc.update) else g

@@ -1,0 +1,140 @@
+"""Tests of ``optcc-mpi train`` and ``optcc-mpi bench-glm`` (serial; one test starts mpiexec)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from optcc_mpi.cli import build_parser, main
+from optcc_mpi.glm.solvers import EXIT_AFTER_ENV, EXIT_AFTER_STATUS
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture
+def shipped():
+    data = pytest.importorskip("optcc_mpi.data")
+    try:
+        data.shipped("breast_cancer")
+    except FileNotFoundError:
+        pytest.skip("shipped datasets are not in data/")
+    return data
+
+
+def _help(command: str) -> str:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[command].format_help()
+
+
+def test_help_teaches_with_examples():
+    text = _help("train")
+    for needle in (
+        "--recipe",
+        "--slot",
+        "--checkpoint-every",
+        "--resume",
+        "mpiexec -n 4",
+        "--emulate",
+        "examples:",
+    ):
+        assert needle in text
+    bench = _help("bench-glm")
+    assert "time to target" in bench and "mpiexec -n 8 optcc-mpi bench-glm" in bench
+
+
+def test_train_writes_json_with_final_loss(tmp_path, shipped, capsys):
+    out = tmp_path / "run.json"
+    argv = "train --data breast_cancer --intercept --s 4 --b 16 --epochs 2 --recipe C"
+    status = main([*argv.split(), "--slot", "comm=bf16", "--no-progress", "--out", str(out)])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "epoch 2  loss" in printed and "compute" in printed and "AllReduce (mpi)" in printed
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("mpiexec -n 1 optcc-mpi train --data breast_cancer")
+    assert doc["final_loss"] == doc["epoch_losses"][-1] < 0.69
+    assert doc["config"]["recipe"]["comm"] == "bf16" and doc["config"]["model"] == "logistic"
+    st = doc["stats"]
+    assert st["allreduce_calls"] == 2 * -(-(569 // 16) // 4)
+    assert st["compute_s"] + st["comm_s"] == pytest.approx(st["train_s"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data", "no-such-file.h5"], "no such dataset file"),
+        (["--data", "diabetes", "--model", "logistic"], "binary labels"),
+        (["--data", "diabetes", "--s", "64", "--b", "32"], "exceeds the 442 training rows"),
+        (["--data", "diabetes", "--recipe", "Z"], "unknown recipe"),
+        (["--data", "diabetes", "--slot", "comm=fp8"], "unknown precision"),
+        (["--data", "diabetes", "--emulate", "latency"], "KEY=VALUE"),
+    ],
+)
+def test_train_rejects_bad_input(argv, message, shipped, capsys):
+    assert main(["train", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_rejects_a_file_without_X(tmp_path, shipped, capsys):
+    bad = tmp_path / "bad.h5"
+    with h5py.File(bad, "w") as f:
+        f["y"] = np.zeros(10)
+    assert main(["train", "--no-progress", "--data", str(bad)]) == 2
+    assert "missing dataset 'X'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("mpiexec", path=str(VENV_BIN)) is None, reason="no mpiexec")
+def test_train_killed_under_mpiexec_resumes_bit_for_bit(tmp_path, shipped):
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_")
+    env = {
+        k: v for k, v in os.environ.items() if k != EXIT_AFTER_ENV and not k.startswith(launcher)
+    }
+
+    def train(checkpoint, extra=None):
+        args = (
+            "train --data breast_cancer --s 4 --b 16 --epochs 2 --recipe C --lambda 0.01 "
+            "--no-progress --checkpoint-every 3 --resume --checkpoint"
+        )
+        cmd = [str(VENV_BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "optcc_mpi"]
+        cmd += [*args.split(), str(checkpoint)]
+        return subprocess.run(
+            cmd, env={**env, **(extra or {})}, cwd=REPO, capture_output=True, text=True, timeout=180
+        )
+
+    full = train(tmp_path / "full.h5")
+    assert full.returncode == 0, full.stderr
+    killed = train(tmp_path / "ck.h5", {EXIT_AFTER_ENV: "10"})
+    assert killed.returncode == EXIT_AFTER_STATUS, killed.stderr
+    resumed = train(tmp_path / "ck.h5")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    with h5py.File(tmp_path / "full.h5") as a, h5py.File(tmp_path / "ck.h5") as b:
+        np.testing.assert_array_equal(a["w"][...], b["w"][...])
+        assert a.attrs["steps"] == b.attrs["steps"] == 2 * (569 // 16)
+
+
+def test_bench_glm_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    argv = "bench-glm --m 1024 --n 16 --b 16 --epochs 1 --s 2,4 --recipes fp32,C --repeats 1"
+    status = main([*argv.split(), "--latency", "0,20us", "--out", str(out)])
+    assert status == 0
+    table = capsys.readouterr().out
+    assert "t_target(s)" in table and "sklearn" in table
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 * (1 + 2 * 2 + 1)  # per latency: sgd, casgd x (2 recipes x 2 s), sklearn
+    for row in rows:
+        assert row["command"].startswith("mpiexec -n 1 optcc-mpi bench-glm")
+    ours = [r for r in rows if r["solver"] != "sklearn"]
+    assert all(r["loss_gap"] <= 0.005 for r in ours)
+    assert all(r["time_to_target_s"] is not None for r in ours)
+    casgd = [r for r in ours if r["solver"] == "casgd"]
+    assert {r["allreduce_calls"] for r in casgd if r["s"] == 4} == {1024 // 16 // 4}
