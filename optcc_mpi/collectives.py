@@ -13,6 +13,7 @@ before any buffer is touched, and no rank is left waiting for the others.
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any
 
@@ -22,7 +23,7 @@ from optcc_mpi import algorithms
 from optcc_mpi.backend import DTYPES, OPS, backend_for, check_dtype, check_op
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.executor import ExecStats, execute
-from optcc_mpi.links import Links
+from optcc_mpi.links import ENV_LINKS, Links
 
 __all__ = ["allreduce", "IN_PLACE", "ALGORITHMS", "choose_algorithm", "last_stats", "SMALL_BYTES"]
 
@@ -40,6 +41,8 @@ def _in_place() -> Any:
 
 
 IN_PLACE: Any = _in_place()
+#: Marker for ``links="probe"``: measure the profile (once per communicator).
+PROBE = Links({})
 _last: dict[str, Any] = {}
 
 
@@ -130,7 +133,8 @@ def allreduce(
         Schedule to run. ``auto`` picks the fastest by the model for this size and link
         profile, and the MPI library's own AllReduce for short messages.
     links : Links or str, optional
-        Degraded ranks, ``"RANK:FRACTION,..."``; default ``$OPTCC_LINKS``, else healthy.
+        Degraded ranks, ``"RANK:FRACTION,..."``, or ``"probe"`` to measure them (once per
+        communicator, :mod:`optcc_mpi.probe`); default ``$OPTCC_LINKS``, else healthy.
         Must be the same on every rank.
     emulate : Emulation or str, optional
         Pace every rank's messages like a NIC of this rate and latency (the profile's
@@ -174,11 +178,15 @@ def allreduce(
             list(DTYPES.values()).index(data.dtype),
             OPS.index(op),
             ALGORITHMS.index(algorithm),
-            _code(repr(link_obj.key())),
+            _code("probe" if link_obj is PROBE else repr(link_obj.key())),
             _code(str(emu)),
             _code(backend.name),
         ]
-        shown = {"link profile": str(link_obj), "emulation": str(emu), "backend": backend.name}
+        shown = {
+            "link profile": "probe" if link_obj is PROBE else str(link_obj),
+            "emulation": str(emu),
+            "backend": backend.name,
+        }
     except (ValueError, TypeError) as exc:
         error = exc
         sig[0] = 1
@@ -187,6 +195,11 @@ def allreduce(
     elif error is not None:
         raise error
 
+    if link_obj is PROBE:
+        # Every rank agreed on "probe" above, so all of them take part in it.
+        from optcc_mpi.probe import cached_probe
+
+        link_obj = cached_probe(comm, emulate=emu).links
     name = choose_algorithm(p, data.nbytes, link_obj) if algorithm == "auto" else algorithm
     extra = dict(params or {})
     if name != "native":
@@ -249,9 +262,14 @@ def _check_local(
             raise ValueError("recvbuf is read-only")
         if not in_place and _overlaps(sendbuf, recvbuf):
             raise ValueError("sendbuf and recvbuf overlap; use IN_PLACE to reduce in place")
-    link_obj = Links.coerce(links)
-    link_obj.check(p)
     emu = Emulation.coerce(emulate)
+    if links is None:
+        links = os.environ.get(ENV_LINKS) or None
+    if isinstance(links, str) and links.strip().lower() == "probe":
+        link_obj = PROBE
+    else:
+        link_obj = Links.coerce(links)
+        link_obj.check(p)
     return backend.flat(source), recvbuf, backend, link_obj, emu
 
 

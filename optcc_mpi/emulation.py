@@ -11,8 +11,11 @@ The real transfers (shared memory, or a fast network) must be faster than the vi
 NIC for the emulation to be faithful; the benchmark reports what the emulation achieved.
 
 String form (CLI ``--emulate`` and ``$OPTCC_EMULATE``): ``"bw=200MB/s,latency=20us"``;
-either key may be left out. ``$OPTCC_EMULATE_FRACTION`` (set per rank, e.g. by
-``jobs/degrade-wrapper.sh``) scales this rank's virtual NIC regardless of the profile.
+either key may be left out. Which ranks are slow is normally the link profile the
+algorithms are told (``links``); ``degrade=RANK:FRACTION,...`` (last in the string) sets
+the emulated truth separately, e.g. to check that ``links="probe"`` finds it.
+``$OPTCC_EMULATE_FRACTION`` (set per rank, e.g. by ``jobs/degrade-wrapper.sh``) scales this
+rank's virtual NIC regardless of the profile.
 """
 
 from __future__ import annotations
@@ -39,15 +42,18 @@ class Emulation:
         Healthy virtual NIC rate in bytes/s per direction; None leaves bandwidth unpaced.
     latency : float
         Seconds added to every message.
+    degrade : Links, optional
+        Emulated slow ranks; by default the link profile of each call.
 
     Examples
     --------
     >>> Emulation.parse("bw=200MB/s,latency=20us")
-    Emulation(bw=200000000.0, latency=2e-05)
+    Emulation(bw=200000000.0, latency=2e-05, degrade=None)
     """
 
     bw: float | None = None
     latency: float = 0.0
+    degrade: Links | None = None
 
     def __post_init__(self) -> None:
         if self.bw is not None and not (self.bw > 0 and math.isfinite(self.bw)):
@@ -57,21 +63,33 @@ class Emulation:
 
     @classmethod
     def parse(cls, text: str) -> Emulation:
-        """Parse ``"bw=RATE,latency=DURATION"`` (keys optional, in any order)."""
+        """Parse ``"bw=RATE,latency=DURATION[,degrade=RANK:FRACTION,...]"``."""
         bw: float | None = None
         latency = 0.0
+        degrade: list[str] = []
+        in_degrade = False
         for item in filter(None, (x.strip() for x in text.split(","))):
             key, sep, value = item.partition("=")
             key = key.strip().lower()
+            if not sep and in_degrade and ":" in item:
+                degrade.append(item)  # further RANK:FRACTION items of degrade=
+                continue
+            in_degrade = False
             if not sep:
                 raise ValueError(f"emulation: expected KEY=VALUE, got {item!r} in {text!r}")
             if key in ("bw", "bandwidth", "rate"):
                 bw = parse_rate(value)
             elif key in ("latency", "lat", "alpha"):
                 latency = parse_duration(value)
+            elif key == "degrade":
+                degrade.append(value)
+                in_degrade = True
             else:
-                raise ValueError(f"emulation: unknown key {key!r} in {text!r}; use bw, latency")
-        return cls(bw=bw, latency=latency)
+                raise ValueError(
+                    f"emulation: unknown key {key!r} in {text!r}; use bw, latency, degrade"
+                )
+        links = Links.parse(",".join(degrade)) if degrade else None
+        return cls(bw=bw, latency=latency, degrade=links)
 
     @classmethod
     def coerce(cls, emulate: Emulation | str | None) -> Emulation | None:
@@ -86,8 +104,9 @@ class Emulation:
         raise TypeError(f"emulate must be an Emulation or a string, not {type(emulate).__name__}")
 
     def pacer(self, rank: int, p: int, links: Links) -> Pacer:
-        """The virtual NIC of ``rank`` in a communicator of ``p`` ranks."""
-        fractions = links.vector(p)
+        """The virtual NIC of ``rank`` in a communicator of ``p`` ranks (slow ranks from
+        ``degrade`` if set, else from the call's link profile ``links``)."""
+        fractions = (self.degrade if self.degrade is not None else links).vector(p)
         mine = float(fractions[rank])
         forced = os.environ.get(ENV_FRACTION)
         if forced:
@@ -102,6 +121,8 @@ class Emulation:
             parts.append(f"bw={self.bw / 1e6:g}MB/s")
         if self.latency:
             parts.append(f"latency={self.latency * 1e6:g}us")
+        if self.degrade is not None:
+            parts.append(f"degrade={self.degrade}")
         return ",".join(parts) or "none"
 
 

@@ -1,0 +1,118 @@
+"""``optcc-mpi bench``: the AllReduce benchmark (nccl-tests style), under mpiexec or srun."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from optcc_mpi.cli._common import rate_arg, size_arg
+
+EPILOG = """\
+Run it under mpiexec, srun, or `optcc-mpi testbed run`. For every size it first times the
+ring with every link healthy (the fault-free reference: under --emulate the degradation is
+dropped, on the testbed the shaping is switched off for that part), then each algorithm
+on the degraded network. Rows: nccl-tests' columns (busbw with the 2(p-1)/p factor for
+every algorithm, #wrong summed over ranks), the ratio to the fault-free ring measured in
+this run, and the modelled time and lower bound (given --bw, the emulated rate, or the
+testbed's rate). Exit status 1 if any result is wrong.
+
+examples:
+  # software emulation: 200 MB/s virtual NICs, 20 us per message, rank 0 at half rate
+  mpiexec -n 8 optcc-mpi bench -b 1M -e 16M -f 2 --links 0:0.5 --emulate bw=200MB/s,latency=20us
+
+  # real shaping on this machine (as root): 400 Mbit/s links, rank 0 at 200 Mbit/s
+  optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
+  optcc-mpi testbed run -- optcc-mpi bench -b 16M -e 64M -f 2 -n 3 --out tb.jsonl
+
+  # let the probe find the slow rank, and keep the results
+  mpiexec -n 8 optcc-mpi bench --links probe --emulate bw=100MB/s,degrade=3:0.5 --out r.csv
+"""
+
+
+def run(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from optcc_mpi import bench
+    from optcc_mpi.emulation import Emulation
+
+    comm = MPI.COMM_WORLD
+    algs = args.algorithms.split(",")
+    cfg = bench.BenchConfig(
+        sizes=bench.sizes(args.begin, args.end, args.factor),
+        algorithms=algs,
+        iters=args.iters,
+        warmup=args.warmup,
+        dtype=args.dtype,
+        op=args.op,
+        links=args.links,
+        emulate=Emulation.coerce(args.emulate) if args.emulate else None,
+        bw=args.bw,
+        reference=not args.no_reference,
+        command="optcc-mpi " + " ".join(sys.argv[1:]),
+    )
+    rows = bench.run(cfg, comm)
+    if comm.Get_rank() == 0:
+        p = comm.Get_size()
+        net = rows[0]["network"] if rows else "-"
+        print(
+            f"# optcc-mpi bench: {p} ranks, {cfg.dtype} {cfg.op}, network: {net}, "
+            f"links: {rows[-1]['links'] if rows else '-'}"
+            + (f", emulate: {cfg.emulate}" if cfg.emulate else "")
+        )
+        print(bench.table(rows))
+        wrong = sum(r["wrong"] for r in rows)
+        print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        if args.out:
+            bench.write(rows, args.out)
+            print(f"# wrote {len(rows)} rows to {args.out}")
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def register(subparsers: Any) -> None:
+    from optcc_mpi.backend import DTYPES, OPS
+
+    p = subparsers.add_parser(
+        "bench",
+        help="AllReduce benchmark in the style of nccl-tests (run under mpiexec/srun)",
+        description="Time every requested algorithm for each message size against the "
+        "fault-free ring measured in the same run, check every result, and report "
+        "nccl-tests' columns plus the modelled time and the lower bound.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-b", "--begin", type=size_arg, default=1 << 20, help="smallest size (1M)")
+    p.add_argument("-e", "--end", type=size_arg, default=16 << 20, help="largest size (16M)")
+    p.add_argument("-f", "--factor", type=float, default=2.0, help="size step factor (2)")
+    p.add_argument("-n", "--iters", type=int, default=5, help="timed iterations (5)")
+    p.add_argument("-w", "--warmup", type=int, default=1, help="warm-up iterations (1)")
+    p.add_argument("-d", "--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("-o", "--op", choices=list(OPS), default="sum")
+    p.add_argument(
+        "--algorithms",
+        default="ring,optcc,r2ccl,native,auto",
+        help="comma-separated from ring,optcc,r2ccl,native,auto,gloo "
+        "(gloo: torch.distributed, when torch is installed)",
+    )
+    p.add_argument(
+        "--links",
+        default=None,
+        metavar="RANK:FRACTION[,...]|probe",
+        help="degraded ranks, or 'probe' to measure them; default $OPTCC_LINKS, "
+        "or the testbed's shaping",
+    )
+    p.add_argument(
+        "--emulate",
+        default=None,
+        metavar="bw=RATE,latency=TIME[,degrade=...]",
+        help="software link emulation (the --links ranks are slowed)",
+    )
+    p.add_argument(
+        "--bw",
+        type=rate_arg,
+        default=None,
+        help="healthy link rate for the model columns (default: from the emulation or the testbed)",
+    )
+    p.add_argument("--no-reference", action="store_true", help="skip the fault-free ring reference")
+    p.add_argument("--out", help="write rows as JSON lines (CSV if the name ends in .csv)")
+    p.set_defaults(func=run)
