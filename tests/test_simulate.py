@@ -81,8 +81,13 @@ def test_engines_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled event loop is a translation of the Python one: identical traces."""
     if simulate._core() is None:
         pytest.skip("no C compiler: only the Python engine exists")
-    cases = [("ring", 8, "0:0.5", {}), ("optcc", 7, "0:0.5,3:0.6", {"k": 5}),
-             ("optcc", 8, "0:0.75", {"k": 8}), ("r2ccl", 6, "0:0.5", {}), ("native", 5, "", {})]
+    cases = [
+        ("ring", 8, "0:0.5", {}),
+        ("optcc", 7, "0:0.5,3:0.6", {"k": 5}),
+        ("optcc", 8, "0:0.75", {"k": 8}),
+        ("r2ccl", 6, "0:0.5", {}),
+        ("native", 5, "", {}),
+    ]
     for name, p, links, params in cases:
         s = algorithms.build(name, p, 100003, links, **params)
         kw = dict(bw=1e9, latency=3e-6, reduce_bw=5e9, trace=True)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from optcc_mpi.links import Links, parse_duration, parse_rate, parse_size
 
-__all__ = ["size_arg", "rate_arg", "duration_arg", "links_arg", "print_table"]
+__all__ = ["size_arg", "rate_arg", "duration_arg", "links_arg", "print_table", "add_network_args"]
 
 
 def _wrap(fn, what: str):  # noqa: ANN001, ANN202 - argparse type adaptor
@@ -41,3 +41,29 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, righ
     print("  ".join("-" * w for w in widths))
     for row in cells[1:]:
         print(fmt(row))
+
+
+def add_network_args(p: argparse.ArgumentParser) -> None:
+    """``--p``, ``--degrade``/``--links``, ``--size`` and ``--bw``: the network a modelled or
+    simulated AllReduce runs on."""
+    p.add_argument("--p", type=int, default=8, help="ranks (default 8)")
+    p.add_argument(
+        "--degrade",
+        "--links",
+        type=links_arg,
+        default=Links.parse("0:0.5"),
+        metavar="RANK:FRACTION[,...]",
+        help="degraded ranks and their bandwidth fractions (default 0:0.5)",
+    )
+    p.add_argument(
+        "--size",
+        type=size_arg,
+        default=256 * 2**20,
+        help="bytes per rank, e.g. 256M (default 256M)",
+    )
+    p.add_argument(
+        "--bw",
+        type=rate_arg,
+        default=25e9,
+        help="healthy NIC bandwidth per direction, e.g. 25GB/s, 400mbit (default 25GB/s)",
+    )

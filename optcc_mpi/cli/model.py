@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from optcc_mpi.cli._common import links_arg, print_table, rate_arg, size_arg
+from optcc_mpi.cli._common import add_network_args, print_table
 from optcc_mpi.links import Links
 
 EPILOG = """\
@@ -119,27 +119,7 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--p", type=int, default=8, help="ranks (default 8)")
-    p.add_argument(
-        "--degrade",
-        "--links",
-        type=links_arg,
-        default=Links.parse("0:0.5"),
-        metavar="RANK:FRACTION[,...]",
-        help="degraded ranks and their bandwidth fractions (default 0:0.5)",
-    )
-    p.add_argument(
-        "--size",
-        type=size_arg,
-        default=256 * 2**20,
-        help="bytes per rank, e.g. 256M (default 256M)",
-    )
-    p.add_argument(
-        "--bw",
-        type=rate_arg,
-        default=25e9,
-        help="healthy NIC bandwidth per direction, e.g. 25GB/s, 400mbit (default 25GB/s)",
-    )
+    add_network_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--sweep",

@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from optcc_mpi.cli._common import duration_arg, links_arg, print_table, rate_arg, size_arg
+from optcc_mpi.cli._common import add_network_args, duration_arg, print_table
 from optcc_mpi.links import Links
 
 EPILOG = """\
@@ -153,17 +153,7 @@ def register(subparsers: Any) -> None:
         default=names,
         help=f"comma-separated, from {','.join(names)} (default: all)",
     )
-    p.add_argument("--p", type=int, default=8, help="ranks (default 8)")
-    p.add_argument(
-        "--degrade",
-        "--links",
-        type=links_arg,
-        default=Links.parse("0:0.5"),
-        metavar="RANK:FRACTION[,...]",
-        help="degraded ranks (default 0:0.5)",
-    )
-    p.add_argument("--size", type=size_arg, default=256 * 2**20, help="bytes per rank (256M)")
-    p.add_argument("--bw", type=rate_arg, default=25e9, help="healthy NIC bandwidth (25GB/s)")
+    add_network_args(p)
     p.add_argument(
         "--latency",
         type=duration_arg,
