@@ -56,3 +56,23 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# Recorded benchmarks (README "Measured"): the testbed needs root; results go to results/.
+BENCH_SIZES ?= -b 16M -e 64M -f 2 -n 3 -w 1
+.PHONY: bench-testbed bench-emulation
+bench-testbed: $(STAMP)
+	@mkdir -p results
+	$(VENV)/bin/optcc-mpi testbed down >/dev/null
+	$(VENV)/bin/optcc-mpi testbed up --ranks 8 --rate 400mbit
+	$(VENV)/bin/optcc-mpi testbed run -- $(PY) -m optcc_mpi bench $(BENCH_SIZES) \
+	  --algorithms ring,native,auto --out results/testbed-healthy.jsonl; \
+	  status=$$?; $(VENV)/bin/optcc-mpi testbed down >/dev/null; exit $$status
+	$(VENV)/bin/optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
+	$(VENV)/bin/optcc-mpi testbed run -- $(PY) -m optcc_mpi bench $(BENCH_SIZES) \
+	  --algorithms ring,optcc,r2ccl,native,auto --out results/testbed-degraded.jsonl; \
+	  status=$$?; $(VENV)/bin/optcc-mpi testbed down >/dev/null; exit $$status
+
+bench-emulation: $(STAMP)
+	@mkdir -p results
+	$(MPIEXEC) -n 8 $(PY) -m optcc_mpi bench -b 4M -e 16M -f 2 -n 3 -w 1 \
+	  --links 0:0.5 --emulate bw=50MB/s --out results/emulation-degraded.jsonl
