@@ -29,6 +29,8 @@ def _param(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
     try:
         return key, int(value)
     except ValueError:
