@@ -1,0 +1,1151 @@
+"""Reports: sweep results joined into one table, their plots, and the simulated reproduction.
+
+Three jobs, each usable from Python and through ``optcc-mpi report``:
+
+* :func:`load` / :func:`write_csv`: read a results folder written by the sweep job
+  scripts (``optcc_mpi.sweep``) into flat rows, one per benchmark row or training run,
+  plus one row for every task that failed or never reported, so nothing disappears
+  silently. Every row carries ``array_job_id``, ``array_task_id``, ``status`` and
+  ``wrong``.
+* :func:`plot_results`: the usual pictures (PNG, matplotlib's Agg backend): AllReduce
+  overhead against bandwidth loss with the model and the lower bound, time against message
+  size, CA-SGD loss against time, and CA-SGD speedup against s.
+* :func:`reproduce`: the paper's setting by simulation, p up to 1024 and 12.5% to 50%
+  bandwidth loss, with one or several GPUs per server, set beside the paper's claims.
+
+Several GPUs per server (our reading, not the paper's statement)
+----------------------------------------------------------------
+An 8-GPU server with one NIC per GPU that loses some NICs keeps running by rerouting the
+affected GPUs' traffic over the surviving NICs (NCCL's PXN). Rerouting spreads the loss:
+every GPU of that server then sees the server's lost fraction X of its bandwidth. We model
+the degraded server's g GPUs as g ranks, each at ``1 - X`` of the healthy rate, in one
+flat job of p ranks. Other readings exist (``docs/report.md``); the numbers depend on it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from optcc_mpi import sweep as _sweep
+from optcc_mpi.links import Links
+
+__all__ = [
+    "Results",
+    "load",
+    "write_csv",
+    "plot_results",
+    "PAPER",
+    "reproduce",
+    "reproduction_markdown",
+    "write_reproduction_csv",
+    "plot_reproduction",
+]
+
+#: Columns that lead the joined CSV, in this order; the others follow as first seen.
+LEAD_COLUMNS = (
+    "table",
+    "array_job_id",
+    "array_task_id",
+    "status",
+    "wrong",
+    "exit_code",
+    "kind",
+    "algorithm",
+    "chosen",
+    "p",
+    "loss",
+    "links",
+    "size",
+    "time_us",
+    "ratio_fault_free",
+    "model_us",
+    "bound_us",
+    "solver",
+    "s",
+    "b",
+    "recipe",
+    "dataset",
+    "final_loss",
+    "train_s",
+    "compute_s",
+    "comm_s",
+)
+
+#: Label the benchmark gives the healthy reference ring it times in every run.
+REFERENCE = "ring (fault-free)"
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclass
+class Results:
+    """A results folder, read.
+
+    Attributes
+    ----------
+    rows : list of dict
+        Flat rows for the CSV: result rows of the tasks that count (the latest submission
+        of each), and one row per failed task without results or missing task.
+    status : optcc_mpi.sweep.SweepStatus
+        Per-task states (ok, failed, missing), for the summary.
+    histories : list of dict
+        One per training run: its parameters and loss curve (``history``), which the CSV
+        leaves out.
+    """
+
+    rows: list[dict[str, Any]]
+    status: _sweep.SweepStatus
+    histories: list[dict[str, Any]]
+
+    @property
+    def ok(self) -> bool:
+        """Every task succeeded and no row has wrong values."""
+        return self.status.ok
+
+    def summary(self) -> str:
+        """Task counts, #wrong, and one line per failed or missing task."""
+        return self.status.summary()
+
+
+def _loss_of(row: Mapping[str, Any], params: Mapping[str, Any]) -> float | None:
+    """Bandwidth lost by the slowest rank: the table's ``loss``, else from ``links``."""
+    if params.get("loss") not in (None, ""):
+        try:
+            return float(params["loss"])
+        except (TypeError, ValueError):
+            pass
+    text = row.get("links") if row.get("links") is not None else params.get("links")
+    p = row.get("p") or params.get("ranks")
+    if text in (None, "") or not p:
+        return 0.0 if text == "" else None
+    try:
+        return float(1.0 - Links.parse(str(text)).vector(int(p)).min())
+    except (ValueError, TypeError):
+        return None
+
+
+def _flat(value: Any) -> Any:
+    # CSV cells: numbers and strings as they are, lists and dicts as compact JSON.
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    return value
+
+
+def load(results: str | os.PathLike[str]) -> Results:
+    """Read a results folder (see the module docstring).
+
+    Parameters
+    ----------
+    results : path-like
+        The folder holding ``<job>_<task>.jsonl`` records and ``manifest-*.json`` files.
+
+    Returns
+    -------
+    Results
+    """
+    st = _sweep.collect(results)
+    rows: list[dict[str, Any]] = []
+    histories: list[dict[str, Any]] = []
+    for t in st.tasks:
+        rec = t.record or {}
+        params = dict(rec.get("params") or {})
+        mpi = rec.get("mpi") or {}
+        slurm = rec.get("slurm") or {}
+        pkg = rec.get("optcc_mpi") or {}
+        base = {
+            "table": rec.get("table") or Path(t.sweep).stem,
+            "array_job_id": t.job,
+            "array_task_id": t.task,
+            "status": t.status,
+            "exit_code": rec.get("exit_code"),
+            "kind": rec.get("kind"),
+            "attempts": len(t.attempts),
+            "nodelist": slurm.get("nodelist"),
+            "mpi_vendor": mpi.get("vendor"),
+            "mpi_version": mpi.get("version"),
+            "optcc_mpi_version": pkg.get("version"),
+            "git_rev": pkg.get("git_rev"),
+            "wall_s": rec.get("wall_s"),
+            "note": rec.get("note"),
+        }
+        param_cols = {k: v for k, v in params.items() if k not in ("row",)}
+        if not t.rows:
+            # A failed or missing task still gets its line: status and parameters, with
+            # `wrong` unknown (empty), so the CSV shows every task that was asked for.
+            row = {**base, "wrong": None, **param_cols}
+            if t.status == "failed":
+                why = _sweep.error_line(rec.get("log_tail") or [])
+                row["error_line"] = why[:300] if why else None
+            rows.append(row)
+            continue
+        for r in t.rows:
+            row = dict(base)
+            for k, v in r.items():
+                if k in ("record", "history"):
+                    continue
+                row[k] = _flat(v)
+            # Parameters fill only what the command did not report itself: the result
+            # row says what actually ran.
+            for k, v in param_cols.items():
+                row.setdefault(k, v)
+            row["loss"] = _loss_of(r, params)
+            if r.get("record") == "train":
+                row.setdefault("dataset", params.get("dataset"))
+                histories.append({**row, "history": r.get("history") or []})
+            rows.append(row)
+    return Results(rows, st, histories)
+
+
+def write_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Write rows as CSV, the lead columns first (``LEAD_COLUMNS``), then the rest."""
+    seen: dict[str, None] = {}
+    for c in LEAD_COLUMNS:
+        if any(c in r for r in rows) or c in ("array_job_id", "array_task_id", "wrong"):
+            seen[c] = None
+    for r in rows:
+        for c in r:
+            seen.setdefault(c, None)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(seen), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+    return path
+
+
+# ----------------------------------------------------------------------------- plotting
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on cluster nodes or CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+#: One colour and marker per algorithm, the same in every figure.
+STYLE = {
+    "ring": ("tab:red", "s"),
+    "r2ccl": ("tab:orange", "^"),
+    "optcc": ("tab:blue", "o"),
+    "native": ("tab:gray", "D"),
+    "auto": ("tab:green", "v"),
+    "gloo": ("tab:brown", "P"),
+    REFERENCE: ("black", "x"),
+}
+
+
+def _style(name: str) -> tuple[str, str]:
+    return STYLE.get(name, ("tab:purple", "*"))
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _bench_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [
+        r
+        for r in rows
+        if r.get("kind") == "allreduce"
+        and r.get("status") == "ok"
+        and _num(r.get("time_us")) is not None
+    ]
+
+
+def _panels(n: int) -> tuple[int, int]:
+    cols = min(n, 3)
+    return (n + cols - 1) // cols, cols
+
+
+def _grid(plt: Any, n: int, w: float = 5.2, h: float = 4.0) -> tuple[Any, list[Any]]:
+    nr, nc = _panels(n)
+    fig, axes = plt.subplots(nr, nc, figsize=(w * nc, h * nr), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def plot_overhead_vs_loss(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """Overhead over the fault-free ring against bandwidth loss, one panel per p.
+
+    Points: measured ``ratio_fault_free`` at the largest message size of each run (the
+    bandwidth-bound end, which the model describes). Lines: the fluid model of each
+    algorithm with the measured run's straggler set, and the lower bound (dashed).
+    """
+    from optcc_mpi import model
+
+    pts = [
+        r
+        for r in _bench_rows(rows)
+        if r.get("algorithm") != REFERENCE
+        and _num(r.get("ratio_fault_free")) is not None
+        and _num(r.get("loss")) is not None
+    ]
+    if not pts:
+        return None
+    largest: dict[tuple[Any, ...], float] = {}
+    for r in pts:
+        key = (r.get("table"), r.get("array_job_id"), r.get("array_task_id"), r["algorithm"])
+        largest[key] = max(largest.get(key, 0.0), float(r["size"]))
+    pts = [
+        r
+        for r in pts
+        if float(r["size"])
+        == largest[(r.get("table"), r.get("array_job_id"), r.get("array_task_id"), r["algorithm"])]
+    ]
+    ps = sorted({int(r["p"]) for r in pts})
+    plt = _plt()
+    fig, axes = _grid(plt, len(ps))
+    for ax, p in zip(axes, ps):
+        mine = [r for r in pts if int(r["p"]) == p]
+        algs = sorted({r["algorithm"] for r in mine})
+        # The model lines use the straggler set of the runs (rank 0 unless said otherwise).
+        stragglers = _stragglers_of(mine)
+        xmax = max(0.5, max(float(r["loss"]) for r in mine))
+        grid = [i / 100 * xmax for i in range(0, 101)]
+        for alg in algs:
+            color, marker = _style(alg)
+            xs = [100 * float(r["loss"]) for r in mine if r["algorithm"] == alg]
+            ys = [100 * (float(r["ratio_fault_free"]) - 1) for r in mine if r["algorithm"] == alg]
+            ax.scatter(xs, ys, color=color, marker=marker, s=42, zorder=3, label=f"{alg} measured")
+            fn = {
+                "ring": model.ring_time,
+                "r2ccl": model.r2ccl_time,
+                "optcc": model.optcc_time,
+                "native": model.ring_time,
+            }.get(alg)
+            if fn is not None and p > 2:
+                ys_m = [
+                    100
+                    * (fn(p, 1.0, 1.0, _links(stragglers, x)) / model.fault_free(p, 1.0, 1.0) - 1)
+                    for x in grid
+                ]
+                ax.plot(
+                    [100 * x for x in grid],
+                    ys_m,
+                    color=color,
+                    lw=1.4,
+                    alpha=0.8,
+                    label=f"{alg} model",
+                )
+        if p > 1:
+            yb = [
+                100
+                * (
+                    model.lower_bound(p, 1.0, 1.0, _links(stragglers, x))
+                    / model.fault_free(p, 1.0, 1.0)
+                    - 1
+                )
+                for x in grid
+            ]
+            # Wide and pale, under the model lines: OptCC's model meets the bound, and
+            # both must stay visible where they coincide.
+            ax.plot(
+                [100 * x for x in grid],
+                yb,
+                color="0.3",
+                ls="--",
+                lw=3.2,
+                alpha=0.45,
+                zorder=1,
+                label="lower bound",
+            )
+        ax.axhline(0, color="0.6", lw=0.8)
+        ax.set_title(f"p = {p} ranks, degraded: {_describe(stragglers)}")
+        ax.set_xlabel("bandwidth lost by the degraded rank(s) (%)")
+        ax.set_ylabel("time over fault-free ring (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        "AllReduce overhead against bandwidth loss (points: measured at the "
+        "largest size; lines: fluid model)",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _stragglers_of(rows: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
+    for r in rows:
+        text = r.get("links")
+        if text:
+            try:
+                return Links.parse(str(text)).degraded
+            except ValueError:
+                continue
+    return (0,)
+
+
+def _links(stragglers: Sequence[int], loss: float) -> Links:
+    if loss <= 0:
+        return Links()
+    return Links({r: 1.0 - loss for r in stragglers})
+
+
+def _describe(ranks: Sequence[int]) -> str:
+    if not ranks:
+        return "none"
+    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return (
+        "rank " + ",".join(map(str, ranks))
+        if len(ranks) == 1
+        else "ranks " + ",".join(map(str, ranks))
+    )
+
+
+def plot_time_vs_size(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """Median time against message size, one panel per (p, loss), log-log, with the
+    fault-free reference ring and (dotted) each algorithm's modelled time when known."""
+    pts = _bench_rows(rows)
+    if not pts:
+        return None
+    keys = sorted({(int(r["p"]), round(float(r.get("loss") or 0), 4)) for r in pts})
+    plt = _plt()
+    fig, axes = _grid(plt, len(keys))
+    for ax, (p, loss) in zip(axes, keys):
+        mine = [r for r in pts if int(r["p"]) == p and round(float(r.get("loss") or 0), 4) == loss]
+        for alg in sorted({r["algorithm"] for r in mine}, key=lambda a: (a == REFERENCE, a)):
+            color, marker = _style(alg)
+            by_size: dict[float, list[float]] = defaultdict(list)
+            model_us: dict[float, list[float]] = defaultdict(list)
+            for r in mine:
+                if r["algorithm"] == alg:
+                    by_size[float(r["size"])].append(float(r["time_us"]))
+                    m = _num(r.get("model_us"))
+                    if m is not None:
+                        model_us[float(r["size"])].append(m)
+            xs = sorted(by_size)
+            ax.plot(
+                xs,
+                [statistics.median(by_size[x]) for x in xs],
+                color=color,
+                marker=marker,
+                ls="--" if alg == REFERENCE else "-",
+                label=alg,
+            )
+            xm = sorted(model_us)
+            if len(xm) > 1 and alg != REFERENCE:
+                ax.plot(
+                    xm,
+                    [statistics.median(model_us[x]) for x in xm],
+                    color=color,
+                    ls=":",
+                    lw=1.2,
+                    alpha=0.8,
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        _readable_axes(ax, sorted({float(r["size"]) for r in mine}))
+        ax.set_title(f"p = {p}, bandwidth loss {100 * loss:g}%")
+        ax.set_xlabel("message size per rank")
+        ax.set_ylabel("time per AllReduce (ms)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        "AllReduce time against message size (solid: measured median; dotted: model)", fontsize=11
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _size_label(nbytes: float) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes:g}"
+
+
+def _readable_axes(ax: Any, sizes: Sequence[float]) -> None:
+    """Sizes as 256K, 1M, ... at the measured sizes; times in ms as plain numbers, where
+    matplotlib's log axes would print 9.8x10^4."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([_size_label(s) for s in sizes])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if len(sizes) == 1:
+        ax.set_xlim(sizes[0] / 2, sizes[0] * 2)
+    lo, hi = ax.get_ylim()
+    if hi / max(lo, 1e-300) < 4:
+        # Less than a factor 4 apart: a log axis would show one tick or none.
+        ax.set_yscale("linear")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e3:g}"))
+        return
+
+    def ms(v: float, minor: bool) -> str:
+        x = v / 1e3
+        if minor and f"{x:e}"[0] not in "25":  # 2 and 5 between the decades suffice
+            return ""
+        return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: ms(v, False)))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ms(v, True)))
+
+
+def _run_label(h: Mapping[str, Any]) -> str:
+    parts = [str(h.get("solver") or "?")]
+    if h.get("solver") == "casgd":
+        parts.append(f"s={h.get('s')}")
+    parts += [f"b={h.get('b')}", str(h.get("recipe") or "")]
+    if h.get("algorithm") not in (None, "", "mpi"):
+        parts.append(str(h["algorithm"]))
+    return " ".join(p for p in parts if p)
+
+
+def plot_casgd_loss(histories: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """Training loss against training time, one line per run, one panel per (dataset, p)."""
+    runs = [h for h in histories if h.get("status") == "ok" and h.get("history")]
+    if not runs:
+        return None
+    keys = sorted(
+        {(str(h.get("dataset") or h.get("data") or "?"), int(h.get("p") or 0)) for h in runs}
+    )
+    plt = _plt()
+    fig, axes = _grid(plt, len(keys), w=6.0)
+    for ax, (data, p) in zip(axes, keys):
+        mine = [
+            h
+            for h in runs
+            if (str(h.get("dataset") or h.get("data") or "?"), int(h.get("p") or 0)) == (data, p)
+        ]
+        mine.sort(key=lambda h: (str(h.get("solver")), int(h.get("s") or 0), str(h.get("recipe"))))
+        cmap = plt.get_cmap("viridis")
+        for i, h in enumerate(mine):
+            pts = [
+                (float(e["train_s"]), float(e["loss"]))
+                for e in h["history"]
+                if _num(e.get("train_s")) is not None and _num(e.get("loss")) is not None
+            ]
+            if not pts:
+                continue
+            color = "tab:red" if h.get("solver") == "sgd" else cmap(i / max(1, len(mine) - 1))
+            ax.plot(*zip(*pts), marker="o", ms=3, color=color, label=_run_label(h))
+        ax.set_title(f"{Path(data).name}, p = {p}")
+        ax.set_xlabel("training time (s, loss evaluation excluded)")
+        ax.set_ylabel("training loss (full objective)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("CA-SGD: loss against time, per solver and s", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_casgd_speedup(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """Speedup of CA-SGD against s: training time and communication time.
+
+    Runs are grouped by (dataset, p, b, recipe, algorithm). A group's baseline is its own
+    SGD run, else an SGD run of the same (dataset, p, b, algorithm) in another recipe
+    (named in the legend), else the group's smallest s. A group whose only run is its own
+    baseline says nothing and is left out.
+    """
+    runs = [
+        r
+        for r in rows
+        if r.get("kind") == "casgd" and r.get("status") == "ok" and _num(r.get("train_s"))
+    ]
+    if not runs:
+        return None
+
+    def med(rs: Iterable[Mapping[str, Any]], key: str) -> float | None:
+        vals = [float(r[key]) for r in rs if _num(r.get(key))]
+        return statistics.median(vals) if vals else None
+
+    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = defaultdict(list)
+    for r in runs:
+        key = (str(r.get("dataset")), r.get("p"), r.get("b"), r.get("recipe"), r.get("algorithm"))
+        groups[key].append(r)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.8, 4.6))
+    all_s: set[int] = set()
+    plotted = 0
+    for key, mine in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        data, p, b, recipe, alg = key
+        ca = [r for r in mine if r.get("solver") == "casgd"]
+        base = [r for r in mine if r.get("solver") == "sgd"]
+        base_name = "SGD"
+        if not base:
+            base = [
+                r
+                for r in runs
+                if r.get("solver") == "sgd"
+                and (str(r.get("dataset")), r.get("p"), r.get("b"), r.get("algorithm"))
+                == (data, p, b, alg)
+            ]
+            base_name = f"SGD {base[0].get('recipe')}" if base else ""
+        if not base and ca:
+            s0 = min(int(r.get("s") or 1) for r in ca)
+            base = [r for r in ca if int(r.get("s") or 1) == s0]
+            base_name = f"s={s0}"
+        ss = sorted({int(r.get("s") or 1) for r in ca})
+        if not base or not ss or (base_name.startswith("s=") and len(ss) < 2):
+            continue
+        t0, c0 = med(base, "train_s"), med(base, "comm_s")
+        color = plt.get_cmap("tab10")(plotted % 10)
+        label = f"{Path(data).name} p={p} b={b} {recipe}" + (
+            f" {alg}" if alg not in (None, "", "mpi") else ""
+        )
+        at = {s: [r for r in ca if int(r.get("s") or 1) == s] for s in ss}
+        ax.plot(
+            ss,
+            [t0 / med(at[s], "train_s") for s in ss],
+            marker="o",
+            color=color,
+            label=f"{label}: training time vs {base_name}",
+        )
+        if c0:
+            cc = [c0 / c if (c := med(at[s], "comm_s")) else math.nan for s in ss]
+            ax.plot(
+                ss,
+                cc,
+                marker="s",
+                ls="--",
+                color=color,
+                alpha=0.7,
+                label=f"{label}: communication vs {base_name}",
+            )
+        all_s.update(ss)
+        plotted += 1
+    if not plotted:
+        plt.close(fig)
+        return None
+    ax.axhline(1, color="0.5", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(all_s))
+    ax.set_xticklabels([str(s) for s in sorted(all_s)])
+    ax.xaxis.set_minor_formatter(_null_formatter())
+    ax.set_xlabel("s (SGD steps per AllReduce)")
+    ax.set_ylabel("speedup over the baseline (> 1: faster)")
+    ax.set_title("CA-SGD speedup against s")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _null_formatter() -> Any:
+    from matplotlib.ticker import NullFormatter
+
+    return NullFormatter()
+
+
+def plot_results(res: Results, outdir: str | os.PathLike[str]) -> list[Path]:
+    """Draw every plot the results allow into ``outdir``; returns the files written."""
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    made = [
+        plot_overhead_vs_loss(res.rows, out / "overhead_vs_loss.png"),
+        plot_time_vs_size(res.rows, out / "time_vs_size.png"),
+        plot_casgd_loss(res.histories, out / "casgd_loss_vs_time.png"),
+        plot_casgd_speedup(res.rows, out / "casgd_speedup_vs_s.png"),
+    ]
+    return [m for m in made if m is not None]
+
+
+# ----------------------------------------------------------------------------- reproduction
+
+#: The paper's claims (arXiv 2606.01680, abstract), as fractions of the fault-free time.
+PAPER = {
+    "optcc": (0.02, 0.06),  # "within 2-6% of NCCL's fault-free ring", up to 50% loss
+    "r2ccl": (None, 0.57),  # the previous state of the art: "up to 57%"
+    "max_loss": 0.5,
+}
+
+_MODEL_FN = {"ring": "ring_time", "r2ccl": "r2ccl_time", "optcc": "optcc_time"}
+
+
+def _simulate_one(
+    alg: str,
+    p: int,
+    count: int,
+    links: Links,
+    *,
+    bw: float,
+    latency: float,
+    segments: int | None,
+    optcc_params: Mapping[str, Any] | None = None,
+) -> tuple[float, dict[str, Any]]:
+    from optcc_mpi import algorithms
+    from optcc_mpi.simulate import simulate
+
+    params: dict[str, Any] = {}
+    if alg == "optcc":
+        params.update(optcc_params or {})
+        if segments:
+            params["k"] = segments
+    sched = algorithms.build(alg, p, count, links, **params)
+    res = simulate(sched, links, bw=bw, latency=latency)
+    info = {"ops": int(sched.n_ops)}
+    k = sched.params.get("k") if hasattr(sched, "params") else None
+    if k:
+        info["k"] = ",".join(map(str, k)) if isinstance(k, (tuple, list)) else str(k)
+    return res.time, info
+
+
+def reproduce(
+    ps: Sequence[int] = (8, 16, 32, 64, 128, 256, 512, 1024),
+    losses: Sequence[float] = (0.125, 0.25, 0.375, 0.5),
+    gpus_per_server: Sequence[int] = (1, 8),
+    *,
+    algorithms: Sequence[str] = ("ring", "r2ccl", "optcc"),
+    size: int = 1 << 30,
+    bw: float = 50e9,
+    latency: float = 0.0,
+    sim_max_p: int | Mapping[str, int] = 64,
+    segments: int | None = None,
+    optcc_params: Mapping[str, Any] | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """The paper's setting: overhead over the fault-free ring for each configuration.
+
+    Parameters
+    ----------
+    ps : sequence of int
+        Total ranks (GPUs). Configurations with ``p < 2 g`` are skipped: the degraded
+        server would be (more than) the whole job.
+    losses : sequence of float
+        Fraction X of the degraded server's bandwidth that is lost.
+    gpus_per_server : sequence of int
+        g: the degraded server's GPUs, modelled as ranks 0..g-1 each at ``1 - X``
+        (the module docstring says why).
+    algorithms : sequence of str
+        Among ring, r2ccl, optcc.
+    size : int
+        Bytes per rank (only the simulator's segment and chunk sizes depend on it).
+    bw : float
+        Healthy NIC rate, bytes/s per direction (50e9: a 400 Gb/s NIC).
+    latency : float
+        Seconds per message in the simulator (0: the fluid model's setting).
+    sim_max_p : int or mapping of str to int
+        Largest p simulated, per algorithm or for all; beyond it the closed-form model
+        gives the number and the ``source`` column says so.
+    segments : int, optional
+        OptCC's pipeline segments in the simulator; the algorithm's choice by default.
+    optcc_params : mapping, optional
+        Further keyword arguments of the OptCC schedule in the simulator (e.g.
+        ``{"fill": False}``: no bubble filling), recorded in the ``params`` column.
+    progress : bool
+        Print a progress bar to standard error.
+
+    Returns
+    -------
+    list of dict
+        One row per (g, p, X, algorithm): ``overhead`` (time / fault-free - 1) from the
+        ``source`` (``simulator`` or ``model``), both ``overhead_model`` and
+        ``overhead_sim`` (None where not simulated), ``overhead_bound`` (the lower bound's),
+        the paper's claim and a note.
+    """
+    from optcc_mpi import model
+    from optcc_mpi.progress import Progress
+
+    limits = (
+        dict(sim_max_p)
+        if isinstance(sim_max_p, Mapping)
+        else {a: int(sim_max_p) for a in algorithms}
+    )
+    configs = [(g, p, x) for g in gpus_per_server for p in ps for x in losses if p >= 2 * g]
+    rows: list[dict[str, Any]] = []
+    bar = Progress(len(configs) * len(algorithms), "simulating", enabled=progress, unit="run")
+    itemsize = 4
+    count = size // itemsize
+    for g, p, x in configs:
+        links = Links({r: 1.0 - x for r in range(g)})
+        ff = model.fault_free(p, size, bw)
+        bound = model.lower_bound(p, size, bw, links) / ff - 1
+        for alg in algorithms:
+            t_model = getattr(model, _MODEL_FN[alg])(p, size, bw, links)
+            row: dict[str, Any] = {
+                "gpus_per_server": g,
+                "p": p,
+                "loss": x,
+                "algorithm": alg,
+                "overhead_model": t_model / ff - 1,
+                "overhead_sim": None,
+                "overhead_bound": bound,
+                "size": size,
+                "bw": bw,
+                "latency": latency,
+            }
+            if p <= limits.get(alg, 0):
+                t_sim, info = _simulate_one(
+                    alg,
+                    p,
+                    count,
+                    links,
+                    bw=bw,
+                    latency=latency,
+                    segments=segments,
+                    optcc_params=optcc_params,
+                )
+                row["overhead_sim"] = t_sim / ff - 1
+                row.update(info)
+                if alg == "optcc" and optcc_params:
+                    row["params"] = ",".join(f"{k}={v}" for k, v in sorted(optcc_params.items()))
+                row["source"] = "simulator"
+                row["overhead"] = row["overhead_sim"]
+            else:
+                row["source"] = "model"
+                row["overhead"] = row["overhead_model"]
+            claim = PAPER.get(alg)
+            if claim:
+                lo, hi = claim
+                row["paper_claim"] = (
+                    f"{100 * lo:g}-{100 * hi:g}%" if lo is not None else f"up to {100 * hi:g}%"
+                )
+            rows.append(row)
+            bar.update(1, postfix=f"g={g} p={p} X={x:g} {alg}")
+    bar.close()
+    return rows
+
+
+def write_reproduction_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """The reproduction rows as CSV (overheads as fractions, e.g. 0.0323 = 3.23%)."""
+    cols = [
+        "gpus_per_server",
+        "p",
+        "loss",
+        "algorithm",
+        "overhead",
+        "source",
+        "overhead_model",
+        "overhead_sim",
+        "overhead_bound",
+        "paper_claim",
+        "k",
+        "params",
+        "ops",
+        "size",
+        "bw",
+        "latency",
+    ]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
+    return path
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _cell(
+    rows: Sequence[Mapping[str, Any]], g: int, p: int, alg: str, key: str, loss: float | None = None
+) -> float | None:
+    """One value: at ``loss``, or the worst over the losses up to the paper's 50% ("with up
+    to 50% bandwidth loss") when ``loss`` is None."""
+    vals = [
+        r[key]
+        for r in rows
+        if r["gpus_per_server"] == g
+        and r["p"] == p
+        and r["algorithm"] == alg
+        and r.get(key) is not None
+        and (
+            r["loss"] <= PAPER["max_loss"] + 1e-9 if loss is None else abs(r["loss"] - loss) < 1e-9
+        )
+    ]
+    return max(vals) if vals else None
+
+
+def reproduction_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The comparison with the paper's claims, as Markdown: two tables and notes.
+
+    Table 1 gives, per (g, p), the worst overhead over the losses simulated (the claims are
+    "with up to 50% loss"): the lower bound, then each algorithm's closed-form model and,
+    where p was small enough, the discrete-event simulation of our schedule. Table 2 breaks
+    OptCC's simulated overhead down by loss, which is where model and simulation part.
+    """
+    gs = sorted({r["gpus_per_server"] for r in rows})
+    algs = [a for a in ("optcc", "r2ccl", "ring") if any(r["algorithm"] == a for r in rows)]
+    names = {"optcc": "OptCC", "r2ccl": "R2CCL", "ring": "ring"}
+    out = [
+        "Overhead = time / fault-free ring - 1, worst over bandwidth losses up to 50%. "
+        "`model`: closed-form fluid model; `sim`: discrete-event simulation of our schedule "
+        "(`-`: p above --sim-max-p). Paper: OptCC within 2-6%, R2CCL up to 57%.",
+        "",
+    ]
+    params = sorted({r["params"] for r in rows if r.get("params")})
+    if params:
+        out[-1:-1] = [f"OptCC's schedule in the simulator ran with {'; '.join(params)}."]
+    head = ["g", "p", "bound"]
+    for a in algs:
+        head += [f"{names[a]} model", f"{names[a]} sim"]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("|" + "---|" * len(head))
+    for g in gs:
+        for p in sorted({r["p"] for r in rows if r["gpus_per_server"] == g}):
+            cells = [str(g), str(p), _pct(_cell(rows, g, p, algs[0], "overhead_bound"))]
+            for a in algs:
+                cells += [
+                    _pct(_cell(rows, g, p, a, "overhead_model")),
+                    _pct(_cell(rows, g, p, a, "overhead_sim")),
+                ]
+            out.append("| " + " | ".join(cells) + " |")
+    sims = [r for r in rows if r["algorithm"] == "optcc" and r.get("overhead_sim") is not None]
+    if sims:
+        losses = sorted({r["loss"] for r in rows})
+        out += ["", "OptCC by bandwidth loss where simulated: sim (model).", ""]
+        out.append("| g | p | " + " | ".join(f"X = {100 * x:g}%" for x in losses) + " |")
+        out.append("|" + "---|" * (2 + len(losses)))
+        for g, p in sorted({(r["gpus_per_server"], r["p"]) for r in sims}):
+            cells = [str(g), str(p)]
+            for x in losses:
+                s, m = (
+                    _cell(rows, g, p, "optcc", k, x) for k in ("overhead_sim", "overhead_model")
+                )
+                cells.append(f"{_pct(s)} ({_pct(m)})")
+            out.append("| " + " | ".join(cells) + " |")
+    out += ["", *_notes(rows)]
+    return "\n".join(out) + "\n"
+
+
+def _notes(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Notes comparing our numbers with the paper's, computed from the rows."""
+    out = ["Notes:", ""]
+    lo_claim, hi_claim = PAPER["optcc"]
+    xmax = max(r["loss"] for r in rows)
+    for g in sorted({r["gpus_per_server"] for r in rows}):
+        ps = sorted({r["p"] for r in rows if r["gpus_per_server"] == g})
+        bound = {p: _cell(rows, g, p, "optcc", "overhead_bound") for p in ps}
+        if any(v is None for v in bound.values()):
+            continue
+        shown = ", ".join(f"{_pct(bound[p])} at p = {p}" for p in ps[:4])
+        if len(ps) > 4:
+            shown += f", ..., {_pct(bound[ps[-1]])} at p = {ps[-1]}"
+        text = (
+            f"- g = {g}: the lower bound (no schedule beats it in our model) is {shown} "
+            f"(worst loss {100 * xmax:g}%)."
+        )
+        above = [p for p in ps if bound[p] > hi_claim + 1e-9]
+        if above:
+            rest = [p for p in ps if p > max(above)]
+            text += (
+                f' Up to p = {max(above)} it exceeds the paper\'s 6%, so "within 2-6%" '
+                "cannot hold there under this model"
+                + (f"; from p = {rest[0]} on it can." if rest else ".")
+            )
+        out.append(text)
+        opt = {p: _cell(rows, g, p, "optcc", "overhead_model") for p in ps}
+        within = [p for p in ps if opt[p] is not None and lo_claim <= opt[p] <= hi_claim + 1e-9]
+        below = [p for p in ps if opt[p] is not None and opt[p] < lo_claim]
+        if within or below:
+            out.append(
+                f"- g = {g}: OptCC's model meets the bound (bubble filling included), so it is "
+                f"within 2-6% at p = {', '.join(map(str, within)) or 'none of these'}"
+                + (f" and below 2% from p = {below[0]} on." if below else ".")
+            )
+        r2 = [_cell(rows, g, p, "r2ccl", "overhead_model") for p in ps]
+        if all(v is not None for v in r2):
+            out.append(
+                f"- g = {g}: R2CCL's model gives {_pct(min(r2))} to {_pct(max(r2))}; the "
+                "paper's \"up to 57%\" is R2CCL's own model at p = 8, X = 50% (p/(2(p-1)))."
+            )
+        sim = [
+            r
+            for r in rows
+            if r["gpus_per_server"] == g
+            and r["algorithm"] == "optcc"
+            and r.get("overhead_sim") is not None
+        ]
+        if not sim:
+            continue
+        at_max = [r for r in sim if abs(r["loss"] - xmax) < 1e-9]
+        others = [r for r in sim if abs(r["loss"] - xmax) >= 1e-9]
+        ring = {
+            (r["p"], r["loss"]): r["overhead_sim"]
+            for r in rows
+            if r["gpus_per_server"] == g
+            and r["algorithm"] == "ring"
+            and r.get("overhead_sim") is not None
+        }
+        worse = [r for r in sim if r["overhead_sim"] > ring.get((r["p"], r["loss"]), math.inf)]
+        # The fluid model leaves out the pipeline's head and tail, about 1/k of the time for
+        # k segments: a gap up to a few percent is that; anything larger is the schedule.
+        pipeline_gap = 0.05
+        if at_max:
+            gap = max(r["overhead_sim"] - r["overhead_model"] for r in at_max)
+            if gap <= pipeline_gap:
+                out.append(
+                    f"- g = {g}, simulated: at X = {100 * xmax:g}% our OptCC schedule is at most "
+                    f"{_pct(gap)} (absolute) above its model: the pipeline's head and tail "
+                    "(about 1/k of the time for k segments), which the fluid model leaves out."
+                )
+            else:
+                out.append(
+                    f"- g = {g}, simulated: at X = {100 * xmax:g}% our OptCC schedule is up to "
+                    f"{_pct(gap)} (absolute) above its model, far more than the pipeline's "
+                    "head and tail explain."
+                )
+        at_max_fine = bool(at_max) and all(
+            r["overhead_sim"] - r["overhead_model"] <= pipeline_gap for r in at_max
+        )
+        if others and at_max_fine:
+            # Only where the pure four-stage case is fine does a larger gap at smaller losses
+            # point at the bubble-filling mix rather than at the schedule as a whole.
+            gap = max(r["overhead_sim"] - r["overhead_model"] for r in others)
+            if gap > pipeline_gap:
+                out.append(
+                    f"- g = {g}, simulated: at smaller losses, where the model's plan sends part "
+                    "of the data round the full ring (bubble filling) beside the four-stage "
+                    f"schedule, our schedule is up to {_pct(gap)} (absolute) above the model: "
+                    "the two shares do not overlap as the plan assumes. Compare the pure "
+                    "four-stage schedule with `--param fill=False`. A gap of our "
+                    "implementation, not of OptCC's bound."
+                )
+        if worse:
+            out.append(
+                f"- g = {g}, simulated: in {len(worse)} of {len(sim)} configurations our OptCC "
+                "schedule is slower than the plain ring (e.g. "
+                + ", ".join(
+                    f"p = {r['p']}, X = {100 * r['loss']:g}%: {_pct(r['overhead_sim'])}"
+                    for r in worse[:2]
+                )
+                + ") although the model's plan for the same split is within the bound. Treat "
+                "these simulated numbers as a defect of our schedule with several degraded "
+                "ranks, to be fixed, not as OptCC's cost."
+            )
+    out += [
+        "- Several GPUs per server is our reading: the degraded server's g GPUs are g ranks, "
+        "each at 1 - X of the healthy rate (one NIC lost on an 8-NIC server, rerouted by PXN, "
+        "slows every GPU of that server). The paper's own multi-GPU model is not available; "
+        "if it treats the server as one straggler node with g times the bandwidth, its "
+        "overheads would be closer to our g = 1 column at p / g ranks.",
+        "- The paper's numbers come from SimAI; ours from a fluid model and our own "
+        "discrete-event simulator of our schedules (full-duplex NICs, no congestion, no "
+        "packets, latency as given). The paper's message sizes and NIC rates are unknown.",
+    ]
+    return out
+
+
+def plot_reproduction(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Overhead against p, one panel per g, log scales: the worst over losses up to 50% for
+    the models (lines) and the simulations (filled markers), the simulation at the largest
+    loss (hollow markers), the lower bound, and the paper's claims as a band and a line.
+    """
+    plt = _plt()
+    gs = sorted({r["gpus_per_server"] for r in rows})
+    xmax = max(r["loss"] for r in rows)
+    fig, axes = plt.subplots(1, len(gs), figsize=(6.2 * len(gs), 5.6), squeeze=False)
+    for ax, g in zip(axes[0], gs):
+        ps = sorted({r["p"] for r in rows if r["gpus_per_server"] == g})
+        lo, hi = PAPER["optcc"]
+        ax.axhspan(
+            100 * lo, 100 * hi, color="tab:blue", alpha=0.12, label="paper: OptCC within 2-6%"
+        )
+        ax.axhline(
+            100 * PAPER["r2ccl"][1],
+            color="tab:orange",
+            ls="-.",
+            lw=1,
+            label="paper: R2CCL up to 57%",
+        )
+        yb = [_cell(rows, g, p, "optcc", "overhead_bound") for p in ps]
+        # Wide and pale under the model lines: OptCC's model meets the bound.
+        ax.plot(
+            ps,
+            [100 * v for v in yb],
+            color="0.3",
+            ls="--",
+            lw=3.2,
+            alpha=0.45,
+            zorder=1,
+            label="lower bound",
+        )
+        for alg in ("ring", "r2ccl", "optcc"):
+            if not any(r["algorithm"] == alg for r in rows):
+                continue
+            color, marker = _style(alg)
+            ym = [_cell(rows, g, p, alg, "overhead_model") for p in ps]
+            ax.plot(
+                ps, [100 * v for v in ym], color=color, lw=1.6, label=f"{alg} model, worst loss"
+            )
+            for loss, filled in ((None, True), (xmax, False)):
+                sp = [(p, _cell(rows, g, p, alg, "overhead_sim", loss)) for p in ps]
+                sp = [(p, v) for p, v in sp if v is not None]
+                if not sp or (not filled and alg != "optcc"):
+                    continue
+                ax.scatter(
+                    [p for p, _ in sp],
+                    [100 * max(v, 1e-4) for _, v in sp],
+                    marker=marker,
+                    s=48 if filled else 90,
+                    zorder=3,
+                    color=color if filled else "none",
+                    edgecolors=color,
+                    linewidths=1.4,
+                    label=f"{alg} simulated, "
+                    + ("worst loss" if filled else f"X = {100 * xmax:g}% only"),
+                )
+        simulated = [
+            r["p"] for r in rows if r["gpus_per_server"] == g and r.get("overhead_sim") is not None
+        ]
+        if simulated and max(simulated) < ps[-1]:
+            ax.axvline(max(simulated), color="0.5", ls=":", lw=1)
+            ax.text(
+                max(simulated) * 1.05,
+                0.07,
+                "simulated up to here;\nmodel beyond",
+                fontsize=7,
+                color="0.35",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_ylim(0.05, 300)
+        ax.set_xticks(ps)
+        ax.set_xticklabels([str(p) for p in ps])
+        ax.set_xlabel("GPUs (ranks) p")
+        ax.set_ylabel("worst overhead over fault-free ring, loss <= 50% (%)")
+        what = "one straggler GPU" if g == 1 else f"one server: {g} GPUs each at 1 - X"
+        ax.set_title(f"g = {g}: {what}")
+        ax.grid(alpha=0.3, which="both")
+    # One legend for every panel, below them, so that it covers no data.
+    seen: dict[str, Any] = {}
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    fig.legend(
+        list(seen.values()), list(seen), loc="lower center", ncol=5, fontsize=8, frameon=False
+    )
+    fig.suptitle(
+        "The paper's setting: overhead of OptCC, R2CCL and the ring under one "
+        "degraded server (OptCC's model coincides with the bound)",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

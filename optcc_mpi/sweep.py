@@ -1,0 +1,1284 @@
+"""Parameter sweeps as Slurm job arrays: tables, array tasks, per-task records, status.
+
+A sweep is a CSV table with one row per array task (task id = row index, from 0). The
+job scripts under ``jobs/`` stay thin: they find Python and call this module, which turns
+the row into an ``optcc-mpi bench`` or ``optcc-mpi train`` command, launches it with
+``srun`` (or ``mpiexec``), and writes one JSON-lines file per task::
+
+    RESULTS/<array_job_id>_<array_task_id>.jsonl
+      {"record": "task", "status": "ok" | "failed", "params": {...}, "slurm": {...},
+       "mpi": {...}, "optcc_mpi": {...}, "exit_code": 0, "log_tail": [...], ...}
+      {"record": "bench", "algorithm": "optcc", "size": 1048576, "wrong": 0, ...}
+      ...
+
+The first line says how the task went and where it ran; the others are the benchmark
+rows (``bench``) or the training summary (``train``). Every line carries
+``array_job_id`` and ``array_task_id`` so that a file is readable on its own.
+``jobs/submit-sweep.sh`` also leaves a ``manifest-<array_job_id>.json`` naming the tasks it
+submitted, which is how :func:`collect` tells a task that never reported (``missing``)
+from one that was not asked for.
+
+Command line (used by the job scripts; handy by hand too)::
+
+    python -m optcc_mpi.sweep plan TABLE.csv [--only-failed RESULTS] [--shell]
+    python -m optcc_mpi.sweep run TABLE.csv TASK_ID --results RESULTS
+    python -m optcc_mpi.sweep exec --kind allreduce --ranks 8 --results RESULTS -- ARGS...
+    python -m optcc_mpi.sweep manifest --results RESULTS --table TABLE.csv --job ID ...
+    python -m optcc_mpi.sweep status RESULTS [--job ID]
+    python -m optcc_mpi.sweep expand allreduce algorithm=ring,optcc loss=0,0.5 > t.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import datetime as _dt
+import hashlib
+import io
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "KINDS",
+    "Kind",
+    "Table",
+    "TaskState",
+    "SweepStatus",
+    "read_table",
+    "task_argv",
+    "launcher_argv",
+    "provenance",
+    "run_task",
+    "run_command",
+    "write_manifest",
+    "collect",
+    "array_spec",
+    "parse_array_spec",
+    "expand",
+    "error_line",
+]
+
+#: Lines of a failed command's output kept in its record.
+LOG_TAIL_LINES = 40
+#: Environment variables worth recording with every task: the knobs that change what MPI,
+#: UCX, libfabric and NCCL do, and our own.
+ENV_PREFIXES = ("OPTCC_", "UCX_", "NCCL_", "MPIR_CVAR_", "MPICH_", "OMPI_MCA_", "FI_", "PMI_")
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- kinds
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of sweep: its job script and the table columns it understands.
+
+    Attributes
+    ----------
+    name : str
+        The value of the table's ``kind`` column.
+    script : str
+        Job script under ``jobs/`` that runs one task of this kind.
+    columns : mapping of str to str
+        Known columns and their defaults (strings, as in the CSV file).
+    signature : tuple of str
+        Columns that identify this kind when the table has no ``kind`` column.
+    """
+
+    name: str
+    script: str
+    columns: Mapping[str, str]
+    signature: tuple[str, ...]
+
+
+# Columns shared by both kinds: where the job runs and how the network is degraded.
+_COMMON = {
+    "ranks": "4",
+    "algorithm": "",
+    "loss": "0",  # fraction X of the straggler's bandwidth that is lost
+    "stragglers": "0",  # ranks that lose it: "0", "0-7", "0,5"
+    "links": "",  # an explicit link profile; overrides loss/stragglers
+    "emulate": "",  # software network emulation, e.g. "bw=200MB/s,latency=20us"
+    "degrade": "emulate",  # how the loss is made real: emulate | ucx | tc
+    "extra": "",  # further options for the command, shell-quoted
+    "label": "",  # free text, carried into the results
+}
+
+KINDS: dict[str, Kind] = {
+    "allreduce": Kind(
+        "allreduce",
+        "allreduce-sweep.sbatch",
+        {
+            **_COMMON,
+            "algorithm": "optcc",
+            "size": "1M",  # one size, or a range "64K:16M" stepped by `factor`
+            "factor": "2",
+            "iters": "20",
+            "warmup": "5",
+            "dtype": "float32",
+            "op": "sum",
+        },
+        ("size", "iters", "warmup", "dtype", "op", "factor"),
+    ),
+    "casgd": Kind(
+        "casgd",
+        "casgd-sweep.sbatch",
+        {
+            **_COMMON,
+            "algorithm": "mpi",
+            "solver": "casgd",
+            "s": "16",
+            "b": "32",
+            "recipe": "C",
+            "dataset": "synthetic",  # a .h5 file, a shipped name, or synthetic
+            "model": "",
+            "lr": "0.5",
+            "epochs": "5",
+            "lambda": "0",
+            "seed": "0",
+            "rows": "",
+        },
+        ("solver", "s", "b", "recipe", "dataset", "epochs", "lr"),
+    ),
+}
+
+_DEGRADE = ("emulate", "ucx", "tc")
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+@dataclass
+class Table:
+    """A parsed sweep table.
+
+    Attributes
+    ----------
+    path : Path
+        Where it was read from (absolute).
+    kind : Kind
+        The sweep kind, from the ``kind`` column or the header.
+    rows : list of dict
+        One dict per data row (= array task), every known column filled in.
+    given : list of str
+        Columns present in the file (the others took their defaults).
+    sha256 : str
+        Hash of the file's bytes, so records can tell which version of a table ran.
+    """
+
+    path: Path
+    kind: Kind
+    rows: list[dict[str, str]]
+    given: list[str]
+    sha256: str
+
+    @property
+    def name(self) -> str:
+        """The sweep's name: the table's file name without ``.csv``."""
+        return self.path.stem
+
+    def row(self, task: int) -> dict[str, str]:
+        """The parameter row of array task ``task``."""
+        if not 0 <= task < len(self.rows):
+            raise ValueError(
+                f"{self.path}: task {task} is out of range; the table has {len(self.rows)} "
+                f"rows (tasks 0-{len(self.rows) - 1})"
+            )
+        return self.rows[task]
+
+    @property
+    def max_ranks(self) -> int:
+        """The most ranks any row asks for (the job's ``--ntasks``)."""
+        return max((int(r["ranks"]) for r in self.rows), default=1)
+
+
+def _detect_kind(header: Sequence[str], kinds_in_rows: set[str], path: Path) -> Kind:
+    if kinds_in_rows:
+        if len(kinds_in_rows) > 1:
+            raise ValueError(
+                f"{path}: one table is one job array, so all rows need the same kind; "
+                f"found {', '.join(sorted(kinds_in_rows))}"
+            )
+        (name,) = kinds_in_rows
+        if name not in KINDS:
+            raise ValueError(f"{path}: unknown kind {name!r}; use one of {', '.join(KINDS)}")
+        return KINDS[name]
+    scores = {k.name: sum(c in header for c in k.signature) for k in KINDS.values()}
+    best = max(scores.values())
+    winners = [name for name, s in scores.items() if s == best]
+    if best == 0 or len(winners) > 1:
+        raise ValueError(
+            f"{path}: cannot tell the sweep kind from the header {list(header)}; add a first "
+            f"column 'kind' with one of {', '.join(KINDS)}"
+        )
+    return KINDS[winners[0]]
+
+
+def read_table(path: str | os.PathLike[str]) -> Table:
+    """Read and check a sweep table.
+
+    Blank lines and lines starting with ``#`` are ignored (comments). Values are stripped;
+    an empty cell takes the column's default.
+
+    Parameters
+    ----------
+    path : path-like
+        The CSV file.
+
+    Returns
+    -------
+    Table
+
+    Raises
+    ------
+    ValueError
+        Unknown columns, an unknown or mixed kind, or a value that cannot be right
+        whatever the command (ranks, loss, degrade). Values that only the command can judge
+        (an algorithm's name, a dataset) are left to it, so such a row fails as a task with
+        a record saying why.
+    """
+    p = Path(path).resolve()
+    raw = p.read_bytes()
+    text = raw.decode("utf-8-sig")
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        raise ValueError(f"{p}: the table is empty")
+    reader = csv.reader(io.StringIO("\n".join(lines)))
+    header = [h.strip().lower() for h in next(reader)]
+    if len(set(header)) != len(header):
+        raise ValueError(f"{p}: repeated column names in {header}")
+    cells = [[c.strip() for c in r] for r in reader]
+    for i, r in enumerate(cells):
+        if len(r) > len(header):
+            raise ValueError(f"{p}: row {i} has {len(r)} cells but the header {len(header)}")
+    dicts = [dict(itertools.zip_longest(header, r, fillvalue="")) for r in cells]
+    kind = _detect_kind(header, {d["kind"] for d in dicts if d.get("kind")}, p)
+    unknown = [h for h in header if h != "kind" and h not in kind.columns]
+    if unknown:
+        raise ValueError(
+            f"{p}: unknown column(s) {', '.join(unknown)} for a {kind.name} sweep; known: "
+            f"kind, {', '.join(kind.columns)}"
+        )
+    rows = []
+    for i, d in enumerate(dicts):
+        row = {c: (d.get(c) or default) for c, default in kind.columns.items()}
+        _check_row(row, f"{p}: row {i}")
+        rows.append(row)
+    given = [h for h in header if h != "kind"]
+    return Table(p, kind, rows, given, hashlib.sha256(raw).hexdigest())
+
+
+def _check_row(row: Mapping[str, str], where: str) -> None:
+    try:
+        ranks = int(row["ranks"])
+    except ValueError:
+        raise ValueError(f"{where}: ranks {row['ranks']!r} is not an integer") from None
+    if ranks < 1:
+        raise ValueError(f"{where}: ranks must be at least 1, got {ranks}")
+    try:
+        loss = float(row["loss"])
+    except ValueError:
+        raise ValueError(f"{where}: loss {row['loss']!r} is not a number") from None
+    if not 0.0 <= loss < 1.0:
+        raise ValueError(f"{where}: loss is the fraction of bandwidth lost, in [0, 1); got {loss}")
+    if row["degrade"] not in _DEGRADE:
+        raise ValueError(f"{where}: degrade {row['degrade']!r} is not one of {', '.join(_DEGRADE)}")
+    try:
+        shlex.split(row["extra"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: extra {row['extra']!r}: {exc}") from None
+
+
+def _rank_list(spec: str) -> list[str]:
+    """``"0,3,5-7"`` -> ``["0", "3", "5-7"]``: items of a rank list, for a link profile."""
+    items = [s.strip() for s in spec.replace(";", ",").split(",") if s.strip()]
+    for item in items:
+        if not re.fullmatch(r"\d+(-\d+)?", item):
+            raise ValueError(f"stragglers: {item!r} is not a rank or a range like 4-7")
+    return items
+
+
+def links_for(row: Mapping[str, str]) -> str:
+    """The link profile a row describes: ``links`` verbatim, else ``stragglers`` at
+    ``1 - loss``; empty when every link is healthy."""
+    if row.get("links"):
+        return row["links"]
+    loss = float(row.get("loss") or 0)
+    if loss <= 0:
+        return ""
+    frac = f"{1.0 - loss:.6g}"
+    return ",".join(f"{item}:{frac}" for item in _rank_list(row.get("stragglers") or "0"))
+
+
+def _size_range(spec: str) -> tuple[str, str]:
+    lo, sep, hi = spec.partition(":")
+    return lo.strip(), (hi.strip() if sep else lo.strip())
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def program_argv() -> list[str]:
+    """How to start ``optcc-mpi``: ``$OPTCC_PROGRAM`` (shell words) or this Python with
+    ``-m optcc_mpi``, so the job uses the interpreter the job script chose."""
+    custom = os.environ.get("OPTCC_PROGRAM", "").strip()
+    return shlex.split(custom) if custom else [sys.executable, "-m", "optcc_mpi"]
+
+
+def task_argv(kind: Kind, row: Mapping[str, str], out: str | os.PathLike[str]) -> list[str]:
+    """The ``optcc-mpi`` arguments (after the program) that run one row.
+
+    Parameters
+    ----------
+    kind : Kind
+        The sweep kind.
+    row : mapping
+        A complete row (every column of the kind present).
+    out : path-like
+        Where the command writes its results (JSON lines for bench, JSON for train).
+    """
+    links = links_for(row)
+    common: list[str] = []
+    if links:
+        common += ["--links", links]
+    if row["emulate"]:
+        common += ["--emulate", row["emulate"]]
+    if kind.name == "allreduce":
+        lo, hi = _size_range(row["size"])
+        argv = [
+            "bench",
+            "-b",
+            lo,
+            "-e",
+            hi,
+            "-f",
+            row["factor"],
+            "-n",
+            row["iters"],
+            "-w",
+            row["warmup"],
+            "-d",
+            row["dtype"],
+            "-o",
+            row["op"],
+            "--algorithms",
+            row["algorithm"],
+            *common,
+            "--out",
+            str(out),
+        ]
+    elif kind.name == "casgd":
+        argv = [
+            "train",
+            "--solver",
+            row["solver"],
+            "--s",
+            row["s"],
+            "--b",
+            row["b"],
+            "--recipe",
+            row["recipe"],
+            "--lr",
+            row["lr"],
+            "--epochs",
+            row["epochs"],
+            "--lambda",
+            row["lambda"],
+            "--seed",
+            row["seed"],
+            "--algorithm",
+            row["algorithm"],
+            *common,
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+        if row["dataset"] and row["dataset"] != "synthetic":
+            argv += ["--data", row["dataset"]]
+        if row["model"]:
+            argv += ["--model", row["model"]]
+        if row["rows"]:
+            argv += ["--rows", row["rows"]]
+    else:  # pragma: no cover - KINDS is closed
+        raise ValueError(f"unknown kind {kind.name!r}")
+    return argv + shlex.split(row["extra"])
+
+
+def launcher_argv(ranks: int) -> list[str]:
+    """The MPI launcher for ``ranks`` processes.
+
+    ``$OPTCC_LAUNCHER`` (shell words, ``{ranks}`` replaced) wins. Inside a Slurm job it is
+    ``srun --mpi=$OPTCC_SRUN_MPI`` (default ``pmi2``, which the MPICH wheel speaks; Open MPI
+    built with PMIx wants ``pmix``) with ``--kill-on-bad-exit=1``, so one failing rank ends
+    the step instead of leaving the others blocked in a collective. Elsewhere it is the
+    ``mpiexec`` next to this Python, or the first on ``PATH``.
+    """
+    custom = os.environ.get("OPTCC_LAUNCHER", "").strip()
+    if custom:
+        return shlex.split(custom.replace("{ranks}", str(ranks)))
+    if os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
+        plugin = os.environ.get("OPTCC_SRUN_MPI", "pmi2")
+        return ["srun", f"--mpi={plugin}", "-n", str(ranks), "--kill-on-bad-exit=1"]
+    local = Path(sys.executable).with_name("mpiexec")
+    mpiexec = str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
+    return [mpiexec, "-n", str(ranks)]
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def task_env(row: Mapping[str, str], ranks: int) -> dict[str, str]:
+    """Variables a task adds to the environment.
+
+    * ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` when the ranks on this node outnumber its
+      cores: MPICH ranks otherwise spin in their progress engines and steal the cores the
+      others need (ten times slower on 2 cores). Left alone if already set.
+    * For ``degrade`` = ``ucx`` or ``tc``, the settings ``jobs/degrade-wrapper.sh`` reads:
+      the straggler ranks, their fraction and the method.
+    """
+    env: dict[str, str] = {}
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+    if math.ceil(ranks / max(nodes, 1)) > _cores():
+        env.setdefault(
+            "MPIR_CVAR_CH4_PROGRESS_THROTTLE",
+            os.environ.get("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1"),
+        )
+    if row.get("degrade") in ("ucx", "tc") and float(row.get("loss") or 0) > 0:
+        env["OPTCC_STRAGGLER_PROCIDS"] = ",".join(_rank_list(row.get("stragglers") or "0"))
+        env["OPTCC_STRAGGLER_FRACTION"] = f"{1.0 - float(row['loss']):.6g}"
+        env["OPTCC_DEGRADE_METHOD"] = row["degrade"]
+    return env
+
+
+def wrapper_argv(env: Mapping[str, str]) -> list[str]:
+    """``[jobs/degrade-wrapper.sh]`` when any rank is to be degraded by it, else ``[]``."""
+    if env.get("OPTCC_STRAGGLER_PROCIDS") or env.get("OPTCC_STRAGGLER_NODEIDS"):
+        home = Path(os.environ.get("OPTCC_HOME") or _REPO)
+        wrapper = home / "jobs" / "degrade-wrapper.sh"
+        if not wrapper.exists():
+            raise FileNotFoundError(f"degrading ranks needs {wrapper}; set OPTCC_HOME")
+        return ["bash", str(wrapper)]
+    return []
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def _git(*args: str) -> str | None:
+    home = os.environ.get("OPTCC_HOME") or str(_REPO)
+    try:
+        out = subprocess.run(
+            ["git", "-C", home, *args], capture_output=True, text=True, timeout=20, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def _mpi_info() -> dict[str, Any]:
+    """MPI library vendor and version, read without initialising MPI (in the job script's
+    process there is no launcher to talk to, and no need for one)."""
+    try:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI
+
+        vendor, version = MPI.get_vendor()
+        lib = MPI.Get_library_version().strip().splitlines()
+        return {
+            "vendor": vendor,
+            "version": ".".join(map(str, version)),
+            "standard": ".".join(map(str, MPI.Get_version())),
+            "library": lib[0] if lib else "",
+            "mpi4py": mpi4py.__version__,
+        }
+    except Exception as exc:  # noqa: BLE001 - provenance must never fail the task
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _slurm_info() -> dict[str, Any]:
+    keys = {
+        "job_id": "SLURM_JOB_ID",
+        "array_job_id": "SLURM_ARRAY_JOB_ID",
+        "array_task_id": "SLURM_ARRAY_TASK_ID",
+        "array_task_count": "SLURM_ARRAY_TASK_COUNT",
+        "array_task_min": "SLURM_ARRAY_TASK_MIN",
+        "array_task_max": "SLURM_ARRAY_TASK_MAX",
+        "job_name": "SLURM_JOB_NAME",
+        "nodelist": "SLURM_JOB_NODELIST",
+        "nnodes": "SLURM_JOB_NUM_NODES",
+        "ntasks": "SLURM_NTASKS",
+        "partition": "SLURM_JOB_PARTITION",
+        "account": "SLURM_JOB_ACCOUNT",
+        "cluster": "SLURM_CLUSTER_NAME",
+        "submit_dir": "SLURM_SUBMIT_DIR",
+    }
+    return {k: os.environ[v] for k, v in keys.items() if os.environ.get(v)}
+
+
+def provenance() -> dict[str, Any]:
+    """Where and with what a task ran: host, Slurm, MPI, Python, package and git revision."""
+    from optcc_mpi import __version__
+
+    rev = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "host": socket.gethostname(),
+        "slurm": _slurm_info(),
+        "mpi": _mpi_info(),
+        "python": sys.version.split()[0],
+        "optcc_mpi": {
+            "version": __version__,
+            "git_rev": rev,
+            "git_dirty": None if dirty is None else bool(dirty),
+        },
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+    }
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _ids(job: str | None, task: int | None) -> tuple[str, int]:
+    """(array job id, task id) from the arguments or Slurm; a local id outside Slurm."""
+    job = job or os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if not job:
+        job = "local" + _dt.datetime.now().strftime("%Y%m%d%H%M%S")
+    if task is None:
+        task = int(os.environ.get("SLURM_ARRAY_TASK_ID") or 0)
+    return str(job), int(task)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (Slurm's time limit or scancel)."""
+
+
+def _run_streaming(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, list[str], str]:
+    """Run ``argv``, echoing its output (into the Slurm log) and keeping the last lines.
+
+    Returns (exit status, last lines, note). On SIGTERM the child's process group gets
+    SIGTERM, then SIGKILL, and the status is 128 + 15, so the record still gets written.
+    """
+    tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+    note = ""
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    proc = None
+    try:
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                text=True,
+                errors="replace",
+                bufsize=1,
+            )
+        except OSError as exc:
+            return 127, [f"cannot start {argv[0]}: {exc}"], "launch failed"
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            tail.append(line.rstrip("\n"))
+        status = proc.wait()
+    except _Terminated:
+        note = "terminated by SIGTERM (time limit or scancel)"
+        tail.append(f"[optcc_mpi.sweep] {note}")
+        if proc is not None:
+            _stop_group(proc)
+        status = 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if status < 0:  # killed by a signal: report it the way shells do
+        status = 128 - status
+    return status, list(tail), note
+
+
+def _stop_group(proc: subprocess.Popen[str]) -> None:
+    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _read_output(kind: str, path: Path) -> tuple[list[dict[str, Any]], str]:
+    """Result rows the command wrote, and a note when there are none or they are bad."""
+    if not path.exists():
+        return [], f"the command wrote no {path.name}"
+    text = path.read_text(errors="replace")
+    rows: list[dict[str, Any]] = []
+    if kind == "allreduce":
+        if path.suffix == ".csv":
+            rows = [dict(r) for r in csv.DictReader(io.StringIO(text))]
+        else:
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    return rows, f"{path.name} line {n} is not JSON"
+        return [{"record": "bench", **r} for r in rows], ""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return [], f"{path.name} is not JSON"
+    return [{"record": "train", **_train_row(doc)}], ""
+
+
+def _train_row(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A training run as one row: the summary numbers flat, the loss curve kept whole.
+
+    ``wrong`` is 1 when the final loss is not a finite number (a diverged or broken run),
+    so that every result row answers "did it work" in the same column.
+    """
+    stats = dict(doc.get("stats") or {})
+    cfg = dict(doc.get("config") or {})
+    recipe = cfg.get("recipe")
+    loss = doc.get("final_loss")
+    finite = isinstance(loss, (int, float)) and math.isfinite(loss)
+    return {
+        "final_loss": loss,
+        "wrong": 0 if finite else 1,
+        **{k: v for k, v in stats.items() if not isinstance(v, (dict, list))},
+        "solver": cfg.get("solver"),
+        "s": cfg.get("s"),
+        "b": cfg.get("b"),
+        "recipe": recipe.get("name") if isinstance(recipe, dict) else recipe,
+        "p": cfg.get("P"),
+        "model": cfg.get("model"),
+        "data": doc.get("data"),
+        "epoch_losses": doc.get("epoch_losses"),
+        "history": doc.get("history"),
+        "command": doc.get("command"),
+    }
+
+
+def run_command(
+    kind: str,
+    ranks: int,
+    argv_after_program: Sequence[str],
+    out: Path,
+    params: Mapping[str, Any],
+    results: str | os.PathLike[str],
+    *,
+    extra_env: Mapping[str, str] | None = None,
+    job: str | None = None,
+    task: int | None = None,
+    table: Table | None = None,
+    sweep: str | None = None,
+) -> int:
+    """Launch one command, then write its JSON-lines record file.
+
+    Parameters
+    ----------
+    kind : {"allreduce", "casgd"}
+        What the command is (how to read its output).
+    ranks : int
+        MPI processes.
+    argv_after_program : sequence of str
+        Arguments after ``optcc-mpi`` (``bench ...`` or ``train ...``).
+    out : Path
+        The file the command writes its results to.
+    params : mapping
+        The parameter row, recorded as it is.
+    results : path-like
+        Folder of the record files.
+    extra_env : mapping, optional
+        Variables added for the command (see :func:`task_env`).
+    job, task : optional
+        Array job and task ids; from Slurm by default.
+    table : Table, optional
+        The sweep table, recorded by name, path, hash and row count.
+    sweep : str, optional
+        The sweep's identity when there is no table (a single run: ``run:<job id>``).
+
+    Returns
+    -------
+    int
+        The command's exit status (0 when it and every check passed).
+    """
+    results = Path(results)
+    results.mkdir(parents=True, exist_ok=True)
+    job_id, task_id = _ids(job, task)
+    env = {**os.environ, **(extra_env or {})}
+    argv = [*launcher_argv(ranks), *wrapper_argv(env), *program_argv(), *argv_after_program]
+    started, t0 = _now(), time.monotonic()
+    print(f"[optcc_mpi.sweep] task {job_id}_{task_id}: {shlex.join(argv)}", flush=True)
+    status, tail, note = _run_streaming(argv, env)
+    wall = time.monotonic() - t0
+    rows, out_note = _read_output(kind, out)
+    if status == 0 and not rows:
+        # A command that "succeeds" without results is a failure of the experiment.
+        status, note = 1, out_note or "the command wrote no result rows"
+    elif out_note and not note:
+        note = out_note
+    ids = {"array_job_id": job_id, "array_task_id": task_id}
+    record: dict[str, Any] = {
+        "record": "task",
+        **ids,
+        "status": "ok" if status == 0 else "failed",
+        "exit_code": status,
+        "kind": kind,
+        "params": dict(params),
+        "ranks": ranks,
+        "command": shlex.join(argv),
+        "extra_env": dict(extra_env or {}),
+        "started": started,
+        "finished": _now(),
+        "wall_s": round(wall, 3),
+        **provenance(),
+    }
+    if sweep is not None:
+        record["sweep"] = sweep
+    if table is not None:
+        record.update(
+            sweep=str(table.path),
+            table=table.name,
+            table_sha256=table.sha256,
+            table_rows=len(table.rows),
+        )
+    if note:
+        record["note"] = note
+    if status != 0:
+        record["log_tail"] = tail
+    _write_jsonl(results / f"{job_id}_{task_id}.jsonl", [record, *({**ids, **r} for r in rows)])
+    try:
+        out.unlink()
+        out.parent.rmdir()
+    except OSError:
+        pass
+    verdict = "ok" if status == 0 else f"FAILED (exit {status}{'; ' + note if note else ''})"
+    print(
+        f"[optcc_mpi.sweep] task {job_id}_{task_id}: {verdict}, {len(rows)} result rows, "
+        f"{wall:.1f} s -> {results / f'{job_id}_{task_id}.jsonl'}",
+        flush=True,
+    )
+    return status
+
+
+def _write_jsonl(path: Path, records: Iterable[Mapping[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str, allow_nan=True) + "\n")
+    os.replace(tmp, path)  # readers never see half a file
+
+
+def _work_file(results: Path, job: str, task: int, name: str) -> Path:
+    # On the shared results folder, not node-local /tmp: rank 0 may run on another node.
+    work = results / ".work" / f"{job}_{task}"
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / name
+    out.unlink(missing_ok=True)
+    return out
+
+
+def run_task(
+    table: str | os.PathLike[str] | Table,
+    task: int,
+    results: str | os.PathLike[str],
+    *,
+    job: str | None = None,
+) -> int:
+    """Run array task ``task`` of a sweep table and record it (see :func:`run_command`)."""
+    t = table if isinstance(table, Table) else read_table(table)
+    results = Path(results)
+    job_id, task_id = _ids(job, task)
+    row = t.row(task_id)
+    out = _work_file(
+        results, job_id, task_id, "bench.jsonl" if t.kind.name == "allreduce" else "train.json"
+    )
+    ranks = int(row["ranks"])
+    return run_command(
+        t.kind.name,
+        ranks,
+        task_argv(t.kind, row, out),
+        out,
+        {"row": task_id, **row},
+        results,
+        extra_env=task_env(row, ranks),
+        job=job_id,
+        task=task_id,
+        table=t,
+    )
+
+
+# ----------------------------------------------------------------------------- status
+
+
+def array_spec(ids: Iterable[int]) -> str:
+    """Compact Slurm ``--array`` list: ``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    out = []
+    for _, grp in itertools.groupby(enumerate(sorted(set(ids))), lambda t: t[1] - t[0]):
+        g = [v for _, v in grp]
+        out.append(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}")
+    return ",".join(out)
+
+
+def parse_array_spec(spec: str) -> list[int]:
+    """Task ids of a Slurm ``--array`` value (``"0-7:2,9"``; a ``%N`` limit is ignored)."""
+    ids: list[int] = []
+    for item in spec.split("%")[0].split(","):
+        item = item.strip()
+        if not item:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", item)
+        if not m:
+            raise ValueError(f"bad --array item {item!r} in {spec!r}")
+        lo = int(m[1])
+        hi = int(m[2]) if m[2] else lo
+        ids.extend(range(lo, hi + 1, int(m[3] or 1)))
+    return sorted(set(ids))
+
+
+def write_manifest(
+    results: str | os.PathLike[str],
+    table: str | os.PathLike[str],
+    job: str,
+    tasks: Sequence[int],
+    *,
+    script: str = "",
+    argv: Sequence[str] = (),
+) -> Path:
+    """Record a submission: which tasks of which table went into array job ``job``.
+
+    A copy of the table is kept beside it (``tables/<sha>.csv``), so the results folder
+    says exactly what ran even after the table is edited.
+    """
+    results = Path(results)
+    t = read_table(table)
+    copies = results / "tables"
+    copies.mkdir(parents=True, exist_ok=True)
+    copy = copies / f"{t.name}-{t.sha256[:12]}.csv"
+    if not copy.exists():
+        shutil.copyfile(t.path, copy)
+    doc = {
+        "array_job_id": str(job),
+        "sweep": str(t.path),
+        "table": t.name,
+        "table_sha256": t.sha256,
+        "table_copy": str(copy.relative_to(results)),
+        "table_rows": len(t.rows),
+        "kind": t.kind.name,
+        "tasks": sorted(int(x) for x in tasks),
+        "script": script,
+        "sbatch": list(argv),
+        "submitted": _now(),
+        "host": socket.gethostname(),
+    }
+    path = results / f"manifest-{job}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def _job_key(job: str) -> tuple[int, str]:
+    # Slurm job ids grow with time; local ids sort after none of them by accident.
+    return (int(job), "") if str(job).isdigit() else (-1, str(job))
+
+
+@dataclass
+class TaskState:
+    """What is known about one task of a sweep (its latest submission counts).
+
+    Attributes
+    ----------
+    sweep : str
+        The table's path when it was submitted (the sweep's identity).
+    task : int
+        Array task id (= table row).
+    status : {"ok", "failed", "missing"}
+        ``missing``: the latest submission of this task left no record (still queued or
+        running, or killed before it could write one).
+    job : str
+        Array job id of the latest submission (or of the record, without a manifest).
+    record : dict or None
+        The task record of that submission.
+    rows : list of dict
+        Its result rows.
+    attempts : list of (job, status)
+        Every submission of the task, oldest first.
+    """
+
+    sweep: str
+    task: int
+    status: str
+    job: str
+    record: dict[str, Any] | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class SweepStatus:
+    """Everything :func:`collect` found in a results folder."""
+
+    tasks: list[TaskState]
+    unreadable: list[str]
+    manifests: list[dict[str, Any]]
+
+    def by_status(self, status: str) -> list[TaskState]:
+        """The tasks in ``status``."""
+        return [t for t in self.tasks if t.status == status]
+
+    @property
+    def wrong(self) -> int:
+        """Sum of ``wrong`` over the result rows of the tasks that count."""
+        total = 0
+        for t in self.tasks:
+            for r in t.rows:
+                try:
+                    total += int(float(r.get("wrong") or 0))
+                except (TypeError, ValueError):
+                    total += 1  # a row that cannot say it is right is counted as wrong
+        return total
+
+    @property
+    def ok(self) -> bool:
+        """True when every task reported success and no row has wrong values."""
+        return bool(self.tasks) and all(t.status == "ok" for t in self.tasks) and not self.wrong
+
+    def summary(self) -> str:
+        """Human-readable lines: counts, then each failed or missing task."""
+        n = len(self.tasks)
+        counts = collections.Counter(t.status for t in self.tasks)
+        lines = [
+            f"{n} tasks: {counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, "
+            f"{counts.get('missing', 0)} missing; #wrong {self.wrong}"
+        ]
+        for t in self.tasks:
+            if t.status == "ok":
+                continue
+            name = Path(t.sweep).name
+            what = f"  {t.status:7s} {name} task {t.task} (job {t.job})"
+            rec = t.record or {}
+            if t.status == "failed":
+                what += f": exit {rec.get('exit_code')}"
+                if rec.get("note"):
+                    what += f", {rec['note']}"
+                why = error_line(rec.get("log_tail") or [])
+                if why:
+                    what += f"; {why[:200]}"
+            else:
+                what += ": no record (queued, running, or killed before writing one)"
+            lines.append(what)
+        lines.extend(f"  unreadable record file: {u}" for u in self.unreadable)
+        return "\n".join(lines)
+
+
+def error_line(lines: Iterable[str]) -> str | None:
+    """The line of a log tail that best says why a task failed: the last one that mentions
+    an error (launchers such as srun add their own lines after the program's message),
+    else the last non-empty line."""
+    kept = [str(ln).strip() for ln in lines if str(ln).strip()]
+    for ln in reversed(kept):
+        low = ln.lower()
+        if ("error" in low or "traceback" in low or "exception" in low) and not low.startswith(
+            "srun: "
+        ):
+            return ln
+    return kept[-1] if kept else None
+
+
+def _read_record_file(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    if not lines:
+        raise ValueError("empty")
+    docs = [json.loads(ln) for ln in lines]
+    head = docs[0]
+    if head.get("record") != "task":
+        raise ValueError("the first line is not a task record")
+    return head, docs[1:]
+
+
+def collect(results: str | os.PathLike[str]) -> SweepStatus:
+    """Gather every task record and manifest under ``results`` (not recursive).
+
+    For each (sweep, task) the latest submission counts: its record if it wrote one, else
+    ``missing``. Submissions are known from the manifests; record files without a manifest
+    (a script submitted with plain ``sbatch``) count by themselves, and the array's task
+    range from their Slurm variables names the tasks that should have reported.
+    """
+    results = Path(results)
+    if not results.is_dir():
+        raise FileNotFoundError(f"no results folder {results}")
+    manifests = []
+    for path in sorted(results.glob("manifest-*.json")):
+        try:
+            manifests.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    records: dict[tuple[str, str, int], tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    unreadable = []
+    for path in sorted(results.glob("*.jsonl")):
+        try:
+            head, rows = _read_record_file(path)
+        except (OSError, ValueError) as exc:
+            unreadable.append(f"{path.name} ({exc})")
+            continue
+        sweep = str(head.get("sweep") or head.get("table") or "")
+        key = (sweep, str(head.get("array_job_id")), int(head.get("array_task_id") or 0))
+        records[key] = (head, rows)
+    # submissions[(sweep, task)] = set of jobs that included the task
+    submissions: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+    for m in manifests:
+        for task in m.get("tasks", []):
+            submissions[(m["sweep"], int(task))].add(str(m["array_job_id"]))
+    jobs_with_manifest = {str(m["array_job_id"]) for m in manifests}
+    for (sweep, job, task), (head, _) in records.items():
+        submissions[(sweep, task)].add(job)
+        if job in jobs_with_manifest:
+            continue
+        # Without a manifest, the array's own range says which tasks were asked for.
+        slurm = head.get("slurm") or {}
+        lo, hi = slurm.get("array_task_min"), slurm.get("array_task_max")
+        if lo is not None and hi is not None:
+            for t in range(int(lo), int(hi) + 1):
+                submissions[(sweep, t)].add(job)
+    states = []
+    for (sweep, task), jobs in sorted(submissions.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        ordered = sorted(jobs, key=_job_key)
+        attempts = []
+        for job in ordered:
+            rec = records.get((sweep, job, task))
+            attempts.append((job, rec[0].get("status", "failed") if rec else "missing"))
+        job = ordered[-1]
+        rec = records.get((sweep, job, task))
+        if rec is None:
+            states.append(TaskState(sweep, task, "missing", job, None, [], attempts))
+        else:
+            head, rows = rec
+            status = "ok" if head.get("status") == "ok" else "failed"
+            states.append(TaskState(sweep, task, status, job, head, rows, attempts))
+    return SweepStatus(states, unreadable, manifests)
+
+
+def failed_tasks(results: str | os.PathLike[str], table: str | os.PathLike[str]) -> list[int]:
+    """Tasks of ``table`` whose latest submission failed or left no record.
+
+    A table never submitted to ``results`` has every row to do. Tasks are matched by the
+    table's path, so a table can be corrected (e.g. a misspelt algorithm) and its failed
+    rows resubmitted.
+    """
+    t = read_table(table)
+    st = collect(results)
+    mine = [s for s in st.tasks if s.sweep == str(t.path)]
+    if not mine:
+        return list(range(len(t.rows)))
+    done = {s.task for s in mine if s.status == "ok"}
+    return [i for i in range(len(t.rows)) if i not in done]
+
+
+# ----------------------------------------------------------------------------- expand
+
+
+def expand(kind: str, axes: Mapping[str, Sequence[str]]) -> str:
+    """A sweep table (CSV text) over the Cartesian product of ``axes``.
+
+    Parameters
+    ----------
+    kind : str
+        ``allreduce`` or ``casgd``.
+    axes : mapping of column to values
+        E.g. ``{"algorithm": ["ring", "optcc"], "loss": ["0", "0.5"]}``; the first axis
+        varies slowest.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+    bad = [c for c in axes if c not in KINDS[kind].columns]
+    if bad:
+        raise ValueError(f"unknown column(s) for {kind}: {', '.join(bad)}")
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["kind", *axes])
+    for combo in itertools.product(*axes.values()):
+        w.writerow([kind, *combo])
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _shell(assignments: Mapping[str, Any]) -> str:
+    return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in assignments.items())
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    t = read_table(a.table)
+    tasks = failed_tasks(a.only_failed, t.path) if a.only_failed else list(range(len(t.rows)))
+    plan = {
+        "kind": t.kind.name,
+        "script": t.kind.script,
+        "table": str(t.path),
+        "name": t.name,
+        "rows": len(t.rows),
+        "count": len(tasks),
+        "array": array_spec(tasks),
+        "max_ranks": max((int(t.rows[i]["ranks"]) for i in tasks), default=1),
+    }
+    print(_shell(plan) if a.shell else json.dumps(plan, indent=2))
+    return 0
+
+
+def _cmd_run(a: argparse.Namespace) -> int:
+    t = read_table(a.table)
+    if a.kind and t.kind.name != a.kind:
+        raise ValueError(
+            f"{t.path} is a {t.kind.name} table but this is the {a.kind} job script; submit "
+            f"it with jobs/{t.kind.script} (jobs/submit-sweep.sh picks it for you)"
+        )
+    return run_task(t, a.task, a.results, job=a.job)
+
+
+def _cmd_exec(a: argparse.Namespace) -> int:
+    args = list(a.args)
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        raise ValueError("exec: give the optcc-mpi arguments after --, e.g. -- -b 1M -e 64M")
+    results = Path(a.results)
+    job, task = _ids(a.job, None)
+    name = "bench.jsonl" if a.kind == "allreduce" else "train.json"
+    out = _work_file(results, job, task, name)
+    command = "bench" if a.kind == "allreduce" else "train"
+    argv = [command, *args, "--out", str(out)]
+    if a.kind == "casgd":
+        argv.insert(1, "--no-progress")
+    params = {"ranks": str(a.ranks), "args": shlex.join(args)}
+    env = {}
+    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or 1)
+    if math.ceil(a.ranks / nodes) > _cores():
+        env["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] = os.environ.get(
+            "MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1"
+        )
+    return run_command(
+        a.kind,
+        a.ranks,
+        argv,
+        out,
+        params,
+        results,
+        extra_env=env,
+        job=job,
+        task=task,
+        sweep=f"run:{job}",
+    )
+
+
+def _cmd_manifest(a: argparse.Namespace) -> int:
+    tasks = parse_array_spec(a.tasks)
+    path = write_manifest(a.results, a.table, a.job, tasks, script=a.script, argv=a.sbatch)
+    print(path)
+    return 0
+
+
+def _cmd_status(a: argparse.Namespace) -> int:
+    st = collect(a.results)
+    if a.job:
+        st = SweepStatus([t for t in st.tasks if t.job == a.job], st.unreadable, st.manifests)
+    print(st.summary())
+    return 0 if st.ok else 1
+
+
+def _cmd_expand(a: argparse.Namespace) -> int:
+    axes: dict[str, list[str]] = {}
+    for item in a.axes:
+        key, sep, values = item.partition("=")
+        if not sep:
+            raise ValueError(f"expand: expected COLUMN=V1,V2,..., got {item!r}")
+        axes[key.strip().lower()] = [v.strip() for v in values.split(",")]
+    sys.stdout.write(expand(a.kind, axes))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m optcc_mpi.sweep``: the job scripts' helper (see the module docstring)."""
+    p = argparse.ArgumentParser(
+        prog="python -m optcc_mpi.sweep",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("plan", help="what submit-sweep.sh submits for a table")
+    s.add_argument("table")
+    s.add_argument("--only-failed", metavar="RESULTS", help="only failed or missing tasks")
+    s.add_argument("--shell", action="store_true", help="print shell assignments")
+    s.set_defaults(func=_cmd_plan)
+    s = sub.add_parser("run", help="run one array task of a table and record it")
+    s.add_argument("table")
+    s.add_argument("task", type=int)
+    s.add_argument("--results", required=True)
+    s.add_argument("--job", help="array job id (default: from Slurm)")
+    s.add_argument("--kind", choices=tuple(KINDS), help="fail unless the table is this kind")
+    s.set_defaults(func=_cmd_run)
+    s = sub.add_parser("exec", help="run one command (no table) and record it")
+    s.add_argument("--kind", choices=tuple(KINDS), default="allreduce")
+    s.add_argument("--ranks", type=int, required=True)
+    s.add_argument("--results", required=True)
+    s.add_argument("--job", help="job id (default: from Slurm)")
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=_cmd_exec)
+    s = sub.add_parser("manifest", help="record a submission")
+    s.add_argument("--results", required=True)
+    s.add_argument("--table", required=True)
+    s.add_argument("--job", required=True)
+    s.add_argument("--tasks", required=True, help="the --array value")
+    s.add_argument("--script", default="")
+    s.add_argument("sbatch", nargs="*", help="the sbatch command line")
+    s.set_defaults(func=_cmd_manifest)
+    s = sub.add_parser("status", help="summarise a results folder; exit 1 unless all ok")
+    s.add_argument("results")
+    s.add_argument("--job", help="only the tasks whose latest submission is this array job")
+    s.set_defaults(func=_cmd_status)
+    s = sub.add_parser("expand", help="write a table over a Cartesian product")
+    s.add_argument("kind", choices=tuple(KINDS))
+    s.add_argument("axes", nargs="+", metavar="COLUMN=V1,V2,...")
+    s.set_defaults(func=_cmd_expand)
+    a = p.parse_args(argv)
+    try:
+        return int(a.func(a) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"optcc_mpi.sweep {a.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
