@@ -154,3 +154,12 @@ def test_demo_with_emulation(tmp_path: Path) -> None:
     rows = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert {r["algorithm"] for r in rows} >= {"ring", "optcc", "r2ccl", "native", "auto"}
     assert all(r["wrong"] == 0 for r in rows)
+
+
+def test_bench_gloo_peer() -> None:
+    """torch.distributed's gloo in the same table (optional: torch is an extra)."""
+    pytest.importorskip("torch", reason="torch is an optional extra (pip install torch)")
+    res = run(MPIEXEC, "-n", "2", *EXE, "bench", "-b", "1M", "-e", "1M", "-n", "2",
+              "--algorithms", "ring,gloo")
+    assert res.returncode == 0, res.stderr
+    assert "gloo" in res.stdout and "Out of bounds values : 0 OK" in res.stdout
