@@ -153,10 +153,12 @@ def model_time(
     (``(1 + 1/k)`` times the fluid time), the others by their closed forms."""
     from optcc_mpi import model
 
-    if name == "optcc":
-        sched = stats.get("schedule")
-        ks = sched.params.get("k") if sched is not None else None
-        return model.optcc_time(p, size, bw, links, k=min(ks) if ks else None)
+    sched = stats.get("schedule")
+    if name == "optcc" and sched is not None and "schemes" in sched.params:
+        # The split this schedule runs, with its pipeline head and tail.
+        ks = sched.params.get("k")
+        head_tail = 1.0 + 1.0 / min(ks) if ks else 1.0
+        return model.plan_time(p, links, sched.params["schemes"]) * size / bw * head_tail
     fn = {"ring": model.ring_time, "r2ccl": model.r2ccl_time, "native": model.native_time}.get(
         name, model.ring_time
     )

@@ -52,6 +52,9 @@ __all__ = [
     "OptccPlan",
     "optcc_plan",
     "optcc_time",
+    "plan_time",
+    "scheme_loads",
+    "FILL_GAIN",
     "bubble_fraction",
     "l_star",
     "native_time",
@@ -165,10 +168,52 @@ class OptccPlan:
         return tuple(sorted({r for d, _ in self.schemes for r in d}))
 
 
-def optcc_plan(p: int, links: Links | str | None = None) -> OptccPlan:
-    """Best fluid split of the data over straggler schemes, by linear programming."""
+#: ``fill="auto"`` runs the bubble-filling split only when it beats attaching every
+#: degraded rank by more than this in the fluid model: the plain-ring share competes with
+#: the attached scheme for the degraded links, which costs our schedules 3 to 9% in the
+#: simulator, so smaller gains are not worth it (docs/optcc.md).
+FILL_GAIN = 0.03
+
+
+def scheme_loads(p: int, stragglers: tuple[int, ...]) -> np.ndarray:
+    """Per-rank traffic of one scheme, per unit of data and direction: 1 for an attached
+    rank, ``(2(h-1) + j)/h`` for the ``h`` ring members when ``j`` ranks are attached."""
+    j = len(stragglers)
+    h = p - j
+    loads = np.full(p, (2.0 * (h - 1) + j) / h if h else 0.0)
+    loads[list(stragglers)] = 1.0
+    return loads
+
+
+def plan_time(p: int, links: Links | str | None, schemes: tuple) -> float:
+    """Fluid time (units of n/B) of running ``schemes`` ((stragglers, share) pairs) side
+    by side: the busiest rank's traffic over its bandwidth."""
+    if p < 2:
+        return 0.0
     f = _fractions(links, p)
-    return _plan(p, tuple(f.round(12).tolist()))
+    total = sum(x * scheme_loads(p, tuple(d)) for d, x in schemes)
+    return float(np.max(total / f))
+
+
+def optcc_plan(p: int, links: Links | str | None = None, *, fill: bool | str = True) -> OptccPlan:
+    """How OptCC splits the data over straggler schemes.
+
+    ``fill=True``: the best fluid split, by linear programming (bubble filling included);
+    ``fill=False``: every degraded rank attached to the ring of the others, for all of the
+    data; ``fill="auto"``: the first unless it gains less than ``FILL_GAIN`` over the second.
+    """
+    f = _fractions(links, p)
+    best = _plan(p, tuple(f.round(12).tolist()))
+    if fill is True or p < 2:
+        return best
+    slow = tuple(int(r) for r in np.flatnonzero(f < f.max()))
+    if not slow:
+        return best
+    attach = ((slow, 1.0),)
+    plain = OptccPlan(attach, plan_time(p, links, attach))
+    if fill is False or plain.time <= best.time * (1 + FILL_GAIN):
+        return plain
+    return best
 
 
 @lru_cache(maxsize=256)
@@ -222,12 +267,14 @@ def optcc_time(
     links: Links | str | None = None,
     *,
     k: int | None = None,
+    fill: bool | str = True,
 ) -> float:
-    """OptCC's fluid time; with ``k`` segments, one segment's worth of pipeline head
-    and tail added, ``(1 + 1/k)`` times the fluid time (derived)."""
+    """OptCC's fluid time (the best split unless ``fill`` says otherwise, see
+    :func:`optcc_plan`); with ``k`` segments, one segment's worth of pipeline head and
+    tail added, ``(1 + 1/k)`` times the fluid time (derived)."""
     if p < 2:
         return 0.0
-    t = optcc_plan(p, links).time * nbytes / bw
+    t = optcc_plan(p, links, fill=fill).time * nbytes / bw
     return t if k is None else t * (1.0 + 1.0 / k)
 
 
