@@ -197,6 +197,7 @@ def _bench(args: argparse.Namespace, comm: Any) -> int:
     from .. import glm
     from ..emulation import Emulation
     from ..links import parse_duration
+    from .train import common_fit_kwargs
 
     rank, size = comm.rank, comm.size
     s_values = [int(v) for v in args.s.split(",") if v.strip()]
@@ -247,17 +248,11 @@ def _bench(args: argparse.Namespace, comm: Any) -> int:
                 model=args.model,
                 solver=solver,
                 s=s,
-                b=args.b,
-                lr=args.lr,
-                epochs=args.epochs,
-                lam=args.lam,
-                seed=args.seed,
                 recipe=recipe,
                 comm=comm,
-                allreduce=args.algorithm,
-                links=args.links,
                 emulate=emulate,
                 eval_every=eval_every,
+                **common_fit_kwargs(args),
             )
         except glm.DivergenceError as exc:
             return str(exc)

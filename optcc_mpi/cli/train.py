@@ -44,6 +44,19 @@ notes:
 """
 
 
+def common_fit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`optcc_mpi.glm.fit` arguments that ``train`` and ``bench-glm`` share."""
+    return {
+        "b": args.b,
+        "lr": args.lr,
+        "epochs": args.epochs,
+        "lam": args.lam,
+        "seed": args.seed,
+        "allreduce": args.algorithm,
+        "links": args.links,
+    }
+
+
 #: The sub-parser of each command, for :func:`command_line`.
 _PARSERS: dict[str, argparse.ArgumentParser] = {}
 
@@ -267,16 +280,10 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
         model=model,
         solver=args.solver,
         s=args.s,
-        b=args.b,
-        lr=args.lr,
-        epochs=args.epochs,
-        lam=args.lam,
-        seed=args.seed,
         recipe=recipe,
         comm=comm,
-        allreduce=args.algorithm,
-        links=args.links,
         emulate=emulate,
+        **common_fit_kwargs(args),
         gram_layout=args.gram_layout,
         eval_every=args.eval_every,
         checkpoint=args.checkpoint,
