@@ -6,7 +6,9 @@ time, so every NIC carries one flow per direction; the receiver times its messag
 transfer runs at the rate of the slower of its two ends, so a rank's send rate is at least
 the fastest of its outgoing transfers and its receive rate at least the fastest incoming
 one. With two shifts every healthy rank meets at least one healthy partner (p >= 3), and a
-degraded rank shows up slow on both sides.
+degraded rank shows up slow on both sides. Fractions are relative to the median rank, which
+assumes fewer than half of the ranks are degraded: the fastest measurement is a poor
+reference, since socket buffers can make a short transfer look faster than the link.
 
 The probe runs through the executor (as tiny schedules), so software emulation paces it
 like any collective. Its cost is ``shifts * repeats`` exchanges of ``nbytes`` plus a
@@ -28,8 +30,9 @@ from optcc_mpi.schedule import RECV, ScheduleBuilder
 
 __all__ = ["ProbeResult", "probe", "cached_probe", "HEALTHY_ABOVE"]
 
-#: Measured fractions at or above this count as healthy (timing noise is a few percent).
-HEALTHY_ABOVE = 0.85
+#: Measured fractions at or above this count as healthy. On the namespace testbed
+#: (2 shared cores) single measurements of healthy ranks vary by up to 20%.
+HEALTHY_ABOVE = 0.75
 
 
 @dataclass
@@ -66,8 +69,9 @@ def _shift_schedule(p: int, nbytes: int, shift: int) -> Any:
 def probe(
     comm: Any,
     *,
-    nbytes: int = 2 << 20,
-    repeats: int = 2,
+    nbytes: int = 4 << 20,
+    repeats: int = 3,
+    healthy_above: float = HEALTHY_ABOVE,
     emulate: Any = None,
 ) -> ProbeResult:
     """Measure every rank's send and receive bandwidth (collective on ``comm``).
@@ -82,6 +86,8 @@ def probe(
         Messages per shift; the fastest is kept.
     emulate : Emulation, optional
         Software emulation to apply (its ``degrade`` is the emulated truth).
+    healthy_above : float
+        Fractions of the median rank's bandwidth at or above this count as healthy.
     """
     from optcc_mpi.emulation import Emulation
 
@@ -111,8 +117,8 @@ def probe(
         recv = np.maximum(recv, rate)  # rate[r]: transfer r - s -> r
         send = np.maximum(send, np.roll(rate, -s))  # transfer r -> r + s, seen at r + s
     capacity = np.minimum(send, recv)
-    frac = capacity / capacity.max()
-    frac = np.where(frac >= HEALTHY_ABOVE, 1.0, np.round(frac, 2))
+    frac = np.minimum(capacity / np.median(capacity), 1.0)
+    frac = np.where(frac >= healthy_above, 1.0, np.round(frac, 2))
     links = Links({r: float(f) for r, f in enumerate(frac) if f < 1.0})
     return ProbeResult(links, send, recv, time.perf_counter() - t_start, nbytes, rates)
 

@@ -536,3 +536,27 @@ def test_wrapper_prefers_the_launchers_rank() -> None:
     env["OPTCC_EMULATE"] = "1GB/s"
     assert "OPTCC_EMULATE_FRACTION" not in _env_of(_wrap(env))
     assert _env_of(_wrap({**env, "PMI_RANK": "0"}))["OPTCC_EMULATE_FRACTION"] == "0.5"
+
+
+@pytest.mark.root
+@needs_netns
+def test_probe_finds_the_half_rate_rank(bed: tb.Testbed, tmp_path: Path) -> None:
+    """links="probe" on real shaped links: rank 0 at half rate is found every time."""
+    script = tmp_path / "probe_job.py"
+    out = tmp_path / "probe.json"
+    script.write_text(
+        "import json, sys\n"
+        "from mpi4py import MPI\n"
+        "from optcc_mpi.probe import probe\n"
+        "found = [dict(probe(MPI.COMM_WORLD).links.fractions) for _ in range(3)]\n"
+        "if MPI.COMM_WORLD.Get_rank() == 0:\n"
+        f"    json.dump(found, open({str(out)!r}, 'w'))\n"
+    )
+    tb.set_shaping({0: 0.5}, name=NAME)
+    done = subprocess.run(
+        bed.launch_argv([sys.executable, str(script)]), capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for profile in json.loads(out.read_text()):
+        assert list(profile) == ["0"], profile
+        assert profile["0"] == pytest.approx(0.5, abs=0.1)
