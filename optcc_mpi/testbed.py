@@ -62,6 +62,7 @@ __all__ = [
     "require_root",
     "resolve_name",
     "run",
+    "find_mpiexec",
     "set_shaping",
     "status",
     "up",
@@ -631,7 +632,7 @@ class Testbed:
             "netns",
             "exec",
             self.hub_ns,
-            _find_mpiexec(),
+            find_mpiexec(),
             "-launcher",
             "ssh",
             "-launcher-exec",
@@ -756,7 +757,8 @@ class Testbed:
         return text
 
 
-def _find_mpiexec() -> str:
+def find_mpiexec() -> str:
+    """The MPI launcher: ``$OPTCC_MPIEXEC``, else the one next to this Python, else PATH."""
     # The MPICH wheel puts hydra's mpiexec next to the interpreter; OPTCC_MPIEXEC overrides.
     explicit = os.environ.get("OPTCC_MPIEXEC")
     if explicit:

@@ -84,9 +84,10 @@ def verify(schedule: Schedule, *, raise_on_error: bool = True, max_errors: int =
     except ValueError as exc:
         rep.errors.append(f"matching: {exc}")
     else:
-        _check_races(schedule, rep, max_errors)
+        seg = _Segments(schedule)
+        _check_races(schedule, seg, rep, max_errors)
         if rep.ok:
-            _execute(schedule, partner, rep, max_errors)
+            _execute(schedule, seg, partner, rep, max_errors)
     if raise_on_error and not rep.ok:
         raise VerificationError(str(rep))
     return rep
@@ -159,8 +160,7 @@ def _accesses(s: Schedule, op: int) -> list[tuple[int, int, int, bool]]:
 
 
 # -- rule 3: races --------------------------------------------------------------------------
-def _check_races(s: Schedule, rep: Report, max_errors: int) -> None:
-    seg = _Segments(s)
+def _check_races(s: Schedule, seg: _Segments, rep: Report, max_errors: int) -> None:
     for rank in range(s.p):
         ids = s.op_ids(rank).tolist()
         local = {g: i for i, g in enumerate(ids)}
@@ -215,8 +215,9 @@ def _op(s: Schedule, g: int) -> str:
 
 
 # -- rules 2 and 4: execution ----------------------------------------------------------------
-def _execute(s: Schedule, partner: np.ndarray, rep: Report, max_errors: int) -> None:
-    seg = _Segments(s)
+def _execute(
+    s: Schedule, seg: _Segments, partner: np.ndarray, rep: Report, max_errors: int
+) -> None:
     words = (s.p + 63) // 64
     full = np.zeros(words, dtype=np.uint64)
     for r in range(s.p):

@@ -13,21 +13,11 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
-
-
-def mpiexec() -> str:
-    """The launcher next to this Python (the MPICH wheel's), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    found = str(here) if here.exists() else shutil.which("mpiexec")
-    if not found:
-        raise RuntimeError("no mpiexec found; install the mpich wheel (make install)")
-    return found
 
 
 def _use_testbed(args: argparse.Namespace) -> tuple[bool, str]:
@@ -100,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             f"{rate / 1e6:g} MB/s virtual NICs, degraded {args.links}",
             flush=True,
         )
-        cmd = [mpiexec(), "-n", str(args.ranks), *bench]
+        cmd = [testbed.find_mpiexec(), "-n", str(args.ranks), *bench]
         print("$ " + shlex.join(cmd), flush=True)
         status = subprocess.call(cmd, env=env)
     took = time.perf_counter() - t0
