@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 # Public names and the module that defines each. Resolved on first access so that
 # ``import optcc_mpi`` stays cheap and does not initialise MPI by itself.
 _EXPORTS = {
+    "OptccError": "optcc_mpi.errors",
     "allreduce": "optcc_mpi.collectives",
     "IN_PLACE": "optcc_mpi.collectives",
     "ALGORITHMS": "optcc_mpi.collectives",

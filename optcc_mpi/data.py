@@ -42,6 +42,7 @@ import ml_dtypes
 import numpy as np
 import scipy.sparse as sp
 
+from optcc_mpi.errors import DatasetError
 from optcc_mpi.progress import Progress
 
 __all__ = [
@@ -122,14 +123,6 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
 }
-
-
-class DatasetError(ValueError):
-    """A dataset file, its contents or a loading request is invalid.
-
-    The message names the offending file, value and (where there is one) the position: the
-    row and column, the rank whose block holds it, or the line of a text file.
-    """
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi.errors import TestbedError
+
 __all__ = [
     "DEFAULT_NAME",
     "MAX_RANKS",
@@ -135,12 +137,6 @@ _SIZE_UNITS = {
 }
 _TIME_UNITS = {"s": 1e6, "sec": 1e6, "ms": 1e3, "msec": 1e3, "us": 1.0, "usec": 1.0}
 _NUM_UNIT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
-
-
-class TestbedError(RuntimeError):
-    """A testbed operation failed; the message says why and what to do."""
-
-    __test__ = False  # not a pytest test class, despite the name
 
 
 class TestbedExists(TestbedError):

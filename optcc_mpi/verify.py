@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from optcc_mpi.errors import VerificationError
 from optcc_mpi.schedule import (
     COLL,
     COPY,
@@ -40,10 +41,6 @@ from optcc_mpi.schedule import (
 )
 
 __all__ = ["VerificationError", "Report", "verify"]
-
-
-class VerificationError(AssertionError):
-    """A schedule failed verification; the message says which rule and where."""
 
 
 @dataclass

@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 from scipy.linalg import solve_triangular
 
+from ..errors import DivergenceError
 from .comm import Reducer
 from .kernels import LocalData
 from .models import Model
@@ -54,10 +55,6 @@ SOLVERS = ("sgd", "casgd")
 #: Used to test that ``resume`` continues a killed run exactly.
 EXIT_AFTER_ENV = "OPTCC_GLM_EXIT_AFTER"
 EXIT_AFTER_STATUS = 75
-
-
-class DivergenceError(RuntimeError):
-    """The iterates became NaN or infinite (step size too large for the data)."""
 
 
 def casgd_recurrence(

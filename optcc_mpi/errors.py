@@ -1,0 +1,64 @@
+"""Every exception optcc_mpi raises on purpose derives from :class:`OptccError`.
+
+Each subclass also derives from the built-in exception a caller would have caught before
+(``ValueError`` for bad values, ``TypeError`` for bad types, ``RuntimeError`` for failures
+at run time, ...), so ``except ValueError`` clauses written against earlier versions keep
+working while ``except optcc_mpi.OptccError`` catches everything of ours.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OptccError",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "DatasetError",
+    "DivergenceError",
+    "VerificationError",
+    "PlanError",
+    "TestbedError",
+    "MPIUnavailableError",
+    "TooLargeError",
+]
+
+
+class OptccError(Exception):
+    """Base of every error optcc_mpi raises on purpose."""
+
+
+class ArgumentError(OptccError, ValueError):
+    """An argument has a bad value (raised on every rank for collective calls)."""
+
+
+class ArgumentTypeError(OptccError, TypeError):
+    """An argument has a type we cannot use."""
+
+
+class DatasetError(OptccError, ValueError):
+    """A dataset file is missing, malformed, corrupt or does not match what was asked."""
+
+
+class DivergenceError(OptccError, RuntimeError):
+    """Training diverged (non-finite loss, or a loss far above its best value)."""
+
+
+class VerificationError(OptccError, AssertionError):
+    """A schedule breaks an invariant the verifier checks."""
+
+
+class PlanError(OptccError, RuntimeError):
+    """No plan could be computed for the requested link profile."""
+
+
+class TestbedError(OptccError, RuntimeError):
+    """The network-namespace testbed could not be set up, used or removed."""
+
+    __test__ = False  # not a pytest test class, despite its name
+
+
+class MPIUnavailableError(OptccError, ImportError):
+    """A command that needs MPI ran where no MPI library can be loaded."""
+
+
+class TooLargeError(OptccError, MemoryError):
+    """A request would need more memory than allowed (raised before allocating it)."""
