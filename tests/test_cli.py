@@ -159,7 +159,20 @@ def test_demo_with_emulation(tmp_path: Path) -> None:
 def test_bench_gloo_peer() -> None:
     """torch.distributed's gloo in the same table (optional: torch is an extra)."""
     pytest.importorskip("torch", reason="torch is an optional extra (pip install torch)")
-    res = run(MPIEXEC, "-n", "2", *EXE, "bench", "-b", "1M", "-e", "1M", "-n", "2",
-              "--algorithms", "ring,gloo")
+    res = run(
+        MPIEXEC,
+        "-n",
+        "2",
+        *EXE,
+        "bench",
+        "-b",
+        "1M",
+        "-e",
+        "1M",
+        "-n",
+        "2",
+        "--algorithms",
+        "ring,gloo",
+    )
     assert res.returncode == 0, res.stderr
     assert "gloo" in res.stdout and "Out of bounds values : 0 OK" in res.stdout

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi import bench
 from optcc_mpi.emulation import Emulation
+from optcc_mpi.lab import bench
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from optcc_mpi import sweep
+from optcc_mpi.lab import sweep
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -293,7 +293,7 @@ def test_degraded_rows_go_through_the_wrapper(tmp_path: Path) -> None:
         [
             PY,
             "-m",
-            "optcc_mpi.sweep",
+            "optcc_mpi.lab.sweep",
             "run",
             str(table),
             "0",

@@ -1,5 +1,5 @@
-"""Tests of sweep tables and records (``optcc_mpi.sweep``) and of the report
-(``optcc_mpi.report``, ``optcc-mpi report``). Serial, no Slurm and no MPI: commands are
+"""Tests of sweep tables and records (``optcc_mpi.lab.sweep``) and of the report
+(``optcc_mpi.lab.report``, ``optcc-mpi report``). Serial, no Slurm and no MPI: commands are
 stood in for by small Python programs written into the test's folder."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from optcc_mpi import model, report, sweep
+from optcc_mpi import model
 from optcc_mpi.cli import main as cli_main
+from optcc_mpi.lab import report, reproduce, sweep
 
 # A program that behaves like `optcc-mpi bench` as far as the sweep runner can tell: it
 # writes rows to --out, and rejects an unknown algorithm as the real command does.
@@ -413,7 +414,7 @@ def test_no_plots_without_data(tmp_path: Path) -> None:
 
 
 def test_reproduce_sources_and_oracles() -> None:
-    rows = report.reproduce(
+    rows = reproduce.reproduce(
         ps=(4, 8, 16), losses=(0.25, 0.5), gpus_per_server=(1, 4), sim_max_p=8, size=1 << 24
     )
     get = {(r["gpus_per_server"], r["p"], r["loss"], r["algorithm"]): r for r in rows}
@@ -436,19 +437,19 @@ def test_reproduce_sources_and_oracles() -> None:
     assert get[(4, 16, 0.5, "ring")]["overhead_bound"] == pytest.approx(
         model.lower_bound(16, 1.0, 1.0, links) / model.fault_free(16, 1.0, 1.0) - 1
     )
-    text = report.reproduction_markdown(rows)
+    text = reproduce.reproduction_markdown(rows)
     assert "14.3%" in text and "2-6%" in text and "our reading" in text
 
 
 def test_reproduction_files(tmp_path: Path) -> None:
-    rows = report.reproduce(ps=(8, 32), losses=(0.5,), gpus_per_server=(1,), sim_max_p=0)
+    rows = reproduce.reproduce(ps=(8, 32), losses=(0.5,), gpus_per_server=(1,), sim_max_p=0)
     assert {r["source"] for r in rows} == {"model"}
-    csv_path = report.write_reproduction_csv(rows, tmp_path / "r.csv")
+    csv_path = reproduce.write_reproduction_csv(rows, tmp_path / "r.csv")
     got = list(csv.DictReader(csv_path.open()))
     assert len(got) == 6 and {g["source"] for g in got} == {"model"}
     opt = [g for g in got if g["algorithm"] == "optcc" and g["p"] == "32"][0]
     assert math.isclose(float(opt["overhead"]), 1 / 31, rel_tol=1e-6)
-    png = report.plot_reproduction(rows, tmp_path / "r.png")
+    png = reproduce.plot_reproduction(rows, tmp_path / "r.png")
     assert png.stat().st_size > 10_000
 
 

@@ -1,4 +1,4 @@
-"""Tests of the namespace testbed (``optcc_mpi.testbed``) and its CLI.
+"""Tests of the namespace testbed (``optcc_mpi.lab.testbed``) and its CLI.
 
 The parsing and privilege tests run anywhere. Tests marked ``root`` build real namespaces,
 veths and tc qdiscs and run a real MPI job across them; they skip (with the reason) where
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from optcc_mpi import testbed as tb
 from optcc_mpi.cli import main as cli_main
+from optcc_mpi.lab import testbed as tb
 
 HERE = Path(__file__).resolve().parent
 RING = HERE / "testbed_ring.py"
@@ -190,7 +190,7 @@ def _nobody_python() -> list[str] | None:
     repo = str(HERE.parent)
     for python in (sys.executable, "/usr/bin/python3"):
         argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c"]
-        probe = f"import sys; sys.path.insert(0, {repo!r}); import optcc_mpi.testbed"
+        probe = f"import sys; sys.path.insert(0, {repo!r}); import optcc_mpi.lab.testbed"
         if subprocess.run([*argv, probe], capture_output=True).returncode == 0:
             return argv
     return None
@@ -200,7 +200,7 @@ def test_non_root_process_is_refused() -> None:
     """A real unprivileged process (``setpriv`` to nobody) gets the plain error."""
     code = (
         f"import sys; sys.path.insert(0, {str(HERE.parent)!r}); "
-        "from optcc_mpi import testbed as t; t.up(2, '100mbit', name='optcctbnobody')"
+        "from optcc_mpi.lab import testbed as t; t.up(2, '100mbit', name='optcctbnobody')"
     )
     if os.geteuid() != 0:
         argv = [sys.executable, "-c"]

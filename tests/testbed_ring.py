@@ -1,7 +1,7 @@
 """Time a ring AllReduce with all links healthy, then with some ranks degraded.
 
 Run inside a testbed by ``tests/test_testbed.py`` (through ``Testbed.launch_argv``); rank 0
-reshapes the links between the two phases with ``optcc_mpi.testbed.set_shaping``, which is
+reshapes the links between the two phases with ``optcc_mpi.lab.testbed.set_shaping``, which is
 exactly what a benchmark inside the testbed does. Rank 0 writes a JSON result file.
 
 The ring is ``optcc_mpi.allreduce(..., algorithm="ring")``, the package's own. Not named
@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import optcc_mpi
-from optcc_mpi import testbed
+from optcc_mpi.lab import testbed
 
 
 def main() -> None:

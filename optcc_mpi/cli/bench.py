@@ -33,8 +33,8 @@ examples:
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
-    from optcc_mpi import bench
     from optcc_mpi.emulation import Emulation
+    from optcc_mpi.lab import bench
 
     comm = MPI.COMM_WORLD
     algs = args.algorithms.split(",")

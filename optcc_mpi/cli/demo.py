@@ -23,7 +23,7 @@ from typing import Any
 def _use_testbed(args: argparse.Namespace) -> tuple[bool, str]:
     if args.network == "emulation":
         return False, "emulation requested"
-    from optcc_mpi import testbed
+    from optcc_mpi.lab import testbed
 
     if os.geteuid() != 0:
         return False, "not root, so no kernel shaping"
@@ -34,7 +34,7 @@ def _use_testbed(args: argparse.Namespace) -> tuple[bool, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from optcc_mpi import testbed
+    from optcc_mpi.lab import testbed
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

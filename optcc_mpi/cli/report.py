@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _aggregate(args: argparse.Namespace) -> int:
-    from optcc_mpi import report
+    from optcc_mpi.lab import report
 
     folder = Path(args.results)
     if not folder.is_dir():
@@ -194,9 +194,9 @@ def _aggregate(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from optcc_mpi import report
+    from optcc_mpi.lab import reproduce
 
-    rows = report.reproduce(
+    rows = reproduce.reproduce(
         args.p,
         args.loss,
         args.gpus_per_server,
@@ -210,14 +210,14 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     if not rows:
         raise ValueError("no configuration left: every p is below 2 x gpus-per-server")
-    text = report.reproduction_markdown(rows)
+    text = reproduce.reproduction_markdown(rows)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text)
         print(f"wrote {args.markdown}")
     if args.csv:
-        print(f"wrote {report.write_reproduction_csv(rows, args.csv)}")
+        print(f"wrote {reproduce.write_reproduction_csv(rows, args.csv)}")
     if args.plots:
         out = Path(args.plots)
-        print(f"wrote {report.plot_reproduction(rows, out / 'reproduction.png')}")
+        print(f"wrote {reproduce.plot_reproduction(rows, out / 'reproduction.png')}")
     return 0

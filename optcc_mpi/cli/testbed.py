@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from optcc_mpi import testbed as tb
+from optcc_mpi.lab import testbed as tb
 
 DESCRIPTION = """\
 Give every MPI rank its own network namespace and a veth link into a bridge, and limit
@@ -34,7 +34,7 @@ examples:
   optcc-mpi testbed down                             remove everything (safe twice)
 
 From Python (e.g. rank 0 of a job inside the testbed):
-  from optcc_mpi import testbed
+  from optcc_mpi.lab import testbed
   testbed.set_shaping(None); ...; testbed.set_shaping({0: 0.5})
 
 See docs/testbed.md, which also covers degrading real clusters (jobs/degrade-wrapper.sh).

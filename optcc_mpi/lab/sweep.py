@@ -20,12 +20,12 @@ from one that was not asked for.
 
 Command line (used by the job scripts; handy by hand too)::
 
-    python -m optcc_mpi.sweep plan TABLE.csv [--only-failed RESULTS] [--shell]
-    python -m optcc_mpi.sweep run TABLE.csv TASK_ID --results RESULTS
-    python -m optcc_mpi.sweep exec --kind allreduce --ranks 8 --results RESULTS -- ARGS...
-    python -m optcc_mpi.sweep manifest --results RESULTS --table TABLE.csv --job ID ...
-    python -m optcc_mpi.sweep status RESULTS [--job ID]
-    python -m optcc_mpi.sweep expand allreduce algorithm=ring,optcc loss=0,0.5 > t.csv
+    python -m optcc_mpi.lab.sweep plan TABLE.csv [--only-failed RESULTS] [--shell]
+    python -m optcc_mpi.lab.sweep run TABLE.csv TASK_ID --results RESULTS
+    python -m optcc_mpi.lab.sweep exec --kind allreduce --ranks 8 --results RESULTS -- ARGS...
+    python -m optcc_mpi.lab.sweep manifest --results RESULTS --table TABLE.csv --job ID ...
+    python -m optcc_mpi.lab.sweep status RESULTS [--job ID]
+    python -m optcc_mpi.lab.sweep expand allreduce algorithm=ring,optcc loss=0,0.5 > t.csv
 """
 
 from __future__ import annotations
@@ -615,7 +615,7 @@ def _run_streaming(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, li
         status = proc.wait()
     except _Terminated:
         note = "terminated by SIGTERM (time limit or scancel)"
-        tail.append(f"[optcc_mpi.sweep] {note}")
+        tail.append(f"[optcc_mpi.lab.sweep] {note}")
         if proc is not None:
             _stop_group(proc)
         status = 128 + signal.SIGTERM
@@ -742,7 +742,7 @@ def run_command(
     env = {**os.environ, **(extra_env or {})}
     argv = [*launcher_argv(ranks), *wrapper_argv(env), *program_argv(), *argv_after_program]
     started, t0 = _now(), time.monotonic()
-    print(f"[optcc_mpi.sweep] task {job_id}_{task_id}: {shlex.join(argv)}", flush=True)
+    print(f"[optcc_mpi.lab.sweep] task {job_id}_{task_id}: {shlex.join(argv)}", flush=True)
     status, tail, note = _run_streaming(argv, env)
     wall = time.monotonic() - t0
     rows, out_note = _read_output(kind, out)
@@ -788,7 +788,7 @@ def run_command(
         pass
     verdict = "ok" if status == 0 else f"FAILED (exit {status}{'; ' + note if note else ''})"
     print(
-        f"[optcc_mpi.sweep] task {job_id}_{task_id}: {verdict}, {len(rows)} result rows, "
+        f"[optcc_mpi.lab.sweep] task {job_id}_{task_id}: {verdict}, {len(rows)} result rows, "
         f"{wall:.1f} s -> {results / f'{job_id}_{task_id}.jsonl'}",
         flush=True,
     )
@@ -1230,9 +1230,9 @@ def _cmd_expand(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m optcc_mpi.sweep``: the job scripts' helper (see the module docstring)."""
+    """``python -m optcc_mpi.lab.sweep``: the job scripts' helper (see the module docstring)."""
     p = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.sweep",
+        prog="python -m optcc_mpi.lab.sweep",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -1276,7 +1276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(a.func(a) or 0)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"optcc_mpi.sweep {a.cmd}: error: {exc}", file=sys.stderr)
+        print(f"optcc_mpi.lab.sweep {a.cmd}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -106,7 +106,7 @@ class _Network:
         self.emulate = cfg.emulate
         self.testbed = None
         if os.environ.get("OPTCC_TESTBED_NAME"):
-            from optcc_mpi import testbed
+            from optcc_mpi.lab import testbed
 
             self.testbed = testbed.current()
         self.links = self._links(cfg.links)
@@ -134,7 +134,7 @@ class _Network:
         """Switch the testbed's shaping (rank 0 does it; everyone waits)."""
         if self.testbed is not None:
             if self.comm.Get_rank() == 0:
-                from optcc_mpi import testbed
+                from optcc_mpi.lab import testbed
 
                 testbed.set_shaping(self.truth() if on else None)
             self.comm.Barrier()
