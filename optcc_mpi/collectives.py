@@ -20,18 +20,20 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi import algorithms
+from optcc_mpi.algorithms._policy import SMALL_BYTES
 from optcc_mpi.backend import DTYPES, OPS, backend_for, check_dtype, check_op
 from optcc_mpi.emulation import Emulation
+from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import ENV_LINKS, Links
 
-__all__ = ["allreduce", "IN_PLACE", "ALGORITHMS", "choose_algorithm", "last_stats", "SMALL_BYTES"]
-
-ALGORITHMS = ("auto", "ring", "optcc", "r2ccl", "native")
-#: Below this many bytes per rank, ``auto`` uses the MPI library's AllReduce: a
-#: point-to-point schedule costs at least 2(p-1) message latencies, the library's
-#: algorithms for short messages about 2 log2(p).
-SMALL_BYTES = 256 * 1024
+__all__ = [
+    "allreduce",
+    "IN_PLACE",
+    "choose_algorithm",
+    "last_stats",
+    "SMALL_BYTES",
+]  # and ALGORITHMS
 
 
 def _in_place() -> Any:
@@ -51,21 +53,30 @@ def last_stats() -> dict[str, Any]:
     return dict(_last)
 
 
-def choose_algorithm(p: int, nbytes: int, links: Links) -> str:
-    """What ``algorithm="auto"`` runs: the library's AllReduce for short messages, the
-    ring on healthy links, otherwise the fastest algorithm by the fluid model."""
-    if p < 2 or nbytes < SMALL_BYTES:
-        return "native"
-    if links.healthy:
-        return "ring"
-    from optcc_mpi import model
+def __getattr__(name: str) -> Any:
+    if name == "ALGORITHMS":
+        # "auto" and every registered algorithm; computed on use, so that algorithms
+        # registered later (entry points, tests) are included.
+        return ("auto", *algorithms.names())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    t = {
-        "ring": model.ring_time(p, nbytes, 1.0, links),
-        "r2ccl": model.r2ccl_time(p, nbytes, 1.0, links),
-        "optcc": model.optcc_time(p, nbytes, 1.0, links),
-    }
-    return min(t, key=t.__getitem__)
+
+def choose_algorithm(p: int, nbytes: int, links: Links) -> str:
+    """What ``algorithm="auto"`` runs: of the registered algorithms that declare
+    themselves eligible for this call (the MPI library's AllReduce for short messages,
+    the point-to-point schedules for long ones), the one with the smallest modelled
+    time; ties go to the one listed first (the ring before OptCC on healthy links)."""
+    best, best_t = None, float("inf")
+    for alg in algorithms.all_algorithms():
+        if not alg.eligible(p, nbytes, links):
+            continue
+        t = alg.time(p, nbytes, 1.0, links)
+        # A relative margin keeps rounding in the cost models from breaking ties.
+        if best is None or t < best_t * (1 - 1e-9):
+            best, best_t = alg.name, t
+    if best is None:
+        raise ArgumentError(f"no registered algorithm is eligible for p={p}, {nbytes} bytes")
+    return best
 
 
 class _Private:
@@ -171,18 +182,19 @@ def allreduce(
     shown: dict[str, str] = {}
     try:
         data, out, backend, link_obj, emu = _check_local(
-            sendbuf, recvbuf, op, algorithm, links, emulate, p
+            sendbuf, recvbuf, op, algorithm, links, emulate, p, params
         )
         sig[1:] = [
             data.size,
             list(DTYPES.values()).index(data.dtype),
             OPS.index(op),
-            ALGORITHMS.index(algorithm),
+            _code(algorithm),
             _code("probe" if link_obj is PROBE else repr(link_obj.key())),
             _code(str(emu)),
             _code(backend.name),
         ]
         shown = {
+            "algorithm": algorithm,
             "link profile": "probe" if link_obj is PROBE else str(link_obj),
             "emulation": str(emu),
             "backend": backend.name,
@@ -202,9 +214,7 @@ def allreduce(
         link_obj = cached_probe(comm, emulate=emu).links
     name = choose_algorithm(p, data.nbytes, link_obj) if algorithm == "auto" else algorithm
     extra = dict(params or {})
-    if name != "native":
-        extra.setdefault("itemsize", data.dtype.itemsize)
-    sched = algorithms.build(name, p, data.size, link_obj, **extra)
+    sched = algorithms.build(name, p, data.size, link_obj, itemsize=data.dtype.itemsize, **extra)
 
     target = out if out is not None else backend.empty_like(sendbuf)
     flat_out = backend.flat(target)
@@ -222,17 +232,26 @@ def allreduce(
         pacer=pacer,
     )
     _last.clear()
-    _last.update(algorithm=name, schedule=sched, stats=stats, links=link_obj, emulate=emu)
+    _last.update(
+        algorithm=name, schedule=sched, stats=stats, links=link_obj, emulate=emu, params=extra
+    )
     return target
 
 
 def _check_local(
-    sendbuf: Any, recvbuf: Any, op: str, algorithm: str, links: Any, emulate: Any, p: int
+    sendbuf: Any,
+    recvbuf: Any,
+    op: str,
+    algorithm: str,
+    links: Any,
+    emulate: Any,
+    p: int,
+    params: dict[str, Any] | None = None,
 ) -> tuple[Any, Any, Any, Links, Emulation | None]:
     """Validate this rank's arguments; return (flat input, result array, backend, links,
     emulation)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    if algorithm != "auto":
+        algorithms.get(algorithm).check_params(params or {})  # errors name the choices
     check_op(op)
     in_place = sendbuf is IN_PLACE
     if in_place:
@@ -306,10 +325,6 @@ def _agree(comm: Any, sig: list[int], error: Exception | None, shown: dict[str, 
                 detail = f"{names[lo[i]]} vs {names[hi[i]]} (this rank: {names[sig[i]]})"
             elif field == "op":
                 detail = f"{OPS[lo[i]]} vs {OPS[hi[i]]} (this rank: {OPS[sig[i]]})"
-            elif field == "algorithm":
-                detail = (
-                    f"{ALGORITHMS[lo[i]]} vs {ALGORITHMS[hi[i]]} (this rank: {ALGORITHMS[sig[i]]})"
-                )
             else:
                 detail = f"this rank has {shown.get(field, '?')}"
             raise ValueError(f"allreduce: {field} differs across ranks: {detail}")

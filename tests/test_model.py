@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 from optcc_mpi import model
+from optcc_mpi.algorithms import optcc as optcc_alg
+from optcc_mpi.algorithms import r2ccl as r2ccl_alg
+from optcc_mpi.algorithms import ring as ring_alg
 
 N, B = 1.0, 1.0
 
@@ -42,16 +45,16 @@ def test_bound_oracles() -> None:
 
 
 def test_l_star() -> None:
-    assert model.l_star(5) == pytest.approx(1.75)
-    assert model.l_star(8) == pytest.approx(13 / 7)
-    assert model.l_star(16) == pytest.approx(29 / 15)
+    assert optcc_alg.l_star(5) == pytest.approx(1.75)
+    assert optcc_alg.l_star(8) == pytest.approx(13 / 7)
+    assert optcc_alg.l_star(16) == pytest.approx(29 / 15)
 
 
 def test_pure_four_stage() -> None:
     # p = 5, l = 1: 1.75 n/B = 1.09375 x fault-free.
     assert 1.75 / ff(5) == pytest.approx(1.09375)
     # Bubble filling off means one attached scheme: max(l, (2p-3)/(p-1)).
-    plan = model.optcc_plan(8, "0:0.5")
+    plan = optcc_alg.optcc_plan(8, "0:0.5")
     assert plan.schemes == (((0,), 1.0),)
     assert plan.time == pytest.approx(2.0)
 
@@ -65,8 +68,8 @@ def test_bubble_fraction_and_plan() -> None:
         (8 / 5, 12 / 61),
         (13 / 7, 0.0),
     ):
-        assert model.bubble_fraction(8, l_) == pytest.approx(alpha, abs=1e-12)
-        plan = model.optcc_plan(8, {0: 1 / l_})
+        assert optcc_alg.bubble_fraction(8, l_) == pytest.approx(alpha, abs=1e-12)
+        plan = optcc_alg.optcc_plan(8, {0: 1 / l_})
         ring_share = dict(plan.schemes).get((), 0.0)
         assert ring_share == pytest.approx(alpha, abs=1e-6)
         bound = 2 * 7 * l_ / (7 * l_ + 1) if l_ < 13 / 7 else max(l_, 13 / 7)
@@ -76,14 +79,14 @@ def test_bubble_fraction_and_plan() -> None:
 @pytest.mark.parametrize("profile", ["0:0.5,3:0.5", "0:0.5,3:0.75", "0:0.3", "1:0.9,2:0.6"])
 def test_plan_never_below_bound_and_never_above_ring(profile: str) -> None:
     for p in (4, 8, 16):
-        t = model.optcc_time(p, N, B, profile)
+        t = optcc_alg.optcc_time(p, N, B, profile)
         assert t >= model.lower_bound(p, N, B, profile) * (1 - 1e-9)
-        assert t <= model.ring_time(p, N, B, profile) * (1 + 1e-9)
+        assert t <= ring_alg.ring_time(p, N, B, profile) * (1 + 1e-9)
 
 
 def test_plan_meets_bound_for_equal_stragglers() -> None:
     # Two ranks at half rate: attaching both reaches the bound exactly.
-    assert model.optcc_time(8, N, B, "0:0.5,3:0.5") == pytest.approx(
+    assert optcc_alg.optcc_time(8, N, B, "0:0.5,3:0.5") == pytest.approx(
         model.lower_bound(8, N, B, "0:0.5,3:0.5")
     )
 
@@ -93,21 +96,23 @@ def test_arbitrary_vector_plan() -> None:
     for p in (5, 12, 33):
         f = rng.uniform(0.3, 1.0, p)
         links = {i: float(v / f.max()) for i, v in enumerate(f)}
-        plan = model.optcc_plan(p, links)
+        plan = optcc_alg.optcc_plan(p, links)
         assert sum(x for _, x in plan.schemes) == pytest.approx(1.0)
         assert plan.time * N / B >= model.lower_bound(p, N, B, links) * (1 - 1e-9)
 
 
 def test_ring_and_r2ccl_oracles() -> None:
-    assert model.ring_time(8, N, B, "0:0.5") / ff(8) == pytest.approx(2.0)
+    assert ring_alg.ring_time(8, N, B, "0:0.5") / ff(8) == pytest.approx(2.0)
     # R2CCL: p = 8, 50% loss: 1.5714 (K -> infinity), 1.7143 (K = 4).
-    assert model.r2ccl_time(8, N, B, "0:0.5") / ff(8) == pytest.approx(1.5714, abs=1e-4)
-    assert model.r2ccl_time(8, N, B, "0:0.5", chunks=4) / ff(8) == pytest.approx(1.7143, abs=1e-4)
+    assert r2ccl_alg.r2ccl_time(8, N, B, "0:0.5") / ff(8) == pytest.approx(1.5714, abs=1e-4)
+    assert r2ccl_alg.r2ccl_time(8, N, B, "0:0.5", chunks=4) / ff(8) == pytest.approx(
+        1.7143, abs=1e-4
+    )
     # p = 6, X = 1/3: the repository's K sweep.
     for k, want in ((1, 1.6), (2, 1.45), (4, 1.375), (8, 1.3375), (16, 1.31875)):
-        got = model.r2ccl_time(6, N, B, {0: 2 / 3}, chunks=k) / ff(6)
+        got = r2ccl_alg.r2ccl_time(6, N, B, {0: 2 / 3}, chunks=k) / ff(6)
         assert got == pytest.approx(want, abs=1e-9)
-    assert model.r2ccl_time(6, N, B, {0: 2 / 3}) / ff(6) == pytest.approx(1.30)
+    assert r2ccl_alg.r2ccl_time(6, N, B, {0: 2 / 3}) / ff(6) == pytest.approx(1.30)
 
 
 def test_table_json_shape() -> None:

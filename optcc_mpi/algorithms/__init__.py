@@ -1,77 +1,204 @@
-"""Collective algorithms: each a pure function returning a :class:`~optcc_mpi.schedule.Schedule`.
+"""The algorithm registry: the only place an AllReduce algorithm is named.
 
-An algorithm is registered with :func:`register` and called as
-``fn(p, count, links, *, itemsize=4, **params)``. Adding an algorithm is adding one module
-here; the executor, simulator and verifier need no change.
+An algorithm is one module in this package that registers its schedule builder::
+
+    @register(summary="...", cost=my_time)
+    def my_algorithm(p, count, links=None, *, itemsize=4, chunk_bytes=1 << 20) -> Schedule:
+        ...
+
+Everything else (``allreduce`` and ``auto``, ``optcc-mpi model``, ``simulate`` and
+``bench``, the report, the demo, the contract tests) iterates :func:`names` and calls
+:func:`get`, so adding an algorithm is adding one module: modules here are discovered
+without a list to edit, and packages elsewhere can add theirs through the entry-point
+group ``optcc_mpi.algorithms``.
+
+What a registration declares
+----------------------------
+name
+    The module's own name unless given (so a copied module registers under its new name).
+summary
+    One line for ``--help`` and tables.
+build
+    ``build(p, count, links, *, itemsize=4, **params) -> Schedule``, a pure function.
+cost
+    ``cost(p, nbytes, bw, links, *, latency=0.0, **params) -> seconds``: the modelled
+    time on ``p`` ranks of ``nbytes`` bytes each, healthy NIC rate ``bw`` bytes/s per
+    direction, the link profile ``links`` and a per-message latency. It receives the
+    parameters it accepts from the same ``params`` the builder gets.
+params
+    The tunable parameters with their defaults: by default the builder's keyword-only
+    parameters (``itemsize`` excluded).
+auto
+    Whether ``algorithm="auto"`` may choose it: a bool, or a predicate
+    ``auto(p, nbytes, links) -> bool`` for algorithms that only suit some sizes.
+order
+    Where it is listed (smaller first); ties by name.
+explain
+    Optional ``explain(p, links, **params) -> str``: one line on how the algorithm adapts
+    to this profile (OptCC prints its plan), shown by ``optcc-mpi model``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
+from types import MappingProxyType
 from typing import Any
 
+from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import Schedule
 
-__all__ = ["Algorithm", "register", "get", "names", "build"]
+__all__ = ["Algorithm", "register", "get", "names", "all_algorithms", "build", "ENTRY_POINTS"]
+
+#: Entry-point group through which other packages register algorithms.
+ENTRY_POINTS = "optcc_mpi.algorithms"
+
+Builder = Callable[..., Schedule]
+Cost = Callable[..., float]
 
 
 @dataclass(frozen=True)
 class Algorithm:
-    """A registered algorithm: its name, one-line summary and schedule function."""
+    """Everything about one registered algorithm (see the module docstring)."""
 
     name: str
     summary: str
-    fn: Callable[..., Schedule]
+    build: Builder
+    cost: Cost
+    params: Mapping[str, Any] = field(default_factory=dict)
+    auto: bool | Callable[[int, float, Links], bool] = True
+    order: int = 100
+    module: str = ""
+    explain: Callable[..., str] | None = None
+
+    def time(
+        self,
+        p: int,
+        nbytes: float,
+        bw: float,
+        links: Links | str | None = None,
+        *,
+        latency: float = 0.0,
+        **params: Any,
+    ) -> float:
+        """Modelled time in seconds: the registered cost, given the parameters it takes
+        (the builder's defaults, overridden by ``params``), so that the cost describes the
+        schedule :func:`build` makes with the same parameters."""
+        links = Links.coerce(links) if links is not None else Links()
+        given = _accepted(self.cost, {**self.params, **params})
+        return float(self.cost(p, nbytes, bw, links, latency=latency, **given))
+
+    def eligible(self, p: int, nbytes: float, links: Links) -> bool:
+        """Whether ``auto`` may run this algorithm for this call."""
+        return bool(self.auto(p, nbytes, links)) if callable(self.auto) else bool(self.auto)
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        """Raise :class:`ArgumentError` naming any parameter this algorithm does not take."""
+        unknown = sorted(set(params) - set(self.params) - {"itemsize"})
+        if unknown:
+            known = ", ".join(sorted(self.params)) or "none"
+            raise ArgumentError(
+                f"algorithm {self.name!r} has no parameter {', '.join(map(repr, unknown))} "
+                f"(its parameters: {known})"
+            )
 
 
 _REGISTRY: dict[str, Algorithm] = {}
-#: Modules holding the algorithms, in the order they are listed.
-_MODULES = ("ring", "optcc", "r2ccl", "native")
+_loaded = False
+
+
+def _accepted(fn: Callable[..., Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of ``params`` that ``fn`` accepts by keyword."""
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return dict(params)
+    return {k: v for k, v in params.items() if k in sig.parameters}
+
+
+def _builder_params(fn: Builder) -> dict[str, Any]:
+    return {
+        name: prm.default
+        for name, prm in inspect.signature(fn).parameters.items()
+        if prm.kind is prm.KEYWORD_ONLY and name != "itemsize"
+    }
 
 
 def register(
-    name: str, summary: str
-) -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
-    """Class the decorated schedule function as algorithm ``name``."""
+    name: str | None = None,
+    *,
+    summary: str,
+    cost: Cost,
+    params: Mapping[str, Any] | None = None,
+    auto: bool | Callable[[int, float, Links], bool] = True,
+    order: int = 100,
+    explain: Callable[..., str] | None = None,
+) -> Callable[[Builder], Builder]:
+    """Register the decorated schedule builder as an algorithm (module docstring)."""
 
-    def deco(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
-        if name in _REGISTRY:
-            raise ValueError(f"algorithm {name!r} registered twice")
-        _REGISTRY[name] = Algorithm(name, summary, fn)
+    def deco(fn: Builder) -> Builder:
+        module = fn.__module__
+        key = name or module.rsplit(".", 1)[-1]
+        if not key.isidentifier() or key == "auto":
+            raise ValueError(f"algorithm name {key!r} must be an identifier other than 'auto'")
+        old = _REGISTRY.get(key)
+        if old is not None and old.module != module:
+            raise ValueError(f"algorithm {key!r} registered by both {old.module} and {module}")
+        _REGISTRY[key] = Algorithm(
+            name=key,
+            summary=summary,
+            build=fn,
+            cost=cost,
+            params=MappingProxyType(dict(_builder_params(fn) if params is None else params)),
+            auto=auto,
+            order=order,
+            module=module,
+            explain=explain,
+        )
+        _build_cached.cache_clear()
         return fn
 
     return deco
 
 
 def _load() -> None:
-    # Importing the modules registers them; done lazily to avoid import cycles.
-    import importlib
+    """Import every module of this package and every entry point (they register)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+    from importlib.metadata import entry_points
 
-    for module in _MODULES:
-        try:
-            importlib.import_module(f"{__name__}.{module}")
-        except ModuleNotFoundError as exc:  # not written yet
-            if exc.name != f"{__name__}.{module}":
-                raise
+    for ep in entry_points(group=ENTRY_POINTS):
+        ep.load()
+
+
+def all_algorithms() -> tuple[Algorithm, ...]:
+    """Every registered algorithm, in listing order."""
+    _load()
+    return tuple(sorted(_REGISTRY.values(), key=lambda a: (a.order, a.name)))
 
 
 def names() -> tuple[str, ...]:
-    """Names of the registered algorithms."""
-    _load()
-    return tuple(_REGISTRY)
+    """Names of the registered algorithms, in listing order (``auto`` is not one)."""
+    return tuple(a.name for a in all_algorithms())
 
 
 def get(name: str) -> Algorithm:
-    """The algorithm called ``name``; ValueError naming the choices otherwise."""
+    """The algorithm called ``name``; :class:`ArgumentError` naming the choices otherwise."""
     _load()
     try:
         return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown algorithm {name!r}; choose one of {', '.join(sorted(_REGISTRY))} or 'auto'"
+    except (KeyError, TypeError):
+        raise ArgumentError(
+            f"unknown algorithm {name!r}; choose one of {', '.join(names())} or 'auto'"
         ) from None
 
 
@@ -80,6 +207,7 @@ def build(
 ) -> Schedule:
     """Schedule of algorithm ``name`` (memoised: schedules are pure functions of the inputs)."""
     links = Links.coerce(links) if links is not None else Links()
+    get(name).check_params(params)
     key = tuple(sorted(params.items()))
     return _build_cached(name, int(p), int(count), links.key(), key)
 
@@ -88,4 +216,4 @@ def build(
 def _build_cached(
     name: str, p: int, count: int, links_key: tuple[tuple[int, float], ...], params: tuple
 ) -> Schedule:
-    return get(name).fn(p, count, Links(dict(links_key)), **dict(params))
+    return get(name).build(p, count, Links(dict(links_key)), **dict(params))

@@ -25,20 +25,39 @@ the reduce-scatter of segment L+depth before the all-gather of segment L, so the
 works on later segments while a straggler handles earlier ones.
 
 Several stragglers, and any vector of per-rank bandwidths, are handled by the plan of
-:func:`optcc_mpi.model.optcc_plan` (ours): the buffer is split over *schemes*, each
+:func:`optcc_plan` (ours): the buffer is split over *schemes*, each
 attaching a set of slow ranks to the ring of the others, plus (when stragglers keep more
 than about half their bandwidth) a share through the plain ring over all ranks, which
 fills the bubbles on the stragglers' links. All schemes run at once on separate channels.
+
+OptCC's fluid time (derived, ours)
+----------------------------------
+A *scheme* attaches the j slowest ranks (stragglers) to a ring of the others: the healthy
+ring reduce-scatters and all-gathers, and each straggler exchanges each section once in
+each direction with a healthy rank. Per unit of data a straggler moves 1 unit each way and
+a healthy rank ``(2(h-1) + j) / h`` with ``h = p - j`` (j = 0 is the plain ring). Running
+several schemes side by side on disjoint parts of the buffer, the best split is the
+linear program
+
+    minimise T  subject to  sum_j x_j = 1,  x_j >= 0,
+                            sum_j x_j * load_j(r) <= T * f_r   for every rank r.
+
+With one straggler it mixes the ring (x_0) and the four-stage schedule (x_1) exactly as
+the bubble-filling split ``alpha(p, l)`` and meets the lower bound for every l; with
+several degraded ranks or any vector of bandwidths it is our generalisation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from optcc_mpi.algorithms import register
+from optcc_mpi.algorithms._policy import large_messages
 from optcc_mpi.algorithms.ring import (
     CHUNK_BYTES,
     add_ring_allreduce,
@@ -46,11 +65,25 @@ from optcc_mpi.algorithms.ring import (
     reduce_scatter,
     ring_chunks,
 )
+from optcc_mpi.errors import PlanError
 from optcc_mpi.links import Links
-from optcc_mpi.model import optcc_plan
+from optcc_mpi.model import fractions
 from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
 
-__all__ = ["optcc", "add_attached", "choose_segments", "PATTERNS"]
+__all__ = [
+    "optcc",
+    "optcc_time",
+    "optcc_plan",
+    "OptccPlan",
+    "plan_time",
+    "scheme_loads",
+    "bubble_fraction",
+    "l_star",
+    "FILL_GAIN",
+    "add_attached",
+    "choose_segments",
+    "PATTERNS",
+]
 
 PATTERNS = ("auto", "alternate", "closer", "raw")
 #: Channels used by one attached scheme: reduce-scatter, all-gather, raw folds, closer
@@ -272,7 +305,176 @@ def _share_bounds(lo: int, hi: int, shares: Sequence[float]) -> list[tuple[int, 
     return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-@register("optcc", "four-stage pipelined AllReduce that attaches degraded ranks to a healthy ring")
+# ----------------------------------------------------------------------------- the plan
+
+
+def l_star(p: int) -> float:
+    """``(2p-3)/(p-1)``: slowdown beyond which the pure four-stage schedule is optimal."""
+    return (2 * p - 3) / (p - 1)
+
+
+def bubble_fraction(p: int, l: float) -> float:
+    """Share of the data sent through the full ring, one straggler at rate B/l (derived).
+
+    ``alpha = p[(2p-3) - l(p-1)] / [(p-2)(l(p-1) + 1)]`` for ``1 <= l <= l*``; 0 beyond
+    ``l*`` (pure four-stage) and 1 at ``l = 1`` (pure ring).
+    """
+    if p < 3 or l >= l_star(p):
+        return 0.0
+    return p * ((2 * p - 3) - l * (p - 1)) / ((p - 2) * (l * (p - 1) + 1))
+
+
+@dataclass(frozen=True)
+class OptccPlan:
+    """How OptCC splits the buffer over schemes (see the module docstring).
+
+    Attributes
+    ----------
+    schemes : tuple of (tuple of int, float)
+        (straggler ranks, share of the data) for each scheme in use; an empty straggler
+        tuple is the full ring over all ranks.
+    time : float
+        Fluid time in units of n/B.
+    """
+
+    schemes: tuple[tuple[tuple[int, ...], float], ...]
+    time: float
+
+    @property
+    def stragglers(self) -> tuple[int, ...]:
+        """Every rank that is a straggler in some scheme."""
+        return tuple(sorted({r for d, _ in self.schemes for r in d}))
+
+
+#: ``fill="auto"`` runs the bubble-filling split only when it beats attaching every
+#: degraded rank by more than this in the fluid model: the plain-ring share competes with
+#: the attached scheme for the degraded links, which costs our schedules 3 to 9% in the
+#: simulator, so smaller gains are not worth it (docs/optcc.md).
+FILL_GAIN = 0.03
+
+
+def scheme_loads(p: int, stragglers: tuple[int, ...]) -> np.ndarray:
+    """Per-rank traffic of one scheme, per unit of data and direction: 1 for an attached
+    rank, ``(2(h-1) + j)/h`` for the ``h`` ring members when ``j`` ranks are attached."""
+    j = len(stragglers)
+    h = p - j
+    loads = np.full(p, (2.0 * (h - 1) + j) / h if h else 0.0)
+    loads[list(stragglers)] = 1.0
+    return loads
+
+
+def plan_time(p: int, links: Links | str | None, schemes: tuple) -> float:
+    """Fluid time (units of n/B) of running ``schemes`` ((stragglers, share) pairs) side
+    by side: the busiest rank's traffic over its bandwidth."""
+    if p < 2:
+        return 0.0
+    f = fractions(links, p)
+    total = sum(x * scheme_loads(p, tuple(d)) for d, x in schemes)
+    return float(np.max(total / f))
+
+
+def optcc_plan(p: int, links: Links | str | None = None, *, fill: bool | str = True) -> OptccPlan:
+    """How OptCC splits the data over straggler schemes.
+
+    ``fill=True``: the best fluid split, by linear programming (bubble filling included);
+    ``fill=False``: every degraded rank attached to the ring of the others, for all of the
+    data; ``fill="auto"``: the first unless it gains less than ``FILL_GAIN`` over the second.
+    """
+    f = fractions(links, p)
+    best = _plan(p, tuple(f.round(12).tolist()))
+    if fill is True or p < 2:
+        return best
+    slow = tuple(int(r) for r in np.flatnonzero(f < f.max()))
+    if not slow:
+        return best
+    attach = ((slow, 1.0),)
+    plain = OptccPlan(attach, plan_time(p, links, attach))
+    if fill is False or plain.time <= best.time * (1 + FILL_GAIN):
+        return plain
+    return best
+
+
+@lru_cache(maxsize=256)
+def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
+    if p < 2:
+        return OptccPlan((((), 1.0),), 0.0)
+    f = np.asarray(f_tuple)
+    order = np.argsort(f, kind="stable")
+    n_slow = int(np.sum(f < f.max()))
+    if n_slow == 0:
+        return OptccPlan((((), 1.0),), 2.0 * (p - 1) / p / f.max())
+    # Scheme j attaches the j slowest ranks; j = 0 is the ring over all ranks. Attaching a
+    # rank as fast as the fastest never helps, so j stops at the number of slower ranks.
+    J = min(n_slow, p - 1) + 1
+    loads = np.empty((J, p))
+    for j in range(J):
+        h = p - j
+        loads[j] = (2.0 * (h - 1) + j) / h
+        loads[j, order[:j]] = 1.0
+    from scipy.optimize import linprog
+
+    # Variables x_0..x_{J-1}, T. Minimise T.
+    c = np.zeros(J + 1)
+    c[-1] = 1.0
+    a_ub = np.hstack([loads.T, -f[:, None]])
+    a_eq = np.zeros((1, J + 1))
+    a_eq[0, :J] = 1.0
+    res = linprog(
+        c,
+        A_ub=a_ub,
+        b_ub=np.zeros(p),
+        A_eq=a_eq,
+        b_eq=[1.0],
+        bounds=[(0, None)] * (J + 1),
+        method="highs",
+    )
+    if not res.success:  # pragma: no cover - the LP is always feasible and bounded
+        raise PlanError(f"OptCC plan: linear program failed: {res.message}")
+    x = np.where(res.x[:J] < 1e-9, 0.0, res.x[:J])
+    x /= x.sum()
+    schemes = tuple(
+        (tuple(sorted(int(r) for r in order[:j])), float(x[j])) for j in range(J) if x[j] > 0
+    )
+    return OptccPlan(schemes, float(res.x[-1]))
+
+
+def optcc_time(
+    p: int,
+    nbytes: float,
+    bw: float,
+    links: Links | str | None = None,
+    *,
+    latency: float = 0.0,
+    k: int | None = None,
+    fill: bool | str = True,
+) -> float:
+    """OptCC's fluid time (the best split unless ``fill`` says otherwise, see
+    :func:`optcc_plan`); with ``k`` segments, one segment's worth of pipeline head and
+    tail added, ``(1 + 1/k)`` times the fluid time (derived); plus one latency per ring
+    step, 2(p-1)."""
+    if p < 2:
+        return 0.0
+    t = optcc_plan(p, links, fill=fill).time * nbytes / bw
+    t = t if k is None else t * (1.0 + 1.0 / k)
+    return t + 2 * (p - 1) * latency
+
+
+def explain_plan(p: int, links: Links | str | None = None, *, fill: bool | str = "auto") -> str:
+    """The plan in words: each scheme's share and what it attaches."""
+    parts = []
+    for d, x in optcc_plan(p, links, fill=fill).schemes:
+        what = f"ranks {','.join(map(str, d))} attached" if d else "ring over all ranks"
+        parts.append(f"{x:.1%} {what}")
+    return "; ".join(parts)
+
+
+@register(
+    summary="four-stage pipelined AllReduce that attaches degraded ranks to a healthy ring",
+    cost=optcc_time,
+    explain=explain_plan,
+    auto=large_messages,
+    order=10,
+)
 def optcc(
     p: int,
     count: int,
@@ -307,10 +509,10 @@ def optcc(
     pattern : {"auto", "alternate", "closer", "raw"}
         Stage ordering per segment (see :func:`add_attached`).
     fill : bool or "auto"
-        True: the bubble-filling split of :func:`optcc_mpi.model.optcc_plan` (a plain
+        True: the bubble-filling split of :func:`optcc_plan` (a plain
         ring over all ranks beside the attached scheme); False: every degraded rank
         attached, for all of the data; "auto": the split only where the fluid model says
-        it gains more than ``model.FILL_GAIN`` (3%), since the two shares compete for the
+        it gains more than ``FILL_GAIN`` (3%), since the two shares compete for the
         degraded links (simulated, p = 32 at 12.5% loss: 1.057 x the bound with the
         split, 1.013 x attaching).
     chunk_bytes : int

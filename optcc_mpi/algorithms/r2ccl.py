@@ -20,11 +20,13 @@ from __future__ import annotations
 import numpy as np
 
 from optcc_mpi.algorithms import register
+from optcc_mpi.algorithms._policy import large_messages
 from optcc_mpi.algorithms.ring import CHUNK_BYTES, add_ring_allreduce, ring_chunks
 from optcc_mpi.links import Links
+from optcc_mpi.model import fault_free, fractions
 from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
 
-__all__ = ["r2ccl", "tail_share"]
+__all__ = ["r2ccl", "r2ccl_time", "tail_share"]
 
 
 def tail_share(count: int, itemsize: int, loss: float) -> int:
@@ -33,7 +35,47 @@ def tail_share(count: int, itemsize: int, loss: float) -> int:
     return min(count, tail_bytes // itemsize)
 
 
-@register("r2ccl", "R2CCL-AllReduce: main part over all ranks, tail over the healthy ranks")
+def r2ccl_time(
+    p: int,
+    nbytes: float,
+    bw: float,
+    links: Links | str | None = None,
+    *,
+    latency: float = 0.0,
+    chunks: int | None = None,
+) -> float:
+    """R2CCL-AllReduce under its own cost model (from R2CCL's code).
+
+    ``T = max(T1, T2) + T3`` with ``Y = X`` (tail share = bandwidth lost at the worst
+    rank): T1 the main AllReduce of ``(1-Y) n`` held back by the degraded rank, T2 the
+    healthy-only AllReduce of ``Y n`` on spare bandwidth, T3 the tail crossing the
+    degraded link once, ``(1 + 1/K) Y n / ((1-X) B)`` with K pipeline chunks
+    (``chunks=None``: K -> infinity). With several degraded ranks X is the largest loss.
+    Plus one latency per ring step, 2(p-1).
+    """
+    if p < 2:
+        return 0.0
+    f = fractions(links, p)
+    fmin = float(f.min())
+    x = 1.0 - fmin
+    if x <= 0.0:
+        return fault_free(p, nbytes, bw) + 2 * (p - 1) * latency
+    y = x
+    m = int(np.sum(f < 1.0))
+    h = p - m
+    t1 = 2.0 * (p - 1) / p * (1 - y) * nbytes / (fmin * bw)
+    t2 = 2.0 * (h - 1) / h * y * nbytes / (x * bw) if h > 1 else 0.0
+    k_term = 1.0 if chunks is None else 1.0 + 1.0 / chunks
+    t3 = k_term * y * nbytes / (fmin * bw)
+    return max(t1, t2) + t3 + 2 * (p - 1) * latency
+
+
+@register(
+    summary="R2CCL-AllReduce: main part over all ranks, tail over the healthy ranks",
+    cost=r2ccl_time,
+    auto=large_messages,
+    order=20,
+)
 def r2ccl(
     p: int,
     count: int,

@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi.algorithms import register
+from optcc_mpi.algorithms._policy import large_messages
 from optcc_mpi.links import Links
+from optcc_mpi.model import fault_free, fractions
 from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
 
-__all__ = ["ring", "add_ring_allreduce", "reduce_scatter", "all_gather", "ring_chunks"]
+__all__ = ["ring", "ring_time", "add_ring_allreduce", "reduce_scatter", "all_gather", "ring_chunks"]
 
 #: Default message size the ring aims for; small enough to overlap the reduction of one
 #: message with the transfer of the next, large enough that per-message costs stay small.
@@ -136,7 +138,27 @@ def add_ring_allreduce(
     all_gather(b, m, clo, chi, chan=chan, first_deps=final, rs_sends=sends)
 
 
-@register("ring", "bandwidth-optimal ring reduce-scatter + all-gather (NCCL's algorithm)")
+def ring_time(
+    p: int,
+    nbytes: float,
+    bw: float,
+    links: Links | str | None = None,
+    *,
+    latency: float = 0.0,
+) -> float:
+    """The ring, held back at every step by the slowest NIC, ``T_ff / min_r f_r``, plus one
+    latency per step (2(p-1) steps; the chunks of one step are pipelined)."""
+    if p < 2:
+        return 0.0
+    return fault_free(p, nbytes, bw) / fractions(links, p).min() + 2 * (p - 1) * latency
+
+
+@register(
+    summary="bandwidth-optimal ring reduce-scatter + all-gather (NCCL's algorithm)",
+    cost=ring_time,
+    auto=large_messages,
+    order=0,
+)
 def ring(
     p: int,
     count: int,

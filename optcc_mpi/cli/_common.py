@@ -7,7 +7,15 @@ from collections.abc import Sequence
 
 from optcc_mpi.links import Links, parse_duration, parse_rate, parse_size
 
-__all__ = ["size_arg", "rate_arg", "duration_arg", "links_arg", "print_table", "add_network_args"]
+__all__ = [
+    "size_arg",
+    "rate_arg",
+    "duration_arg",
+    "links_arg",
+    "algorithms_arg",
+    "print_table",
+    "add_network_args",
+]
 
 
 def _wrap(fn, what: str):  # noqa: ANN001, ANN202 - argparse type adaptor
@@ -67,3 +75,25 @@ def add_network_args(p: argparse.ArgumentParser) -> None:
         default=25e9,
         help="healthy NIC bandwidth per direction, e.g. 25GB/s, 400mbit (default 25GB/s)",
     )
+    p.add_argument(
+        "--latency",
+        type=duration_arg,
+        default=0.0,
+        help="per-message latency, e.g. 5us (default 0: bandwidth only)",
+    )
+
+
+def algorithms_arg(text: str) -> list[str]:
+    """A comma-separated list of registered algorithm names (argparse type)."""
+    from optcc_mpi import algorithms
+    from optcc_mpi.errors import ArgumentError
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected at least one algorithm name")
+    for name in names:
+        try:
+            algorithms.get(name)
+        except ArgumentError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return names

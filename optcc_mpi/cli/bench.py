@@ -88,11 +88,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("-w", "--warmup", type=int, default=1, help="warm-up iterations (1)")
     p.add_argument("-d", "--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("-o", "--op", choices=list(OPS), default="sum")
+    from optcc_mpi import algorithms
+
+    every = [*algorithms.names(), "auto"]
     p.add_argument(
         "--algorithms",
-        default="ring,optcc,r2ccl,native,auto",
-        help="comma-separated from ring,optcc,r2ccl,native,auto,gloo "
-        "(gloo: torch.distributed, when torch is installed)",
+        default=",".join(every),
+        help=f"comma-separated from {','.join(every)},gloo (default: all but gloo; "
+        "gloo: torch.distributed, when torch is installed)",
     )
     p.add_argument(
         "--links",

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import algorithms
+
 
 def _use_testbed(args: argparse.Namespace) -> tuple[bool, str]:
     if args.network == "emulation":
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         "-w",
         "1",
         "--algorithms",
-        "ring,r2ccl,optcc,auto,native",
+        ",".join([*algorithms.names(), "auto"]),
         "--links",
         args.links,
         "--out",

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from optcc_mpi import algorithms
 from optcc_mpi.cli._common import add_network_args, print_table
 from optcc_mpi.links import Links
 
@@ -14,10 +15,8 @@ The model is the fluid (bandwidth-only) model: per-rank full-duplex NICs, the de
 ranks at FRACTION of --bw. Times are for one AllReduce of --size bytes per rank.
   fault-free  2(p-1)/p * n/B, the ring with every link healthy
   bound       max(n / (B min f), 2(p-1) n / (B sum f))  (derived; docs/model.md)
-  ring        the ring held back by its slowest link
-  r2ccl       R2CCL-AllReduce by its own cost model (K -> infinity)
-  optcc       OptCC's fluid time (the bubble-filling plan; meets the bound with one
-              degraded rank)
+  one row per registered algorithm, by the cost it declares (`optcc-mpi simulate --help`
+  lists them); --latency adds each algorithm's per-message latency term
 
 examples:
   optcc-mpi model --p 8 --degrade 0:0.5 --size 256M --bw 25GB/s
@@ -38,10 +37,7 @@ def sweep(size: int, bw: float, ps: list[int], losses: list[float]) -> list[dict
                 {
                     "p": p,
                     "loss": loss,
-                    **{
-                        a: t["algorithms"][a]["ratio_fault_free"]
-                        for a in ("ring", "r2ccl", "optcc")
-                    },
+                    **{a: r["ratio_fault_free"] for a, r in t["algorithms"].items()},
                     "bound": t["bound_ratio_fault_free"],
                 }
             )
@@ -57,24 +53,18 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(rows))
             return 0
         pct = lambda r: f"{100 * (r - 1):+.1f}%"  # noqa: E731
+        names = algorithms.names()
         print_table(
-            ["p", "loss", "ring", "r2ccl", "optcc", "bound"],
+            ["p", "loss", *names, "bound"],
             [
-                [
-                    r["p"],
-                    f"{100 * r['loss']:g}%",
-                    pct(r["ring"]),
-                    pct(r["r2ccl"]),
-                    pct(r["optcc"]),
-                    pct(r["bound"]),
-                ]
+                [r["p"], f"{100 * r['loss']:g}%", *(pct(r[a]) for a in names), pct(r["bound"])]
                 for r in rows
             ],
         )
         return 0
     links: Links = args.degrade
     links.check(args.p)
-    t = model.table(args.p, args.size, args.bw, links)
+    t = model.table(args.p, args.size, args.bw, links, latency=args.latency)
     if args.json:
         print(json.dumps(t))
         return 0
@@ -100,13 +90,9 @@ def run(args: argparse.Namespace) -> int:
         ["lower bound", f"{t['bound_s'] * 1e3:.3f}", f"{t['bound_ratio_fault_free']:.3f}", "1.000"]
     )
     print_table(["algorithm", "time (ms)", "x fault-free", "x bound"], rows)
-    plan = model.optcc_plan(args.p, links)
-    schemes = "; ".join(
-        f"{x:.1%} "
-        + ("ring over all ranks" if not d else f"ranks {','.join(map(str, d))} attached")
-        for d, x in plan.schemes
-    )
-    print(f"optcc plan: {schemes}")
+    for alg in algorithms.all_algorithms():
+        if alg.explain is not None:
+            print(f"{alg.name} plan: {alg.explain(args.p, links)}")
     return 0
 
 

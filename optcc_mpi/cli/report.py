@@ -204,8 +204,7 @@ def _simulate(args: argparse.Namespace) -> int:
         bw=args.bw,
         latency=args.latency,
         sim_max_p=args.sim_max_p,
-        segments=args.segments,
-        optcc_params=_params(args.param),
+        params={**({"k": args.segments} if args.segments else {}), **_params(args.param)},
         progress=not args.no_progress,
     )
     if not rows:

@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from optcc_mpi.cli._common import add_network_args, duration_arg, print_table
+from optcc_mpi.cli._common import add_network_args, algorithms_arg, print_table
 from optcc_mpi.links import Links
 
 EPILOG = """\
@@ -49,24 +49,15 @@ def run(args: argparse.Namespace) -> int:
     links.check(args.p)
     itemsize = 4
     count = args.size // itemsize
-    closed = {
-        "ring": model.ring_time,
-        "r2ccl": model.r2ccl_time,
-        "optcc": model.optcc_time,
-        "native": model.native_time,
-    }
     ff = model.fault_free(args.p, args.size, args.bw)
     bound = model.lower_bound(args.p, args.size, args.bw, links)
     results = []
     for name in args.algorithms:
-        params = dict(args.param) if name != "native" else {}
-        if name != "native":
-            params.setdefault("itemsize", itemsize)
+        alg = algorithms.get(name)
+        # --param applies to the algorithms that take it.
+        params = {k: v for k, v in dict(args.param).items() if k in alg.params}
         t0 = time.perf_counter()
-        try:
-            sched = algorithms.build(name, args.p, count, links, **params)
-        except TypeError as exc:
-            raise ValueError(f"{name}: {exc}") from None
+        sched = algorithms.build(name, args.p, count, links, itemsize=itemsize, **params)
         built = time.perf_counter() - t0
         ok = None
         if args.verify:
@@ -74,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         res = simulate(sched, links, bw=args.bw, latency=args.latency, itemsize=itemsize)
         simulated = time.perf_counter() - t0
-        mod = closed[name](args.p, args.size, args.bw, links)
+        mod = alg.time(args.p, args.size, args.bw, links, latency=args.latency, **params)
         results.append(
             {
                 "algorithm": name,
@@ -138,9 +129,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    from optcc_mpi.collectives import ALGORITHMS
+    from optcc_mpi import algorithms
 
-    names = [a for a in ALGORITHMS if a != "auto"]
+    names = list(algorithms.names())
     p = subparsers.add_parser(
         "simulate",
         help="time (and verify) algorithm schedules in the link model",
@@ -151,17 +142,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--algorithms",
-        type=lambda s: s.split(","),
+        type=algorithms_arg,
         default=names,
         help=f"comma-separated, from {','.join(names)} (default: all)",
     )
     add_network_args(p)
-    p.add_argument(
-        "--latency",
-        type=duration_arg,
-        default=0.0,
-        help="per-message latency, e.g. 5us (default 0)",
-    )
     p.add_argument(
         "--param",
         type=_param,

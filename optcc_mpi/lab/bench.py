@@ -149,20 +149,13 @@ class _Network:
 def model_time(
     name: str, p: int, size: int, bw: float, links: Links, stats: dict[str, Any]
 ) -> float:
-    """Modelled time of what ran: OptCC with its segments' pipeline head and tail
-    (``(1 + 1/k)`` times the fluid time), the others by their closed forms."""
-    from optcc_mpi import model
+    """Modelled time of what ran: the cost the algorithm registered, with the parameters
+    the call used."""
+    from optcc_mpi import algorithms
 
-    sched = stats.get("schedule")
-    if name == "optcc" and sched is not None and "schemes" in sched.params:
-        # The split this schedule runs, with its pipeline head and tail.
-        ks = sched.params.get("k")
-        head_tail = 1.0 + 1.0 / min(ks) if ks else 1.0
-        return model.plan_time(p, links, sched.params["schemes"]) * size / bw * head_tail
-    fn = {"ring": model.ring_time, "r2ccl": model.r2ccl_time, "native": model.native_time}.get(
-        name, model.ring_time
-    )
-    return fn(p, size, bw, links)
+    alg = algorithms.get(name)
+    params = {k: v for k, v in (stats.get("params") or {}).items() if k in alg.params}
+    return alg.time(p, size, bw, links, **params)
 
 
 def _time(comm: Any, fn: Any, iters: int, warmup: int) -> tuple[list[float], list[Any]]:

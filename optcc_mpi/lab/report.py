@@ -223,20 +223,34 @@ def _plt() -> Any:
     return plt
 
 
-#: One colour and marker per algorithm, the same in every figure.
+#: Colours and markers of what is not a registered algorithm.
 STYLE = {
-    "ring": ("tab:red", "s"),
-    "r2ccl": ("tab:orange", "^"),
-    "optcc": ("tab:blue", "o"),
-    "native": ("tab:gray", "D"),
     "auto": ("tab:green", "v"),
     "gloo": ("tab:brown", "P"),
     REFERENCE: ("black", "x"),
 }
+#: Colours and markers given to the registered algorithms in listing order, so every
+#: figure shows one algorithm alike.
+_PALETTE = (
+    ("tab:red", "s"),
+    ("tab:blue", "o"),
+    ("tab:orange", "^"),
+    ("tab:gray", "D"),
+    ("tab:purple", "*"),
+    ("tab:pink", "h"),
+    ("tab:olive", "X"),
+    ("tab:cyan", "p"),
+)
 
 
 def _style(name: str) -> tuple[str, str]:
-    return STYLE.get(name, ("tab:purple", "*"))
+    from optcc_mpi import algorithms
+
+    if name in STYLE:
+        return STYLE[name]
+    names = algorithms.names()
+    i = names.index(name) if name in names else len(names)
+    return _PALETTE[i % len(_PALETTE)]
 
 
 def _num(v: Any) -> float | None:
@@ -278,7 +292,7 @@ def plot_overhead_vs_loss(rows: Sequence[Mapping[str, Any]], path: Path) -> Path
     bandwidth-bound end, which the model describes). Lines: the fluid model of each
     algorithm with the measured run's straggler set, and the lower bound (dashed).
     """
-    from optcc_mpi import model
+    from optcc_mpi import algorithms, model
 
     pts = [
         r
@@ -314,12 +328,7 @@ def plot_overhead_vs_loss(rows: Sequence[Mapping[str, Any]], path: Path) -> Path
             xs = [100 * float(r["loss"]) for r in mine if r["algorithm"] == alg]
             ys = [100 * (float(r["ratio_fault_free"]) - 1) for r in mine if r["algorithm"] == alg]
             ax.scatter(xs, ys, color=color, marker=marker, s=42, zorder=3, label=f"{alg} measured")
-            fn = {
-                "ring": model.ring_time,
-                "r2ccl": model.r2ccl_time,
-                "optcc": model.optcc_time,
-                "native": model.ring_time,
-            }.get(alg)
+            fn = algorithms.get(alg).time if alg in algorithms.names() else None
             if fn is not None and p > 2:
                 ys_m = [
                     100

@@ -37,8 +37,6 @@ PAPER = {
     "max_loss": 0.5,
 }
 
-_MODEL_FN = {"ring": "ring_time", "r2ccl": "r2ccl_time", "optcc": "optcc_time"}
-
 
 def _simulate_one(
     alg: str,
@@ -48,17 +46,11 @@ def _simulate_one(
     *,
     bw: float,
     latency: float,
-    segments: int | None,
-    optcc_params: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any],
 ) -> tuple[float, dict[str, Any]]:
     from optcc_mpi import algorithms
     from optcc_mpi.simulate import simulate
 
-    params: dict[str, Any] = {}
-    if alg == "optcc":
-        params.update(optcc_params or {})
-        if segments:
-            params["k"] = segments
     sched = algorithms.build(alg, p, count, links, **params)
     res = simulate(sched, links, bw=bw, latency=latency)
     info = {"ops": int(sched.n_ops)}
@@ -78,8 +70,7 @@ def reproduce(
     bw: float = 50e9,
     latency: float = 0.0,
     sim_max_p: int | Mapping[str, int] = 64,
-    segments: int | None = None,
-    optcc_params: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
     progress: bool = False,
 ) -> list[dict[str, Any]]:
     """The paper's setting: overhead over the fault-free ring for each configuration.
@@ -105,11 +96,10 @@ def reproduce(
     sim_max_p : int or mapping of str to int
         Largest p simulated, per algorithm or for all; beyond it the closed-form model
         gives the number and the ``source`` column says so.
-    segments : int, optional
-        OptCC's pipeline segments in the simulator; the algorithm's choice by default.
-    optcc_params : mapping, optional
-        Further keyword arguments of the OptCC schedule in the simulator (e.g.
-        ``{"fill": False}``: no bubble filling), recorded in the ``params`` column.
+    params : mapping, optional
+        Schedule parameters for the simulator, each given to the algorithms that take it
+        (e.g. ``{"k": 32}``: OptCC's pipeline segments, ``{"fill": False}``: no bubble
+        filling), recorded in the ``params`` column of those algorithms.
     progress : bool
         Print a progress bar to standard error.
 
@@ -121,6 +111,7 @@ def reproduce(
         ``overhead_sim`` (None where not simulated), ``overhead_bound`` (the lower bound's),
         the paper's claim and a note.
     """
+    from optcc_mpi import algorithms as registry
     from optcc_mpi import model
     from optcc_mpi.progress import Progress
 
@@ -139,7 +130,8 @@ def reproduce(
         ff = model.fault_free(p, size, bw)
         bound = model.lower_bound(p, size, bw, links) / ff - 1
         for alg in algorithms:
-            t_model = getattr(model, _MODEL_FN[alg])(p, size, bw, links)
+            mine = {k: v for k, v in (params or {}).items() if k in registry.get(alg).params}
+            t_model = registry.get(alg).time(p, size, bw, links, **mine)
             row: dict[str, Any] = {
                 "gpus_per_server": g,
                 "p": p,
@@ -160,13 +152,12 @@ def reproduce(
                     links,
                     bw=bw,
                     latency=latency,
-                    segments=segments,
-                    optcc_params=optcc_params,
+                    params=mine,
                 )
                 row["overhead_sim"] = t_sim / ff - 1
                 row.update(info)
-                if alg == "optcc" and optcc_params:
-                    row["params"] = ",".join(f"{k}={v}" for k, v in sorted(optcc_params.items()))
+                if mine:
+                    row["params"] = ",".join(f"{k}={v}" for k, v in sorted(mine.items()))
                 row["source"] = "simulator"
                 row["overhead"] = row["overhead_sim"]
             else:
