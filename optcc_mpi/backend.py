@@ -322,7 +322,9 @@ def cuda_aware_mpi() -> bool:
     """
     import os
 
-    forced = os.environ.get("OPTCC_CUDA_AWARE")
+    from optcc_mpi import config
+
+    forced = config.get("OPTCC_CUDA_AWARE")
     if forced in ("0", "1"):
         return forced == "1"
     from mpi4py import MPI

@@ -13,13 +13,12 @@ before any buffer is touched, and no rank is left waiting for the others.
 
 from __future__ import annotations
 
-import os
 import zlib
 from typing import Any
 
 import numpy as np
 
-from optcc_mpi import algorithms
+from optcc_mpi import algorithms, config
 from optcc_mpi.algorithms._policy import SMALL_BYTES
 from optcc_mpi.backend import DTYPES, OPS, backend_for, check_dtype, check_op
 from optcc_mpi.emulation import Emulation
@@ -283,7 +282,7 @@ def _check_local(
             raise ValueError("sendbuf and recvbuf overlap; use IN_PLACE to reduce in place")
     emu = Emulation.coerce(emulate)
     if links is None:
-        links = os.environ.get(ENV_LINKS) or None
+        links = config.get(ENV_LINKS)
     if isinstance(links, str) and links.strip().lower() == "probe":
         link_obj = PROBE
     else:

@@ -21,9 +21,9 @@ rank's virtual NIC regardless of the profile.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
+from optcc_mpi import config
 from optcc_mpi.links import Links, parse_duration, parse_rate
 
 __all__ = ["Emulation", "Pacer", "ENV_EMULATE", "ENV_FRACTION"]
@@ -95,7 +95,7 @@ class Emulation:
     def coerce(cls, emulate: Emulation | str | None) -> Emulation | None:
         """Accept an Emulation, a string, or None (read ``$OPTCC_EMULATE``, if set)."""
         if emulate is None:
-            text = os.environ.get(ENV_EMULATE, "").strip()
+            text = (config.get(ENV_EMULATE) or "").strip()
             return cls.parse(text) if text else None
         if isinstance(emulate, Emulation):
             return emulate
@@ -108,7 +108,7 @@ class Emulation:
         ``degrade`` if set, else from the call's link profile ``links``)."""
         fractions = (self.degrade if self.degrade is not None else links).vector(p)
         mine = float(fractions[rank])
-        forced = os.environ.get(ENV_FRACTION)
+        forced = config.get(ENV_FRACTION)
         if forced:
             mine = float(forced)
             if not 0 < mine <= 1:

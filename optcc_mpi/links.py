@@ -10,12 +10,13 @@ half rate; unnamed ranks are healthy. A rank range ``"4-7:0.75"`` names several 
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from optcc_mpi import config
 
 __all__ = ["Links", "parse_size", "parse_rate", "parse_duration", "ENV_LINKS"]
 
@@ -113,7 +114,7 @@ class Links:
     def coerce(cls, links: Links | str | Mapping[int, float] | None) -> Links:
         """Accept a Links, a string, a mapping, or None (read ``$OPTCC_LINKS``)."""
         if links is None:
-            return cls.parse(os.environ.get(ENV_LINKS, ""))
+            return cls.parse(config.get(ENV_LINKS) or "")
         if isinstance(links, Links):
             return links
         if isinstance(links, str):

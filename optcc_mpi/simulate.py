@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from optcc_mpi import config
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
 
@@ -106,7 +107,7 @@ def simulate(
     send_rate = bw * frac
     recv_rate = bw * frac
     red = 0.0 if not reduce_bw else 1.0 / reduce_bw
-    use_c = _core() is not None and os.environ.get("OPTCC_SIM") != "python"
+    use_c = _core() is not None and config.get("OPTCC_SIM") != "python"
     run = _run_c if use_c else _run_python
     posted, finish, send_busy, recv_busy, messages, rows = run(
         arrays, p, send_rate, recv_rate, latency, red, trace
@@ -339,7 +340,7 @@ def _core() -> ctypes.CDLL | None:
     compiler is available (the Python loop then runs, about 50 times slower)."""
     src = Path(__file__).with_name("_simcore.c")
     tag = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
-    cache = Path(os.environ.get("OPTCC_CACHE", Path.home() / ".cache" / "optcc_mpi"))
+    cache = Path(config.get("OPTCC_CACHE") or Path.home() / ".cache" / "optcc_mpi")
     lib_path = cache / f"simcore-{tag}.so"
     if not lib_path.exists():
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
