@@ -14,7 +14,7 @@ MPI_RUN_TIMEOUT ?= 1500
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: install test test-serial test-mpi demo lint clean help
+.PHONY: install test test-serial test-mpi package-check demo lint clean help
 
 help:
 	@echo "make install   create $(VENV) with the pinned dependencies (MPICH wheel included)"
@@ -34,6 +34,11 @@ $(STAMP): requirements.txt pyproject.toml
 test: $(STAMP)
 	$(MAKE) --no-print-directory test-serial
 	$(MAKE) --no-print-directory test-mpi
+	$(MAKE) --no-print-directory package-check
+
+# The wheel in a fresh virtual environment outside the tree, with no MPI library.
+package-check: $(STAMP)
+	PYTHON=$(PY) bash .ci/package-check
 
 test-serial: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
