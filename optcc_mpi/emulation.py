@@ -24,7 +24,8 @@ import math
 from dataclasses import dataclass
 
 from optcc_mpi import config
-from optcc_mpi.links import Links, parse_duration, parse_rate
+from optcc_mpi.links import Links
+from optcc_mpi.units import parse_duration, parse_rate
 
 __all__ = ["Emulation", "Pacer", "ENV_EMULATE", "ENV_FRACTION"]
 

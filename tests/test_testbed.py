@@ -83,11 +83,9 @@ def _assert_gone(name: str) -> None:
     [
         ("400mbit", 400_000_000),
         ("1gbit", 1_000_000_000),
-        ("50mbps", 400_000_000),  # tc: bps = bytes per second
+        ("50MB/s", 400_000_000),  # bytes per second, decimal (optcc_mpi.units)
         ("2.5Gbit", 2_500_000_000),
         ("100kbit", 100_000),
-        ("1mibit", 2**20),
-        ("64000", 64_000),
         (1_000_000, 1_000_000),
     ],
 )
@@ -95,7 +93,9 @@ def test_parse_rate_accepts_tc_units(text: str | int, bits: int) -> None:
     assert tb.parse_rate(text) == bits
 
 
-@pytest.mark.parametrize("text", ["fast", "400 mbits", "-1mbit", "1kbit", "", "0gbit", "mbit"])
+@pytest.mark.parametrize(
+    "text", ["fast", "400 mbits", "-1mbit", "1kbit", "", "0gbit", "mbit", "50mbps", "64000"]
+)
 def test_parse_rate_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError):
         tb.parse_rate(text)
@@ -111,6 +111,7 @@ def test_parse_degrade() -> None:
     assert tb.parse_degrade("3:0.25, 1:0.5") == {1: 0.5, 3: 0.25}
     assert tb.parse_degrade({2: 0.1}, ranks=4) == {2: 0.1}
     assert tb.parse_degrade("1:1.0") == {}  # a full-rate rank is healthy
+    assert tb.parse_degrade("4-7:0.75", ranks=8) == {r: 0.75 for r in range(4, 8)}
     assert tb.parse_degrade(None) == {} and tb.parse_degrade("") == {}
 
 
@@ -118,13 +119,14 @@ def test_parse_degrade() -> None:
     ("text", "message"),
     [
         ("0", "RANK:FRACTION"),
-        ("a:0.5", "not an integer"),
+        ("a:0.5", "cannot parse"),
         ("0:half", "not a number"),
         ("0:0", "(0, 1]"),
         ("0:1.5", "(0, 1]"),
-        ("-1:0.5", "negative"),
+        ("-1:0.5", "cannot parse"),
         ("0:0.5,0:0.25", "twice"),
-        ("4:0.5", "does not exist"),
+        ("4:0.5", "outside the communicator"),
+        ("2-5:0.5", "outside the communicator"),
     ],
 )
 def test_parse_degrade_errors_are_clear(text: str, message: str) -> None:
@@ -133,8 +135,10 @@ def test_parse_degrade_errors_are_clear(text: str, message: str) -> None:
 
 
 def test_parse_size_and_latency() -> None:
-    assert tb.parse_size("64kb") == 65536
-    assert tb.parse_size("1mb") == 2**20
+    # One meaning of every unit (optcc_mpi.units): KB/MB decimal, K/KiB binary.
+    assert tb.parse_size("64KiB") == tb.parse_size("64k") == 65536
+    assert tb.parse_size("64kb") == 64_000
+    assert tb.parse_size("1MB") == 10**6
     assert tb.parse_size(1500) == 1500
     assert tb.parse_latency("50ms") == 50_000
     assert tb.parse_latency(0.2) == 200_000

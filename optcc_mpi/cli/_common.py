@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from optcc_mpi.links import Links, parse_duration, parse_rate, parse_size
+from optcc_mpi.links import Links
+from optcc_mpi.units import parse_duration, parse_rate, parse_size
 
 __all__ = [
     "size_arg",

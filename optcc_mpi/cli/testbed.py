@@ -69,8 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5\n"
         "  optcc-mpi testbed up --ranks 4 --rate 1gbit --degrade 1:0.25,2:0.5 --force\n"
-        "  optcc-mpi testbed up --ranks 4 --rate 50mbps --burst 128kb --latency 20ms\n\n"
-        "rates are tc-style: bit, kbit, mbit, gbit (bits/s); bps, kbps, mbps, gbps (BYTES/s)",
+        "  optcc-mpi testbed up --ranks 4 --rate 50MB/s --burst 128KiB --latency 20ms\n\n"
+        "units (optcc_mpi.units): kbit, mbit, gbit are bits/s; KB/s, MB/s, GB/s bytes/s; "
+        "KiB, MiB binary, KB, MB decimal",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p_up.add_argument("--ranks", "-n", type=int, required=True, help="number of ranks (1-250)")
@@ -81,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="RANK:FRACTION[,...]",
         help="ranks whose link runs at FRACTION (0 < FRACTION <= 1) of --rate, both ways",
     )
-    p_up.add_argument("--burst", default=None, help="tbf bucket, e.g. 64kb (default: 2 ms)")
+    p_up.add_argument("--burst", default=None, help="tbf bucket, e.g. 64KiB (default: 2 ms)")
     p_up.add_argument("--latency", default=None, help="tbf queue latency (default: 50ms)")
     p_up.add_argument(
         "--force", action="store_true", help="tear down an existing testbed of this name first"

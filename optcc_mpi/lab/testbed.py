@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import units
 from optcc_mpi.errors import TestbedError
+from optcc_mpi.links import Links
 
 __all__ = [
     "DEFAULT_NAME",
@@ -97,46 +99,6 @@ PASS_ENV_NAMES = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME"
 PASS_ENV_PREFIXES = ("OPTCC_", "MPIR_CVAR_", "UCX_", "OMP_")
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
-_RATE_UNITS = {
-    "": 1,
-    "bit": 1,
-    "kbit": 10**3,
-    "mbit": 10**6,
-    "gbit": 10**9,
-    "tbit": 10**12,
-    "kibit": 2**10,
-    "mibit": 2**20,
-    "gibit": 2**30,
-    "tibit": 2**40,
-    "bps": 8,
-    "kbps": 8 * 10**3,
-    "mbps": 8 * 10**6,
-    "gbps": 8 * 10**9,
-    "tbps": 8 * 10**12,
-    "kibps": 8 * 2**10,
-    "mibps": 8 * 2**20,
-    "gibps": 8 * 2**30,
-    "tibps": 8 * 2**40,
-}
-# tc's size units are binary (``kb`` = 1024 bytes; ``kbit`` = 1024 bits).
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kb": 2**10,
-    "kib": 2**10,
-    "m": 2**20,
-    "mb": 2**20,
-    "mib": 2**20,
-    "g": 2**30,
-    "gb": 2**30,
-    "gib": 2**30,
-    "kbit": 2**10 / 8,
-    "mbit": 2**20 / 8,
-    "gbit": 2**30 / 8,
-}
-_TIME_UNITS = {"s": 1e6, "sec": 1e6, "ms": 1e3, "msec": 1e3, "us": 1.0, "usec": 1.0}
-_NUM_UNIT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
 
 
 class TestbedExists(TestbedError):
@@ -154,13 +116,8 @@ def parse_rate(value: str | int | float) -> int:
     Parameters
     ----------
     value : str or int or float
-        A number of bits per second, or a tc-style rate: ``400mbit``, ``1gbit``, ``50mbps``
-        (``bps`` is *bytes* per second, as in tc), ``2.5gbit``, ``100mibit``.
-
-    Returns
-    -------
-    int
-        Bits per second.
+        A number of bits per second, or a rate in the units of :mod:`optcc_mpi.units`
+        (``400mbit``, ``1gbit``, ``50MB/s``, ``2.5gbit``).
 
     Raises
     ------
@@ -169,15 +126,9 @@ def parse_rate(value: str | int | float) -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"not a rate: {value!r}")
-    if isinstance(value, (int, float)):
-        bits = float(value)
-    else:
-        match = _NUM_UNIT_RE.match(value.lower())
-        if not match or match.group(2) not in _RATE_UNITS:
-            raise ValueError(
-                f"not a rate: {value!r} (use a tc-style rate such as 400mbit, 1gbit, 50mbps)"
-            )
-        bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"rate {value!r} has no unit; write e.g. 400mbit or 50MB/s")
+    bits = float(value) if isinstance(value, (int, float)) else units.parse_rate(value) * 8
     if not bits >= MIN_RATE_BIT:
         raise ValueError(f"rate {value!r} is below the minimum of {MIN_RATE_BIT} bit/s")
     return int(round(bits))
@@ -185,25 +136,16 @@ def parse_rate(value: str | int | float) -> int:
 
 def format_rate(bits: float) -> str:
     """Return ``bits`` per second as a short tc-style rate (``400mbit``, ``1.5gbit``)."""
-    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bits >= scale:
-            text = f"{bits / scale:.3f}".rstrip("0").rstrip(".")
-            return f"{text}{unit}"
-    return f"{int(bits)}bit"
+    return units.format_rate(bits / 8)
 
 
 def parse_size(value: str | int) -> int:
-    """Return a tc-style size (``64kb``, ``1mb``, ``32kbit``, bare bytes) in bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = float(value)
-    else:
-        match = _NUM_UNIT_RE.match(str(value).lower())
-        if not match or match.group(2) not in _SIZE_UNITS:
-            raise ValueError(f"not a size: {value!r} (use e.g. 64kb, 1mb, 65536)")
-        size = float(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    """Return a size (``64KiB``, ``1MB``, ``32kbit``, bare bytes) in bytes, in the units of
+    :mod:`optcc_mpi.units` (``KB``/``MB`` are decimal, ``K``/``KiB`` binary)."""
+    size = units.parse_size(value)
     if size < 1:
         raise ValueError(f"size {value!r} must be at least one byte")
-    return int(round(size))
+    return size
 
 
 def parse_latency(value: str | float | int) -> int:
@@ -214,13 +156,7 @@ def parse_latency(value: str | float | int) -> int:
     value : str or float or int
         ``50ms``, ``200us``, ``1s``, or a number of seconds.
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        micros = float(value) * 1e6
-    else:
-        match = _NUM_UNIT_RE.match(str(value).lower())
-        if not match or match.group(2) not in _TIME_UNITS:
-            raise ValueError(f"not a latency: {value!r} (use e.g. 50ms, 200us, 1s)")
-        micros = float(match.group(1)) * _TIME_UNITS[match.group(2)]
+    micros = units.parse_duration(value) * 1e6
     if not micros >= 1:
         raise ValueError(f"latency {value!r} must be at least 1us")
     return int(round(micros))
@@ -234,8 +170,9 @@ def parse_degrade(
     Parameters
     ----------
     value : str or mapping or None
-        ``"0:0.5"``, ``"0:0.5,3:0.25"``, a ``{rank: fraction}`` mapping, or None/"" for
-        "all links healthy". A fraction of 1 is accepted and dropped (healthy).
+        ``"0:0.5"``, ``"0:0.5,3:0.25"``, ranges ``"4-7:0.75"`` (the syntax of
+        :meth:`optcc_mpi.links.Links.parse`), a ``{rank: fraction}`` mapping, or None/""
+        for "all links healthy". A fraction of 1 is accepted and dropped (healthy).
     ranks : int, optional
         Number of ranks; when given, every rank must be below it.
 
@@ -252,43 +189,13 @@ def parse_degrade(
     """
     if value is None:
         return {}
-    pairs: list[tuple[Any, Any]]
-    if isinstance(value, str):
-        pairs = []
-        for item in value.replace(" ", "").split(","):
-            if not item:
-                continue
-            rank, sep, fraction = item.partition(":")
-            if not sep:
-                raise ValueError(
-                    f"degrade entry {item!r} is not RANK:FRACTION (example: --degrade 0:0.5,3:0.25)"
-                )
-            pairs.append((rank, fraction))
-    else:
-        pairs = list(value.items())
-    result: dict[int, float] = {}
-    for rank_text, fraction_text in pairs:
-        try:
-            rank = int(rank_text)
-        except (TypeError, ValueError):
-            raise ValueError(f"degrade rank {rank_text!r} is not an integer") from None
-        try:
-            fraction = float(fraction_text)
-        except (TypeError, ValueError):
-            raise ValueError(f"degrade fraction {fraction_text!r} is not a number") from None
-        if rank < 0:
-            raise ValueError(f"degrade rank {rank} is negative")
-        if ranks is not None and rank >= ranks:
-            raise ValueError(f"degrade rank {rank} does not exist (ranks are 0..{ranks - 1})")
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(
-                f"degrade fraction {fraction_text!r} for rank {rank} must be in (0, 1] "
-                "(0.5 = half the healthy rate)"
-            )
-        if rank in result:
-            raise ValueError(f"degrade rank {rank} is given twice")
-        result[rank] = fraction
-    return {r: f for r, f in sorted(result.items()) if f < 1.0}
+    try:
+        links = Links.parse(value) if isinstance(value, str) else Links(dict(value))
+        if ranks is not None:
+            links.check(ranks)
+    except ValueError as exc:
+        raise ValueError(f"degrade: {exc} (example: --degrade 0:0.5,4-7:0.75)") from None
+    return dict(links.fractions)
 
 
 def _check_name(name: str) -> str:
@@ -845,13 +752,13 @@ def up(
     ranks : int
         Number of rank namespaces (1..250).
     rate : str or int
-        Healthy rate of every link, each direction: ``"400mbit"``, ``"1gbit"``, ``"50mbps"``
+        Healthy rate of every link, each direction: ``"400mbit"``, ``"1gbit"``, ``"50MB/s"``
         or bit/s.
     degrade : mapping or str, optional
         ``{rank: fraction}`` or ``"RANK:FRACTION,..."``: these ranks send and receive at
         ``fraction * rate``. Change later with :meth:`Testbed.set_shaping`.
     burst : str or int, optional
-        tbf bucket (``"64kb"`` or bytes); default two milliseconds of each link's rate, at
+        tbf bucket (``"64KiB"`` or bytes); default two milliseconds of each link's rate, at
         least 64 KiB.
     latency : str or float, optional
         tbf latency (``"50ms"`` or seconds); default 50 ms.
