@@ -112,6 +112,8 @@ def test_every_environment_variable_is_declared() -> None:
         assert not direct, f"{path.name} reads {direct} directly; use optcc_mpi.config.get"
     assert read <= set(config.VARIABLES), read - set(config.VARIABLES)
     assert "| `OPTCC_LINKS` |" in config.markdown()
+    doc = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    assert config.markdown() in doc, "docs/config.md is stale: regenerate it (see its header)"
 
 
 # ----------------------------------------------------------------------------- one module
