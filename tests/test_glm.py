@@ -521,8 +521,9 @@ def test_estimators():
     # must get close to what 40 epochs reach.
     long = CASGDRegressor("poisson", s=8, b=16, lr=0.2, epochs=40, comm=MPI.COMM_SELF)
     assert 0.1 < score and score > long.fit(Xp, yp).score(Xp, yp) - 0.01
-    with pytest.raises(ValueError, match="binary"):
-        CASGDClassifier(comm=MPI.COMM_SELF).fit(X, np.arange(1024) % 3)
+    # Three classes: one-vs-rest (tests/test_estimators.py checks it in depth).
+    three = CASGDClassifier(s=8, b=16, lr=1.0, epochs=1, comm=MPI.COMM_SELF)
+    assert three.fit(X, np.arange(1024) % 3).predict_proba(X).shape == (1024, 3)
 
 
 # --------------------------------------------------------------------------------------
@@ -584,6 +585,64 @@ def test_divergence_is_reported():
     X, y = problem("poisson")
     with pytest.raises(DivergenceError):
         fit(X * 50, y, model="poisson", lr=50.0, b=8, s=4, epochs=2, comm=MPI.COMM_SELF)
+
+
+def _diabetes():
+    data = pytest.importorskip("optcc_mpi.data")
+    try:
+        path = data.shipped("diabetes")
+    except FileNotFoundError:
+        pytest.skip("shipped dataset diabetes is not in data/")
+    part = data.load_partition(path, dtype="float64", intercept=True)
+    return part.X, part.y
+
+
+@pytest.mark.parametrize("solver", ["sgd", "casgd"])
+def test_growing_loss_is_divergence(solver):
+    # Full-batch gradient descent on diabetes (z-scored, with an intercept) at lr = 0.5
+    # never overflows: the loss falls from 1.45e4 to 2.5e3 in 5 steps, then grows about
+    # 1.2% a step (1.1e5 after 200). It must stop, with advice, once the loss is 10 times
+    # its best and above where it started (at step 135), not run on to the end.
+    X, y = _diabetes()
+    m = X.shape[0]
+    kw = dict(model="linear", solver=solver, b=m, s=1, lr=0.5, epochs=200, recipe="fp64")
+    records = []
+    with pytest.raises(DivergenceError, match=r"lr = 0.25 or smaller") as err:
+        fit(X, y, comm=MPI.COMM_SELF, on_record=records.append, **kw)
+    losses = [r["loss"] for r in records]
+    assert "10 times its best value" in str(err.value)
+    assert losses[-1] > 10 * min(losses[:-1]) and losses[-1] > losses[0]
+    # It stopped at the first record that breaks the rule, long before epoch 200.
+    assert all(L <= 10 * min(losses[: i + 1]) for i, L in enumerate(losses[:-1]))
+    assert len(records) < 150
+    # The rule can be turned off (the run then ends normally, far above its best loss) ...
+    off = fit(X, y, comm=MPI.COMM_SELF, divergence_factor=None, **{**kw, "epochs": 150})
+    assert off.final_loss > 10 * min(off.epoch_losses())
+    # ... and a converging run is not stopped.
+    ok = fit(X, y, comm=MPI.COMM_SELF, **{**kw, "lr": 0.3})
+    assert ok.final_loss < 1500
+
+
+def test_divergence_rule_spares_noise_near_a_perfect_fit():
+    # Noiseless least squares in recipe C: SGD drives the loss from 1e1 to the bf16 floor
+    # (~6e-6), where it jitters by more than 10x between records. The loss never rises
+    # above its starting value, so the rule must not fire.
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(256, 8))
+    y = X @ rng.normal(size=8)
+    kw = dict(model="linear", solver="casgd", s=4, b=8, lr=0.2, epochs=20, recipe="C")
+    res = fit(X, y, eval_every=8, comm=MPI.COMM_SELF, **kw)
+    losses = np.array([h["loss"] for h in res.history])
+    jitter = max(losses[i] / losses[:i].min() for i in range(1, len(losses)))
+    assert jitter > 10  # the factor alone would have stopped this run
+    assert losses[-1] < 1e-5 * losses[0]
+
+
+def test_divergence_factor_is_validated():
+    X, y = problem("linear")
+    for bad in (1.0, 0.5, -3, float("nan")):
+        with pytest.raises(ValueError, match="divergence_factor"):
+            fit(X, y, model="linear", b=8, s=4, divergence_factor=bad, comm=MPI.COMM_SELF)
 
 
 # --------------------------------------------------------------------------------------
