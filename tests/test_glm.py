@@ -497,6 +497,99 @@ def test_gram_bf16_drives_gemm_ex_correctly():
     assert G.a.dtype == np.float32
 
 
+class _PointerArray(_DeviceArray):
+    """Device stand-in whose ``.data.ptr`` is its address, as a CuPy array's is."""
+
+    @property
+    def data(self):
+        import types
+
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+def _fake_cupy_with_cublas(calls, version="14.0.0"):
+    """A fake CuPy whose cuBLAS binding executes gemmEx on the arrays behind the pointers
+    and records every setStream and gemmEx call."""
+    import types
+
+    from optcc_mpi.backend import apply_plan
+
+    memory = {}
+
+    def register(a):
+        a = np.ascontiguousarray(a).view(_PointerArray)
+        memory[a.data.ptr] = a
+        return a
+
+    def gemmEx(handle, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc, *rest):
+        calls.append(("gemmEx", handle, memory[A].dtype.name))
+        plan = dict(transa=ta, transb=tb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc)
+        first, second = memory[A].astype(np.float64), memory[B].astype(np.float64)
+        memory[C][...] = apply_plan({**plan, "first": "A", "second": "B"}, first, second)
+
+    def setStream(handle, stream_ptr):
+        calls.append(("setStream", handle, stream_ptr))
+
+    stream = types.SimpleNamespace(ptr=4242)
+    return types.SimpleNamespace(
+        __version__=version,
+        asarray=lambda a, dtype=None: np.asarray(a, dtype=dtype).view(_PointerArray),
+        ascontiguousarray=register,
+        zeros=lambda *a, **k: np.zeros(*a, **k).view(_PointerArray),
+        empty=lambda shape, dtype: register(np.empty(shape, dtype=dtype)),
+        float32=np.float32,
+        is_available=lambda: True,
+        cuda=types.SimpleNamespace(
+            Device=lambda: types.SimpleNamespace(compute_capability="90"),
+            device=types.SimpleNamespace(get_cublas_handle=lambda: 7),
+            runtime=types.SimpleNamespace(),
+            cublas=types.SimpleNamespace(gemmEx=gemmEx, setStream=setStream),
+            get_current_stream=lambda: stream,
+        ),
+    )
+
+
+def test_device_rows_stay_bf16_and_gemm_ex_runs_on_the_current_stream():
+    calls = []
+    cp = _fake_cupy_with_cublas(calls)
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(64, 10))
+    rows = rng.permutation(64)[:24]
+    dev, host = LocalData(X, get_recipe("C"), xp=cp), LocalData(X, get_recipe("C"))
+    Yd, Yh = dev.gather(rows), host.gather(rows)
+    # The gathered rows stay bf16 on the device (no widening to fp32 and narrowing back).
+    assert dev.X.dtype == ml_dtypes.bfloat16 and Yd.dtype == ml_dtypes.bfloat16
+    assert Yh.dtype == np.float32  # the CPU widens once for float32 BLAS
+    Gp = dev.gram_packed(Yd, 3, 8)
+    # cuBLAS's handle is bound to CuPy's current stream right before the GemmEx, which
+    # reads the bf16 rows as they are.
+    assert calls == [("setStream", 7, 4242), ("gemmEx", 7, "bfloat16")]
+    np.testing.assert_allclose(Gp.get(), host.gram_packed(Yh, 3, 8), rtol=1e-6, atol=1e-6)
+    w = rng.normal(size=10)
+    np.testing.assert_array_equal(dev.margins(Yd, cp.asarray(w)).get(), host.margins(Yh, w))
+    v = rng.normal(size=24).astype(np.float32)
+    np.testing.assert_array_equal(dev.gradient(Yd, cp.asarray(v)).get(), host.gradient(Yh, v))
+
+
+def test_recipe_C_fit_on_a_fake_device_matches_the_host():
+    calls = []
+    X, y = problem("logistic")
+    kw = dict(model="logistic", solver="casgd", s=4, b=8, lr=0.5, epochs=1, comm=MPI.COMM_SELF)
+    host = fit(X, y, recipe="C", **kw)
+    dev = fit(X, y, recipe="C", device=_fake_cupy_with_cublas(calls), **kw)
+    assert dev.config["device"] == "gpu"
+    assert rel(dev.coef, host.coef) <= 1e-5
+    outer = host.stats["allreduce_calls"]  # one GemmEx per outer iteration, each bound
+    assert [c[0] for c in calls] == ["setStream", "gemmEx"] * outer
+
+
+def test_bf16_on_the_device_needs_cupy_14():
+    X = np.ones((8, 3))
+    with pytest.raises(ValueError, match=r"CuPy >= 14 \(found 13.6.0\)"):
+        LocalData(X, get_recipe("C"), xp=_fake_cupy_with_cublas([], version="13.6.0"))
+    LocalData(X, get_recipe("fp32"), xp=_fake_cupy_with_cublas([], version="13.6.0"))
+
+
 def test_estimators():
     from optcc_mpi.data import synth_arrays
 
