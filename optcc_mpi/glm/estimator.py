@@ -147,7 +147,11 @@ def auto_lr(
     if sp.issparse(X):
         sq = np.asarray(X.multiply(X).sum(axis=1), dtype=np.float64).ravel()
     else:
-        sq = np.einsum("ij,ij->i", X, X, dtype=np.float64)
+        # Row chunks: a float64 copy of a large float32 X is never made at once.
+        sq = np.empty(m)
+        for lo in range(0, m, 1 << 16):
+            chunk = np.asarray(X[lo : lo + (1 << 16)], dtype=np.float64)
+            sq[lo : lo + chunk.shape[0]] = np.einsum("ij,ij->i", chunk, chunk)
     row_term = float(np.max(sw * sq)) / b
     rows = np.arange(m)
     if m > _AUTO_LR_ROWS:
@@ -188,15 +192,15 @@ class _BaseGLM(BaseEstimator):
     # -- parameters ----------------------------------------------------------------------
 
     def _model_name(self) -> str:
-        return self.model
+        return str(self.model).lower()
 
     def _check_params(self) -> None:
         """Validate what :func:`optcc_mpi.glm.fit` does not see or sees only after clipping."""
-        name = self._model_name()
-        if not isinstance(name, str) or name.lower() not in self._models:
+        given = getattr(self, "model", self._model_name())  # the classifier has no param
+        if not isinstance(given, str) or self._model_name() not in self._models:
             raise ArgumentError(
                 f"{type(self).__name__} fits the models {', '.join(self._models)}; "
-                f"got model={name!r}"
+                f"got model={given!r}"
             )
         lr = self.lr
         if not (isinstance(lr, str) and lr == "auto"):
@@ -293,14 +297,14 @@ class _BaseGLM(BaseEstimator):
         Xa = _with_intercept(X) if self.fit_intercept else X
         lr = self.lr
         if isinstance(lr, str) and lr == "auto":
-            lr = auto_lr(Xa, targets, self._model_name().lower(), b, sw)
+            lr = auto_lr(Xa, targets, self._model_name(), b, sw)
             # Every rank computed it from the same data; rank 0's value makes the step,
             # and so the iterates, bit-identical across ranks whatever the BLAS does.
             lr = comm.bcast(lr, root=0) if comm.size > 1 else lr
         res: FitResult = fit(
             Xa,
             targets,
-            model=self._model_name().lower(),
+            model=self._model_name(),
             solver=self.solver,
             s=s,
             b=b,
@@ -469,7 +473,7 @@ class GLM(RegressorMixin, _BaseGLM):
 
     def __sklearn_tags__(self) -> Any:
         tags = super().__sklearn_tags__()
-        tags.target_tags.positive_only = self.model == "poisson"
+        tags.target_tags.positive_only = self._model_name() == "poisson"
         return tags
 
     def predict(self, X: Any) -> np.ndarray:
