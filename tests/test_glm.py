@@ -768,6 +768,49 @@ def test_checkpoint_resume_in_process(tmp_path):
         fit(X, y, epochs=3, checkpoint=ck, resume=True, **{**kw, "lr": 0.4})
 
 
+def test_weighted_multi_output_run_resumes_exactly(tmp_path):
+    X, y = problem("logistic")
+    Y = np.column_stack([y, 1 - y])
+    w = np.random.default_rng(0).uniform(0.5, 2.0, y.shape[0])
+    kw = dict(model="logistic", s=4, b=8, lr=0.5, recipe="C", comm=MPI.COMM_SELF)
+    full = fit(X, Y, epochs=3, sample_weight=w, **kw)
+    ck = tmp_path / "ck.h5"
+    fit(X, Y, epochs=1, sample_weight=w, checkpoint=ck, checkpoint_every=5, **kw)
+    resumed = fit(X, Y, epochs=3, sample_weight=w, checkpoint=ck, resume=True, **kw)
+    np.testing.assert_array_equal(resumed.coef, full.coef)
+    with pytest.raises(ValueError, match="different run"):  # other weights: another run
+        fit(X, Y, epochs=3, sample_weight=w[::-1], checkpoint=ck, resume=True, **kw)
+
+
+def test_glm_imports_without_scikit_learn():
+    # Only the estimators need scikit-learn; fit and the train command must not.
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["sklearn"] = None  # import sklearn now fails
+        import optcc_mpi.glm as glm
+        assert callable(glm.fit)
+        try:
+            glm.CASGDClassifier
+        except ImportError as exc:
+            assert "scikit-learn" in str(exc), exc
+        else:
+            raise SystemExit("no ImportError")
+        """
+    )
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
 KILL_SCRIPT = textwrap.dedent(
     """
     import sys
