@@ -24,6 +24,7 @@ Modules
 ``checkpoint``  HDF5 checkpoints and exact resume
 ``api``         :func:`fit`, :func:`fit_partition`
 ``estimator``   :class:`GLM`, :class:`CASGDClassifier`, :class:`CASGDRegressor`
+                (scikit-learn estimators; imported on first use, they need scikit-learn)
 ``synthetic``   synthetic problems for tests and benchmarks
 
 Example
@@ -38,12 +39,14 @@ True
 
 from __future__ import annotations
 
+from typing import Any
+
 from .api import FitResult, column_block, fit, fit_partition
 from .comm import Reducer, agree
-from .estimator import GLM, CASGDClassifier, CASGDRegressor
 from .models import MODELS, Model, get_model, model_for_task
 from .precision import PRECISIONS, RECIPES, SLOTS, Recipe, get_recipe
 from .solvers import (
+    DIVERGENCE_FACTOR,
     EXIT_AFTER_ENV,
     SOLVERS,
     DivergenceError,
@@ -52,7 +55,28 @@ from .solvers import (
 )
 from .synthetic import make_glm_data
 
+_ESTIMATORS = ("GLM", "CASGDClassifier", "CASGDRegressor")
+
+
+def __getattr__(name: str) -> Any:
+    # The estimators import scikit-learn; load them on first use so that the rest of the
+    # package (fit, the train command) works without it.
+    if name not in _ESTIMATORS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from . import estimator
+    except ImportError as exc:
+        if "sklearn" not in str(exc) and getattr(exc, "name", "") != "sklearn":
+            raise
+        raise ImportError(
+            f"optcc_mpi.glm.{name} is a scikit-learn estimator and needs scikit-learn >= 1.6 "
+            f"({exc}); install it with: pip install 'scikit-learn>=1.6'"
+        ) from exc
+    return getattr(estimator, name)
+
+
 __all__ = [
+    "DIVERGENCE_FACTOR",
     "EXIT_AFTER_ENV",
     "GLM",
     "MODELS",
