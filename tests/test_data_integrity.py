@@ -318,14 +318,24 @@ def test_convert_names_a_corrupt_compressed_input(tmp_path: Path) -> None:
 
 
 def test_files_of_layout_1_0_still_load(tmp_path: Path) -> None:
-    # The shipped files were written before layout 1.1: no checksums, no minor version.
-    path = data.shipped("diabetes")
-    info = data.validate(path)
-    assert info["layout_minor"] is None and info["checksums"] is False
-    assert data.load_partition(path, rank=1, size=2).X.shape == (442, 5)
-    # A CSR file without its copy (as layout 1.0 wrote them) loads the same blocks.
+    # As layout 1.0 wrote them: no minor version, no checksums, CSR without its copy.
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
-    _sparse_file(a, csc=False)
+    X = _sparse_file(a, csc=False)
+    data.write_dataset(
+        a,
+        sp.csr_matrix(X),
+        np.arange(40) % 2,
+        task="binary",
+        origin="t",
+        licence="t",
+        dtype="float64",
+        csc=False,
+        checksum=False,
+    )
+    with h5py.File(a, "r+") as f:
+        del f.attrs["optcc_layout_minor"]
+    info = data.validate(a, scan=True)
+    assert info["layout_minor"] is None and not info["checksums"] and not info["csc"]
     _sparse_file(b, csc=True)
     for r in range(5):
         pa = data.load_partition(a, rank=r, size=5, rows=slice(3, 31))
@@ -345,3 +355,18 @@ def test_a_newer_major_version_is_refused(tmp_path: Path) -> None:
         f.attrs["optcc_layout"] = 2
     with pytest.raises(DatasetError, match="optcc_layout = 2 is newer"):
         data.load_partition(path)
+
+
+def test_help_teaches_checks_copies_and_checksums(capsys) -> None:
+    from optcc_mpi.cli import build_parser
+
+    parser = build_parser()
+    data_parser = next(a for a in parser._actions if a.dest == "command").choices["data"]
+    subs = next(a for a in data_parser._actions if a.dest == "data_command").choices
+    convert = subs["convert"].format_help()
+    for text in ("--no-csc", "--no-checksum", "1e39", "line number", "X_csc", "220 MB"):
+        assert text in convert, text
+    info = subs["info"].format_help()
+    assert "strictly" in info and "checksum" in info and "status 2" in info
+    assert "examples:" in subs["add-csc"].format_help()
+    assert "layout 1.1" in data_parser.format_help()

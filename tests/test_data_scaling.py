@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -258,3 +259,48 @@ def test_mpi_each_rank_reads_its_share(monkeypatch) -> None:
         comm.Barrier()
         if comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_add_csc_upgrades_a_layout_1_0_file(tmp_path: Path, monkeypatch, capsys) -> None:
+    from optcc_mpi.cli import main
+
+    rng = np.random.default_rng(9)
+    X = sp.random(500, 90, density=0.05, random_state=rng, format="csr", dtype=np.float32)
+    y = rng.integers(0, 2, 500)
+    old, new = tmp_path / "old.h5", tmp_path / "new.h5"
+    data.write_dataset(old, X, y, task="binary", origin="t", licence="t", csc=False)
+    data.write_dataset(new, X, y, task="binary", origin="t", licence="t")
+    with h5py.File(old, "r+") as f:
+        del f.attrs["optcc_layout_minor"]  # as layout 1.0 wrote it
+    monkeypatch.setattr(writing, "_CSC_BAND_BYTES", 2048)  # several bands
+    assert main(["data", "add-csc", str(old), "-q"]) == 0
+    assert "added the CSC copy" in capsys.readouterr().out
+    with h5py.File(old, "r") as f, h5py.File(new, "r") as g:
+        for key in ("indptr", "indices", "data"):
+            assert np.array_equal(f["X_csc"][key][...], g["X_csc"][key][...]), key
+        assert f.attrs["optcc_layout_minor"] == 1 and "X_csc.partial" not in f
+    data.validate(old, scan=True)
+    assert data.add_csc(old) is False  # already there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.h5", "old.h5"]
+    assert main(["data", "info", str(old)]) == 0
+    assert re.search(
+        r"^layout +csr, .* with CSC copy X_csc \(optcc_layout 1\.1\)$",
+        capsys.readouterr().out,
+        re.M,
+    )
+
+
+def test_add_csc_refuses_dense_and_malformed_files(tmp_path: Path) -> None:
+    dense = tmp_path / "d.h5"
+    data.synth("linear", 50, 4, 0, dense, progress=False)
+    with pytest.raises(data.DatasetError, match="X is dense"):
+        data.add_csc(dense)
+    bad = tmp_path / "b.h5"
+    X = sp.random(60, 10, density=0.3, random_state=1, format="csr")
+    data.write_dataset(bad, X, np.zeros(60), task="regression", origin="t", licence="t", csc=False)
+    with h5py.File(bad, "r+") as f:
+        f["X/indices"][3] = 10
+    with pytest.raises(data.DatasetError, match=r"X/indices\[3\] = 10 is outside 0..9"):
+        data.add_csc(bad)
+    with h5py.File(bad, "r") as f:
+        assert "X_csc" not in f and "X_csc.partial" not in f  # nothing written

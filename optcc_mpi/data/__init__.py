@@ -12,7 +12,7 @@ Modules
 ``layout``      format constants and versions, dtypes, :func:`column_block`, :func:`chunk_shape`
 ``validation``  structure checks (headers, sparse arrays), corrupt-chunk errors
 ``reading``     :func:`validate`, :class:`Partition`, :func:`load_partition`, :func:`load_dense`
-``writing``     :func:`write_dataset`, filters and checksums, the CSC copy builder
+``writing``     :func:`write_dataset`, :func:`add_csc`, filters and checksums, the CSC copy
 ``svmlight``    :func:`convert_svmlight`, the streaming LIBSVM converter
 ``synthetic``   :func:`synth`, :func:`synth_arrays`
 ``shipped``     :func:`default_dataset`, :func:`shipped`, :func:`data_home`
@@ -28,6 +28,7 @@ Public API
 ``load_partition(path, comm=..., ...)``  read this rank's column block
 ``load_dense(path)``                     read the whole ``X`` and ``y`` on one process
 ``write_dataset(path, X, y, ...)``       write in-memory arrays in the layout
+``add_csc(path)``                        add the CSC copy to a CSR file of layout 1.0
 ``convert_svmlight(src, dst, ...)``      stream LIBSVM/svmlight text to HDF5, bounded memory
 ``synth(kind, rows, cols, seed, path)``  write a synthetic GLM dataset, bounded memory
 ``synth_arrays(kind, rows, cols, seed)`` the same synthetic data, in memory
@@ -58,7 +59,7 @@ from .reading import Partition, load_dense, load_partition, validate
 from .shipped import DEFAULT_SYNTH, SHIPPED, data_home, default_dataset, shipped
 from .svmlight import convert_svmlight
 from .synthetic import SYNTH_KINDS, SYNTH_VERSION, synth, synth_arrays
-from .writing import write_dataset
+from .writing import add_csc, write_dataset
 
 __all__ = [
     "LAYOUT_VERSION",
@@ -77,6 +78,7 @@ __all__ = [
     "load_partition",
     "load_dense",
     "write_dataset",
+    "add_csc",
     "convert_svmlight",
     "synth",
     "synth_arrays",

@@ -10,6 +10,8 @@ mismatch into a :class:`~optcc_mpi.errors.DatasetError` naming the file and data
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -35,7 +37,7 @@ from .layout import (
     chunk_shape,
 )
 
-__all__ = ["write_dataset"]
+__all__ = ["add_csc", "write_dataset"]
 
 # Bytes of spilled entries sorted at a time when building a CSC copy from a stream of rows
 # (one column band); memory while sorting is about 2.5 times this.
@@ -411,3 +413,93 @@ class _CSCBuilder:
             g["data"][lo:hi] = rec["val"][order].view(self.storage)
             del rec, order
             file.unlink(missing_ok=True)
+
+
+def add_csc(path: str | os.PathLike, *, checksum: bool = True, progress: bool = True) -> bool:
+    """Add the CSC copy ``X_csc`` to a CSR file that lacks it (a file of layout 1.0).
+
+    Reads ``X`` twice in slabs (column counts, then the entries, which are spilled by column
+    band beside the file and sorted band by band into the copy), checking its structure on
+    the way, so memory stays bounded (16 bytes per column and one band) and the file is
+    changed only at the end: the copy is written under a temporary name and renamed.
+
+    Parameters
+    ----------
+    path : path-like
+        A dataset file with a CSR ``X``.
+    checksum : bool
+        Store a fletcher32 checksum with every chunk of the copy.
+    progress : bool
+        Draw a progress bar on standard error.
+
+    Returns
+    -------
+    bool
+        True if the copy was added, False if the file already had one.
+
+    Raises
+    ------
+    DatasetError
+        ``X`` is dense, or its CSR arrays are malformed (the message names the position).
+    """
+    from optcc_mpi.progress import Progress
+
+    from .validation import _SPARSE_SLAB, _header, _open, check_indptr, check_minor_indices, guard
+
+    path = Path(path)
+    with _open(path) as f:
+        info = _header(f, path)
+    if info["layout"] != "csr":
+        raise DatasetError(f"{path}: X is dense; only a CSR X has a CSC copy")
+    if info["csc"]:
+        return False
+    m, n, nnz, dtype = info["n_samples"], info["n_features"], info["nnz"], info["dtype"]
+    partial = f"{CSC_COPY}.partial"
+    spill = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".spill", dir=path.parent))
+    try:
+        with (
+            h5py.File(path, "r+") as f,
+            Progress(2 * nnz, "add CSC copy", enabled=progress, unit="entries") as bar,
+        ):
+            g = f["X"]
+            counts = np.zeros(n, dtype=np.int64)
+            for a in range(0, nnz, _SPARSE_SLAB):
+                b = min(nnz, a + _SPARSE_SLAB)
+                with guard(path, "X/indices", f"[{a}:{b}]"):
+                    idx = g["indices"][a:b].astype(np.int64)
+                bad = (idx < 0) | (idx >= n)
+                if bad.any():
+                    k = int(np.flatnonzero(bad)[0])
+                    raise DatasetError(
+                        f"{path}: X/indices[{a + k}] = {idx[k]} is outside 0..{n - 1}"
+                    )
+                counts += np.bincount(idx, minlength=n)
+                bar.update(b - a)
+            builder = _CSCBuilder(counts, m, dtype, spill)
+            rows_per_piece = 1 << 20
+            prev = None
+            for r0 in range(0, m, rows_per_piece):
+                r1 = min(m, r0 + rows_per_piece)
+                with guard(path, "X/indptr", f"[{r0}:{r1 + 1}]"):
+                    ptr = g["indptr"][r0 : r1 + 1].astype(np.int64)
+                check_indptr(ptr, r0, m + 1, nnz, path, "X/indptr")
+                for a in range(int(ptr[0]), int(ptr[-1]), _SPARSE_SLAB):
+                    b = min(int(ptr[-1]), a + _SPARSE_SLAB)
+                    with guard(path, "X/indices", f"[{a}:{b}]"):
+                        idx = g["indices"][a:b].astype(np.int64)
+                    with guard(path, "X/data", f"[{a}:{b}]"):
+                        vals = g["data"][a:b]
+                    rows = np.searchsorted(ptr, np.arange(a, b), side="right") - 1 + r0
+                    prev = check_minor_indices(idx, a, rows, n, prev, path, "X/indices", "row")
+                    builder.add(rows, idx, vals)
+                    bar.update(b - a)
+            if partial in f:
+                del f[partial]  # left by an interrupted earlier run
+            comp = info["compression"] if info["compression"] in ("gzip", "lzf") else None
+            c = _create_compressed(f, partial, "csc", m, n, nnz, dtype, comp, checksum)
+            builder.finish(c, path)
+            f.move(partial, CSC_COPY)
+            f.attrs["optcc_layout_minor"] = max(1, int(f.attrs.get("optcc_layout_minor", 0)))
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    return True
