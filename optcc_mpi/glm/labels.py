@@ -22,14 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi.data.layout import TASKS
+from optcc_mpi.data.layout import TASKS, _first_bad
 from optcc_mpi.errors import DatasetError
 
 __all__ = ["TASKS", "LabelScan", "binary_to_01", "check_labels", "infer_task"]
-
-
-def _first_bad(mask: np.ndarray) -> int:
-    return int(np.flatnonzero(mask)[0])
 
 
 def check_labels(y: Any, task: str) -> np.ndarray:
