@@ -7,12 +7,12 @@ source repository's ``data/`` folder.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import h5py
 
+from optcc_mpi import config
 from optcc_mpi.errors import DatasetError
 
 from .synthetic import SYNTH_VERSION, synth
@@ -33,7 +33,7 @@ DEFAULT_SYNTH: dict[str, Any] = {
 
 def data_home() -> Path:
     """Cache folder for generated datasets: ``$OPTCC_DATA_HOME`` or ``~/.cache/optcc_mpi``."""
-    env = os.environ.get("OPTCC_DATA_HOME")
+    env = config.get("OPTCC_DATA_HOME")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "optcc_mpi"
 
 

@@ -39,40 +39,61 @@ True
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from .api import FitResult, column_block, fit, fit_partition
-from .comm import Reducer, agree
-from .models import MODELS, Model, get_model, model_for_task
-from .precision import PRECISIONS, RECIPES, SLOTS, Recipe, get_recipe
-from .solvers import (
-    DIVERGENCE_FACTOR,
-    EXIT_AFTER_ENV,
-    SOLVERS,
-    DivergenceError,
-    casgd_recurrence,
-    least_squares_deltas,
-)
-from .synthetic import make_glm_data
-
-_ESTIMATORS = ("GLM", "CASGDClassifier", "CASGDRegressor")
+# Public names and the submodule that defines each, resolved on first access: importing
+# optcc_mpi.glm (for instance for its label rules, from optcc_mpi.data) must not load
+# mpi4py or scikit-learn; the trainer and the estimators load them when used.
+_EXPORTS = {
+    "FitResult": "api",
+    "column_block": "api",
+    "fit": "api",
+    "fit_partition": "api",
+    "Reducer": "comm",
+    "agree": "comm",
+    "MODELS": "models",
+    "Model": "models",
+    "get_model": "models",
+    "model_for_task": "models",
+    "PRECISIONS": "precision",
+    "RECIPES": "precision",
+    "SLOTS": "precision",
+    "Recipe": "precision",
+    "get_recipe": "precision",
+    "DIVERGENCE_FACTOR": "solvers",
+    "EXIT_AFTER_ENV": "solvers",
+    "SOLVERS": "solvers",
+    "DivergenceError": "solvers",
+    "casgd_recurrence": "solvers",
+    "least_squares_deltas": "solvers",
+    "make_glm_data": "synthetic",
+    "GLM": "estimator",
+    "CASGDClassifier": "estimator",
+    "CASGDRegressor": "estimator",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # The estimators import scikit-learn; load them on first use so that the rest of the
-    # package (fit, the train command) works without it.
-    if name not in _ESTIMATORS:
+    module = _EXPORTS.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        from . import estimator
+        mod = importlib.import_module(f"{__name__}.{module}")
     except ImportError as exc:
-        if "sklearn" not in str(exc) and getattr(exc, "name", "") != "sklearn":
+        if module != "estimator" or "sklearn" not in f"{exc} {getattr(exc, 'name', '')}":
             raise
         raise ImportError(
             f"optcc_mpi.glm.{name} is a scikit-learn estimator and needs scikit-learn >= 1.6 "
             f"({exc}); install it with: pip install 'scikit-learn>=1.6'"
         ) from exc
-    return getattr(estimator, name)
+    value = getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 __all__ = [

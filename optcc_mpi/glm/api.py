@@ -18,6 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 from mpi4py import MPI
 
+from .. import config as _config
 from ..progress import Progress
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Reducer, agree, checksum
@@ -463,7 +464,7 @@ def fit(
             counters=trainer.stats(st),
         )
 
-    exit_env = os.environ.get(EXIT_AFTER_ENV)
+    exit_env = _config.get(EXIT_AFTER_ENV)
     exit_after = int(exit_env) if exit_env else None
     total = epochs * trainer.sampler.blocks_per_epoch
     bar = Progress(
