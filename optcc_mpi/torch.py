@@ -461,8 +461,9 @@ def init_process_group_from_mpi(
     comm : mpi4py.MPI.Comm, optional
         Whose ranks to use (default ``COMM_WORLD``); process-group rank = MPI rank.
     master_addr : str, optional
-        Address of rank 0 as the others reach it. Default ``$MASTER_ADDR``, else
-        ``127.0.0.1`` when every rank is on one host, else rank 0's host name.
+        Address of rank 0 as the others reach it (rank 0's value counts). Default
+        ``$MASTER_ADDR``, else ``127.0.0.1`` when every rank is on one host, else rank 0's
+        host name.
     timeout : datetime.timedelta
         For the store and the process group's operations.
 
@@ -474,35 +475,51 @@ def init_process_group_from_mpi(
     Raises
     ------
     ArgumentError
-        On every rank: torch.distributed is unavailable, the group is already initialised
-        with another rank or size, or the store could not be opened or reached.
+        On every rank: a bad backend or ``$MASTER_PORT``, torch.distributed unavailable,
+        already initialised on some ranks only or with other ranks, or the store could not
+        be opened or reached.
     """
     comm = _communicator(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     priv = comm.Dup()  # the bootstrap's messages never meet the user's
     try:
+        # Every per-rank input is read before the first agreement, so that a bad one is an
+        # error on every rank rather than a hang.
         error = None
+        started = dist.is_available() and dist.is_initialized()
+        port = 0
         if not isinstance(backend, str):
             error = f"backend must be a string such as 'gloo', not {type(backend).__name__}"
         elif not dist.is_available():
             error = "this PyTorch build has no torch.distributed"
-        elif dist.is_initialized():
-            if (dist.get_rank(), dist.get_world_size()) != (rank, size):
-                error = (
-                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                    f"{dist.get_world_size()}, but this is MPI rank {rank} of {size}"
-                )
+        elif started and (dist.get_rank(), dist.get_world_size()) != (rank, size):
+            error = (
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but this is MPI rank {rank} of {size}"
+            )
+        else:
+            text = os.environ.get("MASTER_PORT", "0").strip() or "0"
+            if not text.isdigit() or int(text) > 65535:
+                error = f"MASTER_PORT={text!r} is not a port number (0..65535)"
+            else:
+                port = int(text)
         _raise_if_any(priv, error, "init_process_group_from_mpi")
-        if dist.is_initialized():
+        states = priv.allgather(started)
+        if all(states):
             return dist.group.WORLD  # every rank already matches its MPI rank
+        if any(states):
+            raise ArgumentError(
+                "init_process_group_from_mpi: torch.distributed is already initialised on "
+                f"ranks {[r for r, s in enumerate(states) if s]} but not on the others"
+            )
 
+        # Rank 0 chooses the address and the port; the others take its choice.
         hosts = priv.allgather(socket.gethostname())
         if master_addr is None:
             master_addr = os.environ.get("MASTER_ADDR") or (
                 "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
             )
-        port = int(os.environ.get("MASTER_PORT", "0"))
-        store, error = None, None
+        store = None
         if rank == 0:
             try:
                 # Port 0: the store binds a free port and reports it, without a race.
@@ -512,7 +529,7 @@ def init_process_group_from_mpi(
                 port = store.port
             except Exception as exc:  # RuntimeError/DistStoreError from c10d
                 error = f"rank 0 could not open a TCPStore on {master_addr}:{port}: {exc}"
-        port, root_error = priv.bcast((port, error), root=0)
+        master_addr, port, root_error = priv.bcast((master_addr, port, error), root=0)
         if root_error is None and rank != 0:
             try:
                 store = dist.TCPStore(master_addr, port, size, False, timeout=timeout)

@@ -212,6 +212,13 @@ def test_init_process_group_argument_errors() -> None:
     assert not dist.is_initialized()
 
 
+def test_init_process_group_bad_master_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_PORT", "29500x")
+    with pytest.raises(ArgumentError, match="MASTER_PORT='29500x' is not a port number"):
+        ot.init_process_group_from_mpi(comm=MPI.COMM_SELF)
+    assert not dist.is_initialized()
+
+
 @pytest.mark.timeout(120)
 def test_hook_registers_with_ddp_on_one_rank() -> None:
     """DDP accepts the hook (it checks the annotations) and trains with it on one rank
@@ -333,6 +340,17 @@ def test_allreduce_errors_on_every_rank() -> None:
     t = torch.ones(8)
     ot.allreduce(t)
     assert torch.equal(t, torch.full((8,), float(p)))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_init_process_group_one_bad_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad $MASTER_PORT on one rank is an error on every rank, not a hang."""
+    comm, rank, p = world()
+    if rank == p - 1:
+        monkeypatch.setenv("MASTER_PORT", "70000")
+    with pytest.raises(ArgumentError, match=f"rank {p - 1}: MASTER_PORT='70000'"):
+        ot.init_process_group_from_mpi()
 
 
 class Bucket:
