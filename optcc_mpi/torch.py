@@ -39,7 +39,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only where torch is absent
     raise ImportError(
         f"optcc_mpi.torch needs PyTorch ({exc}); install it with: pip install 'optcc-mpi[torch]' "
-        "(a CPU build is enough: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+        "(a CPU build is enough: pip install torch, from an index with PyTorch's CPU builds)"
     ) from exc
 
 import optcc_mpi
