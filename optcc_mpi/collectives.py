@@ -435,7 +435,7 @@ def allreduce(
         backend.copyto(flat_out, flat_in)
     xp = backend.xp
     work = flat_out
-    keyed = opn in ("max", "min") and xp is not None and key_dtype(dtype) is not None
+    keyed = p > 1 and opn in ("max", "min") and xp is not None and key_dtype(dtype) is not None
     if keyed:
         # max/min on floats reduce order-preserving integer keys (optcc_mpi.backend).
         work = to_keys(xp, flat_out, opn)

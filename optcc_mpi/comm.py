@@ -85,8 +85,10 @@ class CommState:
         self.handle = comm.handle
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
-        # With one rank nothing travels; the duplicate would only cost a handle.
-        self.private = comm.Dup() if self.size > 1 else comm
+        # A plain mpi4py communicator: a Dup of our Comm would be a Comm again, whose
+        # Allreduce is ours. With one rank nothing travels: no duplicate needed.
+        plain = MPI.Intracomm(comm)
+        self.private = plain.Dup() if self.size > 1 else plain
         self.capacity = 0
         self.next_capacity = FOLD_MIN
         self.block: Any = None
@@ -100,7 +102,7 @@ class CommState:
     def free(self) -> None:
         """Free the private duplicate (called by MPI when the communicator is freed)."""
         priv, self.private = self.private, None
-        if priv is not None and priv is not self.comm:
+        if priv is not None and self.size > 1:
             try:
                 priv.Free()
             except Exception:  # pragma: no cover - MPI already finalising
