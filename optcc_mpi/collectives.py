@@ -44,6 +44,7 @@ arguments, and ``check`` itself must be the same on every rank).
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from functools import lru_cache
@@ -188,6 +189,35 @@ def _code(text: str) -> int:
 
 
 _PROBE_CODE = _code("probe")
+_AUTO_CODE = _code("auto")
+_NUMPY_CODE = _code("numpy")
+
+
+_ENV_DATA: Any = getattr(os.environ, "_data", None)
+_ENV_CACHE: dict[str, tuple[Any, str | None]] = {}
+
+
+def _env(name: str) -> str | None:
+    """``config.get(name)``, asked again only when the process environment's entry for
+    ``name`` changed: reading ``os.environ`` costs a microsecond or two per variable,
+    a large share of a short AllReduce."""
+    if _ENV_DATA is None:  # pragma: no cover - an os.environ without its mapping
+        return config.get(name)
+    hit = _ENV_CACHE.get(name)
+    if hit is None:
+        key = os.environ.encodekey(name)
+        _ENV_CACHE[name] = hit = (_ENV_DATA.get(key), config.get(name))
+        _ENV_KEYS[name] = key
+        return hit[1]
+    raw = _ENV_DATA.get(_ENV_KEYS[name])
+    if raw is hit[0] or raw == hit[0]:
+        return hit[1]
+    _ENV_CACHE[name] = hit = (raw, config.get(name))
+    return hit[1]
+
+
+_ENV_KEYS: dict[str, Any] = {}
+_HEALTHY = Links()
 
 
 @lru_cache(maxsize=64)
@@ -199,8 +229,10 @@ def _emulation_from_env(text: str | None) -> Emulation | None:
 def _links_of(st: CommState, links: Any) -> Links:
     """This rank's link profile (PROBE for "probe"), in the communicator's ranks."""
     if links is None:
-        text = config.get(ENV_LINKS)
-        if text is not None and text.strip().lower() == "probe":
+        text = _env(ENV_LINKS)
+        if text is None:
+            return _HEALTHY
+        if text.strip().lower() == "probe":
             return PROBE
         return st.links_from_env(text)
     if isinstance(links, str) and links.strip().lower() == "probe":
@@ -316,7 +348,35 @@ def allreduce(
             opn = op_name(op)
         in_place = sendbuf is IN_PLACE or sendbuf is None or sendbuf is recvbuf
         result = recvbuf
-        if in_place:
+        if type(sendbuf) is np.ndarray and not in_place:
+            # The commonest calls, checked inline (as_array does the same, slower).
+            flat_in = _numpy_flat(sendbuf, "sendbuf")
+            backend = _NUMPY
+            if recvbuf is None:
+                flat_out = None
+            elif type(recvbuf) is np.ndarray:
+                flat_out = _numpy_flat(recvbuf, "recvbuf")
+                if flat_out.dtype != flat_in.dtype or flat_out.size != flat_in.size:
+                    _same_shape(flat_in, flat_out)
+                if np.may_share_memory(flat_in, flat_out):
+                    in_place = _overlap(flat_in, flat_out, backend) == "same"
+                    if not in_place:
+                        raise ArgumentError(
+                            "sendbuf and recvbuf overlap; use IN_PLACE to reduce in place"
+                        )
+                if not flat_out.flags.writeable:
+                    raise ArgumentError("recvbuf is read-only")
+            else:
+                flat_out, out_backend = as_array(recvbuf, what="recvbuf")
+                if out_backend is not backend:
+                    raise ArgumentTypeError(
+                        f"sendbuf is a {backend.name} buffer but recvbuf a "
+                        f"{out_backend.name} one; pass two of the same kind"
+                    )
+                _same_shape(flat_in, flat_out)
+                if not backend.writable(flat_out):
+                    raise ArgumentError("recvbuf is read-only")
+        elif in_place:
             if recvbuf is None:
                 raise ArgumentError(
                     "sendbuf is IN_PLACE (or None) but no recvbuf was given: pass the "
@@ -335,14 +395,7 @@ def allreduce(
                         f"sendbuf is a {backend.name} buffer but recvbuf a "
                         f"{out_backend.name} one; pass two of the same kind"
                     )
-                if flat_out.dtype != flat_in.dtype:
-                    raise ArgumentError(
-                        f"recvbuf dtype {flat_out.dtype} differs from sendbuf dtype {flat_in.dtype}"
-                    )
-                if flat_out.size != flat_in.size:
-                    raise ArgumentError(
-                        f"recvbuf has {flat_out.size} elements, sendbuf {flat_in.size}"
-                    )
+                _same_shape(flat_in, flat_out)
                 overlap = _overlap(flat_in, flat_out, backend)
                 if overlap == "same":
                     in_place = True  # as mpi4py: the same memory is MPI_IN_PLACE
@@ -350,7 +403,9 @@ def allreduce(
                     raise ArgumentError(
                         "sendbuf and recvbuf overlap; use IN_PLACE to reduce in place"
                     )
-        if flat_out is not None and not backend.writable(flat_out):
+                if not backend.writable(flat_out):
+                    raise ArgumentError("recvbuf is read-only")
+        if in_place and not backend.writable(flat_out):
             raise ArgumentError("recvbuf is read-only")
         dtype = flat_in.dtype
         name = _NAME_OF.get(dtype) or dtype_name(dtype)
@@ -360,7 +415,7 @@ def allreduce(
             algorithms.get(algorithm).check_params(params or {})  # errors name the choices
         link_obj = _links_of(st, links)
         if emulate is None:
-            emu = _emulation_from_env(config.get(ENV_EMULATE))
+            emu = _emulation_from_env(_env(ENV_EMULATE))
         else:
             emu = Emulation.coerce(emulate)
         if emu is not None:
@@ -396,10 +451,10 @@ def allreduce(
                 count,
                 _DTYPE_CODE[name],
                 _OP_CODE[opn],
-                _code(algorithm),
+                _AUTO_CODE if algorithm == "auto" else _code(algorithm),
                 lcode,
                 0 if emu is None else _code(str(emu)),
-                _code(backend.name),
+                _NUMPY_CODE if backend is _NUMPY else _code(backend.name),
                 _code(repr(sorted(params.items()))) if params else 0,
                 nbytes,
                 0,
@@ -471,6 +526,29 @@ def allreduce(
     return result
 
 
+def _same_shape(flat_in: Any, flat_out: Any) -> None:
+    """ArgumentError unless send and receive buffers have the same type and count."""
+    if flat_out.dtype != flat_in.dtype:
+        raise ArgumentError(
+            f"recvbuf dtype {flat_out.dtype} differs from sendbuf dtype {flat_in.dtype}"
+        )
+    if flat_out.size != flat_in.size:
+        raise ArgumentError(f"recvbuf has {flat_out.size} elements, sendbuf {flat_in.size}")
+
+
+def _numpy_flat(arr: np.ndarray, what: str) -> np.ndarray:
+    """``arr`` as a 1-D view, if contiguous in either order."""
+    if arr.ndim == 1:
+        if arr.flags.c_contiguous:
+            return arr
+    else:
+        flags = arr.flags
+        if flags.c_contiguous or flags.f_contiguous:
+            return arr.ravel(order="K")
+    flat, _ = as_array(arr, what=what)  # raises the error
+    return flat  # pragma: no cover
+
+
 def _overlap(a: Any, b: Any, backend: Any) -> str | bool:
     """ "same" if ``a`` and ``b`` (1-D, same size and type) are the same memory, True if
     they overlap otherwise, else False."""
@@ -490,11 +568,24 @@ def _overlap(a: Any, b: Any, backend: Any) -> str | bool:
     return False
 
 
+def _fold_views(st: CommState, dtype: np.dtype, nbytes: int) -> tuple[Any, list[Any]]:
+    """Typed views of the data room: this rank's block, and every rank's gathered row
+    (cached until the room changes)."""
+    lo, hi = HEADER_BYTES, HEADER_BYTES + nbytes
+    views = (
+        st.block[lo:hi].view(dtype),
+        [st.gathered[r, lo:hi].view(dtype) for r in range(st.size)],
+    )
+    if len(st.views) > 16:
+        st.views.clear()
+    st.views[(dtype, nbytes)] = views
+    return views
+
+
 def _reduce_gathered(st: CommState, opn: str, dtype: np.dtype, nbytes: int, out: Any) -> None:
     """Reduce every rank's data from the agreement's gather into ``out``, in rank order."""
-    g = st.gathered
-    lo, hi = HEADER_BYTES, HEADER_BYTES + nbytes
-    rows = [g[r, lo:hi].view(dtype) for r in range(st.size)]
+    views = st.views.get((dtype, nbytes))
+    rows = views[1] if views is not None else _fold_views(st, dtype, nbytes)[1]
     if opn == "sum" and dtype not in _LOW_PRECISION:
         np.add(rows[0], rows[1], out=out)
         for row in rows[2:]:
@@ -552,9 +643,12 @@ def _agree(
     hb = _HEADER.pack(*fields)
     st.block_mv[:HEADER_BYTES] = hb
     if fold and nbytes:
-        st.block[HEADER_BYTES : HEADER_BYTES + nbytes] = data.view(np.uint8)
+        views = st.views.get((data.dtype, nbytes))
+        if views is None:
+            views = _fold_views(st, data.dtype, nbytes)
+        np.copyto(views[0], data)
     st.private.Allgather(st.block, st.gathered)
-    heads = st.gathered[:, :HEADER_BYTES]
+    heads = st.heads
     if err is None and heads.tobytes() == hb * p:
         if nbytes != cap:
             st.next_capacity = _capacity(p, nbytes)

@@ -73,6 +73,8 @@ class CommState:
         "block",
         "block_mv",
         "gathered",
+        "heads",
+        "views",
         "env_links",
         "probe",
         "chosen",
@@ -94,6 +96,8 @@ class CommState:
         self.block: Any = None
         self.block_mv: Any = None
         self.gathered: Any = None
+        self.heads: Any = None
+        self.views: dict[Any, Any] = {}
         self.env_links: tuple[str | None, Any] = ("\0", None)
         self.probe: Any = None
         self.chosen: dict[Any, str] = {}
@@ -163,6 +167,8 @@ class CommState:
             self.block = np.zeros(width, dtype=np.uint8)
             self.block_mv = memoryview(self.block)
             self.gathered = np.zeros((self.size, width), dtype=np.uint8)
+            self.heads = self.gathered[:, :header_bytes]
+            self.views = {}
 
 
 def _keyval() -> Any:
