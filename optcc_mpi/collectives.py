@@ -486,6 +486,19 @@ def allreduce(
     name_run, sched, coll_only = plan
     if flat_out is None:
         result, flat_out = result_like(sendbuf, flat_in, backend)
+    if (
+        algorithm == "auto"
+        and coll_only
+        and emu is None
+        and 1 < p <= GATHER_MAX_P
+        and 0 < nbytes <= _capacity(p, nbytes)
+    ):
+        # A short message that did not fit the check's room (the first call of a size,
+        # a device array): gathered and reduced in rank order all the same, so that
+        # what auto returns never depends on which calls came before.
+        _gather_reduce(st, opn, flat_in, flat_out, backend)
+        _last[0] = (name_run, sched, None, link_obj, emu, params, False)
+        return result
     if not in_place:
         backend.copyto(flat_out, flat_in)
     xp = backend.xp
@@ -580,6 +593,31 @@ def _fold_views(st: CommState, dtype: np.dtype, nbytes: int) -> tuple[Any, list[
         st.views.clear()
     st.views[(dtype, nbytes)] = views
     return views
+
+
+def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any) -> None:
+    """Allgather every rank's data (through host memory) and reduce it in rank order."""
+    dtype = flat_in.dtype
+    nbytes = flat_in.size * dtype.itemsize
+    # The room of the check's buffers, for this call only: the next check restores the
+    # one every rank agreed on (CommState.next_capacity).
+    cap = _capacity(st.size, nbytes)
+    if cap != st.capacity or st.block is None:
+        st.ensure_capacity(cap, HEADER_BYTES)
+    views = st.views.get((dtype, nbytes)) or _fold_views(st, dtype, nbytes)
+    if backend is _NUMPY:
+        np.copyto(views[0], flat_in)
+    else:
+        backend.synchronize()
+        np.copyto(views[0], backend.to_host(flat_in))
+    st.private.Allgather(st.block, st.gathered)
+    if backend is _NUMPY:
+        _reduce_gathered(st, opn, dtype, nbytes, out)
+    else:
+        host = np.empty(flat_in.size, dtype=dtype)
+        _reduce_gathered(st, opn, dtype, nbytes, host)
+        backend.from_host(out, host)
+        backend.synchronize()
 
 
 def _reduce_gathered(st: CommState, opn: str, dtype: np.dtype, nbytes: int, out: Any) -> None:
