@@ -3,8 +3,10 @@
 Collectives
 -----------
 ``allreduce(sendbuf, recvbuf=None, *, op="sum", comm=None, algorithm="auto", links=None)``
-    AllReduce of a NumPy or CuPy array with a choice of algorithms (``ring``, ``optcc``,
-    ``r2ccl``, ``native``, ``auto``) and a link profile naming degraded ranks.
+    AllReduce of NumPy or CuPy arrays, PyTorch tensors, buffers or mpi4py buffer
+    specifications, with every MPI element type and reduction, a choice of algorithms
+    (``ring``, ``optcc``, ``r2ccl``, ``native``, ``auto``) and a link profile naming
+    degraded ranks; ``docs/api.md``.
 ``Links``
     Per-rank NIC bandwidth as fractions of the healthy rate (``"0:0.5"``).
 ``IN_PLACE``

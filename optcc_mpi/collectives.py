@@ -260,12 +260,13 @@ def _plan(
 
 
 def _capacity(p: int, nbytes: int) -> int:
-    """Data room of the next agreement after a call whose largest message was ``nbytes``."""
+    """Data room of the check for a message of ``nbytes``: the power of two from FOLD_MIN
+    up that holds it, or FOLD_MIN if none up to FOLD_TOTAL / p does."""
     limit = max(FOLD_MIN, FOLD_TOTAL // max(p, 1))
     cap = FOLD_MIN
     while cap < nbytes and cap * 2 <= limit:
         cap *= 2
-    return cap
+    return cap if nbytes <= cap else FOLD_MIN
 
 
 def allreduce(
@@ -654,12 +655,13 @@ def _agree(
     st: CommState,
     fields: tuple[int, ...],
     err: BaseException | None,
-    fold: bool,
+    foldable: bool,
     data: Any,
 ) -> bool:
     """One collective of fixed shape; returns True if the data travelled with it (then
-    the gathered blocks hold every rank's data). Raises :class:`_Mismatch` on every rank
-    if any rank failed or the ranks disagree."""
+    the gathered blocks hold every rank's data). ``foldable``: the call is one whose data
+    may travel with it, room permitting (then ``data`` is the 1-D input). Raises
+    :class:`_Mismatch` on every rank if any rank failed or the ranks disagree."""
     p = st.size
     if not fields:
         fields = (_PROTOCOL, 1) + (0,) * (len(_FIELDS) - 2)
@@ -676,8 +678,8 @@ def _agree(
         st.ensure_capacity(st.next_capacity, HEADER_BYTES)
     cap = st.capacity
     nbytes = fields[10]
-    fold = fold and nbytes <= cap
-    fields = fields[:11] + (cap * 2 + int(fold),)
+    fold = foldable and nbytes <= cap
+    fields = fields[:11] + (cap * 4 + 2 * int(foldable) + int(fold),)
     hb = _HEADER.pack(*fields)
     st.block_mv[:HEADER_BYTES] = hb
     if fold and nbytes:
@@ -688,12 +690,16 @@ def _agree(
     st.private.Allgather(st.block, st.gathered)
     heads = st.heads
     if err is None and heads.tobytes() == hb * p:
-        if nbytes != cap:
-            st.next_capacity = _capacity(p, nbytes)
+        # Room for the next call: this call's size if its data could travel with the
+        # check, else the least (a large room would only slow the checks of calls whose
+        # data never travels with them).
+        room = _capacity(p, nbytes) if foldable else FOLD_MIN
+        if room != cap:
+            st.next_capacity = room
         return fold
     table = heads.copy().view("<i8")  # (p, fields)
-    # Every rank saw the same table: the same next capacity, then the same error.
-    st.next_capacity = _capacity(p, max(int(x) for x in table[:, 10]))
+    # Every rank saw the same table: the same next room, then the same error.
+    st.next_capacity = FOLD_MIN
     raise _Mismatch(table=table)
 
 

@@ -690,6 +690,8 @@ def test_agreement_carries_small_messages() -> None:
         # message has nothing to carry).
         nbytes = n * 8
         room = optcc_mpi.collectives._capacity(p, n * 4)
+        if n * 4 > room:
+            room = 0  # the call before could not travel with the check: no room kept
         expect = 0 < nbytes <= room and p <= optcc_mpi.collectives.GATHER_MAX_P
         assert inline[-1] == expect, (n, inline)
     # Repeated calls of one short size travel with the agreement.
