@@ -27,10 +27,35 @@ from optcc_mpi import config
 from optcc_mpi.links import Links
 from optcc_mpi.units import parse_duration, parse_rate
 
-__all__ = ["Emulation", "Pacer", "ENV_EMULATE", "ENV_FRACTION"]
+__all__ = ["Emulation", "Pacer", "ENV_EMULATE", "ENV_FRACTION", "forced_fraction"]
 
 ENV_EMULATE = "OPTCC_EMULATE"
 ENV_FRACTION = "OPTCC_EMULATE_FRACTION"
+
+
+def forced_fraction() -> float | None:
+    """This process's ``$OPTCC_EMULATE_FRACTION`` as a number in (0, 1], or None if unset.
+
+    A per-rank input: :func:`optcc_mpi.allreduce` reads it before the ranks agree on
+    their arguments, so a bad value is an error on every rank rather than on one.
+
+    Raises
+    ------
+    ArgumentError
+        The value is not a number in (0, 1].
+    """
+    from optcc_mpi.errors import ArgumentError
+
+    text = config.get(ENV_FRACTION)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 1):
+        raise ArgumentError(f"{ENV_FRACTION}={text!r} must be a number in (0, 1]")
+    return value
 
 
 @dataclass(frozen=True)
@@ -109,11 +134,9 @@ class Emulation:
         ``degrade`` if set, else from the call's link profile ``links``)."""
         fractions = (self.degrade if self.degrade is not None else links).vector(p)
         mine = float(fractions[rank])
-        forced = config.get(ENV_FRACTION)
-        if forced:
-            mine = float(forced)
-            if not 0 < mine <= 1:
-                raise ValueError(f"{ENV_FRACTION}={forced!r} must be in (0, 1]")
+        forced = forced_fraction()
+        if forced is not None:
+            mine = forced
         return Pacer(self, mine, float(fractions.min()), p)
 
     def __str__(self) -> str:

