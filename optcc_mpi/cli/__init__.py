@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from optcc_mpi.errors import OptccError
+
 # Command modules, in the order ``--help`` lists them. Each is imported only when the
 # parser is built, so a command's heavy imports (MPI, h5py, matplotlib) stay local to it.
 COMMAND_MODULES = (
@@ -24,6 +26,7 @@ COMMAND_MODULES = (
     "train",
     "bench_glm",
     "report",
+    "sweep",
 )
 
 
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         status = args.func(args)
     except (ImportError, RuntimeError) as exc:
         if not _no_mpi(exc):
-            if isinstance(exc, ImportError):
+            if isinstance(exc, ImportError) and not isinstance(exc, OptccError):
                 raise
             print(f"optcc-mpi {args.command}: error: {exc}", file=sys.stderr)
             return 2
