@@ -66,7 +66,7 @@ def test_library_that_cannot_load_is_reported_not_raised(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("MPI4PY_LIBMPI", "/nonexistent/libmpi.so")
-    lib = launch.mpi_library(sys.executable + "")  # a child, whatever this process loaded
+    lib = launch.mpi_library(sys.executable)  # a child, whatever this process loaded
     assert lib.family == "none" and lib.error
     assert "no MPI" in str(lib)
 

@@ -187,15 +187,17 @@ def _probe(python: str, libmpi: str | None, mpiabi: str | None, ld_path: str | N
 def mpi_library(python: str | None = None) -> MPILibrary:
     """The MPI library that mpi4py loads in ``python`` (default: this interpreter).
 
-    Read without initialising MPI: from ``mpi4py.MPI`` when this process already imported
-    it, else from a child interpreter (about 0.15 s, once per environment: the answer is
-    cached, keyed on the variables that steer mpi4py's choice, ``MPI4PY_LIBMPI``,
-    ``MPI4PY_MPIABI`` and ``LD_LIBRARY_PATH``).
+    Read without initialising MPI: for this interpreter, from ``mpi4py.MPI`` when this
+    process already imported it; else from a child interpreter (about 0.15 s, once per
+    environment: the answer is cached, keyed on the variables that steer mpi4py's choice,
+    ``MPI4PY_LIBMPI``, ``MPI4PY_MPIABI`` and ``LD_LIBRARY_PATH``).
 
     Parameters
     ----------
     python : str, optional
-        Interpreter whose mpi4py to ask.
+        Interpreter whose mpi4py to ask, always in a child (also when it is this one: the
+        child sees the current environment, which may choose another library than the one
+        this process loaded).
 
     Returns
     -------
@@ -203,7 +205,7 @@ def mpi_library(python: str | None = None) -> MPILibrary:
         With ``family == "none"`` and the reason in ``error`` when no library loads.
     """
     mod = sys.modules.get("mpi4py.MPI")
-    if (python is None or python == sys.executable) and mod is not None:
+    if python is None and mod is not None:
         return _from_module(mod)
     env = os.environ
     return _probe(

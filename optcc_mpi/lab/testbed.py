@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optcc_mpi import units
+from optcc_mpi import config, units
 from optcc_mpi.errors import TestbedError
 from optcc_mpi.lab import launch
 from optcc_mpi.links import Links
@@ -218,11 +218,11 @@ def _check_name(name: str) -> str:
 
 def resolve_name(name: str | None = None) -> str:
     """Return the testbed name to use: ``name``, else ``OPTCC_TESTBED_NAME``, else the default."""
-    return _check_name(name or os.environ.get("OPTCC_TESTBED_NAME") or DEFAULT_NAME)
+    return _check_name(name or config.get("OPTCC_TESTBED_NAME") or DEFAULT_NAME)
 
 
 def _state_dir() -> Path:
-    return Path(os.environ.get("OPTCC_TESTBED_STATE_DIR") or "/run/optcc-testbed")
+    return Path(config.get("OPTCC_TESTBED_STATE_DIR") or "/run/optcc-testbed")
 
 
 # --------------------------------------------------------------------------- privileges
