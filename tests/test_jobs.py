@@ -262,6 +262,26 @@ def test_sweep_task_script_without_slurm(tmp_path: Path) -> None:
     assert "optcc" in {x["algorithm"] for x in rows}
 
 
+def test_single_run_script_without_slurm(tmp_path: Path) -> None:
+    """allreduce.sbatch by hand: `optcc-mpi sweep exec` launches the benchmark with the
+    library's own launcher (3 ranks: oversubscribed on 2 cores) and records it as a task."""
+    res = tmp_path / "res"
+    env = _env(OPTCC_RESULTS=str(res), OPTCC_RANKS="3")
+    env.pop("MPIR_CVAR_CH4_PROGRESS_THROTTLE", None)
+    bench = ["-b", "64K", "-e", "64K", "-n", "2", "-w", "1", "--algorithms", "ring,optcc"]
+    r = _run(["bash", str(JOBS / "allreduce.sbatch"), *bench, "--links", "1:0.5"], env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (path,) = res.glob("local*_0.jsonl")  # no Slurm: a local job id
+    head, *rows = _records(path)
+    assert head["status"] == "ok" and head["sweep"].startswith("run:local") and head["ranks"] == 3
+    assert head["command"].startswith(" ".join(launch.launcher_argv(3)))
+    assert head["mpi"]["family"] == launch.mpi_library().family
+    if launch.local_cores() < 3:
+        assert head["extra_env"]["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "1"
+    assert {x["algorithm"] for x in rows} >= {"ring", "optcc"}
+    assert all(int(x["wrong"]) == 0 for x in rows)
+
+
 def test_sweep_task_script_records_a_python_that_cannot_start(tmp_path: Path) -> None:
     table = tmp_path / "t.csv"
     table.write_text("kind,algorithm\nallreduce,ring\n")
