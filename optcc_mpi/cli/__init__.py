@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "train",
     "bench_glm",
     "report",
+    "sweep",
 )
 
 

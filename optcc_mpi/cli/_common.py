@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from optcc_mpi.links import Links
@@ -34,6 +34,9 @@ __all__ = [
     "print_table",
     "add_network_args",
     "run_command",
+    "parse_key_value",
+    "key_value_arg",
+    "key_values",
 ]
 
 
@@ -141,6 +144,62 @@ def emulation_arg(text: str) -> Any:
         return Emulation.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _typed(text: str) -> Any:
+    # true/false, then int, then float, else the text itself: what a schedule parameter or
+    # a table cell means when typed on a command line.
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            continue
+    return text
+
+
+def parse_key_value(text: str, *, typed: bool = True, what: str = "KEY=VALUE") -> tuple[str, Any]:
+    """``"k=64"`` -> ``("k", 64)``: the one KEY=VALUE parser of the command line.
+
+    Parameters
+    ----------
+    text : str
+        ``KEY=VALUE``; the key is stripped and must not be empty; the value is everything
+        after the first ``=`` (it may contain ``=`` itself).
+    typed : bool
+        Convert the value: ``true``/``false`` (any case) to bool, then int, then float,
+        else keep the text (stripped). ``False`` keeps it verbatim (environment values).
+    what : str
+        How the error names the expected form (``COLUMN=V1,V2``).
+
+    Raises
+    ------
+    ArgumentError
+        No ``=``, or an empty key.
+    """
+    from optcc_mpi.errors import ArgumentError
+
+    key, sep, value = str(text).partition("=")
+    if not sep or not key.strip():
+        raise ArgumentError(f"expected {what}, got {text!r}")
+    return key.strip(), (_typed(value.strip()) if typed else value)
+
+
+def key_value_arg(text: str) -> tuple[str, Any]:
+    """:func:`parse_key_value` as an argparse type (typed values)."""
+    try:
+        return parse_key_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+key_value_arg.__name__ = "KEY=VALUE"
+
+
+def key_values(items: Iterable[str], *, typed: bool = True, what: str = "KEY=VALUE") -> dict:
+    """Several ``KEY=VALUE`` items as a dict (a later key wins); see :func:`parse_key_value`."""
+    return dict(parse_key_value(item, typed=typed, what=what) for item in items)
 
 
 def print_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, right: int = 1) -> None:
@@ -262,7 +321,9 @@ def run_command(args: argparse.Namespace) -> int:
         return int(args.func(args) or 0)
     except (ImportError, RuntimeError) as exc:
         if not _no_mpi(exc):
-            if isinstance(exc, ImportError):
+            from optcc_mpi.errors import OptccError
+
+            if isinstance(exc, ImportError) and not isinstance(exc, OptccError):
                 if _mpi_world_size() > 1:
                     _abort(1, traceback.format_exc())
                 raise

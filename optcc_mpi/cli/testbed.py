@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from optcc_mpi.cli._common import key_values
 from optcc_mpi.lab import testbed as tb
 
 DESCRIPTION = """\
@@ -277,12 +278,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise ValueError("no command given; use `optcc-mpi testbed run -- COMMAND [ARGS...]`")
-    env = {}
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--env {item!r} is not KEY=VALUE")
-        env[key] = value
+    env = key_values(args.env, typed=False, what="--env KEY=VALUE")
     bed = tb.current(args.name)
     if bed is None:
         raise RuntimeError(

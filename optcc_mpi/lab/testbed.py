@@ -7,10 +7,12 @@ on ``h<i>`` (the hub side, whose egress is the rank's ingress) limits what it re
 degraded rank is slow in both directions. This kernel has no ``netem`` and no ingress
 policing, hence two egress shapers rather than one policer.
 
-Jobs start with MPICH's hydra ``mpiexec`` inside the hub namespace; a generated launcher
-script stands in for ``ssh`` and enters the rank namespace named by the "host". UCX is
-limited to ``tcp,self`` on ``eth0``: otherwise it would use shared memory across the
-namespaces and no byte would cross the shaped links.
+Jobs start with the ``mpiexec`` of the MPI library in use (:mod:`optcc_mpi.lab.launch`),
+MPICH's hydra or Open MPI's PRRTE, inside the hub namespace; a generated launcher script
+stands in for ``ssh`` and enters the rank namespace named by the "host". The transport is
+limited to TCP on ``eth0`` (MPICH: UCX ``tcp,self``; Open MPI: the ``ob1`` PML with the
+``tcp,self`` BTLs): otherwise the ranks would use shared memory across the namespaces and
+no byte would cross the shaped links.
 
 Everything created is listed in a state file (``/run/optcc-testbed/<name>.json``; the folder
 can be moved with ``OPTCC_TESTBED_STATE_DIR``) *before* it is created, and every namespace
@@ -45,8 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optcc_mpi import units
+from optcc_mpi import config, units
 from optcc_mpi.errors import TestbedError
+from optcc_mpi.lab import launch
 from optcc_mpi.links import Links
 
 __all__ = [
@@ -66,7 +69,6 @@ __all__ = [
     "require_root",
     "resolve_name",
     "run",
-    "find_mpiexec",
     "set_shaping",
     "status",
     "up",
@@ -90,13 +92,20 @@ DEFAULT_LATENCY_US = 50_000
 MIN_BURST = 64 * 1024
 # Slowest link we agree to build; below this tbf's arithmetic and TCP's timers misbehave.
 MIN_RATE_BIT = 8_000
-# Transport settings every testbed job needs (see the module docstring); callers may
-# override them through ``env`` but not through the ambient environment.
+# Transport settings every testbed job needs (see the module docstring), by launcher
+# flavour; callers may override them through ``env`` but not through the ambient
+# environment. MPICH: UCX over TCP only, on the shaped device. Open MPI: the ob1 PML with
+# the TCP and self BTLs on the shaped device (no shared memory, no UCX).
 REQUIRED_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": RANK_DEV}
-# Ambient variables a job commonly needs. Hydra forwards the launching environment anyway;
-# naming them in the argv makes ``launch_argv`` self-contained when run from elsewhere.
+REQUIRED_ENV_OPENMPI = {
+    "OMPI_MCA_pml": "ob1",
+    "OMPI_MCA_btl": "tcp,self",
+    "OMPI_MCA_btl_tcp_if_include": RANK_DEV,
+}
+# Ambient variables a job commonly needs. The launchers forward the launching environment
+# to local ranks only; naming them in the argv makes ``launch_argv`` self-contained.
 PASS_ENV_NAMES = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
-PASS_ENV_PREFIXES = ("OPTCC_", "MPIR_CVAR_", "UCX_", "OMP_")
+PASS_ENV_PREFIXES = ("OPTCC_", "MPIR_CVAR_", "UCX_", "OMP_", "OMPI_MCA_", "PRTE_MCA_")
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 
@@ -209,11 +218,11 @@ def _check_name(name: str) -> str:
 
 def resolve_name(name: str | None = None) -> str:
     """Return the testbed name to use: ``name``, else ``OPTCC_TESTBED_NAME``, else the default."""
-    return _check_name(name or os.environ.get("OPTCC_TESTBED_NAME") or DEFAULT_NAME)
+    return _check_name(name or config.get("OPTCC_TESTBED_NAME") or DEFAULT_NAME)
 
 
 def _state_dir() -> Path:
-    return Path(os.environ.get("OPTCC_TESTBED_STATE_DIR") or "/run/optcc-testbed")
+    return Path(config.get("OPTCC_TESTBED_STATE_DIR") or "/run/optcc-testbed")
 
 
 # --------------------------------------------------------------------------- privileges
@@ -496,6 +505,8 @@ class Testbed:
         cmd: Sequence[str],
         n: int | None = None,
         env: Mapping[str, str] | None = None,
+        *,
+        mpiexec: tuple[str, str] | None = None,
     ) -> list[str]:
         """Return the full argv that runs ``cmd`` as an MPI job, one rank per namespace.
 
@@ -507,13 +518,21 @@ class Testbed:
             Number of ranks; default all of the testbed's. Rank *i* runs in ``<name>-r<i>``.
         env : mapping, optional
             Extra variables for every rank; they override everything else, including the
-            required ``UCX_TLS=tcp,self`` and ``UCX_NET_DEVICES=eth0``.
+            required transport settings (:data:`REQUIRED_ENV`, :data:`REQUIRED_ENV_OPENMPI`).
+        mpiexec : (path, flavour), optional
+            The launcher, ``flavour`` ``"hydra"`` or ``"openmpi"``; default
+            :func:`optcc_mpi.lab.launch.mpiexec_for` (the one of this Python's MPI).
 
         Returns
         -------
         list of str
-            ``ip netns exec <hub> mpiexec -launcher ssh -launcher-exec <nswrap> -hosts ...
-            -genv ... cmd...``; run it as root.
+            Run it as root. MPICH: ``ip netns exec <hub> mpiexec -launcher ssh
+            -launcher-exec <nswrap> -hosts r0,.. -localhost hub -n N -genv K V ... cmd``.
+            Open MPI: ``ip netns exec <hub> unshare --uts sh -c 'hostname hub && exec "$@"'
+            sh mpiexec --prtemca prte_ssh_agent <nswrap> --host r0,.. -n N
+            --allow-run-as-root -x K=V ... cmd`` (PRRTE ignores ``plm_rsh_agent`` and would
+            try the real ssh; the hub gets a hostname of its own so that PRRTE does not
+            take a rank host for itself).
         """
         n = self.ranks if n is None else int(n)
         if not 1 <= n <= self.ranks:
@@ -525,30 +544,32 @@ class Testbed:
             for k, v in os.environ.items()
             if k in PASS_ENV_NAMES or k.startswith(PASS_ENV_PREFIXES)
         }
-        job_env.update(REQUIRED_ENV)
+        path, flavour = mpiexec if mpiexec is not None else launch.mpiexec_for()
+        if flavour not in ("hydra", "openmpi"):
+            raise TestbedError(
+                f"{path} is neither MPICH's hydra nor Open MPI's mpiexec; the testbed knows "
+                "how to start ranks in namespaces with those two only (set OPTCC_MPIEXEC)"
+            )
+        job_env.update(REQUIRED_ENV if flavour == "hydra" else REQUIRED_ENV_OPENMPI)
         # A job inside the testbed finds its own testbed (current(), set_shaping()) by name.
         job_env["OPTCC_TESTBED_NAME"] = self.name
         job_env["OPTCC_TESTBED_STATE_DIR"] = str(_state_dir())
         job_env.update(env or {})
-        argv = [
-            shutil.which("ip") or "ip",
-            "netns",
-            "exec",
-            self.hub_ns,
-            find_mpiexec(),
-            "-launcher",
-            "ssh",
-            "-launcher-exec",
-            str(self.nswrap),
-            "-hosts",
-            ",".join(self.rank_host(i) for i in range(n)),
-            "-localhost",
-            HUB_HOST,
-            "-n",
-            str(n),
-        ]
+        hosts = ",".join(self.rank_host(i) for i in range(n))
+        argv = [shutil.which("ip") or "ip", "netns", "exec", self.hub_ns]
+        if flavour == "hydra":
+            argv += [path, "-launcher", "ssh", "-launcher-exec", str(self.nswrap)]
+            argv += ["-hosts", hosts, "-localhost", HUB_HOST, "-n", str(n)]
+            for key, value in job_env.items():
+                argv += ["-genv", key, value]
+            return argv + list(cmd)
+        unshare = shutil.which("unshare") or "unshare"
+        argv += [unshare, "--uts", "/bin/sh", "-c", f'hostname {HUB_HOST} && exec "$@"', "sh"]
+        # One slot per host (--host rI), so rank i lands on rI: the order is the mapping.
+        argv += [path, "--prtemca", "prte_ssh_agent", str(self.nswrap), "--host", hosts]
+        argv += ["-n", str(n), "--allow-run-as-root"]
         for key, value in job_env.items():
-            argv += ["-genv", key, value]
+            argv += ["-x", f"{key}={value}"]
         return argv + list(cmd)
 
     def run(
@@ -572,10 +593,10 @@ class Testbed:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            launch.stop_group(proc, grace=3.0)
             return 124
         except KeyboardInterrupt:
-            _kill_group(proc)
+            launch.stop_group(proc, grace=3.0)
             raise
         return 128 - rc if rc < 0 else rc
 
@@ -660,32 +681,6 @@ class Testbed:
         return text
 
 
-def find_mpiexec() -> str:
-    """The MPI launcher: ``$OPTCC_MPIEXEC``, else the one next to this Python, else PATH."""
-    # The MPICH wheel puts hydra's mpiexec next to the interpreter; OPTCC_MPIEXEC overrides.
-    explicit = os.environ.get("OPTCC_MPIEXEC")
-    if explicit:
-        return explicit
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise TestbedError("mpiexec not found; install the MPICH wheel (`pip install mpich`)")
-    return found
-
-
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 @contextlib.contextmanager
 def _locked(name: str) -> Iterator[None]:
     # One lock per testbed serialises up, down and set_shaping across processes (a job's
@@ -717,8 +712,9 @@ def _read_state(name: str) -> dict[str, Any] | None:
 
 _NSWRAP = """#!/bin/bash
 # Generated by optcc_mpi.lab.testbed for testbed {name!s}; removed by `optcc-mpi testbed down`.
-# MPICH hydra runs this in place of ssh: `nswrap [ssh options] HOST COMMAND...`. HOST is a
-# rank host rN; COMMAND (hydra's proxy) runs inside namespace {name!s}-rN with hostname rN,
+# The launcher (MPICH hydra, Open MPI's PRRTE) runs this in place of ssh: `nswrap [ssh
+# options] HOST COMMAND...`. HOST is a rank host rN; COMMAND (hydra's proxy, PRRTE's
+# daemon) runs inside namespace {name!s}-rN with hostname rN,
 # so every rank looks like its own node and its traffic leaves through the shaped eth0.
 while [[ $# -gt 0 && "$1" == -* ]]; do
   case "$1" in
