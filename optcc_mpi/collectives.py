@@ -79,7 +79,7 @@ from optcc_mpi.emulation import ENV_EMULATE, Emulation, forced_fraction
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import ENV_LINKS, Links
-from optcc_mpi.schedule import COLL
+from optcc_mpi.schedule import COLL, SEND
 
 __all__ = [
     "allreduce",
@@ -93,6 +93,9 @@ __all__ = [
 IN_PLACE: Any = MPI.IN_PLACE
 #: Marker for ``links="probe"``: measure the profile (once per communicator).
 PROBE = Links({})
+#: Marker for ``links="watch"``: learn the profile from the calls' own messages
+#: (:mod:`optcc_mpi.watch`).
+WATCH = Links({})
 #: Largest communicator whose agreement gathers the headers (and can carry data).
 GATHER_MAX_P = 32
 
@@ -189,6 +192,7 @@ def _code(text: str) -> int:
 
 
 _PROBE_CODE = _code("probe")
+_WATCH_CODE = _code("watch")
 _AUTO_CODE = _code("auto")
 _NUMPY_CODE = _code("numpy")
 
@@ -234,9 +238,13 @@ def _links_of(st: CommState, links: Any) -> Links:
             return _HEALTHY
         if text.strip().lower() == "probe":
             return PROBE
+        if text.strip().lower() == "watch":
+            return WATCH
         return st.links_from_env(text)
     if isinstance(links, str) and links.strip().lower() == "probe":
         return PROBE
+    if isinstance(links, str) and links.strip().lower() == "watch":
+        return WATCH
     link_obj = Links.coerce(links)
     link_obj.check(st.size)
     return link_obj
@@ -307,8 +315,10 @@ def allreduce(
         the fastest by the model for this size and link profile, and the MPI library's
         collective for short messages.
     links : Links or str, optional
-        Degraded ranks, ``"RANK:FRACTION,..."`` in ranks of ``comm``, or ``"probe"`` to
-        measure them (once per communicator, :mod:`optcc_mpi.probe`). Default
+        Degraded ranks, ``"RANK:FRACTION,..."`` in ranks of ``comm``, ``"probe"`` to
+        measure them (once per communicator, :mod:`optcc_mpi.probe`), or ``"watch"`` to
+        learn them from the calls' own messages and follow them as they change
+        (:mod:`optcc_mpi.watch`). Default
         ``$OPTCC_LINKS``, in ranks of COMM_WORLD (translated to ``comm``), else healthy.
         Must be the same on every rank.
     emulate : Emulation or str, optional
@@ -426,7 +436,9 @@ def allreduce(
         # The plan is a pure function of arguments that must agree, so computing it
         # before the agreement cannot make ranks diverge; "probe" has to wait for it.
         plan = None
-        if link_obj is not PROBE:
+        if link_obj is WATCH:
+            pass  # the profile is agreed below, after the check
+        elif link_obj is not PROBE:
             plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params)
         elif st.probe is not None:
             plan = _plan(st, algorithm, count, dtype.itemsize, st.probe.links, params)
@@ -442,6 +454,8 @@ def allreduce(
         if check and p > 1:
             if link_obj is PROBE:
                 lcode = _PROBE_CODE
+            elif link_obj is WATCH:
+                lcode = _WATCH_CODE
             elif link_obj.fractions:
                 lcode = _code(repr(link_obj.key()))
             else:
@@ -480,9 +494,20 @@ def allreduce(
         _reduce_gathered(st, opn, dtype, nbytes, flat_out)
         _last[0] = (plan[0], plan[1], None, link_obj, emu, params, True)
         return result
+    watch = None
     if link_obj is PROBE:
         # Every rank agreed on "probe" above, so all of them take part in it.
         link_obj = _probe(st, emu).links
+        plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params)
+    elif link_obj is WATCH:
+        # Every rank agreed on "watch": each brings what its last call measured, and the
+        # elementwise maximum gives every rank the same observations, hence the same
+        # profile at the same call (optcc_mpi.watch).
+        watch = _watch_of(st)
+        seen = watch.contribution()
+        if p > 1:
+            st.private.Allreduce(IN_PLACE, seen, op=MPI.MAX)
+        link_obj = watch.agree(seen)
         plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params)
     name_run, sched, coll_only = plan
     if flat_out is None:
@@ -528,7 +553,10 @@ def allreduce(
                     backend=backend,
                     staging=backend.staging(),
                     pacer=pacer,
+                    trace=watch is not None,
                 )
+            if watch is not None:
+                watch.record(st.rank, _sends_of(sched, st.rank, stats, dtype.itemsize))
     if keyed:
         from_keys(xp, work, dtype, opn)
     elif coll_only and p > 1 and xp is not None and opn in ("sum", "prod"):
@@ -538,6 +566,27 @@ def allreduce(
             canonical_nans(xp, flat_out)
     _last[0] = (name_run, sched, stats, link_obj, emu, params, False)
     return result
+
+
+def _watch_of(st: CommState) -> Any:
+    """The communicator's :class:`~optcc_mpi.watch.LinkWatch`, made on first use."""
+    if st.watch is None:
+        from optcc_mpi.watch import LinkWatch
+
+        st.watch = LinkWatch(st.size)
+    return st.watch
+
+
+def _sends_of(sched: Any, rank: int, stats: Any, itemsize: int) -> list[tuple]:
+    """This rank's timed sends of the call, ``(peer, nbytes, posted, completed)``, from
+    the executor's trace and the schedule's operations."""
+    ops = sched.program(rank).ops
+    out = []
+    for i, kind, posted, done in stats.trace:
+        if kind == SEND:
+            _, peer, _, _, lo, hi, _, _ = ops[i]
+            out.append((peer, (hi - lo) * itemsize, posted, done))
+    return out
 
 
 def _same_shape(flat_in: Any, flat_out: Any) -> None:
@@ -715,7 +764,9 @@ def _describe(scope: dict[str, Any]) -> dict[str, str]:
     shown["algorithm"] = repr(scope.get("algorithm"))
     link = scope.get("link_obj")
     if link is not None:
-        shown["link profile"] = "probe" if link is PROBE else str(link)
+        shown["link profile"] = (
+            "probe" if link is PROBE else "watch" if link is WATCH else str(link)
+        )
     if "emu" in scope:
         shown["emulation"] = str(scope["emu"] or "none")
     backend = scope.get("backend")

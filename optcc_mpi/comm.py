@@ -77,6 +77,7 @@ class CommState:
         "views",
         "env_links",
         "probe",
+        "watch",
         "chosen",
         "plans",
         "__weakref__",
@@ -100,6 +101,7 @@ class CommState:
         self.views: dict[Any, Any] = {}
         self.env_links: tuple[str | None, Any] = ("\0", None)
         self.probe: Any = None
+        self.watch: Any = None
         self.chosen: dict[Any, str] = {}
         self.plans: dict[Any, Any] = {}
 
