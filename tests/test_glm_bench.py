@@ -161,13 +161,12 @@ def test_reducer_charges_the_formula_under_mpi():
     comm = MPI.COMM_WORLD
     p = comm.size
     red = glm_comm.Reducer(comm, "mpi", emulate="latency=20us,bw=1GB/s")
-    rng = np.random.default_rng(comm.rank)
     sizes = [8, 1000, 65536]
     for n in sizes:
-        buf = rng.standard_normal(n).astype(np.float32)
+        buf = np.random.default_rng([comm.rank, n]).standard_normal(n).astype(np.float32)
         ref = np.zeros(n)
         for r in range(p):  # float64 reference of the sum
-            ref += np.random.default_rng(r).standard_normal(n).astype(np.float32)
+            ref += np.random.default_rng([r, n]).standard_normal(n).astype(np.float32)
         red(buf)
         np.testing.assert_allclose(buf, ref, rtol=1e-5, atol=1e-5)
         assert comm.allgather(glm_comm.checksum(buf)) == [glm_comm.checksum(buf)] * p
