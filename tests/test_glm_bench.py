@@ -176,3 +176,50 @@ def test_reducer_charges_the_formula_under_mpi():
     assert st["net_charged_s"] == pytest.approx(expected)
     assert st["net_messages"] == 3 * messages and st["net_sleeps"] <= 3
     assert st["net_wire_bytes"] == messages * 4 * sum(sizes)
+
+
+# -- the benchmark's arithmetic (optcc_mpi.lab.glm_bench) ---------------------------------
+
+
+def test_projection_follows_the_formula_for_synthetic_timings():
+    from optcc_mpi.lab.glm_bench import project
+
+    p_values = [8, 16, 1024]
+    compute = {"sgd": {8: 1e-5, 16: 6e-6, 1024: 2e-6}, "ca": {8: 4e-4, 16: 2e-4, 1024: 5e-6}}
+    nbytes = {"sgd": 128, "ca": 528384}
+    steps = {"sgd": 1, "ca": 16}
+    proj = project(p_values, compute, nbytes, steps, 5e-5, 50e-6, 25e9)
+    for label in compute:
+        for i, p in enumerate(p_values):
+            rounds = {8: 3, 16: 4, 1024: 10}[p]
+            t = (compute[label][p] + rounds * (50e-6 + nbytes[label] / 25e9)) / steps[label]
+            assert proj.per_step[label][i] == pytest.approx(t)
+            assert proj.speedup[label][i] == pytest.approx(5e-5 / t)
+    # At P = 1024 and 50 us, SGD pays 10 * 50 us per step; CA-SGD a sixteenth plus bytes.
+    assert proj.speedup["ca"][2] > proj.speedup["sgd"][2]
+
+
+def test_critical_path_takes_the_slowest_rank_per_call_plus_the_charge():
+    from optcc_mpi.lab.glm_bench import critical_path_times
+
+    segments = np.array([[1.0, 0.1, 0.5, 0.2], [0.2, 0.3, 0.1, 0.4]])
+    costs = [0.01, 0.01, 0.02, 0.02]
+    times = critical_path_times(segments, costs, [0, 2, 4])
+    assert times == pytest.approx([0.0, 1.0 + 0.3 + 0.02, 1.32 + 0.5 + 0.4 + 0.04])
+
+
+def test_call_recorder_charges_each_call_and_excludes_evaluations():
+    from mpi4py import MPI
+
+    from optcc_mpi.lab.glm_bench import CallRecorder
+
+    rec = CallRecorder(8, 5e-6, 1e9)
+    rec.mark({})
+    buf = np.ones(250, dtype=np.float32)
+    rec(buf, MPI.COMM_SELF)
+    rec(buf, MPI.COMM_SELF)
+    rec.mark({})
+    assert rec.records == [0, 2] and len(rec.segments) == 2
+    assert rec.costs == pytest.approx([3 * (5e-6 + 1000 / 1e9)] * 2)
+    assert all(s >= 0 for s in rec.segments)
+    np.testing.assert_array_equal(buf, 1.0)  # one rank: the sum is the input

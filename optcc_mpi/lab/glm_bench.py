@@ -233,7 +233,7 @@ def sklearn_baselines(
         def make(k: int) -> Any:
             if lam > 0:
                 return LogisticRegression(C=1.0 / (lam * m), fit_intercept=False, max_iter=k)
-            return LogisticRegression(penalty=None, fit_intercept=False, max_iter=k, tol=0.0)
+            return LogisticRegression(C=np.inf, fit_intercept=False, max_iter=k, tol=0.0)
 
         out.append(doubling(make, "LogisticRegression(lbfgs)"))
     return out
