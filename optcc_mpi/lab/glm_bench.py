@@ -329,9 +329,7 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
             "compute_mean_cpu_s": float(np.mean(np.sum(segs, axis=1))),
         }
 
-    settings = [("sgd", "fp32", 1)] + [
-        ("casgd", r, s) for r in args.recipes for s in args.s_values
-    ]
+    settings = [("sgd", "fp32", 1)] + [("casgd", r, s) for r in args.recipes for s in args.s_values]
     repeats = max(1, args.repeats)
     rows: list[dict[str, Any]] = []
     with _thread_limiter(size):
