@@ -650,13 +650,33 @@ def run_projection(
     *,
     lr: float = 0.5,
     seed: int = 0,
-    calls: int = 32,
+    calls: int = 16,
     progress: Any = None,
 ) -> tuple[list[Projection], dict[str, Any]]:
     """Measure per-rank compute at each P (columns ``ceil(n / P)``) and project.
 
-    Returns the projections (one per network) and the measured inputs.
+    One BLAS thread, as each rank of a real run would have one core. Returns the
+    projections (one per network) and the measured inputs.
     """
+    with _thread_limiter(2):
+        return _run_projection(
+            model, n, b, s_values, recipe, p_values, networks, lr, seed, calls, progress
+        )
+
+
+def _run_projection(
+    model: str,
+    n: int,
+    b: int,
+    s_values: Sequence[int],
+    recipe: str,
+    p_values: Sequence[int],
+    networks: Sequence[tuple[float, float | None]],
+    lr: float,
+    seed: int,
+    calls: int,
+    progress: Any,
+) -> tuple[list[Projection], dict[str, Any]]:
     say = progress or (lambda msg: None)
     m_time = calls * max(s_values) * b
     compute: dict[str, dict[int, float]] = {"sgd": {}}
@@ -685,6 +705,8 @@ def run_projection(
         "compute_s_per_call": compute,
         "bytes_per_call": nbytes,
         "steps_per_call": steps,
+        "calls_timed": calls,
+        "clock": "thread CPU time, median over calls, one BLAS thread",
     }
     return projections, inputs
 
