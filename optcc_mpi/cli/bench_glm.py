@@ -251,8 +251,8 @@ def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
         glm_bench.plot_projection(
             projections,
             args.plot,
-            f"PROJECTION: {args.model}, n = {args.n}, b = {args.b}, recipe {recipe}; "
-            "compute measured here, AllReduce modelled (recursive doubling)",
+            f"PROJECTION: {args.model}, n = {args.n}, b = {args.b}, recipe {recipe}\n"
+            "compute timed on this machine, AllReduce modelled (recursive doubling)",
         )
         print(f"wrote {args.plot}")
     if args.out:
