@@ -26,6 +26,7 @@ and the command.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -75,9 +76,18 @@ def _load() -> float:
 
 
 def run(
-    sizes: list[int], iters: int, warmup: int, comm: Any = None, command: str = ""
+    sizes: list[int],
+    iters: int,
+    warmup: int,
+    comm: Any = None,
+    command: str = "",
+    chunks: list[int] = (),
 ) -> list[dict[str, Any]]:
-    """Time the three methods at every size (collective); rows on every rank."""
+    """Time the three methods at every size (collective); rows on every rank.
+
+    ``chunks``: further executor variants with the ring's ``chunk_bytes`` set to each
+    value (method ``executor/chunk=N``; 0 means one message per section).
+    """
     from mpi4py import MPI
 
     import optcc_mpi
@@ -93,16 +103,21 @@ def run(
         del i
         out = np.empty_like(x)
         tmp = np.empty(-(-n // p) + 1, dtype=np.float32)
+        ring = functools.partial(optcc_mpi.allreduce, x, out, comm=comm, algorithm="ring")
         calls = {
-            "executor": lambda: optcc_mpi.allreduce(x, out, comm=comm, algorithm="ring"),
-            "sendrecv": lambda: sendrecv_ring(comm, x, out, tmp),
-            "mpi": lambda: comm.Allreduce(x, out, op=MPI.SUM),
+            "executor": ring,
+            "sendrecv": functools.partial(sendrecv_ring, comm, x, out, tmp),
+            "mpi": functools.partial(comm.Allreduce, x, out, op=MPI.SUM),
         }
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
-        wrong = dict.fromkeys(METHODS, 0)
+        for c in chunks:
+            cb = c if c > 0 else size
+            calls[f"executor/chunk={c}"] = functools.partial(ring, params={"chunk_bytes": cb})
+        methods = list(calls)
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        wrong = dict.fromkeys(methods, 0)
         load0 = _load()
         for it in range(warmup + iters):
-            for m in METHODS:
+            for m in methods:
                 out.fill(np.nan)
                 comm.Barrier()
                 t0 = time.perf_counter()
@@ -111,7 +126,7 @@ def run(
                 wrong[m] += int(np.count_nonzero(out != exact))
                 if it >= warmup:
                     times[m].append(dt)
-        for m in METHODS:
+        for m in methods:
             t = times[m]
             rows.append(
                 {
@@ -147,21 +162,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-f", "--factor", type=float, default=4.0, help="size step factor (4)")
     ap.add_argument("-n", "--iters", type=int, default=5, help="timed iterations (5)")
     ap.add_argument("-w", "--warmup", type=int, default=1, help="warm-up iterations (1)")
+    ap.add_argument(
+        "--chunk",
+        type=size_arg,
+        action="append",
+        default=[],
+        help="also time the executor with the ring's chunk_bytes set to this (repeatable; "
+        "0: one message per section)",
+    )
     ap.add_argument("--out", help="append rows as JSON lines to this file")
     args = ap.parse_args(argv)
     command = "python -m optcc_mpi.lab.transport " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     comm = MPI.COMM_WORLD
-    rows = run(size_list(args.begin, args.end, args.factor), args.iters, args.warmup, comm, command)
+    sizes = size_list(args.begin, args.end, args.factor)
+    rows = run(sizes, args.iters, args.warmup, comm, command, args.chunk)
     if comm.Get_rank() == 0:
         print(f"# {command}  (p={comm.Get_size()}, load {rows[0]['load'][0]:.1f})")
-        print(f"{'size':>10} {'method':>9} {'median ms':>10} {'min':>9} {'max':>9} {'vs sr':>6}")
+        print(f"{'size':>10} {'method':>20} {'median ms':>10} {'min':>9} {'max':>9} {'vs sr':>6}")
         by = {(r["size"], r["method"]): r for r in rows}
         for r in rows:
             ref = by[(r["size"], "sendrecv")]["median_ms"]
             print(
-                f"{r['size']:>10} {r['method']:>9} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} "
+                f"{r['size']:>10} {r['method']:>20} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} "
                 f"{r['max_ms']:>9.2f} {r['median_ms'] / ref:>6.2f}"
                 + ("" if r["wrong"] == 0 else f"  WRONG {r['wrong']}")
             )
