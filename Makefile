@@ -120,3 +120,9 @@ bench-emulation: $(STAMP)
 	@mkdir -p results
 	$(MPIEXEC) -n 8 $(PY) -m optcc_mpi bench -b 4M -e 16M -f 2 -n 3 -w 1 \
 	  --links 0:0.5 --emulate bw=50MB/s --out results/emulation-degraded.jsonl
+
+# One short check of the GPU paths (every algorithm on CuPy arrays at 1 and 4 ranks, the
+# bf16 GemmEx Gram, recipe C training); says so and exits 0 where no GPU is usable.
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py

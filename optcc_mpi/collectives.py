@@ -79,7 +79,7 @@ from optcc_mpi.emulation import ENV_EMULATE, Emulation, forced_fraction
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import ENV_LINKS, Links
-from optcc_mpi.schedule import COLL, SEND
+from optcc_mpi.schedule import COLL
 
 __all__ = [
     "allreduce",
@@ -553,10 +553,10 @@ def allreduce(
                     backend=backend,
                     staging=backend.staging(),
                     pacer=pacer,
-                    trace=watch is not None,
                 )
             if watch is not None:
-                watch.record(st.rank, _sends_of(sched, st.rank, stats, dtype.itemsize))
+                # The executor's own send records: (op, peer, nbytes, posted, completed).
+                watch.record(st.rank, [r[1:] for r in stats.sends])
     if keyed:
         from_keys(xp, work, dtype, opn)
     elif coll_only and p > 1 and xp is not None and opn in ("sum", "prod"):
@@ -575,18 +575,6 @@ def _watch_of(st: CommState) -> Any:
 
         st.watch = LinkWatch(st.size)
     return st.watch
-
-
-def _sends_of(sched: Any, rank: int, stats: Any, itemsize: int) -> list[tuple]:
-    """This rank's timed sends of the call, ``(peer, nbytes, posted, completed)``, from
-    the executor's trace and the schedule's operations."""
-    ops = sched.program(rank).ops
-    out = []
-    for i, kind, posted, done in stats.trace:
-        if kind == SEND:
-            _, peer, _, _, lo, hi, _, _ = ops[i]
-            out.append((peer, (hi - lo) * itemsize, posted, done))
-    return out
 
 
 def _same_shape(flat_in: Any, flat_out: Any) -> None:

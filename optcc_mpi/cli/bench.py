@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from optcc_mpi.cli._common import (
+    duration_arg,
     emulation_arg,
     float_above,
     int_at_least,
@@ -79,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         bw=args.bw,
         reference=not args.no_reference,
         command="optcc-mpi " + " ".join(sys.argv[1:]),
+        trace=args.trace,
+        latency=args.latency,
+        efficiency=args.efficiency,
     )
     rows = bench.run(cfg, comm)
     if comm.Get_rank() == 0:
@@ -92,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         print(bench.table(rows))
         wrong = sum(r["wrong"] for r in rows)
         print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        if args.trace:
+            print(
+                f"# busy fractions of rank {rows[0].get('busy_rank', 0) if rows else 0} "
+                f"(all ranks in the JSON rows); traces and timelines in {args.trace}/"
+            )
         if args.out:
             bench.write(rows, args.out)
             print(f"# wrote {len(rows)} rows to {args.out}")
@@ -185,5 +194,30 @@ def register(subparsers: Any) -> None:
         help="healthy link rate for the model columns (default: from the emulation or the testbed)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free ring reference")
+    p.add_argument(
+        "--trace",
+        nargs="?",
+        const="trace",
+        default=None,
+        metavar="DIR",
+        help="report, for the last iteration of every row, the fraction of the run each "
+        "rank's send and receive sides were busy (from the executor's timestamps; "
+        "docs/bench.md defines busy), and write per-message traces and a timeline PNG of "
+        "the degraded rank to DIR (default ./trace)",
+    )
+    p.add_argument(
+        "--latency",
+        type=duration_arg,
+        default=None,
+        help="per-message cost for the model column (default: the emulated latency, else 0)",
+    )
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=1.0,
+        help="fraction of the nominal rate the transport delivers, for the model column "
+        "(measure it: the fault-free ring's model / its time); rows also give the bound at "
+        "that delivered rate (bound_delivered_us)",
+    )
     p.add_argument("--out", help="write rows as JSON lines (CSV if the name ends in .csv)")
     p.set_defaults(func=run)
