@@ -555,8 +555,7 @@ def allreduce(
                     pacer=pacer,
                 )
             if watch is not None:
-                # The executor's own send records: (op, peer, nbytes, posted, completed).
-                watch.record(st.rank, [r[1:] for r in stats.sends])
+                watch.record(st.rank, _timed_sends(stats, pacer))
     if keyed:
         from_keys(xp, work, dtype, opn)
     elif coll_only and p > 1 and xp is not None and opn in ("sum", "prod"):
@@ -575,6 +574,22 @@ def _watch_of(st: CommState) -> Any:
 
         st.watch = LinkWatch(st.size)
     return st.watch
+
+
+def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, float]]:
+    """This call's sends as ``(peer, nbytes, busy from, busy until)`` for the watch.
+
+    On a real network, the executor's records (handed to MPI, completed). Under emulation
+    the virtual NIC is what is slow, and its service time is what the pacer charged: per
+    peer, all bytes sent over the seconds charged for them (the pacing wait happens before
+    a paced send is handed to MPI, so the records alone would not show it).
+    """
+    if pacer is None or not pacer.charged_to:
+        return [r[1:] for r in stats.sends]
+    sent: dict[int, int] = {}
+    for _, peer, nbytes, _, _ in stats.sends:
+        sent[peer] = sent.get(peer, 0) + nbytes
+    return [(q, sent[q], 0.0, secs) for q, secs in pacer.charged_to.items() if q in sent]
 
 
 def _same_shape(flat_in: Any, flat_out: Any) -> None:
