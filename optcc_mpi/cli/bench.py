@@ -37,6 +37,9 @@ examples:
   optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
   optcc-mpi testbed run -- optcc-mpi bench -b 16M -e 64M -f 2 -n 3 --out tb.jsonl
 
+  # where the bubbles are: per-rank busy fractions, traces and the slow rank's timeline
+  optcc-mpi testbed run -- optcc-mpi bench -b 32M -e 32M --algorithms optcc --trace tb-trace
+
   # let the probe find the slow rank, and keep the results
   mpiexec -n 8 optcc-mpi bench --links probe --emulate bw=100MB/s,degrade=3:0.5 --out r.csv
 """
