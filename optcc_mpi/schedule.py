@@ -60,6 +60,18 @@ __all__ = [
 
 SEND, RECV, RECV_REDUCE, COPY, REDUCE, COLL = range(6)
 _COLUMNS = ("kind", "rank", "peer", "chan", "buf", "lo", "hi", "sbuf", "slo")
+#: Storage type of each column (39 bytes per operation).
+_DTYPES = {
+    "kind": np.int8,
+    "rank": np.int32,
+    "peer": np.int32,
+    "chan": np.int32,
+    "buf": np.int8,
+    "lo": np.int64,
+    "hi": np.int64,
+    "sbuf": np.int8,
+    "slo": np.int64,
+}
 KIND_NAMES = ("send", "recv", "recv_reduce", "copy", "reduce", "coll")
 _COMM = (SEND, RECV, RECV_REDUCE)
 
@@ -188,6 +200,12 @@ class Schedule:
 
     # -- matching ---------------------------------------------------------------------------
     @cached_property
+    def _queue_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """Point-to-point and ``COLL`` op ids sorted by queue, and each one's position in
+        its queue (see :func:`_queues`; the builder hands over the copy it computed)."""
+        return _queues(self.kind, self.rank, self.peer, self.chan)
+
+    @cached_property
     def partner(self) -> np.ndarray:
         """For each point-to-point op, the id of the op it matches on the other rank.
 
@@ -197,22 +215,32 @@ class Schedule:
         schedule would hang or corrupt data under MPI.
         """
         partner = np.full(self.n_ops, -1, dtype=np.int64)
-        sends = np.flatnonzero(self.kind == SEND)
-        recvs = np.flatnonzero((self.kind == RECV) | (self.kind == RECV_REDUCE))
-        # Sort both sides by queue (sender, receiver, channel), then by program order.
-        s_order = np.lexsort((sends, self.chan[sends], self.peer[sends], self.rank[sends]))
-        r_order = np.lexsort((recvs, self.chan[recvs], self.rank[recvs], self.peer[recvs]))
-        sends, recvs = sends[s_order], recvs[r_order]
-        s_key = np.stack([self.rank[sends], self.peer[sends], self.chan[sends]], axis=1)
-        r_key = np.stack([self.peer[recvs], self.rank[recvs], self.chan[recvs]], axis=1)
+        ids, _ = self._queue_order
+        kind = self.kind[ids]
+        # The queue order sorts by (rank, peer, channel) and keeps program order inside a
+        # queue: sends come out ordered by (sender, receiver, channel, position) already;
+        # receives need one more stable sort by (sender, receiver, channel).
+        sends = ids[kind == SEND]
+        recvs = ids[(kind == RECV) | (kind == RECV_REDUCE)]
+        del kind
+        p = np.int64(self.p)
+        c = np.int64(int(self.chan.max(initial=0)) + 1)
+        s_key = (self.rank[sends].astype(np.int64) * p + self.peer[sends]) * c + self.chan[sends]
+        r_key = (self.peer[recvs].astype(np.int64) * p + self.rank[recvs]) * c + self.chan[recvs]
+        order = np.argsort(r_key, kind="stable")
+        recvs, r_key = recvs[order], r_key[order]
+        del order
         if sends.size != recvs.size or not np.array_equal(s_key, r_key):
-            raise ValueError(f"{self.name}: unmatched messages: {_first_unmatched(s_key, r_key)}")
-        bad = self.length[sends] != self.length[recvs]
+            s3 = np.stack([self.rank[sends], self.peer[sends], self.chan[sends]], axis=1)
+            r3 = np.stack([self.peer[recvs], self.rank[recvs], self.chan[recvs]], axis=1)
+            raise ValueError(f"{self.name}: unmatched messages: {_first_unmatched(s3, r3)}")
+        del s_key, r_key
+        bad = (self.hi[sends] - self.lo[sends]) != (self.hi[recvs] - self.lo[recvs])
         if bad.any():
             j = int(np.flatnonzero(bad)[0])
-            a, b, c = s_key[j]
+            a, b, ch = self.rank[sends[j]], self.peer[sends[j]], self.chan[sends[j]]
             raise ValueError(
-                f"{self.name}: message {a}->{b} on channel {c}: send of "
+                f"{self.name}: message {a}->{b} on channel {ch}: send of "
                 f"{self.length[sends[j]]} elements meets receive of {self.length[recvs[j]]}"
             )
         partner[sends] = recvs
@@ -228,9 +256,9 @@ class Schedule:
         message matching deterministic.
         """
         prev = np.full(self.n_ops, -1, dtype=np.int64)
-        ids, pos = _queues(self.kind, self.rank, self.peer, self.chan)
-        later = pos > 0
-        prev[ids[later]] = ids[np.flatnonzero(later) - 1]
+        ids, pos = self._queue_order
+        later = np.flatnonzero(pos > 0)
+        prev[ids[later]] = ids[later - 1]
         return prev
 
     # -- traffic --------------------------------------------------------------------------
@@ -302,9 +330,10 @@ class ScheduleBuilder:
         self.scratch = int(scratch)
         self.window = window
         self.params = dict(params)
-        # One (n, 9) block per call, columns in _COLUMNS order: a single concatenation
-        # at build time is much cheaper than nine lists of many small arrays.
-        self._blocks: list[np.ndarray] = []
+        # One list of arrays per column, each already in the schedule's dtype: building a
+        # large schedule is then one concatenation per column (no row-major table to
+        # transpose), and the columns take 39 bytes per operation, not 72.
+        self._cols: dict[str, list[np.ndarray]] = {k: [] for k in _COLUMNS}
         self._dep_op: list[np.ndarray] = []
         self._dep_on: list[np.ndarray] = []
         self._next = 0
@@ -324,23 +353,53 @@ class ScheduleBuilder:
         slo: Any = 0,
         deps: Any = (),
     ) -> np.ndarray:
-        block = np.stack(
-            np.broadcast_arrays(kind, rank, peer, chan, buf, lo, hi, sbuf, slo), axis=-1
-        ).astype(np.int64, copy=False)
-        shape = block.shape[:-1]
-        block = block.reshape(-1, len(_COLUMNS))
-        keep = block[:, 6] > block[:, 5]  # hi > lo
-        n_keep = int(keep.sum())
-        ids = np.full(block.shape[0], -1, dtype=np.int64)
-        ids[keep] = np.arange(self._next, self._next + n_keep)
+        values = {
+            "kind": kind,
+            "rank": rank,
+            "peer": peer,
+            "chan": chan,
+            "buf": buf,
+            "lo": lo,
+            "hi": hi,
+            "sbuf": sbuf,
+            "slo": slo,
+        }
+        arrays = {k: np.asarray(v) for k, v in values.items()}
+        shape = np.broadcast_shapes(*(a.shape for a in arrays.values()))
+        n = int(np.prod(shape, dtype=np.int64))
+        lo_a = np.broadcast_to(arrays["lo"], shape).ravel()
+        hi_a = np.broadcast_to(arrays["hi"], shape).ravel()
+        keep = hi_a > lo_a
+        n_keep = int(np.count_nonzero(keep))
+        ids = np.full(n, -1, dtype=np.int64)
+        new_ids = np.arange(self._next, self._next + n_keep, dtype=np.int64)
+        ids[keep] = new_ids
         self._next += n_keep
-        self._blocks.append(block[keep])
-        kept_ids = ids[keep]
+        everything = n_keep == n
+        for key, dtype in _DTYPES.items():
+            a = arrays[key]
+            if a.ndim == 0:
+                col = np.full(n_keep, a, dtype=dtype)
+            else:
+                col = np.broadcast_to(a, shape).ravel()
+                col = (col if everything else col[keep]).astype(dtype, copy=False)
+            self._cols[key].append(col)
         for dep in _dep_list(deps):
-            d = np.broadcast_to(np.asarray(dep, np.int64), shape).ravel()[keep]
+            d = np.asarray(dep, np.int64)
+            if d.ndim == 0:
+                if d >= 0 and n_keep:
+                    self._dep_op.append(new_ids)
+                    self._dep_on.append(np.full(n_keep, d, dtype=np.int64))
+                continue
+            d = np.broadcast_to(d, shape).ravel()
+            if not everything:
+                d = d[keep]
             has = d >= 0
-            if has.any():
-                self._dep_op.append(kept_ids[has])
+            if has.all():
+                self._dep_op.append(new_ids)
+                self._dep_on.append(np.ascontiguousarray(d))
+            elif has.any():
+                self._dep_op.append(new_ids[has])
                 self._dep_on.append(d[has])
         return ids.reshape(shape)
 
@@ -348,6 +407,22 @@ class ScheduleBuilder:
     def next_id(self) -> int:
         """Id the next added operation will get (mark a point in program order)."""
         return self._next
+
+    def _column(self, key: str) -> np.ndarray:
+        """One column so far, merged in place (so cheap to ask again)."""
+        parts = self._cols[key]
+        if len(parts) != 1:
+            self._cols[key] = [np.concatenate(parts) if parts else np.zeros(0, dtype=_DTYPES[key])]
+        return self._cols[key][0]
+
+    def _deps(self) -> tuple[np.ndarray, np.ndarray]:
+        """All dependencies so far, as (op, on) arrays, merged in place."""
+        for lst in (self._dep_op, self._dep_on):
+            if len(lst) != 1:
+                merged = np.concatenate(lst) if lst else np.zeros(0, np.int64)
+                lst.clear()
+                lst.append(merged)
+        return self._dep_op[0], self._dep_on[0]
 
     def sinks(self, start: int, stop: int | None = None) -> dict[int, np.ndarray]:
         """Per rank, the operations added between marks ``start`` and ``stop`` that no
@@ -357,11 +432,11 @@ class ScheduleBuilder:
         for the sinks is waiting for all of it, with few dependencies.
         """
         stop = self._next if stop is None else stop
-        ranks = self._table()[start:stop, 1]
+        ranks = self._column("rank")[start:stop]
         waited = np.zeros(stop - start, dtype=bool)
-        for op, on in zip(self._dep_op, self._dep_on):
-            inside = (op >= start) & (op < stop) & (on >= start) & (on < stop)
-            waited[on[inside] - start] = True
+        op, on = self._deps()
+        inside = (op >= start) & (op < stop) & (on >= start) & (on < stop)
+        waited[on[inside] - start] = True
         ids = np.arange(start, stop)[~waited]
         ranks = ranks[~waited]
         order = np.argsort(ranks, kind="stable")
@@ -384,6 +459,14 @@ class ScheduleBuilder:
             self._dep_op.append(ops_a[has])
             self._dep_on.append(on_a[has])
 
+    def chain(self, ops: Any, window: int) -> None:
+        """Make each of ``ops`` (one rank's operations, in program order; -1 ignored) wait
+        for the one ``window`` places before it: at most ``window`` of them in flight."""
+        ids = np.asarray(ops, np.int64).ravel()
+        ids = ids[ids >= 0]
+        if window > 0 and ids.size > window:
+            self.depend(ids[window:], ids[:-window])
+
     def stream(self, ops: Any, window: int, state: list[int]) -> None:
         """Append ``ops`` (in the given order) to a stream of one rank's operations held in
         ``state``, each waiting for the one ``window`` places before it in the stream.
@@ -392,12 +475,15 @@ class ScheduleBuilder:
         across connections, so that (for example) a straggler works through segments
         oldest first instead of sharing its link among all of them.
         """
-        for op in np.asarray(ops, np.int64).ravel().tolist():
-            if op < 0:
-                continue
-            if len(state) >= window:
-                self.depend(op, state[-window])
-            state.append(op)
+        ids = np.asarray(ops, np.int64).ravel()
+        ids = ids[ids >= 0]
+        if not ids.size:
+            return
+        joined = np.concatenate([np.asarray(state[-window:], np.int64), ids])
+        if joined.size > window:
+            self.depend(joined[window:][-ids.size :], joined[: joined.size - window][-ids.size :])
+        state.extend(ids.tolist()[-window:])
+        del state[:-window]
 
     # -- point to point -------------------------------------------------------------------
     def send(
@@ -462,68 +548,71 @@ class ScheduleBuilder:
         return self._add(COLL, ranks, -1, lo, hi, deps=deps)
 
     # -- result -----------------------------------------------------------------------------
-    def _table(self) -> np.ndarray:
-        """All operations so far as one (n, 9) array (merged in place, so cheap to repeat)."""
-        if len(self._blocks) != 1:
-            self._blocks = [
-                np.concatenate(self._blocks)
-                if self._blocks
-                else np.zeros((0, len(_COLUMNS)), np.int64)
-            ]
-        return self._blocks[0]
-
     def build(self) -> Schedule:
         """Check the operations and return the immutable :class:`Schedule`."""
-        table = np.ascontiguousarray(self._table().T)  # contiguous columns
-        cols = {k: table[i] for i, k in enumerate(_COLUMNS)}
+        cols = {k: self._column(k) for k in _COLUMNS}
+        self._cols = {k: [] for k in _COLUMNS}  # the schedule owns the columns now
         n = self._next
-        kind = cols["kind"].astype(np.int8)
-        rank = cols["rank"].astype(np.int32)
-        peer = cols["peer"].astype(np.int32)
         self._check(cols)
-        dep_op = np.concatenate(self._dep_op) if self._dep_op else np.zeros(0, np.int64)
-        dep_on = np.concatenate(self._dep_on) if self._dep_on else np.zeros(0, np.int64)
+        dep_op, dep_on = self._deps()
+        self._dep_op, self._dep_on = [], []
+        kind, rank, peer, chan = cols["kind"], cols["rank"], cols["peer"], cols["chan"]
+        q_ids, q_pos = _queues(kind, rank, peer, chan)
         if self.window:
-            w_op, w_on = _window_deps(kind, rank, peer, cols["chan"], self.window)
-            dep_op = np.concatenate([dep_op, w_op])
-            dep_on = np.concatenate([dep_on, w_on])
+            far = q_pos >= self.window
+            dep_op = np.concatenate([dep_op, q_ids[far]])
+            dep_on = np.concatenate([dep_on, q_ids[np.flatnonzero(far) - self.window]])
         if dep_op.size:
-            if np.any(dep_on >= dep_op):
-                i = int(np.flatnonzero(dep_on >= dep_op)[0])
+            bad = dep_on >= dep_op
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
                 raise ValueError(
                     f"{self.name}: op {dep_op[i]} depends on later op {dep_on[i]} "
                     "(dependencies must point backwards in program order)"
                 )
-            if np.any(rank[dep_op] != rank[dep_on]):
-                i = int(np.flatnonzero(rank[dep_op] != rank[dep_on])[0])
+            bad = rank[dep_op] != rank[dep_on]
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
                 raise ValueError(
                     f"{self.name}: op {dep_op[i]} (rank {rank[dep_op[i]]}) depends on op "
                     f"{dep_on[i]} of rank {rank[dep_on[i]]}; dependencies are per rank"
                 )
+            del bad
             # Sort by op, then dependency, and drop duplicates, through one integer key.
-            key = np.sort(dep_op * max(n, 1) + dep_on)
-            key = key[np.concatenate(([True], key[1:] != key[:-1]))]
+            # Dependencies arrive mostly in order, so a stable (merging) sort is cheap.
+            key = dep_op * max(n, 1)
+            key += dep_on
+            del dep_op, dep_on
+            key.sort(kind="stable")
+            dup = np.flatnonzero(key[1:] == key[:-1])
+            if dup.size:
+                key = np.delete(key, dup + 1)
             dep_op, dep_on = np.divmod(key, max(n, 1))
+            del key
         dep_ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.bincount(dep_op, minlength=n), out=dep_ptr[1:])
-        return Schedule(
+        del dep_op
+        sched = Schedule(
             name=self.name,
             p=self.p,
             count=self.count,
             kind=kind,
             rank=rank,
             peer=peer,
-            chan=cols["chan"].astype(np.int32),
-            buf=cols["buf"].astype(np.int8),
+            chan=chan,
+            buf=cols["buf"],
             lo=cols["lo"],
             hi=cols["hi"],
-            sbuf=cols["sbuf"].astype(np.int8),
+            sbuf=cols["sbuf"],
             slo=cols["slo"],
             dep_ptr=dep_ptr,
-            dep_idx=dep_on.astype(np.int64),
+            dep_idx=dep_on,
             scratch=self.scratch,
             params=dict(self.params),
         )
+        # The queues were needed for the window; keep them rather than sort again.
+        sched.__dict__["_queue_order"] = (q_ids, q_pos)
+        return sched
 
     def _check(self, cols: dict[str, np.ndarray]) -> None:
         kind, rank, peer = cols["kind"], cols["rank"], cols["peer"]
@@ -534,18 +623,28 @@ class ScheduleBuilder:
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"{self.name}: op {i} on rank {rank[i]} has invalid peer {peer[i]}")
-        for which, lo_key, buf_key in (("target", "lo", "buf"), ("source", "slo", "sbuf")):
-            lo = cols[lo_key]
-            hi = lo + (cols["hi"] - cols["lo"])
-            size = np.where(cols[buf_key] == 0, self.count, self.scratch)
-            local = (kind == COPY) | (kind == REDUCE)
-            used = np.ones_like(local) if which == "target" else local
-            bad = used & ((lo < 0) | (hi > size) | (cols[buf_key] < 0) | (cols[buf_key] > 1))
+        del comm, bad
+        # Target ranges: lo >= 0 and hi within the buffer; sources of local operations too.
+        for which, lo_key, buf_key, only_local in (
+            ("target", "lo", "buf", False),
+            ("source", "slo", "sbuf", True),
+        ):
+            bufs = cols[buf_key]
+            if np.any((bufs < 0) | (bufs > 1)):
+                i = int(np.flatnonzero((bufs < 0) | (bufs > 1))[0])
+                raise ValueError(f"{self.name}: op {i} uses buffer {bufs[i]} (0 or 1 only)")
+            ids = np.flatnonzero((kind == COPY) | (kind == REDUCE)) if only_local else None
+            lo = cols[lo_key] if ids is None else cols[lo_key][ids]
+            length = (cols["hi"] - cols["lo"]) if ids is None else (cols["hi"] - cols["lo"])[ids]
+            b = bufs if ids is None else bufs[ids]
+            size = np.where(b == 0, self.count, self.scratch)
+            bad = (lo < 0) | (lo + length > size)
             if bad.any():
-                i = int(np.flatnonzero(bad)[0])
+                j = int(np.flatnonzero(bad)[0])
+                i = j if ids is None else int(ids[j])
                 raise ValueError(
                     f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) {which} range "
-                    f"[{lo[i]}, {hi[i]}) of buffer {cols[buf_key][i]} is out of bounds"
+                    f"[{lo[j]}, {lo[j] + length[j]}) of buffer {b[j]} is out of bounds"
                 )
 
 
@@ -563,26 +662,27 @@ def _queues(
     in program order, and each op's position within its queue."""
     # Collectives form one more queue per rank: they too must be posted in program order.
     ids = np.flatnonzero((kind <= RECV_REDUCE) | (kind == COLL))
-    direction = np.where(kind[ids] == SEND, 1, np.where(kind[ids] == COLL, 2, 0))
+    k = kind[ids]
+    direction = np.where(k == SEND, 1, np.where(k == COLL, 2, 0)).astype(np.int64)
+    del k
     # One integer key per queue; a stable sort keeps each queue in program (id) order.
-    p = int(max(rank.max(initial=0), peer.max(initial=0))) + 2
-    c = int(chan.max(initial=0)) + 1
-    key = ((rank[ids].astype(np.int64) * p + (peer[ids] + 1)) * c + chan[ids]) * 3 + direction
+    p = np.int64(int(max(rank.max(initial=0), peer.max(initial=0))) + 2)
+    c = np.int64(int(chan.max(initial=0)) + 1)
+    key = rank[ids].astype(np.int64) * p
+    key += peer[ids] + 1
+    key *= c
+    key += chan[ids]
+    key *= 3
+    key += direction
+    del direction
     order = np.argsort(key, kind="stable")
     ids, key = ids[order], key[order]
+    del order
     new = np.ones(ids.size, dtype=bool)
-    new[1:] = key[1:] != key[:-1]
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    del key
     start = np.maximum.accumulate(np.where(new, np.arange(ids.size), 0))
     return ids, np.arange(ids.size) - start
-
-
-def _window_deps(
-    kind: np.ndarray, rank: np.ndarray, peer: np.ndarray, chan: np.ndarray, window: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Dependency of each point-to-point op on the op ``window`` places earlier in its queue."""
-    ids, pos = _queues(kind, rank, peer, chan)
-    far = pos >= window
-    return ids[far], ids[np.flatnonzero(far) - window]
 
 
 def _first_unmatched(s_key: np.ndarray, r_key: np.ndarray) -> str:
