@@ -378,15 +378,7 @@ def allreduce(
                 if not flat_out.flags.writeable:
                     raise ArgumentError("recvbuf is read-only")
             else:
-                flat_out, out_backend = as_array(recvbuf, what="recvbuf")
-                if out_backend is not backend:
-                    raise ArgumentTypeError(
-                        f"sendbuf is a {backend.name} buffer but recvbuf a "
-                        f"{out_backend.name} one; pass two of the same kind"
-                    )
-                _same_shape(flat_in, flat_out)
-                if not backend.writable(flat_out):
-                    raise ArgumentError("recvbuf is read-only")
+                flat_out, in_place = _recvbuf_for(flat_in, recvbuf, backend)
         elif in_place:
             if recvbuf is None:
                 raise ArgumentError(
@@ -400,22 +392,7 @@ def allreduce(
             if recvbuf is None:
                 flat_out = None
             else:
-                flat_out, out_backend = as_array(recvbuf, what="recvbuf")
-                if out_backend is not backend:
-                    raise ArgumentTypeError(
-                        f"sendbuf is a {backend.name} buffer but recvbuf a "
-                        f"{out_backend.name} one; pass two of the same kind"
-                    )
-                _same_shape(flat_in, flat_out)
-                overlap = _overlap(flat_in, flat_out, backend)
-                if overlap == "same":
-                    in_place = True  # as mpi4py: the same memory is MPI_IN_PLACE
-                elif overlap:
-                    raise ArgumentError(
-                        "sendbuf and recvbuf overlap; use IN_PLACE to reduce in place"
-                    )
-                if not backend.writable(flat_out):
-                    raise ArgumentError("recvbuf is read-only")
+                flat_out, in_place = _recvbuf_for(flat_in, recvbuf, backend)
         if in_place and not backend.writable(flat_out):
             raise ArgumentError("recvbuf is read-only")
         dtype = flat_in.dtype
@@ -590,6 +567,24 @@ def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, fl
     for _, peer, nbytes, _, _ in stats.sends:
         sent[peer] = sent.get(peer, 0) + nbytes
     return [(q, sent[q], 0.0, secs) for q, secs in pacer.charged_to.items() if q in sent]
+
+
+def _recvbuf_for(flat_in: Any, recvbuf: Any, backend: Any) -> tuple[Any, bool]:
+    """``recvbuf`` as a flat array of ``sendbuf``'s kind, checked, and whether it is
+    ``sendbuf``'s very memory (then the call is in place, as in mpi4py)."""
+    flat_out, out_backend = as_array(recvbuf, what="recvbuf")
+    if out_backend is not backend:
+        raise ArgumentTypeError(
+            f"sendbuf is a {backend.name} buffer but recvbuf a "
+            f"{out_backend.name} one; pass two of the same kind"
+        )
+    _same_shape(flat_in, flat_out)
+    overlap = _overlap(flat_in, flat_out, backend)
+    if overlap and overlap != "same":
+        raise ArgumentError("sendbuf and recvbuf overlap; use IN_PLACE to reduce in place")
+    if not backend.writable(flat_out):
+        raise ArgumentError("recvbuf is read-only")
+    return flat_out, overlap == "same"
 
 
 def _same_shape(flat_in: Any, flat_out: Any) -> None:
