@@ -694,10 +694,13 @@ def test_agreement_carries_small_messages() -> None:
             room = 0  # the call before could not travel with the check: no room kept
         expect = 0 < nbytes <= room and p <= optcc_mpi.collectives.GATHER_MAX_P
         assert inline[-1] == expect, (n, inline)
-    # Repeated calls of one short size travel with the agreement.
+    # Repeated calls of one short size travel with the agreement from the second on.
+    optcc_mpi.allreduce(np.ones(100))
+    assert not last_stats()["inline"]  # after a large call: no room kept
     for _ in range(3):
-        optcc_mpi.allreduce(np.ones(100))
+        y = optcc_mpi.allreduce(np.ones(100))
         assert last_stats()["inline"]
+        np.testing.assert_array_equal(y, np.full(100, float(p)))
 
 
 @pytest.mark.timeout(300)
