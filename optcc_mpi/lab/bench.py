@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi import config
 from optcc_mpi.backend import DTYPES
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
@@ -105,7 +106,7 @@ class _Network:
         self.comm = comm
         self.emulate = cfg.emulate
         self.testbed = None
-        if os.environ.get("OPTCC_TESTBED_NAME"):
+        if config.get("OPTCC_TESTBED_NAME"):
             from optcc_mpi.lab import testbed
 
             self.testbed = testbed.current()
@@ -185,7 +186,7 @@ def _gloo(comm: Any) -> Any:
 
         addr = comm.bcast(socket.gethostbyname(socket.gethostname()), root=0)
         port = comm.bcast(29500 + os.getpid() % 1000, root=0)
-        if os.environ.get("OPTCC_TESTBED_NAME"):
+        if config.get("OPTCC_TESTBED_NAME"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         dist.init_process_group(
             "gloo",
