@@ -844,7 +844,15 @@ def mpi_datatype_and_op(dtype_name: str, op: str) -> tuple[Any, Any]:
         predefined[f"uint{bits}"] = getattr(MPI, f"UINT{bits}_T")
     float_maxmin = _CATEGORY[name] == "float" and op in ("max", "min")
     if name in predefined and not float_maxmin:
-        return predefined[name], getattr(MPI, op.upper())
+        mpi_op = getattr(MPI, op.upper())
+        if _CATEGORY[name] != "int" or op not in ("sum", "prod"):
+            return predefined[name], mpi_op
+        if _library_wraps(predefined[name], mpi_op, dtype, op == "prod"):
+            return predefined[name], mpi_op
+        # The library's integer sum or product saturates on overflow (Open MPI's
+        # vectorised 8- and 16-bit kernels clamp, a behaviour its developers keep), while
+        # NumPy, C on real machines and our own schedules wrap modulo 2**bits: reduce with
+        # NumPy so that native agrees with every other algorithm.
 
     def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         a = np.frombuffer(inbuf, dtype=dtype)
@@ -855,6 +863,24 @@ def mpi_datatype_and_op(dtype_name: str, op: str) -> tuple[Any, Any]:
 
     datatype = MPI.UINT16_T if dtype in _LOW_PRECISION else predefined[name]
     return datatype, MPI.Op.Create(combine, commute=True)
+
+
+def _library_wraps(datatype: Any, mpi_op: Any, dtype: np.dtype, prod: bool) -> bool:
+    """Whether the MPI library's ``mpi_op`` on integers of ``datatype`` wraps on overflow.
+
+    Asked of the library itself with ``MPI_Reduce_local`` (the same reduction kernels its
+    collectives call) on a vector long enough for a vectorised kernel: every element
+    overflows, and the result is compared with NumPy's modular arithmetic. Local, so
+    every rank of a job gets the same answer without talking to the others.
+    """
+    info = np.iinfo(dtype)
+    n = 256
+    a = np.full(n, info.max, dtype=dtype)
+    b = np.full(n, 2 if prod else 1, dtype=dtype)
+    with np.errstate(over="ignore"):
+        expected = a * b if prod else a + b
+    mpi_op.Reduce_local([a, datatype], [b, datatype])
+    return bool(np.array_equal(b, expected))
 
 
 # -- bf16 Gram on the GPU (CA-SGD's recipe C) --------------------------------------------------

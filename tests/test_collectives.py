@@ -438,6 +438,45 @@ def test_bad_input(case: str) -> None:
         np.testing.assert_array_equal(kwargs[k], before)
 
 
+@pytest.mark.parametrize("op", ["sum", "prod"])
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int32", "uint64"])
+def test_native_integer_ops_wrap(dtype: str, op: str) -> None:
+    """The op native hands MPI wraps modulo 2**bits on overflow, as NumPy and every
+    other algorithm do, whichever MPI library this is (Open MPI's vectorised 8- and
+    16-bit sums saturate; the library is asked, and a NumPy op replaces its op if so)."""
+    from optcc_mpi.backend import mpi_datatype_and_op
+
+    datatype, mpi_op = mpi_datatype_and_op(dtype, op)
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(7)
+    info = np.iinfo(dt)
+    a = rng.integers(info.min, info.max, 1000, endpoint=True, dtype=dt)
+    b = rng.integers(info.min, info.max, 1000, endpoint=True, dtype=dt)
+    with np.errstate(over="ignore"):
+        want = a * b if op == "prod" else a + b
+    mpi_op.Reduce_local([a, datatype], [b, datatype])
+    np.testing.assert_array_equal(b, want)
+
+
+def test_saturating_library_op_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told that the library saturates, native gets a user-defined op that wraps."""
+    from mpi4py import MPI
+
+    from optcc_mpi import backend
+
+    backend.mpi_datatype_and_op.cache_clear()
+    monkeypatch.setattr(backend, "_library_wraps", lambda *args: False)
+    try:
+        datatype, mpi_op = backend.mpi_datatype_and_op("int8", "sum")
+        assert mpi_op != MPI.SUM and datatype == MPI.INT8_T
+        a = np.full(64, 100, dtype=np.int8)
+        b = np.full(64, 100, dtype=np.int8)
+        mpi_op.Reduce_local([a, datatype], [b, datatype])
+        np.testing.assert_array_equal(b, np.full(64, -56, dtype=np.int8))
+    finally:
+        backend.mpi_datatype_and_op.cache_clear()
+
+
 def test_bfloat16_type_is_ml_dtypes() -> None:
     assert DTYPES["bfloat16"] == np.dtype(ml_dtypes.bfloat16)
 
