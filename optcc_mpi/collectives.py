@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from optcc_mpi import algorithms, config
+from optcc_mpi import agreement, algorithms, config
 from optcc_mpi.algorithms._policy import SMALL_BYTES
 from optcc_mpi.backend import (
     _CATEGORY,
@@ -713,9 +713,7 @@ def _agree(
     if not fields:
         fields = (_PROTOCOL, 1) + (0,) * (len(_FIELDS) - 2)
     if p > GATHER_MAX_P:
-        vec = np.array(fields + tuple(-x for x in fields), dtype=np.int64)
-        st.private.Allreduce(IN_PLACE, vec, op=MPI.MAX)
-        hi, lo = vec[: len(fields)], -vec[len(fields) :]
+        lo, hi = agreement.agree_fields(st.private, fields)
         if err is not None or hi[1] or not np.array_equal(hi, lo):
             raise _Mismatch(bounds=(lo, hi))
         return False
@@ -774,18 +772,6 @@ def _describe(scope: dict[str, Any]) -> dict[str, str]:
     return shown
 
 
-def _ranks(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
-
-
 def _disagreement(
     st: CommState,
     err: BaseException | None,
@@ -795,19 +781,9 @@ def _disagreement(
 ) -> None:
     """Raise the same error on every rank (they all call this: every rank saw the same
     headers). One more collective carries each rank's own words."""
-    mine = (
-        None if err is None else (isinstance(err, TypeError), f"{type(err).__name__}: {err}"),
-        _describe(scope),
-    )
-    infos = st.private.allgather(mine)
-    if err is not None:
-        raise err
-    failed = [(r, e) for r, (e, _) in enumerate(infos) if e is not None]
-    if failed:
-        r, (is_type, msg) = failed[0]
-        others = f" (and {_ranks([x for x, _ in failed[1:]])})" if len(failed) > 1 else ""
-        cls = ArgumentTypeError if is_type else ArgumentError
-        raise cls(f"allreduce: rank {r}{others} rejected its arguments: {msg}")
+    # Each rank's own words and its view of the arguments, in one collective; a rank
+    # that failed re-raises its own error, the others name it.
+    shown = agreement.agree(st.private, err, _describe(scope), what="allreduce: arguments rejected")
     if table is not None:
         if len(set(int(x) for x in table[:, 0])) > 1:
             raise ArgumentError(
@@ -823,9 +799,11 @@ def _disagreement(
             continue
         field = _FIELDS[i]
         groups: dict[str, list[int]] = {}
-        for r, (_, shown) in enumerate(infos):
-            groups.setdefault(shown.get(field, "?"), []).append(r)
-        detail = "; ".join(f"{value} on {_ranks(rs)}" for value, rs in groups.items())
+        for r, view in enumerate(shown):
+            groups.setdefault(view.get(field, "?"), []).append(r)
+        detail = "; ".join(
+            f"{value} on {agreement.describe_ranks(rs)}" for value, rs in groups.items()
+        )
         raise ArgumentError(f"allreduce: {field} differs across ranks: {detail}")
     raise ArgumentError(  # pragma: no cover - a difference in a field not listed above
         "allreduce: the ranks' arguments differ"

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
-import numpy as np
 
 try:
     import torch
@@ -43,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where torch is a
     ) from exc
 
 import optcc_mpi
-from optcc_mpi import algorithms
+from optcc_mpi import agreement, algorithms
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 
@@ -223,22 +222,16 @@ def _check_local(
 
 
 def _agree(comm: Any, sig: list[int], error: Exception | None, shown: dict[str, str]) -> None:
-    """One small collective (maximum and negated minimum of the signature together): raise
-    the same error on every rank if any rank found an error or the ranks disagree."""
-    from mpi4py import MPI
-
+    """One small collective (:func:`optcc_mpi.agreement.agree_fields` over the signature):
+    raise the same error on every rank if any rank found an error or the ranks disagree."""
     priv = _private(comm)
-    vec = np.array(sig + [-x for x in sig], dtype=np.int64)
-    priv.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
-    hi, lo = vec[: len(sig)], -vec[len(sig) :]
+    lo, hi = agreement.agree_fields(priv, sig)
     what = "optcc_mpi.torch.allreduce"
     if hi[0]:
-        # Somebody failed: gather the messages (a second collective, on the error path only).
-        msgs = priv.allgather(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise _ours(error)
-        rank, msg = next((r, m) for r, m in enumerate(msgs) if m)
-        raise ArgumentError(f"{what}: rank {rank} rejected its arguments: {msg}")
+        # Somebody failed: share the words (a second collective, on the error path only).
+        agreement.agree(
+            priv, None if error is None else _ours(error), what=f"{what}: arguments rejected"
+        )
     for i in range(1, len(sig)):
         if hi[i] != lo[i]:
             field = _FIELDS[i]
@@ -503,7 +496,7 @@ def init_process_group_from_mpi(
                 error = f"MASTER_PORT={text!r} is not a port number (0..65535)"
             else:
                 port = int(text)
-        _raise_if_any(priv, error, "init_process_group_from_mpi")
+        agreement.agree(priv, error, what="init_process_group_from_mpi")
         states = priv.allgather(started)
         if all(states):
             return dist.group.WORLD  # every rank already matches its MPI rank
@@ -538,17 +531,8 @@ def init_process_group_from_mpi(
                     f"could not reach rank 0's TCPStore at {master_addr}:{port} ({exc}); "
                     "set MASTER_ADDR to an address of rank 0's host that this host can reach"
                 )
-        _raise_if_any(priv, root_error or error, "init_process_group_from_mpi")
+        agreement.agree(priv, root_error or error, what="init_process_group_from_mpi")
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         return dist.group.WORLD
     finally:
         priv.Free()
-
-
-def _raise_if_any(comm: Any, error: str | None, what: str) -> None:
-    """Raise ArgumentError on every rank if any rank has an error message."""
-    msgs = comm.allgather(error)
-    bad = [(r, m) for r, m in enumerate(msgs) if m]
-    if bad:
-        rank, msg = bad[0]
-        raise ArgumentError(f"{what}: rank {rank}: {msg}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 
 import optcc_mpi
 from optcc_mpi import config
+from optcc_mpi.lab import launch
 
 PKG = Path(optcc_mpi.__file__).parent
 TOOLING = ("lab", "cli")
@@ -40,6 +40,7 @@ CORE = (
     "probe",
     "model",
     "errors",
+    "agreement",
     "config",
 )
 
@@ -130,7 +131,7 @@ def package_with_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {
-        **os.environ,
+        **launch.clean_env(),  # a new job, not part of the one that may run this test
         "PYTHONPATH": str(root),
         "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
     }
@@ -165,9 +166,12 @@ def test_copied_module_is_an_algorithm(package_with_copy: Path) -> None:
 @pytest.mark.timeout(600)
 def test_copied_module_runs_under_mpi(package_with_copy: Path) -> None:
     root = package_with_copy
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    if not Path(mpiexec).exists():
-        mpiexec = shutil.which("mpiexec") or pytest.fail("no mpiexec beside Python or on PATH")
+
+    # The launcher of the MPI library in use, with the flags it needs here (Open MPI:
+    # oversubscription, root), found as the package's own tools find it.
+    def mpiexec(n: int) -> list[str]:
+        return launch.launcher_argv(n)
+
     code = (
         "import numpy as np, optcc_mpi\n"
         "from mpi4py import MPI\n"
@@ -178,11 +182,11 @@ def test_copied_module_runs_under_mpi(package_with_copy: Path) -> None:
         "assert optcc_mpi.collectives.last_stats()['algorithm'] == 'myring'\n"
         "print('ok', r)\n"
     )
-    out = _run(root, mpiexec, "-n", "3", sys.executable, "-m", "mpi4py", "-c", code)
+    out = _run(root, *mpiexec(3), sys.executable, "-m", "mpi4py", "-c", code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("ok") == 3
     bench = _run(
-        root, mpiexec, "-n", "2", sys.executable, "-m", "optcc_mpi", "bench",
+        root, *mpiexec(2), sys.executable, "-m", "optcc_mpi", "bench",
         "-b", "64K", "-e", "64K", "-n", "2", "-w", "0", "--algorithms", "myring",
     )  # fmt: skip
     assert bench.returncode == 0, bench.stderr

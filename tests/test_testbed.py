@@ -286,6 +286,26 @@ def test_up_builds_shaped_namespaces(bed: tb.Testbed) -> None:
         assert info["ranks"][rank]["ingress"]["dev"] == f"h{rank}"
         assert Path(f"/etc/netns/{NAME}-r{rank}/hosts").exists()
     assert tb.current(NAME) == bed
+    # Jumbo frames on both ends of every veth, and the congestion control asked for.
+    for rank in range(4):
+        link = subprocess.run(
+            ["ip", "-n", f"{NAME}-r{rank}", "link", "show", "eth0"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert f"mtu {tb.DEFAULT_MTU} " in link
+        cc = subprocess.run(
+            ["ip", "netns", "exec", f"{NAME}-r{rank}", "sysctl", "-n",
+             "net.ipv4.tcp_congestion_control"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        assert cc == tb.DEFAULT_CONGESTION
+
+
+def test_up_validates_mtu_and_congestion() -> None:
+    with pytest.raises(ValueError, match="mtu must be"):
+        tb.up(2, "400mbit", mtu=100, name="tbcheck")
+    with pytest.raises(ValueError, match="congestion must be"):
+        tb.up(2, "400mbit", congestion="vegas", name="tbcheck")
 
 
 @pytest.mark.root

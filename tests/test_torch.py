@@ -326,7 +326,7 @@ def test_allreduce_errors_on_every_rank() -> None:
     msg = attempt(t)
     assert "not contiguous" in msg
     if rank != 1:
-        assert "rank 1 rejected its arguments" in msg
+        assert "arguments rejected" in msg and "(rank 1)" in msg
     # Element counts differ.
     assert "element count differs" in attempt(torch.ones(5 + (rank == p - 1)))
     # A bfloat16 average divides before the sum: a disagreement found after the division
@@ -349,7 +349,7 @@ def test_init_process_group_one_bad_rank(monkeypatch: pytest.MonkeyPatch) -> Non
     comm, rank, p = world()
     if rank == p - 1:
         monkeypatch.setenv("MASTER_PORT", "70000")
-    with pytest.raises(ArgumentError, match=f"rank {p - 1}: MASTER_PORT='70000'"):
+    with pytest.raises(ArgumentError, match=rf"MASTER_PORT='70000' .*\(rank {p - 1}\)"):
         ot.init_process_group_from_mpi()
 
 

@@ -86,6 +86,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p_up.add_argument("--burst", default=None, help="tbf bucket, e.g. 64KiB (default: 2 ms)")
     p_up.add_argument("--latency", default=None, help="tbf queue latency (default: 50ms)")
     p_up.add_argument(
+        "--mtu",
+        type=int,
+        default=tb.DEFAULT_MTU,
+        help="MTU of every link (default: %(default)s, jumbo frames; at 1500 TCP/IP headers "
+        "and ACKs take about 7%% of each shaped link)",
+    )
+    p_up.add_argument(
+        "--congestion",
+        default=tb.DEFAULT_CONGESTION,
+        choices=["reno", "bbr", "cubic", ""],
+        help="TCP congestion control in the rank namespaces (default: %(default)s, which "
+        "keeps a shaped link full; '' keeps the kernel's)",
+    )
+    p_up.add_argument(
         "--force", action="store_true", help="tear down an existing testbed of this name first"
     )
     p_up.set_defaults(func=cmd_up)
@@ -178,6 +192,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             latency=args.latency,
             name=args.name,
             force=args.force,
+            mtu=args.mtu,
+            congestion=args.congestion,
         )
     except tb.TestbedExists as exc:
         print(f"optcc-mpi testbed up: {exc}", file=sys.stderr)

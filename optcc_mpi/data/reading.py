@@ -28,6 +28,7 @@ import h5py
 import numpy as np
 import scipy.sparse as sp
 
+from optcc_mpi import agreement
 from optcc_mpi.errors import DatasetError
 
 from .layout import (
@@ -537,11 +538,7 @@ def load_partition(
         error = exc
     if comm is not None:
         # One collective so that a rank whose block is bad does not leave the others waiting.
-        errors = comm.allgather(None if error is None else f"{error}")
-        failed = [r for r, e in enumerate(errors) if e is not None]
-        if error is None and failed:
-            who = failed[0]
-            raise DatasetError(f"rank {who} failed to load its block: {errors[who]}")
+        agreement.agree(comm, error, what="could not load every rank's block", cls=DatasetError)
     if error is not None:
         raise error
     assert part is not None

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import agreement
 from ..backend import mpi_datatype_and_op
 from ..emulation import Emulation
 from ..errors import ArgumentError
@@ -367,8 +368,9 @@ class Reducer:
 def agree(comm: MPI.Comm, error: str | None, payload: Any = None) -> list[Any]:
     """Share each rank's verdict (and a small payload); raise on every rank if any failed.
 
-    One ``allgather`` of a small Python object, so ranks whose own checks passed do not
-    wait forever in the next collective while another rank has bailed out.
+    The trainer's use of :func:`optcc_mpi.agreement.agree` (one ``allgather`` of a small
+    Python object), so ranks whose own checks passed do not wait forever in the next
+    collective while another rank has bailed out.
 
     Parameters
     ----------
@@ -386,28 +388,11 @@ def agree(comm: MPI.Comm, error: str | None, payload: Any = None) -> list[Any]:
 
     Raises
     ------
-    ValueError
-        On every rank, when at least one rank reported an error. Identical messages from
-        several ranks are listed once with their ranks.
+    ArgumentError
+        (a ``ValueError``) on every rank, when at least one rank reported an error.
+        Identical messages from several ranks are listed once with their ranks.
     """
-    verdicts = comm.allgather((error, payload))
-    failed: dict[str, list[int]] = {}
-    for rank, (msg, _) in enumerate(verdicts):
-        if msg is not None:
-            failed.setdefault(msg, []).append(rank)
-    if failed:
-        if comm.size == 1:
-            raise ValueError(next(iter(failed)))
-        parts = []
-        for msg, ranks in failed.items():
-            where = (
-                "all ranks"
-                if len(ranks) == comm.size
-                else "rank" + ("s " if len(ranks) > 1 else " ") + ", ".join(map(str, ranks))
-            )
-            parts.append(f"{msg} ({where})")
-        raise ValueError("; ".join(parts))
-    return [p for _, p in verdicts]
+    return agreement.agree(comm, error, payload)
 
 
 def checksum(a: np.ndarray) -> int:

@@ -55,6 +55,7 @@ from sklearn.utils.extmath import safe_sparse_dot
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
+from .. import agreement
 from ..errors import ArgumentError, ArgumentTypeError
 from .api import FitResult, fit
 from .models import MODELS, get_model
@@ -85,24 +86,10 @@ def _collective(comm: MPI.Comm, step: Any) -> Any:
     """Run ``step()`` on every rank; if it raised on any rank, raise on every rank.
 
     The rank whose step failed re-raises its own exception (type and message unchanged, as
-    scikit-learn's checks expect); the others raise an ``ArgumentError`` naming the rank.
-    One small ``allgather``; on one process no communication at all.
+    scikit-learn's checks expect); the others raise an ``ArgumentError`` naming the rank
+    (:func:`optcc_mpi.agreement.run_everywhere`). On one process no communication at all.
     """
-    if comm.size == 1:
-        return step()
-    result, error = None, None
-    try:
-        result = step()
-    except Exception as exc:  # any failure must reach the other ranks before a collective
-        error = exc
-    verdicts = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(rank, msg) for rank, msg in enumerate(verdicts) if msg is not None]
-    if failed:
-        ranks = ", ".join(str(r) for r, _ in failed)
-        raise ArgumentError(f"fit stopped on every rank: rank(s) {ranks} failed: {failed[0][1]}")
-    return result
+    return agreement.run_everywhere(comm, step, what="fit stopped on every rank")
 
 
 #: Rows of the sample on which ``lr="auto"`` estimates the top Hessian eigenvalue.
