@@ -251,18 +251,31 @@ def _links_of(st: CommState, links: Any) -> Links:
 
 
 def _plan(
-    st: CommState, algorithm: str, count: int, itemsize: int, links: Links, params: Any
+    st: CommState,
+    algorithm: str,
+    count: int,
+    itemsize: int,
+    links: Links,
+    params: Any,
+    emulated: bool = False,
 ) -> tuple[str, Any, bool]:
     """(algorithm that runs, its schedule, whether the schedule is only the MPI library's
-    collective); cached per communicator."""
+    collective); cached per communicator.
+
+    A builder that declares a ``transport`` parameter (and was not given one) is told the
+    communicator's: ``"network"`` under emulation, else what MPI reports
+    (:class:`~optcc_mpi.comm.CommState`)."""
     pkey = repr(sorted(params.items())) if params else ""
-    key = (algorithm, count, itemsize, links.key(), pkey)
+    key = (algorithm, count, itemsize, links.key(), pkey, emulated)
     hit = st.plans.get(key)
     if hit is not None:
         return hit
     p = st.size
     name = choose_algorithm(p, count * itemsize, links) if algorithm == "auto" else algorithm
-    sched = algorithms.build(name, p, count, links, itemsize=itemsize, **(params or {}))
+    given = dict(params or {})
+    if "transport" in algorithms.get(name).params and "transport" not in given:
+        given["transport"] = "network" if emulated else st.transport
+    sched = algorithms.build(name, p, count, links, itemsize=itemsize, **given)
     coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
     return st.remember(st.plans, key, (name, sched, coll_only))
 
@@ -416,9 +429,11 @@ def allreduce(
         if link_obj is WATCH:
             pass  # the profile is agreed below, after the check
         elif link_obj is not PROBE:
-            plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params)
+            plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
         elif st.probe is not None:
-            plan = _plan(st, algorithm, count, dtype.itemsize, st.probe.links, params)
+            plan = _plan(
+                st, algorithm, count, dtype.itemsize, st.probe.links, params, emu is not None
+            )
         fold = (
             check
             and algorithm == "auto"
@@ -475,7 +490,7 @@ def allreduce(
     if link_obj is PROBE:
         # Every rank agreed on "probe" above, so all of them take part in it.
         link_obj = _probe(st, emu).links
-        plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params)
+        plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
     elif link_obj is WATCH:
         # Every rank agreed on "watch": each brings what its last call measured, and the
         # elementwise maximum gives every rank the same observations, hence the same
@@ -485,7 +500,7 @@ def allreduce(
         if p > 1:
             st.private.Allreduce(IN_PLACE, seen, op=MPI.MAX)
         link_obj = watch.agree(seen)
-        plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params)
+        plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
     name_run, sched, coll_only = plan
     if flat_out is None:
         result, flat_out = result_like(sendbuf, flat_in, backend)

@@ -80,6 +80,7 @@ class CommState:
         "watch",
         "chosen",
         "plans",
+        "transport",
         "__weakref__",
     )
 
@@ -92,6 +93,14 @@ class CommState:
         # Allreduce is ours. With one rank nothing travels: no duplicate needed.
         plain = MPI.Intracomm(comm)
         self.private = plain.Dup() if self.size > 1 else plain
+        # What joins the ranks, as the MPI library sees it: all on one node (it moves
+        # messages through shared memory) or not. Builders size messages from it.
+        self.transport = "shared-memory"
+        if self.size > 1:
+            local = self.private.Split_type(MPI.COMM_TYPE_SHARED)
+            if local.Get_size() != self.size:
+                self.transport = "network"
+            local.Free()
         self.capacity = 0
         self.next_capacity = FOLD_MIN
         self.block: Any = None

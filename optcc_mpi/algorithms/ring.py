@@ -14,16 +14,16 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi.algorithms import register
-from optcc_mpi.algorithms._policy import large_messages
+from optcc_mpi.algorithms._policy import NETWORK_MESSAGE_BYTES, large_messages, message_bytes
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
 from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
 
 __all__ = ["ring", "ring_time", "add_ring_allreduce", "reduce_scatter", "all_gather", "ring_chunks"]
 
-#: Default message size the ring aims for; small enough to overlap the reduction of one
-#: message with the transfer of the next, large enough that per-message costs stay small.
-CHUNK_BYTES = 1 << 20
+#: Default message size over a network (``_policy.NETWORK_MESSAGE_BYTES``); schedules that
+#: know their transport take it from :func:`optcc_mpi.algorithms._policy.message_bytes`.
+CHUNK_BYTES = NETWORK_MESSAGE_BYTES
 
 
 def ring_chunks(section_elems: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -165,8 +165,9 @@ def ring(
     links: Links | None = None,
     *,
     itemsize: int = 4,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     window: int = 2,
+    transport: str = "network",
 ) -> Schedule:
     """Ring AllReduce over ranks 0..p-1 in rank order.
 
@@ -178,12 +179,21 @@ def ring(
         Ignored: the ring does not adapt to the network (that is the point of the baseline).
     itemsize : int
         Bytes per element, for chunking.
-    chunk_bytes : int
-        Target message size.
+    chunk_bytes : int, optional
+        Target message size; default from the transport
+        (:func:`optcc_mpi.algorithms._policy.message_bytes`).
     window : int
         Messages in flight per connection.
+    transport : {"network", "shared-memory"}
+        What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator):
+        in shared memory each section travels as one message.
     """
-    chunks = ring_chunks(-(-count // max(p, 1)), itemsize, chunk_bytes)
+    section = -(-count // max(p, 1))
+    if chunk_bytes is None:
+        chunk_bytes = message_bytes(section * itemsize, transport)
+    else:
+        message_bytes(0, transport)  # the same error for an unknown transport
+    chunks = ring_chunks(section, itemsize, chunk_bytes)
     b = ScheduleBuilder(p, count, "ring", window=window, chunks=chunks)
     add_ring_allreduce(b, range(p), 0, count, chunks=chunks)
     return b.build()
