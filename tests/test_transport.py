@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from optcc_mpi import algorithms
-from optcc_mpi.algorithms._policy import NETWORK_MESSAGE_BYTES, message_bytes
+from optcc_mpi.algorithms._policy import (
+    MIN_MESSAGE_BYTES,
+    NETWORK,
+    NETWORK_MESSAGE_BYTES,
+    SHARED_MEMORY,
+    Transport,
+    message_bytes,
+    transport_of,
+)
+from optcc_mpi.algorithms.ring import ring_time
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.schedule import SEND
 from optcc_mpi.verify import verify
@@ -23,6 +32,71 @@ def test_message_bytes() -> None:
     assert message_bytes(0, "shared-memory") == 1
     with pytest.raises(ArgumentError, match="transport must be one of"):
         message_bytes(1, "infiniband")
+
+
+def test_default_network_model_gives_the_network_message_size() -> None:
+    assert transport_of("network") is NETWORK and transport_of("shared-memory") is SHARED_MEMORY
+    assert NETWORK.message_bytes(64 << 20) == NETWORK_MESSAGE_BYTES
+    assert SHARED_MEMORY.message_bytes(64 << 20) == 64 << 20
+    assert NETWORK.message_bytes(100_000) == 100_000  # never more than the section
+
+
+def test_message_size_from_the_model() -> None:
+    # beta * bw / eps = 100e-6 * 1e9 / 0.05 = 2e6 B, rounded up to a power of two.
+    slow_start = Transport("t", latency=0.0, message_cost=100e-6, rate=1e9)
+    assert slow_start.message_bytes(1 << 30) == 1 << 21
+    # alpha * bw / (window - 1): 4 ms at 1 GB/s with one companion = 4e6 B -> 4 MiB; a
+    # deeper window covers the same reaction time with smaller messages.
+    laggy = Transport("t", latency=4e-3, message_cost=0.0, rate=1e9)
+    assert laggy.message_bytes(1 << 30, window=2) == 1 << 22
+    assert laggy.message_bytes(1 << 30, window=5) == 1 << 20
+    # A slow network with cheap messages: the floor that the testbed measured.
+    cheap = Transport("t", latency=1e-6, message_cost=1e-6, rate=50e6)
+    assert cheap.message_bytes(1 << 30) == MIN_MESSAGE_BYTES
+    # Without overlap a section is one message, whatever the costs.
+    shm = Transport("t", latency=1e-6, message_cost=1e-6, rate=50e6, overlap=False)
+    assert shm.message_bytes(12345) == 12345 and shm.messages(12345) == 1
+    assert slow_start.messages(5 << 20) == 3 and slow_start.messages(0) == 0
+    with pytest.raises(ArgumentError, match="rate > 0"):
+        Transport("t", latency=0.0, message_cost=0.0, rate=0.0)
+    with pytest.raises(ArgumentError, match="message_cost >= 0"):
+        Transport("t", latency=0.0, message_cost=-1.0, rate=1.0)
+    with pytest.raises(ArgumentError, match="eps"):
+        NETWORK.message_bytes(1 << 30, eps=1.5)
+
+
+def test_ring_takes_a_measured_transport() -> None:
+    p, count = 4, 4 * (8 << 20) // 4  # 8 MiB sections of float32
+    t = Transport("calibrated", latency=0.0, message_cost=100e-6, rate=1e9)  # 2 MiB messages
+    sched = algorithms.build("ring", p, count, itemsize=4, transport=t)
+    verify(sched)
+    assert _sends(sched) == 2 * (p - 1) * p * 4
+    # Passed through allreduce's params, a Transport is part of the plan's cache key.
+    assert repr(t) == repr(Transport("calibrated", 0.0, 100e-6, 1e9, True))
+
+
+def test_ring_model_charges_a_measured_transport() -> None:
+    p, n, bw = 4, 64 << 20, 50e6
+    ff = 2 * (p - 1) / p * n / bw
+    # Named transports keep the plain model (their figures are defaults, not measurements).
+    assert ring_time(p, n, bw, latency=1e-3) == pytest.approx(ff + 6 * 1e-3)
+    assert ring_time(p, n, bw, transport="shared-memory") == pytest.approx(ff)
+    # With overlap: the delivered rate, and per step one latency and one exposed message.
+    net = Transport("c", latency=2e-4, message_cost=1e-4, rate=40e6)
+    ff40 = 2 * (p - 1) / p * n / 40e6
+    assert ring_time(p, n, bw, transport=net) == pytest.approx(ff40 + 6 * (2e-4 + 1e-4))
+    # The larger of the caller's latency and the transport's.
+    assert ring_time(p, n, bw, latency=1e-3, transport=net) == pytest.approx(
+        ff40 + 6 * (1e-3 + 1e-4)
+    )
+    # Without overlap: every message of a section costs its fixed time (16 MiB sections
+    # in 4 MiB messages: 4 per step); the rate above the link's is capped at the link's.
+    shm = Transport("c", latency=1e-5, message_cost=2e-4, rate=1e12, overlap=False)
+    got = ring_time(p, n, bw, transport=shm, chunk_bytes=4 << 20)
+    assert got == pytest.approx(ff + 6 * (1e-5 + 4 * 2e-4))
+    # The registry passes the builder's parameters to the cost.
+    alg = algorithms.get("ring")
+    assert alg.time(p, n, bw, transport=shm) == pytest.approx(ff + 6 * (1e-5 + 2e-4))
 
 
 @pytest.mark.parametrize("p", [2, 3, 8])
@@ -72,3 +146,28 @@ def test_allreduce_tells_the_ring_its_transport() -> None:
     # Emulated links are a network whatever the node: pipelined messages again.
     optcc_mpi.allreduce(x, algorithm="ring", emulate="bw=10GB/s")
     assert _sends(last_stats()["schedule"]) == 6 * (p - 1) * p
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_allreduce_with_a_measured_transport() -> None:
+    from mpi4py import MPI
+
+    import optcc_mpi
+    from optcc_mpi.collectives import last_stats
+
+    comm = MPI.COMM_WORLD
+    p = comm.Get_size()
+    count = 4 * (MIN_MESSAGE_BYTES // 4) * p  # sections of 4 minimal messages
+    t = Transport("calibrated", latency=0.0, message_cost=0.0, rate=1e9)  # the floor
+    x = np.arange(count, dtype=np.float32) % 5 * (comm.rank + 1)
+    want = np.arange(count, dtype=np.float32) % 5 * (p * (p + 1) // 2)
+    for _ in range(2):  # the second call takes the cached plan
+        y = optcc_mpi.allreduce(x, algorithm="ring", params={"transport": t})
+        np.testing.assert_array_equal(y, want)
+        assert _sends(last_stats()["schedule"]) == 2 * (p - 1) * p * 4
+    # A rank with another model is an error on every rank, not a hang.
+    other = Transport("calibrated", latency=0.0, message_cost=0.0, rate=2e9)
+    mine = other if comm.rank == p - 1 else t
+    with pytest.raises(ArgumentError, match="params"):
+        optcc_mpi.allreduce(x, algorithm="ring", params={"transport": mine})

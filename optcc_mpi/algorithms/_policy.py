@@ -9,19 +9,31 @@ the library (``native``) and above it to the point-to-point schedules.
 Message size by transport (measured, docs/bench.md): a builder that declares a
 ``transport`` parameter is told by :func:`optcc_mpi.allreduce` which kind of transport
 joins the communicator's ranks, ``"shared-memory"`` (MPI says every rank shares one node)
-or ``"network"`` (anything else, and every emulated network):
+or ``"network"`` (anything else, and every emulated network), or is given a measured
+:class:`Transport` (``params={"transport": Transport(...)}``, e.g. from
+``python -m optcc_mpi.lab.calibrate``). A :class:`Transport` is a small model of what joins
+the ranks: a latency per step ``alpha``, a fixed cost per message ``beta``, the rate
+``bw`` it delivers, and whether it moves data while the CPU reduces (``overlap``). The
+message size follows from it (derived, ours):
 
-* over a network the NIC moves data while the CPU reduces, so a section is cut into
-  messages of about :data:`NETWORK_MESSAGE_BYTES` and the reduction of one overlaps the
-  transfer of the next;
-* in shared memory the transfer *is* CPU copying, progressed only inside MPI calls, so
-  nothing overlaps and every extra message costs a round trip through the progress
-  engine: a section travels as one message. Measured at p = 2: the ring with 1 MiB
+* with overlap (a NIC), a section cut into messages of ``m`` bytes pipelines the reduction
+  of one message with the transfer of the next; the messages' fixed cost stays below a
+  fraction ``eps`` of their transfer when ``m >= beta * bw / eps``, and the ``window - 1``
+  other messages in flight keep the link busy while the receiver takes ``alpha`` to react
+  when ``m >= alpha * bw / (window - 1)``. The larger of the two, rounded up to a power of
+  two and at least :data:`MIN_MESSAGE_BYTES`, is the message size; the defaults give
+  :data:`NETWORK_MESSAGE_BYTES`;
+* without overlap (shared memory: the transfer *is* CPU copying, progressed only inside
+  MPI calls) a section of ``S`` bytes in ``c`` messages costs ``S / bw + c * beta``, least
+  at ``c = 1``: a section travels as one message. Measured at p = 2: the ring with 1 MiB
   messages took 1.18-1.23x a blocking ``Sendrecv`` ring at 16-64 MiB, with one message
   per section 1.04-1.07x.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
@@ -30,6 +42,12 @@ __all__ = [
     "SMALL_BYTES",
     "NETWORK_MESSAGE_BYTES",
     "TRANSPORTS",
+    "MIN_MESSAGE_BYTES",
+    "EPS",
+    "Transport",
+    "NETWORK",
+    "SHARED_MEMORY",
+    "transport_of",
     "small_messages",
     "large_messages",
     "message_bytes",
@@ -40,8 +58,108 @@ SMALL_BYTES = 256 * 1024
 #: Message size over a network: small enough to overlap the reduction of one message
 #: with the transfer of the next, large enough that per-message costs stay small.
 NETWORK_MESSAGE_BYTES = 1 << 20
+#: Smallest message over a network with overlap: on the testbed (p = 4, 400 Mbit/s, rank 0
+#: at half rate) OptCC took 1.17-1.22x the bound with 64 KiB messages, 1.07-1.11x with
+#: 300 KiB (our Python's cost per message, which a two-flow calibration does not show).
+MIN_MESSAGE_BYTES = 256 * 1024
+#: Largest share of a message's transfer time its fixed cost may take (with overlap).
+EPS = 0.05
+
+
+@dataclass(frozen=True)
+class Transport:
+    """A small model of what joins the ranks (module docstring).
+
+    Parameters
+    ----------
+    name : str
+        A label (``"network"``, ``"shared-memory"``, ``"calibrated"``, ...).
+    latency : float
+        Seconds per ring step for a small message (the receiver's reaction included).
+    message_cost : float
+        Fixed seconds per message, beyond its bytes.
+    rate : float
+        Bytes per second one direction delivers.
+    overlap : bool
+        Whether the transport moves data while the CPU reduces (a NIC: yes; shared
+        memory, where MPI copies with the CPU inside its calls: no).
+    """
+
+    name: str
+    latency: float
+    message_cost: float
+    rate: float
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        ok = (
+            math.isfinite(self.latency)
+            and math.isfinite(self.message_cost)
+            and self.latency >= 0
+            and self.message_cost >= 0
+            and self.rate > 0
+        )
+        if not ok:
+            raise ArgumentError(
+                "Transport: need finite latency, message_cost >= 0 and rate > 0 (got "
+                f"latency={self.latency}, message_cost={self.message_cost}, rate={self.rate})"
+            )
+
+    def message_bytes(self, section_bytes: float, window: int = 2, eps: float = EPS) -> int:
+        """Target size of one message when a section of ``section_bytes`` is sent
+        (module docstring): at most the section, at least one byte."""
+        section = max(1, int(section_bytes))
+        if not self.overlap:
+            return section
+        if not (0 < eps < 1):
+            raise ArgumentError(f"eps must be in (0, 1), got {eps}")
+        m = self.message_cost * self.rate / eps
+        if window >= 2:
+            m = max(m, self.latency * self.rate / (window - 1))
+        m = max(float(MIN_MESSAGE_BYTES), m)
+        if m >= section:
+            return section
+        return min(section, 1 << max(0, math.ceil(math.log2(m))))
+
+    def messages(self, section_bytes: float, window: int = 2) -> int:
+        """Messages per section of ``section_bytes`` (0 for an empty section)."""
+        if section_bytes <= 0:
+            return 0
+        return max(1, math.ceil(section_bytes / self.message_bytes(section_bytes, window)))
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: latency {self.latency * 1e6:.1f} us per step, "
+            f"{self.message_cost * 1e6:.1f} us per message, {self.rate / 1e6:.0f} MB/s, "
+            f"{'overlapping' if self.overlap else 'not overlapping'} the reduction"
+        )
+
+
+#: Default model of a network (10 Gbit/s, 50 us per step, 40 us per message): messages of
+#: NETWORK_MESSAGE_BYTES. Pass a calibrated :class:`Transport` for another network.
+NETWORK = Transport("network", latency=50e-6, message_cost=40e-6, rate=1.25e9, overlap=True)
+#: Default model of shared memory (one node): CPU copies, no overlap, so one message per
+#: section. The figures are what ``python -m optcc_mpi.lab.calibrate`` measured at p = 2 on
+#: the development machine (12 us per step, 196 us per 512 KiB message, 6.7 GB/s).
+SHARED_MEMORY = Transport(
+    "shared-memory", latency=12e-6, message_cost=200e-6, rate=6.5e9, overlap=False
+)
 #: The kinds of transport a builder's ``transport`` parameter may name.
 TRANSPORTS = ("network", "shared-memory")
+_BY_NAME = {"network": NETWORK, "shared-memory": SHARED_MEMORY}
+
+
+def transport_of(transport: str | Transport) -> Transport:
+    """The :class:`Transport` a builder's ``transport`` parameter names (or is)."""
+    if isinstance(transport, Transport):
+        return transport
+    got = _BY_NAME.get(transport) if isinstance(transport, str) else None
+    if got is None:
+        raise ArgumentError(
+            f"transport must be one of {', '.join(map(repr, TRANSPORTS))} or a Transport, "
+            f"got {transport!r}"
+        )
+    return got
 
 
 def small_messages(p: int, nbytes: float, links: Links) -> bool:
@@ -54,13 +172,9 @@ def large_messages(p: int, nbytes: float, links: Links) -> bool:
     return not small_messages(p, nbytes, links)
 
 
-def message_bytes(section_bytes: int, transport: str = "network") -> int:
+def message_bytes(
+    section_bytes: int, transport: str | Transport = "network", window: int = 2
+) -> int:
     """Target size of one message when a section of ``section_bytes`` is sent over
     ``transport`` (see the module docstring)."""
-    if transport not in TRANSPORTS:
-        raise ArgumentError(
-            f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}"
-        )
-    if transport == "shared-memory":
-        return max(1, int(section_bytes))
-    return NETWORK_MESSAGE_BYTES
+    return transport_of(transport).message_bytes(section_bytes, window)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from optcc_mpi.algorithms import register
-from optcc_mpi.algorithms._policy import large_messages
-from optcc_mpi.algorithms.ring import CHUNK_BYTES, add_ring_allreduce, ring_chunks
+from optcc_mpi.algorithms._policy import Transport, large_messages, message_bytes, transport_of
+from optcc_mpi.algorithms.ring import add_ring_allreduce, ring_chunks
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
 from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
@@ -84,7 +84,8 @@ def r2ccl(
     itemsize: int = 4,
     chunks: int = 16,
     window: int = 2,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
+    transport: str | Transport = "network",
 ) -> Schedule:
     """R2CCL-AllReduce schedule.
 
@@ -102,9 +103,17 @@ def r2ccl(
         more are used when chunks would exceed ``chunk_bytes``.
     window : int
         Messages in flight per connection.
-    chunk_bytes : int
-        Message size target of the rings.
+    chunk_bytes : int, optional
+        Message size target of the rings; default from ``transport``
+        (:func:`optcc_mpi.algorithms._policy.message_bytes`, sized for the full ring's
+        sections).
+    transport : {"network", "shared-memory"} or Transport
+        What joins the ranks (set by :func:`optcc_mpi.allreduce`; see the ring).
     """
+    if chunk_bytes is None:
+        chunk_bytes = message_bytes(-(-count // max(p, 1)) * itemsize, transport, window)
+    else:
+        transport_of(transport)  # the same error for an unknown transport
     links = links if links is not None else Links()
     f = links.vector(p)
     degraded = [r for r in range(p) if f[r] < f.max()]

@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi.algorithms import register
-from optcc_mpi.algorithms._policy import NETWORK_MESSAGE_BYTES, large_messages, message_bytes
+from optcc_mpi.algorithms._policy import (
+    NETWORK_MESSAGE_BYTES,
+    Transport,
+    large_messages,
+    message_bytes,
+    transport_of,
+)
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
 from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
@@ -145,12 +151,31 @@ def ring_time(
     links: Links | str | None = None,
     *,
     latency: float = 0.0,
+    transport: str | Transport = "network",
+    chunk_bytes: int | None = None,
+    itemsize: int = 4,
+    window: int = 2,
 ) -> float:
     """The ring, held back at every step by the slowest NIC, ``T_ff / min_r f_r``, plus one
-    latency per step (2(p-1) steps; the chunks of one step are pipelined)."""
+    latency per step (2(p-1) steps; the chunks of one step are pipelined).
+
+    A measured :class:`~optcc_mpi.algorithms._policy.Transport` (not a name, whose figures
+    are only defaults for the message size) adds its costs (derived, ours): data moves at
+    ``min(bw, transport.rate)``, and each step pays the transport's latency and, with
+    overlap, one exposed message cost (the others run while earlier messages travel),
+    without overlap one per message (``c`` messages per section)."""
     if p < 2:
         return 0.0
-    return fault_free(p, nbytes, bw) / fractions(links, p).min() + 2 * (p - 1) * latency
+    steps = 2 * (p - 1)
+    if not isinstance(transport, Transport):
+        return fault_free(p, nbytes, bw) / fractions(links, p).min() + steps * latency
+    tr = transport_of(transport)
+    section = -(-int(nbytes) // (max(1, itemsize) * p)) * max(1, itemsize)
+    size = tr.message_bytes(section, window) if chunk_bytes is None else chunk_bytes
+    msgs = ring_chunks(section, 1, size) if section else 0
+    per_step = max(latency, tr.latency) + tr.message_cost * (1 if tr.overlap else msgs)
+    rate = min(bw, tr.rate)
+    return fault_free(p, nbytes, rate) / fractions(links, p).min() + steps * per_step
 
 
 @register(
@@ -167,7 +192,7 @@ def ring(
     itemsize: int = 4,
     chunk_bytes: int | None = None,
     window: int = 2,
-    transport: str = "network",
+    transport: str | Transport = "network",
 ) -> Schedule:
     """Ring AllReduce over ranks 0..p-1 in rank order.
 
@@ -184,15 +209,16 @@ def ring(
         (:func:`optcc_mpi.algorithms._policy.message_bytes`).
     window : int
         Messages in flight per connection.
-    transport : {"network", "shared-memory"}
-        What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator):
-        in shared memory each section travels as one message.
+    transport : {"network", "shared-memory"} or Transport
+        What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator,
+        or a measured :class:`~optcc_mpi.algorithms._policy.Transport`): the message size
+        follows from its model; in shared memory each section travels as one message.
     """
     section = -(-count // max(p, 1))
     if chunk_bytes is None:
-        chunk_bytes = message_bytes(section * itemsize, transport)
+        chunk_bytes = message_bytes(section * itemsize, transport, window)
     else:
-        message_bytes(0, transport)  # the same error for an unknown transport
+        transport_of(transport)  # the same error for an unknown transport
     chunks = ring_chunks(section, itemsize, chunk_bytes)
     b = ScheduleBuilder(p, count, "ring", window=window, chunks=chunks)
     add_ring_allreduce(b, range(p), 0, count, chunks=chunks)
