@@ -364,6 +364,7 @@ def allreduce(
     p = st.size
     err: BaseException | None = None
     fields: tuple[int, ...] = ()
+    seen: np.ndarray | None = None  # the watch's observations, when they ride the check
     try:
         # -- this rank's arguments -----------------------------------------------------
         if type(op) is str and op in _OPSET:
@@ -444,6 +445,10 @@ def allreduce(
             and 1 < p <= GATHER_MAX_P
         )
         if check and p > 1:
+            if link_obj is WATCH:
+                # What the last call measured rides in the check's data room (the data of
+                # a watched call never does: its plan waits for the agreed profile).
+                seen = _watch_of(st).contribution()
             if link_obj is PROBE:
                 lcode = _PROBE_CODE
             elif link_obj is WATCH:
@@ -471,7 +476,7 @@ def allreduce(
         fold = False
     if check and p > 1:
         try:
-            inline = _agree(st, fields, err, fold, flat_in if fold else None)
+            inline = _agree(st, fields, err, fold, flat_in if fold else None, seen)
         except _Mismatch as mismatch:
             _disagreement(st, err, mismatch.table, mismatch.bounds, locals())
     elif err is not None:
@@ -496,9 +501,12 @@ def allreduce(
         # elementwise maximum gives every rank the same observations, hence the same
         # profile at the same call (optcc_mpi.watch).
         watch = _watch_of(st)
-        seen = watch.contribution()
-        if p > 1:
-            st.private.Allreduce(IN_PLACE, seen, op=MPI.MAX)
+        if seen is not None and _extra_fits(st, p):
+            seen = _gathered_extra(st, p).max(axis=0)
+        else:  # no check ran, or too many ranks for its room: one tiny collective more
+            seen = watch.contribution()
+            if p > 1:
+                st.private.Allreduce(IN_PLACE, seen, op=MPI.MAX)
         link_obj = watch.agree(seen)
         plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
     name_run, sched, coll_only = plan
@@ -719,10 +727,13 @@ def _agree(
     err: BaseException | None,
     foldable: bool,
     data: Any,
+    extra: np.ndarray | None = None,
 ) -> bool:
     """One collective of fixed shape; returns True if the data travelled with it (then
     the gathered blocks hold every rank's data). ``foldable``: the call is one whose data
-    may travel with it, room permitting (then ``data`` is the 1-D input). Raises
+    may travel with it, room permitting (then ``data`` is the 1-D input). ``extra``: a
+    small int64 vector to carry in the data room of a call whose data does not travel
+    (the watch's observations); read back with :func:`_gathered_extra`. Raises
     :class:`_Mismatch` on every rank if any rank failed or the ranks disagree."""
     p = st.size
     if not fields:
@@ -747,6 +758,8 @@ def _agree(
         if views is None:
             views = _fold_views(st, data.dtype, nbytes)
         np.copyto(views[0], data)
+    elif extra is not None and _extra_fits(st, extra.size):
+        st.block[HEADER_BYTES : HEADER_BYTES + 8 * extra.size].view("<i8")[:] = extra
     st.private.Allgather(st.block, st.gathered)
     heads = st.heads
     if err is None and heads.tobytes() == hb * p:
@@ -761,6 +774,17 @@ def _agree(
     # Every rank saw the same table: the same next room, then the same error.
     st.next_capacity = FOLD_MIN
     raise _Mismatch(table=table)
+
+
+def _extra_fits(st: CommState, n: int) -> bool:
+    """Whether ``n`` int64 travel in the check's data room (the same answer on every
+    rank: the room and the size of the communicator are agreed)."""
+    return st.size <= GATHER_MAX_P and st.block is not None and 8 * n <= st.capacity
+
+
+def _gathered_extra(st: CommState, n: int) -> np.ndarray:
+    """Every rank's ``extra`` of the last check, one row per rank."""
+    return st.gathered[:, HEADER_BYTES : HEADER_BYTES + 8 * n].view("<i8")
 
 
 def _describe(scope: dict[str, Any]) -> dict[str, str]:

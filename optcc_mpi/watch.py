@@ -18,9 +18,11 @@ takes part in::
 
     v[r] = max over observed links (a -> b) with r in {a, b} of rate(a -> b)
 
-Each rank contributes the links it sent on; an elementwise maximum over ranks (one
-``MPI_Allreduce`` with ``MAX``, folded into the argument check) gives every rank the same
-``v``. Fractions are relative to the median observed rank (as the probe's are: the fastest
+Each rank contributes the links it sent on; the contributions travel in the data room of
+the argument check that every call runs anyway (the data of a watched call never uses
+that room), and the elementwise maximum of the gathered rows gives every rank the same
+``v``. Only with ``check=False`` or above ``GATHER_MAX_P`` ranks (where the check is an
+``MPI_Allreduce`` of fixed fields) does one tiny ``MPI_Allreduce`` with ``MAX`` carry them. Fractions are relative to the median observed rank (as the probe's are: the fastest
 measurement is a poor reference), fractions at or above ``healthy_above`` count as
 healthy, and a rank with no observation keeps its current fraction.
 

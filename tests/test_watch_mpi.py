@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi.collectives import choose_algorithm, last_stats
+from optcc_mpi.collectives import _gathered_extra, _watch_of, choose_algorithm, last_stats
+from optcc_mpi.comm import state_of
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
 
@@ -21,7 +22,10 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(600)
-def test_watch_follows_a_link_that_degrades_and_recovers() -> None:
+@pytest.mark.parametrize("check", [True, False], ids=["in-the-check", "own-collective"])
+def test_watch_follows_a_link_that_degrades_and_recovers(check: bool) -> None:
+    """With the argument check the observations ride in its data room; without it they
+    take one tiny collective of their own. Either way the same decisions."""
     comm = MPI.COMM_WORLD.Dup()  # a fresh communicator: a fresh watch
     rank, p = comm.Get_rank(), comm.Get_size()
     slow = p - 1
@@ -34,8 +38,14 @@ def test_watch_follows_a_link_that_degrades_and_recovers() -> None:
     for truth, calls in phases:
         emu = Emulation(bw=100e6, degrade=truth)
         for _ in range(calls):
-            y = optcc_mpi.allreduce(x, comm=comm, links="watch", emulate=emu)
+            mine = _watch_of(state_of(comm)).contribution() if check else None
+            y = optcc_mpi.allreduce(x, comm=comm, links="watch", emulate=emu, check=check)
             assert np.all(y == expected)
+            if check:
+                # What every rank brought is what the check's gathered room holds.
+                rows = _gathered_extra(state_of(comm), p)
+                np.testing.assert_array_equal(rows[rank], mine)
+                np.testing.assert_array_equal(rows, np.array(comm.allgather(mine)))
             st = last_stats()
             seen.append((str(truth), str(st["links"]), st["algorithm"]))
     # Every rank took the same decisions at the same calls.
