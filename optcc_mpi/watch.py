@@ -22,9 +22,10 @@ Each rank contributes the links it sent on; the contributions travel in the data
 the argument check that every call runs anyway (the data of a watched call never uses
 that room), and the elementwise maximum of the gathered rows gives every rank the same
 ``v``. Only with ``check=False`` or above ``GATHER_MAX_P`` ranks (where the check is an
-``MPI_Allreduce`` of fixed fields) does one tiny ``MPI_Allreduce`` with ``MAX`` carry them. Fractions are relative to the median observed rank (as the probe's are: the fastest
-measurement is a poor reference), fractions at or above ``healthy_above`` count as
-healthy, and a rank with no observation keeps its current fraction.
+``MPI_Allreduce`` of fixed fields) does one tiny ``MPI_Allreduce`` with ``MAX`` carry
+them. Fractions are relative to the median observed rank (as the probe's are: the
+fastest measurement is a poor reference), fractions at or above ``healthy_above`` count
+as healthy, and a rank with no observation keeps its current fraction.
 
 Decision: the measured profile replaces the current one when some rank's fraction differs
 by more than ``threshold`` in ``confirm`` consecutive calls (hysteresis against noise).
