@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi.errors import TooLargeError
+
 __all__ = [
     "SEND",
     "RECV",
@@ -56,6 +58,9 @@ __all__ = [
     "ScheduleBuilder",
     "Program",
     "split",
+    "check_size",
+    "memory_available",
+    "BYTES_PER_OP",
 ]
 
 SEND, RECV, RECV_REDUCE, COPY, REDUCE, COLL = range(6)
@@ -90,6 +95,62 @@ def split(lo: Any, hi: Any, parts: int) -> np.ndarray:
     base, extra = np.divmod(length, parts)
     j = np.arange(parts + 1, dtype=np.int64)
     return lo[..., None] + j * base[..., None] + np.minimum(j, extra[..., None])
+
+
+#: Bytes one operation takes at the peak of building a schedule and simulating it
+#: (measured: about 160 while building, 60 in the schedule, 90 in the simulator).
+BYTES_PER_OP = 250
+
+
+def memory_available() -> int:
+    """Bytes this process may still allocate: the smallest of the memory the kernel
+    reports available, the cgroup's remaining limit and the address-space limit."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            text = fh.read().strip()
+        if text != "max":
+            with open("/sys/fs/cgroup/memory.current") as fh:
+                limits.append(int(text) - int(fh.read().strip()))
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft not in (resource.RLIM_INFINITY, -1):
+            limits.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return max(0, min(limits)) if limits else 1 << 62
+
+
+def check_size(name: str, n_ops: int, *, per_op: int = BYTES_PER_OP, **what: Any) -> None:
+    """Raise :class:`~optcc_mpi.errors.TooLargeError` before building a schedule of about
+    ``n_ops`` operations that would not fit in the memory available.
+
+    Builders call this with their own estimate, so an oversized request fails with a
+    message instead of being killed by the kernel part-way through. ``what`` names the
+    parameters that made it large (shown in the message).
+    """
+    need = int(n_ops) * per_op
+    have = memory_available()
+    if need > have:
+        detail = ", ".join(f"{k}={v}" for k, v in what.items())
+        raise TooLargeError(
+            f"{name} ({detail}): about {n_ops / 1e6:.1f} million operations, "
+            f"{need / 2**30:.1f} GiB to build and simulate, but only "
+            f"{have / 2**30:.1f} GiB of memory is available; use fewer ranks, fewer "
+            "segments or larger chunks"
+        )
 
 
 @dataclass(frozen=True)
