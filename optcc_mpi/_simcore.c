@@ -10,7 +10,7 @@ enum { SEND = 0, RECV = 1, RECV_REDUCE = 2, COPY = 3, REDUCE = 4, COLL = 5 };
 
 typedef struct {
     double t;
-    int64_t seq;
+    int64_t seq;  /* tie-break: the send's op id (program order); n + c for collective c */
     int64_t item; /* send op, or -1 - collective index */
 } event;
 
@@ -83,7 +83,6 @@ typedef struct {
     item *stack;
     int64_t top;
     heap h;
-    int64_t seq;
 } sim;
 
 static void release(sim *s, int64_t op, double t) {
@@ -114,7 +113,7 @@ static int drain(sim *s) {
             if (s->posted[other] >= 0.0) {
                 int64_t snd = k == SEND ? op : other;
                 double when = t > s->posted[other] ? t : s->posted[other];
-                event e = {when, s->seq++, snd};
+                event e = {when, snd, snd};
                 if (heap_push(&s->h, e)) return -1;
             }
         } else if (k == COPY || k == REDUCE) {
@@ -125,7 +124,7 @@ static int drain(sim *s) {
             s->coll_ops[c * s->p + r] = op;
             if (t > s->coll_post[c]) s->coll_post[c] = t;
             if (++s->coll_seen[c] == s->p) {
-                event e = {s->coll_post[c], s->seq++, -1 - c};
+                event e = {s->coll_post[c], s->n + c, -1 - c};
                 if (heap_push(&s->h, e)) return -1;
             }
         }

@@ -710,9 +710,12 @@ class ScheduleBuilder:
 
 
 def _dep_list(deps: Any) -> list[Any]:
-    """Normalise ``deps``: one array-like, or a list/tuple of them."""
+    """Normalise ``deps``: one array-like, or a (possibly nested) list/tuple of them."""
     if isinstance(deps, (list, tuple)):
-        return list(deps)
+        out: list[Any] = []
+        for d in deps:
+            out.extend(_dep_list(d))
+        return out
     return [deps]
 
 

@@ -7,7 +7,8 @@ The link model
 * Each NIC side is an independent first-in-first-out server of bytes. A message of m
   bytes from a to b needs m / send_rate(a) of a's send side and m / recv_rate(b) of b's
   receive side, each side serving messages in the order they became ready (both ends
-  posted); the message completes ``latency`` seconds after *both* sides served it. So a
+  posted; messages ready at the same instant in program order, i.e. by the id of their
+  send); the message completes ``latency`` seconds after *both* sides served it. So a
   fast NIC talking to a slow one is busy only for its own share of the time and serves
   other messages meanwhile, as with TCP's flow sharing, and no NIC serves more bytes than
   its rate allows over any busy period. (Treating the two sides independently is the
@@ -193,7 +194,6 @@ def _run_python(
     coll_post: list[float] = []
     coll_count = [0] * p
     heap: list[tuple[float, int, int]] = []
-    seq = 0
     messages = 0
     rows: list[tuple[float, ...]] = []
     # Posting an op can make others ready (its queue successor, dependents of a local op
@@ -215,7 +215,6 @@ def _run_python(
             release(succ[i], t)
 
     def drain() -> None:
-        nonlocal seq
         while stack:
             op, t = stack.pop()
             posted[op] = t
@@ -226,8 +225,7 @@ def _run_python(
                 other = partner[op]
                 if posted[other] >= 0.0:
                     snd = op if k == SEND else other
-                    heapq.heappush(heap, (max(t, posted[other]), seq, snd))
-                    seq += 1
+                    heapq.heappush(heap, (max(t, posted[other]), snd, snd))
             elif k == COPY or k == REDUCE:
                 complete(op, t + nbytes[op] * red)
             elif k == COLL:
@@ -240,8 +238,7 @@ def _run_python(
                 coll_ops[c][r] = op
                 coll_post[c] = max(coll_post[c], t)
                 if all(o >= 0 for o in coll_ops[c]):
-                    heapq.heappush(heap, (coll_post[c], seq, -1 - c))
-                    seq += 1
+                    heapq.heappush(heap, (coll_post[c], n + c, -1 - c))
 
     stack.extend((op, 0.0) for op in range(n - 1, -1, -1) if waiting[op] == 0)
     drain()

@@ -84,7 +84,7 @@ __all__ = [
 PATTERNS = ("auto", "fold", "closer")
 
 #: Smallest message (one section of one segment) worth cutting a segment into.
-SECTION_BYTES = 256 * 1024
+SECTION_BYTES = 64 * 1024
 
 #: Owners up to which the grid is a single row (a direct exchange among all owners).
 DIRECT_OWNERS = 128
@@ -293,7 +293,7 @@ def _layout(plan: OptccPlan, a: int) -> tuple[np.ndarray, np.ndarray]:
     return grid, col_share / col_share.sum()
 
 
-def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0) -> np.ndarray:
+def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0, ratio: float = 2.0) -> np.ndarray:
     """Boundaries of ``k`` segments of ``[lo, hi)``.
 
     The pipeline's head (an attached rank idles until the first segment is
@@ -305,7 +305,7 @@ def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0) -> np.ndarray:
     ramp = max(0, min(int(ramp), (k - 1) // 2))
     weights = np.ones(k)
     for i in range(ramp):
-        weights[i] = weights[k - 1 - i] = 0.5 ** (ramp - i)
+        weights[i] = weights[k - 1 - i] = ratio ** -(ramp - i)
     cum = np.concatenate(([0.0], np.cumsum(weights)))
     return lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
 
@@ -321,13 +321,14 @@ def _ops_per_segment(p: int, a: int, b: int, m: int) -> int:
 def choose_segments(
     nbytes: int, plan: OptccPlan, a: int, *, section_bytes: int = SECTION_BYTES
 ) -> int:
-    """Segments k: sections (one owner's share of a segment) of about ``section_bytes``,
-    at least 4 and at most 128, and within :data:`MAX_AUTO_OPS` operations."""
-    p = plan.p
+    """Segments k: as many as :data:`MAX_AUTO_OPS` operations allow, at most 128, and no
+    more than leave each owner's section of a segment ``section_bytes`` or more (at
+    least 4). The pipeline's head and tail cost about one segment, so more segments are
+    better until messages get so small that per-message costs dominate."""
     h = len(plan.owners)
     b = h // a if a else 0
     k = int(np.clip(nbytes // max(1, max(h, 1) * section_bytes), 4, 128))
-    per = _ops_per_segment(p, a, b, len(plan.attached))
+    per = _ops_per_segment(plan.p, a, b, len(plan.attached))
     return int(max(1, min(k, MAX_AUTO_OPS // max(per, 1))))
 
 
@@ -359,6 +360,8 @@ class _Pipeline:
         depth: int,
         lag: int,
         lookahead: int,
+        row_lag: int = 0,
+        ag_lag: int = 0,
     ) -> None:
         self.b = b
         self.grid = grid  # (a, nb) ranks
@@ -401,6 +404,10 @@ class _Pipeline:
         self.fold_recv: dict[int, np.ndarray] = {}
         self.done_owner: dict[int, np.ndarray] = {}
         self.streams: dict[tuple[int, str], list[int]] = {}
+        self.row_done: dict[int, np.ndarray] = {}
+        self.ret_sends: dict[int, np.ndarray] = {}
+        self.row_lag = row_lag
+        self.ag_lag = ag_lag
 
     # -- helpers -----------------------------------------------------------------------
     def _paced(self, rank: int, direction: str, ids: np.ndarray) -> None:
@@ -497,19 +504,20 @@ class _Pipeline:
         name: str,
         send_deps: Any,
         rs_sends: np.ndarray,
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Direct all-gather along ``axis``: every member sends its own range to every
         other member of its group. A receiver overwrites its copy only once its own
-        reduce-scatter send of that range (its slot n - t) has left. Returns the receives,
-        shape (n-1, a, nb) by slot and *sender*."""
+        reduce-scatter send of that range (its slot n - t) has left. Returns the sends and
+        the receives, shape (n-1, a, nb) by slot and *sender*."""
         b, G = self.b, self.grid
         n = G.shape[axis]
         if n < 2:
-            return np.zeros((0,) + G.shape, dtype=np.int64)
+            empty = np.zeros((0,) + G.shape, dtype=np.int64)
+            return empty, empty
         ri, ci = self._shifted(axis, n)
         # Receiver x+t sent this range to x in its reduce-scatter slot n - t.
         hazard = rs_sends[(n - 1 - np.arange(1, n))[:, None, None], ri, ci]
-        _, rids = b.transfer(
+        sids, rids = b.transfer(
             G,
             G[ri, ci],
             own_lo,
@@ -518,7 +526,7 @@ class _Pipeline:
             send_deps=send_deps,
             recv_deps=hazard,
         )
-        return rids
+        return sids, rids
 
     # -- stages ------------------------------------------------------------------------
     def fold(self, L: int) -> None:
@@ -570,7 +578,9 @@ class _Pipeline:
         if L < 0 or L >= self.k:
             return
         b, G = self.b, self.grid
-        throttle = self.done_owner.get(L - self.depth, -1)
+        throttle: Any = self.done_owner.get(L - self.depth, -1)
+        if self.row_lag and (L - self.row_lag) in self.row_done:
+            throttle = [throttle, self.row_done[L - self.row_lag]]
         blo, bhi, slo, shi = self.blo[L], self.bhi[L], self.slo[L], self.shi[L]
         # S1: along rows, each owner ends with its column's block; along columns, with
         # its section of that block.
@@ -596,6 +606,8 @@ class _Pipeline:
             send_deps=[row_last, throttle],
             reduce_after=row_last,
         )
+        self.row_done[L] = np.broadcast_to(np.asarray(row_last, dtype=np.int64), G.shape)
+        self.row_done.pop(L - self.row_lag - 1, None)
         final = np.broadcast_to(np.asarray(final, dtype=np.int64), G.shape).copy()
         # S2/S3 fold: the owners add the raw sections in scratch, in attached-rank order.
         rec = self.fold_recv.pop(L, None)
@@ -626,12 +638,13 @@ class _Pipeline:
             rets[closer].ravel()[order] = dn_s
         # Returns to the folding ranks: each owner sends its finished section.
         raw = self.raw.pop(L, None)
+        ret_sends = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
         for u in range(self.m):
             if u == closer or raw is None:
                 continue
             s = int(self.att[u])
             order = self._order(u)
-            _, rids = b.transfer(
+            sids, rids = b.transfer(
                 G.ravel()[order],
                 s,
                 slo.ravel()[order],
@@ -642,18 +655,25 @@ class _Pipeline:
             )
             self._paced(s, "recv", rids)
             rets[u].ravel()[order] = rids
+            ret_sends[u].ravel()[order] = sids
         self.returns[L] = rets
+        self.ret_sends[L] = ret_sends
         self.returns.pop(L - self.lag - 1, None)
         self.final[L] = final
         self.done_owner[L] = final
-        self.done_owner.pop(L - self.depth - 1, None)
+        self.done_owner.pop(L - self.depth - self.ag_lag - 2, None)
 
     def back(self, L: int) -> None:
         """All-gather of segment L: along each column, then along each row."""
         if L < 0 or L >= self.k:
             return
-        final = self.final.pop(L)
-        got = self._ag_direct(
+        final: Any = self.final.pop(L)
+        if self.ag_lag:
+            # Defer the all-gather until this owner finished the reduce-scatter of a
+            # later segment: reduce-scatters (which the attached ranks wait for) go first.
+            later = self.done_owner.get(min(L + self.ag_lag, self.k - 1))
+            final = [final, later if later is not None else -1]
+        sent, got = self._ag_direct(
             0,
             self.slo[L],
             self.shi[L],
@@ -661,10 +681,19 @@ class _Pipeline:
             send_deps=final,
             rs_sends=self.rs_col.pop(L),
         )
-        # A block goes out along the row once the member has every section of it: its
-        # own, and what it received from each column mate (receives by receiver).
-        deps: list[Any] = [final]
-        deps += [np.roll(got[t - 1], t, axis=0) for t in range(1, self.a)]
+        # A block goes out along the row once the member has every section of it. With a
+        # column, a one-element copy of the block onto itself joins the column
+        # all-gather (its receives and sends) and the returns (their reads), so each row
+        # send waits for one operation instead of a of them.
+        deps: Any = final
+        ret_sends = self.ret_sends.pop(L, None)
+        if self.a > 1:
+            blo, bhi = self.blo[L], self.bhi[L]
+            parts: list[Any] = [final, *sent]
+            parts += [np.roll(got[t - 1], t, axis=0) for t in range(1, self.a)]
+            if ret_sends is not None:
+                parts += list(ret_sends)
+            deps = self.b.copy(self.grid, blo, np.minimum(blo + 1, bhi), blo, deps=parts)
         self._ag_direct(
             1,
             self.blo[L],
@@ -700,7 +729,10 @@ def optcc(
     pattern: str = "auto",
     grid: int | str = "auto",
     lookahead: int | None = None,
-    ramp: int = 2,
+    ramp: int = 8,
+    ratio: float = 1.4,
+    row_lag: int = 1,
+    ag_lag: int = 0,
 ) -> Schedule:
     """OptCC AllReduce schedule.
 
@@ -740,7 +772,7 @@ def optcc(
     plan = optcc_plan(p, links)
     a, nb = _grid_shape(plan, grid)
     m = len(plan.attached)
-    pat = ("closer" if m == 1 else "fold") if pattern == "auto" else pattern
+    pat = "fold" if pattern == "auto" else pattern
     kk = k if k is not None else choose_segments(count * itemsize, plan, a)
     kk = max(1, int(kk))
     check_size("optcc", kk * _ops_per_segment(p, a, nb, m) + 1, p=p, k=kk)
@@ -756,7 +788,7 @@ def optcc(
     if p < 2 or count == 0 or nb == 0:
         return ScheduleBuilder(p, count, "optcc", window=window, **params).build()
     G, col_share = _layout(plan, a)
-    seg = segment_bounds(0, count, kk, ramp)
+    seg = segment_bounds(0, count, kk, ramp, ratio)
     b = ScheduleBuilder(p, count, "optcc", window=window, **params)
     pipe = _Pipeline(
         b,
@@ -768,10 +800,12 @@ def optcc(
         depth=depth,
         lag=lag,
         lookahead=lookahead if lookahead is not None else a * nb,
+        row_lag=row_lag,
+        ag_lag=ag_lag,
     )
     b.scratch = pipe.scratch_end
-    for tau in range(kk + 2):
+    for tau in range(kk + 2 + ag_lag):
         pipe.fold(tau)
         pipe.front(tau - 1)
-        pipe.back(tau - 2)
+        pipe.back(tau - 2 - ag_lag)
     return b.build()

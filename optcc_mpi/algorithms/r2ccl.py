@@ -7,12 +7,26 @@ comparison with OptCC is like for like (see ``docs/optcc.md`` for the source):
    the degraded rank (rounded down to a multiple of 16 bytes, as R2CCL does);
 2. main part: ring AllReduce over all ranks;
 3. tail: (a) ring AllReduce over the healthy ranks only, (b) a pipelined reduce of the
-   degraded ranks' raw tails into a helper (the first healthy rank), in K chunks,
-   (c) a pipelined broadcast of the finished tail from the helper to every rank, along
-   two chains (degraded ranks; other healthy ranks).
+   degraded ranks' raw tails into the helpers, chunk by chunk, (c) a pipelined broadcast
+   of the finished tail from the helpers to every rank.
 
 All parts run as soon as their data allows (R2CCL's overlap schedule 0), which is the
 setting R2CCL's own cost model describes.
+
+Reduce and broadcast on a flat network (ours)
+---------------------------------------------
+In R2CCL the degraded server's GPUs reduce their tails among themselves over NVLink, so
+the tail crosses the degraded NICs once in each direction: that is the model's
+``T3 = Y n / ((1-X) B)``. Our network model has one NIC per rank and no NVLink, so a
+reduce chained through the degraded ranks (and a broadcast chained back) would carry
+every degraded rank's tail through every other degraded NIC: 2 Y n each way instead of
+Y n (simulated, p = 16 with 8 ranks at half rate: +107% over the fault-free ring against
+the model's +53%, slower than the plain ring). So each chunk of the tail has its own
+helper (the healthy ranks in turn, R2CCL's "first healthy rank" being the helper of the
+first chunk): every degraded rank sends its raw chunk straight to that chunk's helper,
+which adds them (in a fixed order) to its healthy partial sum, and the helper sends the
+finished chunk straight back to every degraded rank; the healthy ranks all-gather the
+finished chunks. Each degraded NIC then carries its tail once each way, as in R2CCL.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from optcc_mpi.algorithms._policy import large_messages
 from optcc_mpi.algorithms.ring import CHUNK_BYTES, add_ring_allreduce, ring_chunks
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
-from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
+from optcc_mpi.schedule import Schedule, ScheduleBuilder, check_size, split
 
 __all__ = ["r2ccl", "r2ccl_time", "tail_share"]
 
@@ -85,6 +99,7 @@ def r2ccl(
     chunks: int = 16,
     window: int = 2,
     chunk_bytes: int = CHUNK_BYTES,
+    schedule: int = 1,
 ) -> Schedule:
     """R2CCL-AllReduce schedule.
 
@@ -99,7 +114,8 @@ def r2ccl(
         Bytes per element.
     chunks : int
         K, pipeline chunks of the tail's reduce and broadcast (R2CCL allows up to 16);
-        more are used when chunks would exceed ``chunk_bytes``.
+        more are used when chunks would exceed ``chunk_bytes``, and at least one per
+        healthy rank (each chunk has its own helper).
     window : int
         Messages in flight per connection.
     chunk_bytes : int
@@ -111,60 +127,103 @@ def r2ccl(
     healthy = [r for r in range(p) if f[r] == f.max()]
     loss = 1.0 - f.min() / f.max()
     tail = tail_share(count, itemsize, loss) if degraded else 0
-    b = ScheduleBuilder(p, count, "r2ccl", window=window, tail=tail, chunks=chunks)
     main_hi = count - tail
-
-    def ring_over(members: list[int], lo: int, hi: int, chan: int) -> None:
-        c = ring_chunks(-(-(hi - lo) // max(1, len(members))), itemsize, chunk_bytes)
-        add_ring_allreduce(b, members, lo, hi, chunks=c, chan=chan)
-
-    ring_over(list(range(p)), 0, main_hi, 0)
+    h, m = len(healthy), len(degraded)
+    main_chunks = ring_chunks(-(-main_hi // max(p, 1)), itemsize, chunk_bytes)
+    tail_chunks = ring_chunks(-(-tail // max(h, 1)), itemsize, chunk_bytes)
+    # Chunks per helper: K and the number of degraded ranks at least, and messages of at
+    # most chunk_bytes.
+    per = max(-(-max(chunks, m) // max(h, 1)), -(-tail * itemsize // max(1, h * chunk_bytes)), 1)
+    estimate = 4 * p * p * main_chunks + 4 * h * h * tail_chunks + 6 * m * h * per + 4 * h * h
+    check_size("r2ccl", estimate, p=p, degraded=m)
+    b = ScheduleBuilder(p, count, "r2ccl", window=window, tail=tail, chunks=chunks)
+    add_ring_allreduce(b, range(p), 0, main_hi, chunks=main_chunks, chan=0)
     if tail == 0:
         return b.build()
+    main_done = b.sinks(0)  # what each rank's part of the main AllReduce ends with
 
+    # (a) the healthy ranks' AllReduce of the tail; what each one's part ends with.
     mark = b.next_id
-    ring_over(healthy, main_hi, count, 1)
-    # What each healthy rank's tail AllReduce ends with (everything else precedes these).
+    add_ring_allreduce(b, healthy, main_hi, count, chunks=tail_chunks, chan=1)
     sinks = b.sinks(mark)
-    tail_ops = {r: sinks.get(r, np.zeros(0, dtype=np.int64)) for r in healthy}
-    helper = healthy[0]
-    # K chunks at least; more when the tail is large, as NCCL's own pipelining would, and
-    # at least 4 per healthy rank so the broadcast chain's fill is a small part of it.
-    k = min(max(chunks, -(-tail * itemsize // chunk_bytes), 4 * len(healthy)), max(tail, 1))
-    cb = split(main_hi, count, k)
-    clo, chi = cb[:-1], cb[1:]
+    H = np.asarray(healthy, dtype=np.int64)
+    D = np.asarray(degraded, dtype=np.int64)
+    # The tail in n_chunks = per * h chunks; chunk i's helper is H[i mod h], so the
+    # chunks of one helper are h apart and consecutive chunks have different helpers.
+    n_chunks = per * h
+    cb = split(main_hi, count, n_chunks)
+    lo, hi = cb[:-1], cb[1:]
+    i = np.arange(n_chunks)
+    helper = H[i % h]
 
-    # (b) Reduce: degraded ranks chained into the helper, chunk by chunk.
-    chain = [*degraded, helper]
-    reduce_ops: dict[int, list[np.ndarray]] = {r: [] for r in degraded}
-    prev_recv = np.full(k, -1, dtype=np.int64)
-    for src, dst in zip(chain[:-1], chain[1:]):
-        sids, rids = b.transfer(src, dst, clo, chi, chan=2, reduce=True, send_deps=prev_recv)
-        if dst == helper:
-            # The helper may add a chunk only once its healthy AllReduce is done with it.
-            b.depend(rids[:, None], tail_ops[helper][None, :])
-        reduce_ops[src].append(sids)
-        if dst != helper:
-            reduce_ops[dst].append(rids)
-        prev_recv = rids
+    # (b) Reduce. Degraded rank u sends chunk i at step (i + u) mod n (n = n_chunks;
+    # it starts with chunk n - u): at any moment the degraded ranks send different chunks
+    # to different helpers, and chunk i is complete about m steps after it started, so
+    # the broadcast follows the reduce chunk by chunk (R2CCL's pipelining). A helper adds
+    # a chunk's contributions in their order of arrival, which is fixed (bit-reproducible
+    # sums): in round r chunk i comes from degraded rank (start_i + r) mod m, start_i
+    # being n - i for the last m - 1 chunks (some ranks send them first) and 0 otherwise.
+    # Created round by round, each rank's sends come out in its step order; the first
+    # contribution waits until the helper's healthy AllReduce is done with the tail.
+    start = np.where(i > n_chunks - m, n_chunks - i, 0)
+    raw_sends = []
+    by_rank: list[list[np.ndarray]] = [[] for _ in range(m)]
+    prev = np.full(n_chunks, -1, dtype=np.int64)
+    for r in range(m):
+        u = (start + r) % m
+        sids, rids = b.transfer(D[u], helper, lo, hi, chan=2, reduce=True, recv_deps=prev)
+        if r == 0:
+            for j, rank in enumerate(healthy):
+                own = rids[j::h]
+                b.depend(own[:, None], sinks.get(rank, np.zeros(0, np.int64))[None, :])
+        for v in range(m):
+            by_rank[v].append(sids[u == v])
+        raw_sends.append(sids)
+        prev = np.where(rids >= 0, rids, prev)
+    final = prev  # per chunk: the helper holds the finished chunk
+    for v in range(m):
+        # Each degraded rank's sends in its step order, two in flight, starting once its
+        # part of the main AllReduce is done (R2CCL's overlap schedule 1: the healthy
+        # AllReduce of the tail runs beside the main one, reduce and broadcast after it).
+        mine = np.concatenate(by_rank[v])
+        mine = mine[mine >= 0]
+        b.chain(mine, window)
+        if schedule >= 1:
+            done = main_done.get(int(D[v]), np.zeros(0, np.int64))
+            b.depend(mine[:window, None], done[None, :])
 
-    # (c) Broadcast from the helper, pipelined chunk by chunk along two chains: through the
-    # degraded ranks, and through the other healthy ranks (each forwards once, as in
-    # NCCL's ring broadcast; there are enough chunks that the chain fills quickly).
-    got = {helper: prev_recv}  # per rank, the receives that give it each finished chunk
-
-    def deliver(src: int, dst: int, chan: int) -> None:
-        # A healthy rank overwrites its partial tail only once its AllReduce is done with
-        # it; a degraded rank only once its reduce sends have left.
-        _, rids = b.transfer(
-            src, dst, clo, chi, chan=chan, send_deps=got[src], recv_deps=reduce_ops.get(dst, ())
-        )
-        if dst in tail_ops:
-            b.depend(rids[:, None], tail_ops[dst][None, :])
-        got[dst] = rids
-
-    for src, dst in zip([helper, *degraded[:-1]], degraded):
-        deliver(src, dst, 3)
-    for src, dst in zip(healthy[:-1], healthy[1:]):
-        deliver(src, dst, 4)
+    # (c) Broadcast: each helper sends a finished chunk straight to every degraded rank,
+    # which receives the chunks in the order they finish (0, 1, ...: a receive waiting
+    # for a late chunk would hold up the rest of its queue), each once its own raw chunk
+    # has left.
+    raw_of = np.full((m, n_chunks), -1, dtype=np.int64)
+    for r in range(m):
+        raw_of[(start + r) % m, i] = raw_sends[r]
+    for v in range(m):
+        b.transfer(helper, D[v], lo, hi, chan=3, send_deps=final, recv_deps=raw_of[v])
+    # ... and the healthy ranks all-gather the finished chunks over their ring (member j
+    # owns chunks j, j + h, ...), one round of h chunks after the other, in the order they
+    # finish (a queue waiting for a late chunk would hold up the rest). A member's
+    # receives are chained (one queue: no time lost), so only its first waits for its
+    # AllReduce to be done with the tail.
+    q = h
+    k = np.arange(q)
+    H1 = H[(k + 1) % q]
+    got = np.full(q, -1, dtype=np.int64)
+    first = np.full(q, -1, dtype=np.int64)
+    for c in range(per):
+        cols = c * h + k  # chunk owned by member k in this round
+        prev_send = final[cols]
+        for t in range(q - 1):
+            s = cols[(k - t) % q]  # chunk member k forwards
+            _, rids = b.transfer(
+                H, H1, lo[s], hi[s], chan=4, send_deps=prev_send, recv_deps=got[(k + 1) % q]
+            )
+            mine = rids[(k - 1) % q]  # what each member received, by member
+            first = np.where((first < 0) & (mine >= 0), mine, first)
+            got = np.where(mine >= 0, mine, got)
+            prev_send = mine
+    for j, rank in enumerate(healthy):
+        if first[j] >= 0:
+            b.depend(first[j], sinks.get(rank, np.zeros(0, np.int64)))
     return b.build()
