@@ -476,6 +476,11 @@ class ScheduleBuilder:
             self._cols[key] = [np.concatenate(parts) if parts else np.zeros(0, dtype=_DTYPES[key])]
         return self._cols[key][0]
 
+    def column(self, key: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Column ``key`` (``"kind"``, ``"rank"``, ...) of the operations added between
+        marks ``start`` and ``stop`` (a view: do not modify)."""
+        return self._column(key)[start:stop]
+
     def _deps(self) -> tuple[np.ndarray, np.ndarray]:
         """All dependencies so far, as (op, on) arrays, merged in place."""
         for lst in (self._dep_op, self._dep_on):

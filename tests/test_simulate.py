@@ -31,8 +31,8 @@ def test_ring_matches_closed_form_exactly(p: int, links: str) -> None:
 
 @pytest.mark.parametrize(("p", "l"), [(5, 2.0), (8, 2.0), (8, 2.5), (16, 2.0)])
 def test_four_stage_pipeline_matches_closed_form(p: int, l: float) -> None:
-    """Beyond l* the schedule is the pure four-stage one: between the fluid time and
-    (1 + 1/k) x fluid (one segment of head and tail), so within 1% for large k."""
+    """Beyond l* the straggler is attached: between the fluid time and (1 + 1/k) x fluid
+    (one segment of head and tail), and within 1% for large k."""
     links = f"0:{1 / l}"
     fluid = optcc_alg.optcc_time(p, N, BW, links)
     for k in (32, 128):
@@ -41,26 +41,77 @@ def test_four_stage_pipeline_matches_closed_form(p: int, l: float) -> None:
     assert got / fluid < 1.01
 
 
+def _random_profile(p: int, lo: float, seed: int) -> str:
+    f = np.random.default_rng(seed).uniform(lo, 1.0, p)
+    return ",".join(f"{i}:{v / f.max():.4f}" for i, v in enumerate(f))
+
+
+#: Bandwidth profiles of every family the issue names: a degraded server of 8 ranks at
+#: 12.5% to 50% loss, two degraded servers, several stragglers at different fractions,
+#: and random per-rank vectors (fixed seeds).
+PROFILES = [
+    (16, "0-7:0.875"),
+    (16, "0-7:0.5"),
+    (24, "0-7:0.625"),
+    (32, "0-7:0.75,8-15:0.5"),
+    (32, "0-7:0.5,8-15:0.5"),
+    (16, "0:0.5,5:0.7,9:0.85,15:0.6"),
+    (24, "2:0.3,7:0.55,11:0.8"),
+    (12, _random_profile(12, 0.3, 1)),
+    (20, _random_profile(20, 0.6, 2)),
+    (16, _random_profile(16, 0.05, 3)),
+]
+
+
+@pytest.mark.parametrize(("p", "links"), PROFILES)
+def test_optcc_at_the_bound_for_every_profile(p: int, links: str) -> None:
+    """Simulated OptCC within 3% of the lower bound (its plan's fluid time: the plan
+    always reaches the bound), for any bandwidth profile."""
+    bound = model.lower_bound(p, N, BW, links)
+    assert optcc_alg.optcc_time(p, N, BW, links) == pytest.approx(bound, rel=1e-9)
+    got = sim("optcc", p, links)
+    assert bound <= got <= 1.03 * bound
+
+
 def test_two_equal_stragglers_near_bound() -> None:
     links = "0:0.5,3:0.5"
     got = sim("optcc", 8, links, k=64)
     bound = model.lower_bound(8, N, BW, links)
-    assert bound <= got < 1.10 * bound
+    assert bound <= got < 1.03 * bound
 
 
 @pytest.mark.parametrize(("p", "x"), [(8, 0.125), (8, 0.25), (16, 0.25)])
 def test_bubble_filling_regime_is_close_to_bound(p: int, x: float) -> None:
-    """l < l*: the measured gap to the fluid bound, recorded in docs/optcc.md."""
+    """l < l*: the straggler owns a small share (the notes' bubble filling in one
+    schedule), within 3% of the bound."""
     links = f"0:{1 - x}"
     got = sim("optcc", p, links)
     bound = model.lower_bound(p, N, BW, links)
-    assert bound <= got < 1.15 * bound
+    assert bound <= got < 1.03 * bound
     assert got < r2ccl_alg.r2ccl_time(p, N, BW, links) and got < ring_alg.ring_time(p, N, BW, links)
 
 
-def test_r2ccl_near_its_model() -> None:
-    got = sim("r2ccl", 8, "0:0.5")
-    assert got == pytest.approx(r2ccl_alg.r2ccl_time(8, N, BW, "0:0.5"), rel=0.05)
+#: Profiles where R2CCL's composition meets its own model on our network (one NIC per
+#: rank). Where the healthy ranks' share of the reduce and broadcast, which the model
+#: leaves out, is large (few healthy ranks, small loss) it does not: docs/optcc.md,
+#: "R2CCL", has the measured exceptions.
+R2CCL_PROFILES = [
+    (16, "0-7:0.5"),
+    (32, "0-7:0.5"),
+    (8, "0:0.5"),
+    (16, "0:0.75"),
+    (64, "0-7:0.5,8-15:0.5"),
+    (16, "0:0.5,5:0.7,9:0.85,15:0.6"),
+]
+
+
+@pytest.mark.parametrize(("p", "links"), R2CCL_PROFILES)
+def test_r2ccl_near_its_model(p: int, links: str) -> None:
+    """Our R2CCL schedule within 5% of R2CCL's own cost model with the K it was built
+    for (the registry passes the builder's default chunks=16 to the cost)."""
+    got = sim("r2ccl", p, links)
+    want = algorithms.get("r2ccl").time(p, N, BW, links)
+    assert got == pytest.approx(want, rel=0.05)
 
 
 def test_native_is_library_model() -> None:
