@@ -306,6 +306,8 @@ class Schedule:
             )
         partner[sends] = recvs
         partner[recvs] = sends
+        self.__dict__["partner"] = partner
+        self._release_queue_order()
         return partner
 
     @cached_property
@@ -320,7 +322,15 @@ class Schedule:
         ids, pos = self._queue_order
         later = np.flatnonzero(pos > 0)
         prev[ids[later]] = ids[later - 1]
+        self.__dict__["queue_prev"] = prev
+        self._release_queue_order()
         return prev
+
+    def _release_queue_order(self) -> None:
+        """Drop the queue order (16 bytes per operation) once both matching and queue
+        predecessors, the only things computed from it, are cached."""
+        if "partner" in self.__dict__ and "queue_prev" in self.__dict__:
+            self.__dict__.pop("_queue_order", None)
 
     # -- traffic --------------------------------------------------------------------------
     def traffic(self) -> dict[str, np.ndarray]:
@@ -690,27 +700,30 @@ class ScheduleBuilder:
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"{self.name}: op {i} on rank {rank[i]} has invalid peer {peer[i]}")
         del comm, bad
-        # Target ranges: lo >= 0 and hi within the buffer; sources of local operations too.
-        for which, lo_key, buf_key, only_local in (
-            ("target", "lo", "buf", False),
-            ("source", "slo", "sbuf", True),
-        ):
-            bufs = cols[buf_key]
-            if np.any((bufs < 0) | (bufs > 1)):
-                i = int(np.flatnonzero((bufs < 0) | (bufs > 1))[0])
-                raise ValueError(f"{self.name}: op {i} uses buffer {bufs[i]} (0 or 1 only)")
-            ids = np.flatnonzero((kind == COPY) | (kind == REDUCE)) if only_local else None
-            lo = cols[lo_key] if ids is None else cols[lo_key][ids]
-            length = (cols["hi"] - cols["lo"]) if ids is None else (cols["hi"] - cols["lo"])[ids]
-            b = bufs if ids is None else bufs[ids]
-            size = np.where(b == 0, self.count, self.scratch)
-            bad = (lo < 0) | (lo + length > size)
+        # Target ranges within their buffers; sources of local operations too. Masks per
+        # buffer rather than a per-operation size array: this runs over every operation.
+        lo, hi, bufs = cols["lo"], cols["hi"], cols["buf"]
+        bad = (bufs < 0) | (bufs > 1) | (lo < 0)
+        bad |= (bufs == 0) & (hi > self.count)
+        bad |= (bufs == 1) & (hi > self.scratch)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) target range "
+                f"[{lo[i]}, {hi[i]}) of buffer {bufs[i]} is out of bounds"
+            )
+        local = np.flatnonzero((kind == COPY) | (kind == REDUCE))
+        if local.size:
+            slo, sb = cols["slo"][local], cols["sbuf"][local]
+            shi = slo + (hi[local] - lo[local])
+            size = np.where(sb == 0, self.count, self.scratch)
+            bad = (sb < 0) | (sb > 1) | (slo < 0) | (shi > size)
             if bad.any():
                 j = int(np.flatnonzero(bad)[0])
-                i = j if ids is None else int(ids[j])
+                i = int(local[j])
                 raise ValueError(
-                    f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) {which} range "
-                    f"[{lo[j]}, {lo[j] + length[j]}) of buffer {b[j]} is out of bounds"
+                    f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) source range "
+                    f"[{slo[j]}, {shi[j]}) of buffer {sb[j]} is out of bounds"
                 )
 
 

@@ -38,10 +38,24 @@ from pathlib import Path
 import numpy as np
 
 from optcc_mpi import config
+from optcc_mpi.errors import TooLargeError
 from optcc_mpi.links import Links
-from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
+from optcc_mpi.schedule import (
+    COLL,
+    COPY,
+    RECV,
+    RECV_REDUCE,
+    REDUCE,
+    SEND,
+    Schedule,
+    check_size,
+)
 
 __all__ = ["Result", "simulate"]
+
+#: Bytes per operation the simulator allocates beyond the schedule (its 32-bit index
+#: arrays, times and stack; partner and queue arrays the schedule caches).
+_SIM_BYTES_PER_OP = 90
 
 
 @dataclass
@@ -138,25 +152,39 @@ def simulate(
 
 
 def _prepare(s: Schedule, itemsize: int) -> dict[str, np.ndarray]:
-    """Flat arrays both engines read: kinds, ranks, partners, queue successors, byte
-    counts, dependents (CSR) and how many things each op waits for."""
+    """Flat arrays both engines read: kinds, ranks, partners, queue successors, ranges,
+    dependents (CSR) and how many things each op waits for. Indices that fit are 32-bit
+    (the schedule has fewer than 2**31 operations), so that a large schedule costs the
+    simulator about 60 bytes per operation beyond the schedule itself."""
     n = s.n_ops
-    qnext = np.full(n, -1, dtype=np.int64)
-    has = s.queue_prev >= 0
-    qnext[s.queue_prev[has]] = np.flatnonzero(has)
-    order = np.argsort(s.dep_idx, kind="stable")
-    succ = np.arange(n, dtype=np.int64).repeat(np.diff(s.dep_ptr))[order]
+    if n >= 2**31 - 1:
+        raise TooLargeError(f"{s.name}: {n} operations; the simulator handles up to 2**31")
+    check_size(f"simulating {s.name}", n, per_op=_SIM_BYTES_PER_OP, p=s.p)
+    partner = s.partner
+    prev = s.queue_prev
+    qnext = np.full(n, -1, dtype=np.int32)
+    has = np.flatnonzero(prev >= 0)
+    qnext[prev[has]] = has
+    waiting = np.diff(s.dep_ptr).astype(np.int32)
+    waiting[has] += 1
+    del has
+    # Dependents in CSR: for each op, the ops that wait for it (counting sort by target).
     succ_ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(s.dep_idx, minlength=n), out=succ_ptr[1:])
+    order = np.argsort(s.dep_idx, kind="stable")
+    succ = np.arange(n, dtype=np.int32).repeat(np.diff(s.dep_ptr))[order]
+    del order
     return {
         "kind": np.ascontiguousarray(s.kind, dtype=np.int8),
         "rank": np.ascontiguousarray(s.rank, dtype=np.int32),
-        "partner": np.ascontiguousarray(s.partner, dtype=np.int64),
+        "partner": np.ascontiguousarray(partner, dtype=np.int64),
         "qnext": qnext,
         "succ_ptr": succ_ptr,
-        "succ": np.ascontiguousarray(succ, dtype=np.int64),
-        "waiting": (np.diff(s.dep_ptr) + (s.queue_prev >= 0)).astype(np.int64),
-        "nbytes": ((s.hi - s.lo) * itemsize).astype(np.float64),
+        "succ": succ,
+        "waiting": waiting,
+        "lo": np.ascontiguousarray(s.lo, dtype=np.int64),
+        "hi": np.ascontiguousarray(s.hi, dtype=np.int64),
+        "itemsize": np.array(float(itemsize)),
         "n_coll": np.array(int(np.sum(s.kind == COLL)) // max(s.p, 1)),
     }
 
@@ -179,7 +207,7 @@ def _run_python(
     succ_ptr = a["succ_ptr"].tolist()
     succ = a["succ"].tolist()
     waiting = a["waiting"].tolist()
-    nbytes = a["nbytes"].tolist()
+    nbytes = ((a["hi"] - a["lo"]) * float(a["itemsize"])).tolist()
     send_rate = send_rate_a.tolist()
     recv_rate = recv_rate_a.tolist()
     n = len(kind)
@@ -312,7 +340,8 @@ def _run_c(
         a["succ_ptr"],
         a["succ"],
         waiting,
-        a["nbytes"],
+        a["lo"],
+        a["hi"],
         *rates,
     )
     outputs = (posted, finish, send_busy, recv_busy)
@@ -320,6 +349,7 @@ def _run_c(
         n,
         p,
         *(x.ctypes.data for x in inputs),
+        float(a["itemsize"]),
         latency,
         red,
         int(a["n_coll"]),
@@ -327,7 +357,7 @@ def _run_c(
         rows.ctypes.data if trace else None,
     )
     if messages < 0:
-        raise MemoryError("simulator: out of memory")
+        raise TooLargeError("simulator: out of memory for its event queue")
     return posted, finish, send_busy, recv_busy, messages, rows[:messages]
 
 
@@ -359,8 +389,8 @@ def _core() -> ctypes.CDLL | None:
     lib.optcc_simulate.restype = ctypes.c_int64
     lib.optcc_simulate.argtypes = (
         [ctypes.c_int64, ctypes.c_int64]
-        + [ctypes.c_void_p] * 10
-        + [ctypes.c_double, ctypes.c_double, ctypes.c_int64]
+        + [ctypes.c_void_p] * 11
+        + [ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int64]
         + [ctypes.c_void_p] * 5
     )
     return lib

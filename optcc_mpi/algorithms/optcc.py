@@ -67,7 +67,14 @@ from optcc_mpi.algorithms._policy import large_messages
 from optcc_mpi.errors import PlanError
 from optcc_mpi.links import Links
 from optcc_mpi.model import fractions, lower_bound
-from optcc_mpi.schedule import Schedule, ScheduleBuilder, check_size, split
+from optcc_mpi.schedule import (
+    BYTES_PER_OP,
+    Schedule,
+    ScheduleBuilder,
+    check_size,
+    memory_available,
+    split,
+)
 
 __all__ = [
     "optcc",
@@ -84,14 +91,16 @@ __all__ = [
 PATTERNS = ("auto", "fold", "closer")
 
 #: Smallest message (one section of one segment) worth cutting a segment into.
-SECTION_BYTES = 64 * 1024
+SECTION_BYTES = 16 * 1024
 
 #: Owners up to which the grid is a single row (a direct exchange among all owners).
 DIRECT_OWNERS = 128
 
 #: Operations per schedule the automatic segment count stays under (about 0.2 KiB each
-#: while building and simulating).
-MAX_AUTO_OPS = 6_000_000
+#: while building and simulating: 14 million take about 2.7 GiB and, on a 2-core machine,
+#: about 40 s; p = 1024 with one straggler then gets 43 segments, within 1% of the
+#: bound).
+MAX_AUTO_OPS = 14_000_000
 
 # Channels: row reduce-scatter, row all-gather, column reduce-scatter, column all-gather,
 # folds (attached -> owner), closer exchange, returns (owner -> attached).
@@ -321,15 +330,17 @@ def _ops_per_segment(p: int, a: int, b: int, m: int) -> int:
 def choose_segments(
     nbytes: int, plan: OptccPlan, a: int, *, section_bytes: int = SECTION_BYTES
 ) -> int:
-    """Segments k: as many as :data:`MAX_AUTO_OPS` operations allow, at most 128, and no
-    more than leave each owner's section of a segment ``section_bytes`` or more (at
-    least 4). The pipeline's head and tail cost about one segment, so more segments are
-    better until messages get so small that per-message costs dominate."""
+    """Segments k: the pipeline's head and tail cost about one segment (with every owner
+    busy, about half of one segment's time each), so as many as fit in
+    :data:`MAX_AUTO_OPS` operations and in the memory available, at most 128, and no more
+    than leave each owner's section of a segment ``section_bytes`` or more (at least 4).
+    """
     h = len(plan.owners)
     b = h // a if a else 0
     k = int(np.clip(nbytes // max(1, max(h, 1) * section_bytes), 4, 128))
-    per = _ops_per_segment(plan.p, a, b, len(plan.attached))
-    return int(max(1, min(k, MAX_AUTO_OPS // max(per, 1))))
+    per = max(_ops_per_segment(plan.p, a, b, len(plan.attached)), 1)
+    fits = memory_available() // (BYTES_PER_OP * per)
+    return int(max(1, min(k, MAX_AUTO_OPS // per, fits)))
 
 
 # ----------------------------------------------------------------------------- builder

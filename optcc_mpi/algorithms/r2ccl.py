@@ -42,6 +42,9 @@ from optcc_mpi.schedule import SEND, Schedule, ScheduleBuilder, check_size, spli
 
 __all__ = ["r2ccl", "r2ccl_time", "tail_share"]
 
+#: Healthy ranks up to which the finished tail goes round their ring (beyond: trees).
+RING_BROADCAST_MAX = 128
+
 
 def _pace(
     b: ScheduleBuilder,
@@ -61,24 +64,26 @@ def _pace(
     one rank at 3/4: 13% above the model); paced, the tail fills the gaps.
     """
 
-    def sends(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    def sends(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Send ids sorted by rank, where each rank's run starts, and its length."""
         kind, rank = b.column("kind", lo, hi), b.column("rank", lo, hi)
-        ids = lo + np.flatnonzero(kind == SEND)
-        r = rank[ids - lo]
+        ids = np.flatnonzero(kind == SEND)
+        r = rank[ids]
         order = np.argsort(r, kind="stable")
-        return ids[order], r[order]
+        count = np.bincount(r, minlength=b.p)
+        start = np.concatenate(([0], np.cumsum(count)[:-1]))
+        return lo + ids[order], start, count
 
-    lead_ids, lead_rank = sends(*lead)
-    fol_ids, fol_rank = sends(*follow)
-    for r in ranks:
-        a0, a1 = np.searchsorted(lead_rank, [r, r + 1])
-        f0, f1 = np.searchsorted(fol_rank, [r, r + 1])
-        M, Q = a1 - a0, f1 - f0
-        if M == 0 or Q == 0:
-            continue
-        q = np.arange(Q)
-        step = np.ceil((q + 1) * (share * M / Q)).astype(np.int64) - 1
-        b.depend(fol_ids[f0:f1][step >= 0], lead_ids[a0 + step[step >= 0]])
+    lead_ids, lead_start, lead_n = sends(*lead)
+    fol_ids, fol_start, fol_n = sends(*follow)
+    want = np.zeros(b.p, dtype=bool)
+    want[list(ranks)] = True
+    owner = np.repeat(np.arange(b.p), fol_n)  # rank of each follower send
+    q = np.arange(fol_ids.size) - fol_start[owner]
+    M, Q = lead_n[owner], fol_n[owner]
+    step = np.ceil((q + 1) * (share * M / np.maximum(Q, 1))).astype(np.int64) - 1
+    ok = want[owner] & (M > 0) & (step >= 0)
+    b.depend(fol_ids[ok], lead_ids[lead_start[owner[ok]] + np.minimum(step[ok], M[ok] - 1)])
 
 
 def tail_share(count: int, itemsize: int, loss: float) -> int:
@@ -195,6 +200,12 @@ def r2ccl(
     _pace(b, healthy, (0, mark), (mark, b.next_id), share=min(1.0, t2 / t1) if t1 > 0 else 1.0)
     H = np.asarray(healthy, dtype=np.int64)
     D = np.asarray(degraded, dtype=np.int64)
+    # Per healthy rank, a one-element copy of its tail onto itself that waits for its
+    # AllReduce to be done with the tail: what later writes into its tail wait for.
+    join = np.full(h, -1, dtype=np.int64)
+    for j, rank in enumerate(healthy):
+        join[j] = b.copy(rank, main_hi, main_hi + 1, main_hi)
+        b.depend(join[j], sinks.get(rank, np.zeros(0, np.int64)))
     # The tail in n_chunks = per * h chunks; chunk i's helper is H[i mod h], so the
     # chunks of one helper are h apart and consecutive chunks have different helpers.
     n_chunks = per * h
@@ -220,9 +231,7 @@ def r2ccl(
         u = (start + r) % m
         sids, rids = b.transfer(D[u], helper, lo, hi, chan=2, reduce=True, recv_deps=prev)
         if r == 0:
-            for j, rank in enumerate(healthy):
-                own = rids[j::h]
-                b.depend(own[:, None], sinks.get(rank, np.zeros(0, np.int64))[None, :])
+            b.depend(rids, join[i % h])
         for v in range(m):
             by_rank[v].append(sids[u == v])
         raw_sends.append(sids)
@@ -248,29 +257,81 @@ def r2ccl(
         raw_of[(start + r) % m, i] = raw_sends[r]
     for v in range(m):
         b.transfer(helper, D[v], lo, hi, chan=3, send_deps=final, recv_deps=raw_of[v])
-    # ... and the healthy ranks all-gather the finished chunks over their ring (member j
-    # owns chunks j, j + h, ...), one round of h chunks after the other, in the order they
-    # finish (a queue waiting for a late chunk would hold up the rest). A member's
-    # receives are chained (one queue: no time lost), so only its first waits for its
-    # AllReduce to be done with the tail.
-    q = h
+    # ... and to the other healthy ranks: along their ring, one round of h chunks after
+    # the other in the order they finish (member j owns chunks j, j + h, ...), or, with
+    # many healthy ranks (a chunk would take h - 1 hops round the ring after it
+    # finishes), along binomial trees.
+    if h <= RING_BROADCAST_MAX:
+        _ring_broadcast(b, H, lo, hi, final, join, per)
+    else:
+        _tree_broadcast(b, H, lo, hi, final, join)
+    return b.build()
+
+
+def _ring_broadcast(
+    b: ScheduleBuilder,
+    H: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    final: np.ndarray,
+    join: np.ndarray,
+    per: int,
+) -> None:
+    """All-gather of the finished chunks over the healthy ring, round by round (a queue
+    waiting for a late chunk would hold up the rest). A receive overwrites the rank's
+    partial sum of the chunk, so it waits for the rank's AllReduce, through the join."""
+    q = H.size
     k = np.arange(q)
     H1 = H[(k + 1) % q]
-    got = np.full(q, -1, dtype=np.int64)
-    first = np.full(q, -1, dtype=np.int64)
     for c in range(per):
-        cols = c * h + k  # chunk owned by member k in this round
+        cols = c * q + k  # chunk owned by member k in this round
         prev_send = final[cols]
         for t in range(q - 1):
             s = cols[(k - t) % q]  # chunk member k forwards
             _, rids = b.transfer(
-                H, H1, lo[s], hi[s], chan=4, send_deps=prev_send, recv_deps=got[(k + 1) % q]
+                H, H1, lo[s], hi[s], chan=4, send_deps=prev_send, recv_deps=join[(k + 1) % q]
             )
-            mine = rids[(k - 1) % q]  # what each member received, by member
-            first = np.where((first < 0) & (mine >= 0), mine, first)
-            got = np.where(mine >= 0, mine, got)
-            prev_send = mine
-    for j, rank in enumerate(healthy):
-        if first[j] >= 0:
-            b.depend(first[j], sinks.get(rank, np.zeros(0, np.int64)))
-    return b.build()
+            prev_send = rids[(k - 1) % q]  # what each member received, by member
+
+
+def _tree_broadcast(
+    b: ScheduleBuilder,
+    H: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    final: np.ndarray,
+    join: np.ndarray,
+) -> None:
+    """Each finished chunk from its helper to the other healthy ranks along a binomial
+    tree (NCCL broadcasts along trees too): a chunk that finishes last reaches every
+    healthy rank within log2(h) hops, where a ring takes h - 1 (at p = 1024 that alone
+    was 14% above the model). Roots rotate with the chunks, so every healthy rank
+    forwards about (h-1)/h of the tail."""
+    h = H.size
+    n_chunks = lo.size
+    i = np.arange(n_chunks)
+    # Tree position v of chunk i is healthy index (i + v g_i) mod h, with strides g_i
+    # coprime to h that change from chunk to chunk: chunks finish one after the other, and
+    # with one fixed layout the same ranks would be the busy inner nodes of consecutive
+    # trees (twice their bandwidth for a while, idle otherwise).
+    have = np.full((n_chunks, h), -1, dtype=np.int64)  # by chunk and position from root
+    have[:, 0] = final
+    strides = np.array([g for g in range(1, 8 * h + 2) if np.gcd(g, h) == 1][:64])
+    root = i % h
+    g = strides[(i // h * 7 + i) % strides.size]
+    span = 1
+    while span < h:
+        v = np.arange(min(span, h - span))
+        src = (root[:, None] + v[None, :] * g[:, None]) % h
+        dst = (root[:, None] + (v[None, :] + span) * g[:, None]) % h
+        _, rids = b.transfer(
+            H[src],
+            H[dst],
+            lo[:, None],
+            hi[:, None],
+            chan=4,
+            send_deps=have[:, v],
+            recv_deps=join[dst],
+        )
+        have[:, v + span] = rids
+        span *= 2
