@@ -93,6 +93,14 @@ PATTERNS = ("auto", "fold", "closer")
 #: Smallest message (one section of one segment) worth cutting a segment into.
 SECTION_BYTES = 16 * 1024
 
+#: How much above the bound the plan may go to attach ranks that would own almost
+#: nothing (see :func:`optcc_plan`): attached, they wait for the owners' reduce-scatter
+#: only, where as owners of a sliver they also wait for the all-gather.
+ATTACH_TOL = 1e-3
+
+#: A share below this fraction of the largest is "tiny" (see :func:`optcc_plan`).
+TINY_SHARE = 0.05
+
 #: Owners up to which the grid is a single row (a direct exchange among all owners).
 DIRECT_OWNERS = 128
 
@@ -135,7 +143,8 @@ class OptccPlan:
         Per rank, the share of every segment it owns (they sum to 1); 0 for an attached
         rank.
     time : float
-        Fluid time in units of n/B: the lower bound.
+        Fluid time in units of n/B: the lower bound, or at most :data:`ATTACH_TOL`
+        above it where ranks with tiny shares are attached instead.
     """
 
     weights: tuple[float, ...]
@@ -169,7 +178,13 @@ class OptccPlan:
 
 
 def optcc_plan(p: int, links: Links | str | None = None) -> OptccPlan:
-    """OptCC's plan for ``p`` ranks under ``links``: shares whose loads meet the bound."""
+    """OptCC's plan for ``p`` ranks under ``links``: shares whose loads meet the bound.
+
+    Ranks whose share would be below :data:`TINY_SHARE` of the largest are attached
+    instead when that costs at most :data:`ATTACH_TOL` of the time, and beyond
+    :data:`DIRECT_OWNERS` owners up to 8 more may be attached (same tolerance) when that
+    makes the owners' grid much cheaper to build (see ``_plan``).
+    """
     f = fractions(links, p)
     return _plan(p, tuple(f.round(12).tolist()))
 
@@ -182,21 +197,39 @@ def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     t = lower_bound(p, 1.0, 1.0, Links.from_vector(f)) * float(f.max())  # units n/B
     if p == 2:
         return OptccPlan((0.5, 0.5), t)
-    cap = t * f  # the most each rank can move in time t; all >= 1
-    need = 2.0 * (p - 1)
-    # Water-fill: L_r = min(cap_r, lam) with sum L = need (lam >= 1 since sum cap >= need).
-    c = np.sort(cap)
-    below = np.concatenate(([0.0], np.cumsum(c)))  # sum of the i smallest caps
-    lam = c[-1]
-    for i in range(p):
-        # lam within [c[i-1], c[i]]: the i smallest are capped, the rest at lam.
-        level = (need - below[i]) / (p - i)
-        if level <= c[i] + 1e-12:
-            lam = max(level, c[i - 1] if i else 1.0)
-            break
-    loads = np.minimum(cap, lam)
-    w = (loads - 1.0) / (p - 2)
-    w[w < 1e-9] = 0.0
+    none = np.zeros(p, dtype=bool)
+    w = _shares(f, t, none)
+
+    def attach_time(att: np.ndarray) -> float:
+        return max(t, (2.0 * (p - 1) - att.sum()) / f[~att].sum())
+
+    # Ranks left with a tiny share are attached instead when that costs at most
+    # ATTACH_TOL of the time: an attached rank's receives need only the owners' reduce-
+    # scatter, an owner's also its all-gather, so a slow owner idles longer at the start
+    # (simulated, p = 1024 with 8 ranks at half rate, each owning 0.0003%: 11% above the
+    # bound as owners).
+    attached = (w <= TINY_SHARE * w.max()) & (w < w.max())
+    if attached.any() and attach_time(attached) > t * (1.0 + ATTACH_TOL):
+        attached = w == 0.0
+    # With more owners than a direct exchange handles, a few more attached ranks can make
+    # the owners' grid much cheaper (1016 owners form an 8 x 127 grid, 1015 a 29 x 35
+    # one: half the operations per segment, so twice the segments); again within
+    # ATTACH_TOL.
+    if (~attached).sum() > DIRECT_OWNERS:
+        best = (_grid_cost(_shares(f, attach_time(attached), attached)), attached)
+        top = np.flatnonzero(~attached & (w >= w.max() * (1 - 1e-9)))[::-1]
+        for e in range(1, min(9, top.size)):
+            trial = attached.copy()
+            trial[top[:e]] = True
+            if attach_time(trial) > t * (1.0 + ATTACH_TOL):
+                break
+            cost = _grid_cost(_shares(f, attach_time(trial), trial))
+            if cost < 0.8 * best[0]:
+                best = (cost, trial)
+        attached = best[1]
+    if attached.any():
+        t = attach_time(attached)
+        w = _shares(f, t, attached)
     if w.sum() <= 0:  # pragma: no cover - sum of loads is 2(p-1) > p
         raise PlanError(f"OptCC plan: no rank can own anything under {f_tuple}")
     w = w / w.sum()
@@ -204,6 +237,29 @@ def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     w = np.round(w, 12)
     w = w / w.sum()
     return OptccPlan(tuple(float(x) for x in w), float(t))
+
+
+def _shares(f: np.ndarray, t: float, attached: np.ndarray) -> np.ndarray:
+    """Shares ``w = (L - 1)/(p - 2)`` whose loads ``L`` fit ``t f`` and sum to the
+    combining minimum ``2(p-1)``, attached ranks at ``L = 1``: water-filled,
+    ``L_r = min(t f_r, lam)``, so the fastest ranks get equal shares."""
+    p = f.size
+    cap = np.where(attached, 1.0, t * f)  # the most each rank can move in time t
+    need = 2.0 * (p - 1) - attached.sum()
+    owners = cap[~attached]
+    c = np.sort(owners)
+    below = np.concatenate(([0.0], np.cumsum(c)))  # sum of the i smallest caps
+    lam = c[-1]
+    for i in range(c.size):
+        # lam within [c[i-1], c[i]]: the i smallest are capped, the rest at lam.
+        level = (need - below[i]) / (c.size - i)
+        if level <= c[i] + 1e-12:
+            lam = max(level, c[i - 1] if i else 1.0)
+            break
+    loads = np.where(attached, 1.0, np.minimum(cap, lam))
+    w = (loads - 1.0) / (p - 2)
+    w[w < 1e-9] = 0.0
+    return w
 
 
 def optcc_time(
@@ -215,7 +271,8 @@ def optcc_time(
     latency: float = 0.0,
     k: int | None = None,
 ) -> float:
-    """OptCC's fluid time, which is the lower bound (see :func:`optcc_plan`); with ``k``
+    """OptCC's fluid time, the plan's: the lower bound, or at most :data:`ATTACH_TOL`
+    above it (see :func:`optcc_plan`); with ``k``
     equal segments, one segment's worth of pipeline head and tail added, ``(1 + 1/k)``
     times it (derived); plus one latency per step of a segment's critical path."""
     if p < 2:
@@ -289,6 +346,13 @@ def _grid_shape(plan: OptccPlan, grid: int | str) -> tuple[int, int]:
         return 1, h
     a = min(allowed, key=lambda a: (h // a + a, a))
     return a, h // a
+
+
+def _grid_cost(w: np.ndarray) -> int:
+    """Operations per segment of the automatic grid for shares ``w``."""
+    plan = OptccPlan(tuple(float(x) for x in np.round(w / w.sum(), 12)), 0.0)
+    a, b = _grid_shape(plan, "auto")
+    return _ops_per_segment(plan.p, a, b, len(plan.attached))
 
 
 def _layout(plan: OptccPlan, a: int) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import large_messages
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
-from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
+from optcc_mpi.schedule import Schedule, ScheduleBuilder, check_size, split
 
 __all__ = ["ring", "ring_time", "add_ring_allreduce", "reduce_scatter", "all_gather", "ring_chunks"]
 
@@ -184,6 +184,7 @@ def ring(
         Messages in flight per connection.
     """
     chunks = ring_chunks(-(-count // max(p, 1)), itemsize, chunk_bytes)
+    check_size("ring", 4 * p * (p - 1) * min(chunks, max(1, count)), p=p, chunks=chunks)
     b = ScheduleBuilder(p, count, "ring", window=window, chunks=chunks)
     add_ring_allreduce(b, range(p), 0, count, chunks=chunks)
     return b.build()

@@ -51,12 +51,17 @@ def _simulate_one(
     from optcc_mpi import algorithms
     from optcc_mpi.simulate import simulate
 
-    sched = algorithms.build(alg, p, count, links, **params)
+    # Built directly, not through the registry's cache: at p = 1024 a schedule takes
+    # gigabytes, and each is dropped once timed.
+    entry = algorithms.get(alg)
+    entry.check_params(params)
+    sched = entry.build(p, count, links, **params)
     res = simulate(sched, links, bw=bw, latency=latency)
     info = {"ops": int(sched.n_ops)}
-    k = sched.params.get("k") if hasattr(sched, "params") else None
+    k = sched.params.get("k")
     if k:
         info["k"] = ",".join(map(str, k)) if isinstance(k, (tuple, list)) else str(k)
+    del sched
     return res.time, info
 
 
