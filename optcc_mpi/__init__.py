@@ -3,17 +3,22 @@
 Collectives
 -----------
 ``allreduce(sendbuf, recvbuf=None, *, op="sum", comm=None, algorithm="auto", links=None)``
-    AllReduce of a NumPy or CuPy array with a choice of algorithms (``ring``, ``optcc``,
-    ``r2ccl``, ``native``, ``auto``) and a link profile naming degraded ranks.
+    AllReduce of NumPy or CuPy arrays, PyTorch tensors, buffers or mpi4py buffer
+    specifications, with every MPI element type and reduction, a choice of algorithms
+    (``ring``, ``optcc``, ``r2ccl``, ``native``, ``auto``) and a link profile naming
+    degraded ranks; ``docs/api.md``.
 ``Links``
     Per-rank NIC bandwidth as fractions of the healthy rate (``"0:0.5"``).
 ``IN_PLACE``
     Pass as ``sendbuf`` to reduce ``recvbuf`` in place (as in mpi4py).
+``Comm``
+    ``Comm(MPI.COMM_WORLD)``: an mpi4py communicator whose ``Allreduce`` is ours.
 
 Modules
 -------
 ``schedule``   the schedule representation shared by every algorithm and reader
 ``algorithms`` one module per algorithm, each a pure function returning a schedule
+``comm``       the per-communicator cache and the mpi4py-style ``Comm``
 ``executor``   runs a schedule with nonblocking mpi4py point-to-point calls
 ``simulate``   times a schedule under a link model by discrete events
 ``verify``     proves a schedule correct and deadlock-free, symbolically
@@ -36,6 +41,7 @@ _EXPORTS = {
     "OptccError": "optcc_mpi.errors",
     "allreduce": "optcc_mpi.collectives",
     "IN_PLACE": "optcc_mpi.collectives",
+    "Comm": "optcc_mpi.comm",
     "ALGORITHMS": "optcc_mpi.collectives",
     "Links": "optcc_mpi.links",
     "Emulation": "optcc_mpi.emulation",

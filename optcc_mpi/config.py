@@ -104,10 +104,16 @@ _ALL = (
     Variable(
         "OPTCC_LAUNCHER",
         None,
-        "Sweeps: `srun` or `mpiexec` (default: srun inside a Slurm allocation).",
+        "Launching ranks (demo, sweeps): the launcher's words, `{ranks}` replaced (default: "
+        "srun inside a Slurm allocation, else the MPI library's own mpiexec; docs/mpi.md).",
         "lab",
     ),
-    Variable("OPTCC_SRUN_MPI", None, "Sweeps: the `srun --mpi=` plugin (default `pmi2`).", "lab"),
+    Variable(
+        "OPTCC_SRUN_MPI",
+        None,
+        "The `srun --mpi=` plugin (default `pmi2` for MPICH, `pmix` for Open MPI).",
+        "lab",
+    ),
     Variable("OPTCC_PROGRAM", None, "Sweeps: the program each task runs.", "lab"),
     Variable("OPTCC_HOME", None, "Sweeps and job scripts: the project checkout.", "lab"),
     Variable(

@@ -24,12 +24,38 @@ import math
 from dataclasses import dataclass
 
 from optcc_mpi import config
-from optcc_mpi.links import Links, parse_duration, parse_rate
+from optcc_mpi.links import Links
+from optcc_mpi.units import parse_duration, parse_rate
 
-__all__ = ["Emulation", "Pacer", "ENV_EMULATE", "ENV_FRACTION"]
+__all__ = ["Emulation", "Pacer", "ENV_EMULATE", "ENV_FRACTION", "forced_fraction"]
 
 ENV_EMULATE = "OPTCC_EMULATE"
 ENV_FRACTION = "OPTCC_EMULATE_FRACTION"
+
+
+def forced_fraction() -> float | None:
+    """This process's ``$OPTCC_EMULATE_FRACTION`` as a number in (0, 1], or None if unset.
+
+    A per-rank input: :func:`optcc_mpi.allreduce` reads it before the ranks agree on
+    their arguments, so a bad value is an error on every rank rather than on one.
+
+    Raises
+    ------
+    ArgumentError
+        The value is not a number in (0, 1].
+    """
+    from optcc_mpi.errors import ArgumentError
+
+    text = config.get(ENV_FRACTION)
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 1):
+        raise ArgumentError(f"{ENV_FRACTION}={text!r} must be a number in (0, 1]")
+    return value
 
 
 @dataclass(frozen=True)
@@ -108,12 +134,13 @@ class Emulation:
         ``degrade`` if set, else from the call's link profile ``links``)."""
         fractions = (self.degrade if self.degrade is not None else links).vector(p)
         mine = float(fractions[rank])
-        forced = config.get(ENV_FRACTION)
-        if forced:
-            mine = float(forced)
-            if not 0 < mine <= 1:
-                raise ValueError(f"{ENV_FRACTION}={forced!r} must be in (0, 1]")
-        return Pacer(self, mine, float(fractions.min()), p)
+        forced = forced_fraction()
+        if forced is not None:
+            mine = forced
+        # Peers' own overrides are unknown here: the vector with this rank's entry replaced.
+        vector = [float(f) for f in fractions]
+        vector[rank] = mine
+        return Pacer(self, mine, min(vector), p, fractions=vector)
 
     def __str__(self) -> str:
         parts = []
@@ -127,22 +154,65 @@ class Emulation:
 
 
 class Pacer:
-    """One rank's virtual NIC: when to post sends and when receives are complete."""
+    """One rank's virtual NIC: when to post sends and when receives are complete.
 
-    def __init__(self, emu: Emulation, fraction: float, slowest: float, p: int) -> None:
+    A send to peer ``q`` is served at ``bw * min(f_self, f_q)``: a transfer runs at the
+    rate of the slower of its two ends, so messages *into* a slow rank are slow at the
+    sender too (``fractions`` is the whole profile; without it only this rank's own
+    fraction paces its sends). Receives are paced at this rank's own rate.
+
+    The pacer keeps its own accounting, so that what it charged can be checked without a
+    clock: ``charged_bytes`` and ``charged_seconds`` per direction (``"send"``,
+    ``"recv"``, ``"coll"``), and ``charged_to[q]``, the seconds of send service charged
+    for messages to peer ``q``.
+    """
+
+    def __init__(
+        self,
+        emu: Emulation,
+        fraction: float,
+        slowest: float,
+        p: int,
+        fractions: list[float] | None = None,
+    ) -> None:
         self.latency = emu.latency
+        self.bw = emu.bw
+        self.fraction = fraction
         self.rate = None if emu.bw is None else emu.bw * fraction
         self.coll_rate = None if emu.bw is None else emu.bw * slowest
         self.p = p
+        self.fractions = list(fractions) if fractions is not None else None
+        # Send rate per peer, precomputed: the executor asks once per message.
+        self._peer_rate = (
+            None
+            if emu.bw is None or self.fractions is None
+            else [emu.bw * min(fraction, f) for f in self.fractions]
+        )
         self.send_free = 0.0
         self.recv_free = 0.0
+        self.charged_bytes = {"send": 0, "recv": 0, "coll": 0}
+        self.charged_seconds = {"send": 0.0, "recv": 0.0, "coll": 0.0}
+        self.charged_to: dict[int, float] = {}
 
-    def send_release(self, now: float, nbytes: int) -> float:
-        """Time the send side finishes serving a message that became ready at ``now``."""
-        if self.rate is None:
+    def send_rate(self, peer: int | None = None) -> float | None:
+        """Bytes/s at which a send to ``peer`` is served (None: unpaced)."""
+        if self._peer_rate is not None and peer is not None:
+            return self._peer_rate[peer]
+        return self.rate
+
+    def send_release(self, now: float, nbytes: int, peer: int | None = None) -> float:
+        """Time the send side finishes serving a message to ``peer`` that became ready
+        at ``now``."""
+        rate = self.send_rate(peer)
+        if rate is None:
             return now
         start = max(now, self.send_free)
-        self.send_free = start + nbytes / self.rate
+        cost = nbytes / rate
+        self.send_free = start + cost
+        self.charged_bytes["send"] += nbytes
+        self.charged_seconds["send"] += cost
+        if peer is not None:
+            self.charged_to[peer] = self.charged_to.get(peer, 0.0) + cost
         return self.send_free
 
     def recv_done(self, posted: float, arrived: float, nbytes: int) -> float:
@@ -150,7 +220,10 @@ class Pacer:
         done = arrived
         if self.rate is not None:
             start = max(posted, self.recv_free)
-            self.recv_free = start + nbytes / self.rate
+            cost = nbytes / self.rate
+            self.recv_free = start + cost
+            self.charged_bytes["recv"] += nbytes
+            self.charged_seconds["recv"] += cost
             done = max(done, self.recv_free)
         return done + self.latency
 
@@ -159,5 +232,8 @@ class Pacer:
         held back by the slowest rank, with 2 log2(p) latencies."""
         t = posted + 2 * math.ceil(math.log2(max(self.p, 2))) * self.latency
         if self.coll_rate is not None:
-            t += 2 * (self.p - 1) / self.p * nbytes / self.coll_rate
+            cost = 2 * (self.p - 1) / self.p * nbytes / self.coll_rate
+            t += cost
+            self.charged_bytes["coll"] += nbytes
+            self.charged_seconds["coll"] += cost
         return t

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from optcc_mpi import config
+from optcc_mpi.units import parse_duration, parse_rate, parse_size
 
 __all__ = ["Links", "parse_size", "parse_rate", "parse_duration", "ENV_LINKS"]
 
@@ -161,70 +162,4 @@ class Links:
         return tuple(self.fractions.items())
 
 
-# -- unit parsing shared by the CLI and the API ---------------------------------------------
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1024**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1024**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"256M"`` (binary for bare K/M/G, as nccl-tests), ``"1GB"``, ``4096``."""
-    if isinstance(text, (int, np.integer)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"cannot parse size {text!r}; use e.g. 4096, 64K, 256M, 1G")
-    return int(round(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]))
-
-
-_RATE_UNITS = {
-    "b/s": 1.0,
-    "bps": 1.0,
-    "kb/s": 1e3,
-    "mb/s": 1e6,
-    "gb/s": 1e9,
-    "kib/s": 1024.0,
-    "mib/s": 1024.0**2,
-    "gib/s": 1024.0**3,
-    "kbit": 1e3 / 8,
-    "mbit": 1e6 / 8,
-    "gbit": 1e9 / 8,
-    "kbit/s": 1e3 / 8,
-    "mbit/s": 1e6 / 8,
-    "gbit/s": 1e9 / 8,
-}
-
-
-def parse_rate(text: str | float) -> float:
-    """Bytes per second from ``"25GB/s"``, ``"200MB/s"``, ``"400mbit"`` or a number."""
-    if isinstance(text, (int, float, np.floating)):
-        return float(text)
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z/]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or (unit and unit not in _RATE_UNITS):
-        raise ValueError(f"cannot parse bandwidth {text!r}; use e.g. 25GB/s, 200MB/s, 400mbit")
-    value = float(m.group(1)) * (_RATE_UNITS[unit] if unit else 1.0)
-    if value <= 0:
-        raise ValueError(f"bandwidth {text!r} must be positive")
-    return value
-
-
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``"20us"``, ``"1.5ms"``, ``"0.1s"`` or a number of seconds."""
-    if isinstance(text, (int, float, np.floating)):
-        return float(text)
-    m = re.fullmatch(r"\s*([0-9.]+(?:e-?[0-9]+)?)\s*(ns|us|µs|ms|s|)\s*", str(text))
-    if not m:
-        raise ValueError(f"cannot parse duration {text!r}; use e.g. 20us, 1.5ms, 0.1s")
-    scale = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "": 1.0}[m.group(2)]
-    return float(m.group(1)) * scale
+# Unit parsing lives in optcc_mpi.units; these names stay importable from here.

@@ -12,7 +12,10 @@ reference, since socket buffers can make a short transfer look faster than the l
 
 The probe runs through the executor (as tiny schedules), so software emulation paces it
 like any collective. Its cost is ``shifts * repeats`` exchanges of ``nbytes`` plus a
-barrier each; the result is cached on the communicator.
+barrier each; the result is cached on the communicator. All its messages, barriers and
+gathers travel on the communicator's private duplicate (:mod:`optcc_mpi.comm`), so a
+receive the user has posted, even with ``MPI.ANY_SOURCE`` and ``MPI.ANY_TAG``, never
+matches one of them.
 """
 
 from __future__ import annotations
@@ -89,12 +92,15 @@ def probe(
     healthy_above : float
         Fractions of the median rank's bandwidth at or above this count as healthy.
     """
+    from optcc_mpi.comm import state_of
     from optcc_mpi.emulation import Emulation
 
-    p, rank = comm.Get_size(), comm.Get_rank()
+    st = state_of(comm)
+    p, rank = st.size, st.rank
     t_start = time.perf_counter()
     if p < 2:
         return ProbeResult(Links(), np.full(1, np.inf), np.full(1, np.inf), 0.0, nbytes)
+    comm = st.private
     emu = Emulation.coerce(emulate)
     shifts = [1] if p == 2 else [1, 2]
     buf = np.zeros(nbytes, dtype=np.uint8)
@@ -123,18 +129,11 @@ def probe(
     return ProbeResult(links, send, recv, time.perf_counter() - t_start, nbytes, rates)
 
 
-_KEYVAL: list[Any] = []
-
-
 def cached_probe(comm: Any, *, emulate: Any = None, refresh: bool = False) -> ProbeResult:
-    """:func:`probe` once per communicator (cached as an MPI attribute)."""
-    from mpi4py import MPI
+    """:func:`probe` once per communicator (cached with the communicator's state)."""
+    from optcc_mpi.comm import state_of
 
-    if not _KEYVAL:
-        _KEYVAL.append(MPI.Comm.Create_keyval())
-    key = _KEYVAL[0]
-    got = None if refresh else comm.Get_attr(key)
-    if got is None:
-        got = probe(comm, emulate=emulate)
-        comm.Set_attr(key, got)
-    return got
+    st = state_of(comm)
+    if refresh or st.probe is None:
+        st.probe = probe(comm, emulate=emulate)
+    return st.probe

@@ -122,7 +122,7 @@ def simulate(
     send_rate = bw * frac
     recv_rate = bw * frac
     red = 0.0 if not reduce_bw else 1.0 / reduce_bw
-    use_c = _core() is not None and config.get("OPTCC_SIM") != "python"
+    use_c = config.get("OPTCC_SIM") != "python" and _core() is not None
     run = _run_c if use_c else _run_python
     posted, finish, send_busy, recv_busy, messages, rows = run(
         arrays, p, send_rate, recv_rate, latency, red, trace
@@ -361,21 +361,46 @@ def _run_c(
     return posted, finish, send_busy, recv_busy, messages, rows[:messages]
 
 
+def _installed_core(here: Path, digest: str | None) -> Path | None:
+    """The event loop built at install time, if it matches the source (or no source)."""
+    import importlib.machinery
+
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        lib = here / f"_simcore{suffix}"
+        if lib.exists():
+            stamp = here / "_simcore.sha256"
+            built = stamp.read_text().strip() if stamp.exists() else None
+            if digest is None or built == digest:
+                return lib
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _core() -> ctypes.CDLL | None:
-    """The compiled event loop, built on first use into a per-user cache; None when no C
-    compiler is available (the Python loop then runs, about 50 times slower)."""
-    src = Path(__file__).with_name("_simcore.c")
-    tag = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
-    cache = Path(config.get("OPTCC_CACHE") or Path.home() / ".cache" / "optcc_mpi")
-    lib_path = cache / f"simcore-{tag}.so"
+    """The compiled event loop; None when there is none (the Python loop then runs, about
+    50 times slower, with identical results).
+
+    The library built at install time (``setup.py``) is used when it was built from the
+    source beside it; otherwise (a checkout whose C source changed, or an install without
+    a compiler) it is compiled on first use into a per-user cache, when a C compiler is
+    available.
+    """
+    here = Path(__file__).parent
+    src = here / "_simcore.c"
+    digest = hashlib.sha256(src.read_bytes()).hexdigest() if src.exists() else None
+    lib_path = _installed_core(here, digest)
+    if lib_path is None:
+        if digest is None:
+            return None
+        cache = Path(config.get("OPTCC_CACHE") or Path.home() / ".cache" / "optcc_mpi")
+        lib_path = cache / f"simcore-{digest[:16]}.so"
     if not lib_path.exists():
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if not cc:
             return None
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            cache.mkdir(parents=True, exist_ok=True)
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run(
                 [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(src)],
                 check=True,

@@ -1,4 +1,8 @@
-"""The command line: info, model, simulate, bench and demo, as a user runs them."""
+"""The command line: info, model, simulate, bench and demo, as a user runs them.
+
+Jobs start with the launcher of the MPI library in use (``optcc_mpi.lab.launch``), so the
+same tests run under MPICH (``.venv``) and Open MPI (``.venv-ompi``; ``make test-ompi``).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +16,17 @@ import pytest
 
 from optcc_mpi.algorithms.r2ccl import r2ccl_time
 from optcc_mpi.cli import main
+from optcc_mpi.cli._common import parse_key_value
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.lab import launch
 
 EXE = [sys.executable, "-m", "optcc_mpi"]
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 ENV = {**os.environ, "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
+
+
+def mpiexec(ranks: int) -> list[str]:
+    """The words that start ``ranks`` ranks with this Python's MPI library."""
+    return launch.launcher_argv(ranks)
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -33,9 +44,64 @@ def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
 def test_info_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["mpi_vendor"].startswith("MPICH")
     assert {"python", "numpy", "mpi4py", "mpi_library", "cupy", "cuda_aware_mpi"} <= set(info)
     assert info["cupy"]["available"] in (True, False)
+    # The library mpi4py really loads, named with its version, and the matching launcher.
+    from mpi4py import MPI
+
+    name, version = MPI.get_vendor()
+    assert info["mpi_name"] == name and info["mpi_version"] == ".".join(map(str, version))
+    assert info["mpi_vendor"] == f"{name} {info['mpi_version']}"
+    family = {"MPICH": "mpich", "Open MPI": "openmpi"}[name]
+    assert info["mpi_family"] == family
+    lr = info["launcher"]
+    assert lr["kind"] == "mpiexec", lr
+    assert lr["flavour"] == {"mpich": "hydra", "openmpi": "openmpi"}[family]
+    assert Path(lr["program"]).exists() and lr["argv_for_2"][1:3] == ["-n", "2"]
+    assert name in lr["describe"]
+
+
+def test_info_table_names_library_and_launcher(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    lib = launch.mpi_library()
+    rows = {line[:18].strip(): line[18:].strip() for line in out.splitlines()}
+    assert rows["MPI library"].startswith(f"{lib.name} {lib.version} (MPI ")
+    assert rows["launcher"] == launch.launcher().describe()
+
+
+@pytest.mark.parametrize(
+    ("text", "typed", "expected"),
+    [
+        ("k=64", True, ("k", 64)),
+        ("fill=False", True, ("fill", False)),
+        ("x=0.5", True, ("x", 0.5)),
+        (" pattern = closer ", True, ("pattern", "closer")),
+        ("a=b=c", True, ("a", "b=c")),  # only the first = splits
+        ("N=1", False, ("N", "1")),  # untyped: environment values stay text
+        ("E=", False, ("E", "")),
+    ],
+)
+def test_key_value_parser(text: str, typed: bool, expected: tuple) -> None:
+    assert parse_key_value(text, typed=typed) == expected
+
+
+def test_key_value_errors_everywhere(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("novalue", "=3", ""):
+        with pytest.raises(ArgumentError, match="expected KEY=VALUE"):
+            parse_key_value(bad)
+    # The commands that take KEY=VALUE all use it and say the same thing.
+    for argv in (
+        ["simulate", "--p", "4", "--param", "k"],
+        ["report", "--simulate", "--param", "fill"],
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "expected KEY=VALUE, got" in capsys.readouterr().err
+    assert main(["testbed", "run", "--env", "NOPE", "--", "true"]) == 2
+    assert "expected --env KEY=VALUE, got 'NOPE'" in capsys.readouterr().err
+    assert main(["sweep", "expand", "allreduce", "loss"]) == 2
+    assert "expected COLUMN=V1,V2,..., got 'loss'" in capsys.readouterr().err
 
 
 def test_model_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,9 +142,7 @@ def test_simulate_verifies(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_under_mpiexec(tmp_path: Path) -> None:
     out = tmp_path / "rows.csv"
     res = run(
-        MPIEXEC,
-        "-n",
-        "3",
+        *mpiexec(3),
         *EXE,
         "bench",
         "-b",
@@ -128,7 +192,7 @@ def test_bench_reports_wrong_results(tmp_path: Path) -> None:
         "import sys; from optcc_mpi.cli import main\n"
         "sys.exit(main(['bench', '-b', '4K', '-e', '4K', '-n', '1', '--algorithms', 'ring']))\n"
     )
-    res = run(MPIEXEC, "-n", "2", sys.executable, str(script))
+    res = run(*mpiexec(2), sys.executable, str(script))
     assert res.returncode != 0
     assert "FAILED" in res.stdout
 
@@ -153,6 +217,9 @@ def test_demo_with_emulation(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "software emulation" in res.stdout
+    # It says which launcher and library ran the ranks, and used that launcher.
+    assert f"launcher: {launch.launcher().describe()}" in res.stdout
+    assert f"$ {launch.launcher_argv(3)[0]} -n 3" in res.stdout
     assert (tmp_path / "time-vs-size.png").stat().st_size > 10_000
     rows = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert {r["algorithm"] for r in rows} >= {"ring", "optcc", "r2ccl", "native", "auto"}
@@ -163,9 +230,7 @@ def test_bench_gloo_peer() -> None:
     """torch.distributed's gloo in the same table (optional: torch is an extra)."""
     pytest.importorskip("torch", reason="torch is an optional extra (pip install torch)")
     res = run(
-        MPIEXEC,
-        "-n",
-        "2",
+        *mpiexec(2),
         *EXE,
         "bench",
         "-b",

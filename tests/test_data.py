@@ -80,6 +80,7 @@ def _small_file(
     m: int = 37,
     n: int = 13,
     seed: int = 0,
+    csc: bool = True,
 ) -> np.ndarray:
     """Write a small dataset and return the X it holds (in float64)."""
     rng = np.random.default_rng(seed)
@@ -96,6 +97,7 @@ def _small_file(
         licence="CC0-1.0",
         dtype=dtype,
         chunk_cols=2 if not csr else None,
+        csc=csc,
     )
     return X
 
@@ -178,8 +180,8 @@ def test_convert_matches_sklearn(tmp_path: Path, layout: str, zero_based: bool) 
 def test_convert_across_many_blocks_and_chunks(tmp_path: Path, monkeypatch) -> None:
     # Tiny text blocks and chunks: rows straddle block ends and the dense writer flushes
     # many partial buffers; the result must not change.
-    monkeypatch.setattr(data, "_TEXT_BLOCK_BYTES", 97)
-    monkeypatch.setattr(data, "_CHUNK_BYTES", 8 * 5)
+    monkeypatch.setattr(data.svmlight, "_TEXT_BLOCK_BYTES", 97)
+    monkeypatch.setattr(data.layout, "_CHUNK_BYTES", 8 * 5)
     X = _random_sparse(203, 11, 0.5, seed=3)
     y = np.arange(203) % 4  # counts
     src = tmp_path / "in.svm"
@@ -599,8 +601,9 @@ def test_nonfinite_values_name_the_rank_and_position(tmp_path: Path) -> None:
         f["y"][4] = np.inf
     with pytest.raises(DatasetError, match="non-finite value inf in y at row 4"):
         data.load_partition(path, rank=0, size=3)
+    # CSR without its CSC copy (layout 1.0): the loader filters X itself.
     csr = tmp_path / "nan_csr.h5"
-    _small_file(csr, dtype="float64", csr=True)
+    _small_file(csr, dtype="float64", csr=True, csc=False)
     with h5py.File(csr, "r+") as f:
         idx, ptr = f["X/indices"][...], f["X/indptr"][...]
         k = int(np.flatnonzero(idx >= 9)[0])
@@ -610,6 +613,17 @@ def test_nonfinite_values_name_the_rank_and_position(tmp_path: Path) -> None:
         DatasetError,
         match=rf"-inf in X at row {row}, column {idx[k]} "
         r"\(block of rank 2",
+    ):
+        data.load_partition(csr, rank=2, size=3)
+    # CSR with its CSC copy: ranks read the copy.
+    _small_file(csr, dtype="float64", csr=True)
+    with h5py.File(csr, "r+") as f:
+        rows, ptr = f["X_csc/indices"][...], f["X_csc/indptr"][...]
+        k = int(ptr[11]) + 1  # the second entry of column 11, in rank 2's block
+        f["X_csc/data"][k] = -np.inf
+    with pytest.raises(
+        DatasetError,
+        match=rf"-inf in X at row {rows[k]}, column 11 \(block of rank 2",
     ):
         data.load_partition(csr, rank=2, size=3)
 
@@ -869,7 +883,7 @@ def test_mpi_bad_block_raises_on_every_rank(shared_dir: Path) -> None:
     msg = str(info.value)
     assert f"row 7, column {col} (block of rank {last}" in msg
     if comm.rank != last:
-        assert msg.startswith(f"rank {last} failed to load its block")
+        assert msg.startswith("could not load every rank's block") and f"(rank {last})" in msg
     comm.Barrier()
 
 

@@ -497,6 +497,99 @@ def test_gram_bf16_drives_gemm_ex_correctly():
     assert G.a.dtype == np.float32
 
 
+class _PointerArray(_DeviceArray):
+    """Device stand-in whose ``.data.ptr`` is its address, as a CuPy array's is."""
+
+    @property
+    def data(self):
+        import types
+
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+def _fake_cupy_with_cublas(calls, version="14.0.0"):
+    """A fake CuPy whose cuBLAS binding executes gemmEx on the arrays behind the pointers
+    and records every setStream and gemmEx call."""
+    import types
+
+    from optcc_mpi.backend import apply_plan
+
+    memory = {}
+
+    def register(a):
+        a = np.ascontiguousarray(a).view(_PointerArray)
+        memory[a.data.ptr] = a
+        return a
+
+    def gemmEx(handle, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, C, ct, ldc, *rest):
+        calls.append(("gemmEx", handle, memory[A].dtype.name))
+        plan = dict(transa=ta, transb=tb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc)
+        first, second = memory[A].astype(np.float64), memory[B].astype(np.float64)
+        memory[C][...] = apply_plan({**plan, "first": "A", "second": "B"}, first, second)
+
+    def setStream(handle, stream_ptr):
+        calls.append(("setStream", handle, stream_ptr))
+
+    stream = types.SimpleNamespace(ptr=4242)
+    return types.SimpleNamespace(
+        __version__=version,
+        asarray=lambda a, dtype=None: np.asarray(a, dtype=dtype).view(_PointerArray),
+        ascontiguousarray=register,
+        zeros=lambda *a, **k: np.zeros(*a, **k).view(_PointerArray),
+        empty=lambda shape, dtype: register(np.empty(shape, dtype=dtype)),
+        float32=np.float32,
+        is_available=lambda: True,
+        cuda=types.SimpleNamespace(
+            Device=lambda: types.SimpleNamespace(compute_capability="90"),
+            device=types.SimpleNamespace(get_cublas_handle=lambda: 7),
+            runtime=types.SimpleNamespace(),
+            cublas=types.SimpleNamespace(gemmEx=gemmEx, setStream=setStream),
+            get_current_stream=lambda: stream,
+        ),
+    )
+
+
+def test_device_rows_stay_bf16_and_gemm_ex_runs_on_the_current_stream():
+    calls = []
+    cp = _fake_cupy_with_cublas(calls)
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(64, 10))
+    rows = rng.permutation(64)[:24]
+    dev, host = LocalData(X, get_recipe("C"), xp=cp), LocalData(X, get_recipe("C"))
+    Yd, Yh = dev.gather(rows), host.gather(rows)
+    # The gathered rows stay bf16 on the device (no widening to fp32 and narrowing back).
+    assert dev.X.dtype == ml_dtypes.bfloat16 and Yd.dtype == ml_dtypes.bfloat16
+    assert Yh.dtype == np.float32  # the CPU widens once for float32 BLAS
+    Gp = dev.gram_packed(Yd, 3, 8)
+    # cuBLAS's handle is bound to CuPy's current stream right before the GemmEx, which
+    # reads the bf16 rows as they are.
+    assert calls == [("setStream", 7, 4242), ("gemmEx", 7, "bfloat16")]
+    np.testing.assert_allclose(Gp.get(), host.gram_packed(Yh, 3, 8), rtol=1e-6, atol=1e-6)
+    w = rng.normal(size=10)
+    np.testing.assert_array_equal(dev.margins(Yd, cp.asarray(w)).get(), host.margins(Yh, w))
+    v = rng.normal(size=24).astype(np.float32)
+    np.testing.assert_array_equal(dev.gradient(Yd, cp.asarray(v)).get(), host.gradient(Yh, v))
+
+
+def test_recipe_C_fit_on_a_fake_device_matches_the_host():
+    calls = []
+    X, y = problem("logistic")
+    kw = dict(model="logistic", solver="casgd", s=4, b=8, lr=0.5, epochs=1, comm=MPI.COMM_SELF)
+    host = fit(X, y, recipe="C", **kw)
+    dev = fit(X, y, recipe="C", device=_fake_cupy_with_cublas(calls), **kw)
+    assert dev.config["device"] == "gpu"
+    assert rel(dev.coef, host.coef) <= 1e-5
+    outer = host.stats["allreduce_calls"]  # one GemmEx per outer iteration, each bound
+    assert [c[0] for c in calls] == ["setStream", "gemmEx"] * outer
+
+
+def test_bf16_on_the_device_needs_cupy_14():
+    X = np.ones((8, 3))
+    with pytest.raises(ValueError, match=r"CuPy >= 14 \(found 13.6.0\)"):
+        LocalData(X, get_recipe("C"), xp=_fake_cupy_with_cublas([], version="13.6.0"))
+    LocalData(X, get_recipe("fp32"), xp=_fake_cupy_with_cublas([], version="13.6.0"))
+
+
 def test_estimators():
     from optcc_mpi.data import synth_arrays
 
@@ -521,8 +614,9 @@ def test_estimators():
     # must get close to what 40 epochs reach.
     long = CASGDRegressor("poisson", s=8, b=16, lr=0.2, epochs=40, comm=MPI.COMM_SELF)
     assert 0.1 < score and score > long.fit(Xp, yp).score(Xp, yp) - 0.01
-    with pytest.raises(ValueError, match="binary"):
-        CASGDClassifier(comm=MPI.COMM_SELF).fit(X, np.arange(1024) % 3)
+    # Three classes: one-vs-rest (tests/test_estimators.py checks it in depth).
+    three = CASGDClassifier(s=8, b=16, lr=1.0, epochs=1, comm=MPI.COMM_SELF)
+    assert three.fit(X, np.arange(1024) % 3).predict_proba(X).shape == (1024, 3)
 
 
 # --------------------------------------------------------------------------------------
@@ -586,6 +680,64 @@ def test_divergence_is_reported():
         fit(X * 50, y, model="poisson", lr=50.0, b=8, s=4, epochs=2, comm=MPI.COMM_SELF)
 
 
+def _diabetes():
+    data = pytest.importorskip("optcc_mpi.data")
+    try:
+        path = data.shipped("diabetes")
+    except FileNotFoundError:
+        pytest.skip("shipped dataset diabetes is not in data/")
+    part = data.load_partition(path, dtype="float64", intercept=True)
+    return part.X, part.y
+
+
+@pytest.mark.parametrize("solver", ["sgd", "casgd"])
+def test_growing_loss_is_divergence(solver):
+    # Full-batch gradient descent on diabetes (z-scored, with an intercept) at lr = 0.5
+    # never overflows: the loss falls from 1.45e4 to 2.5e3 in 5 steps, then grows about
+    # 1.2% a step (1.1e5 after 200). It must stop, with advice, once the loss is 10 times
+    # its best and above where it started (at step 135), not run on to the end.
+    X, y = _diabetes()
+    m = X.shape[0]
+    kw = dict(model="linear", solver=solver, b=m, s=1, lr=0.5, epochs=200, recipe="fp64")
+    records = []
+    with pytest.raises(DivergenceError, match=r"lr = 0.25 or smaller") as err:
+        fit(X, y, comm=MPI.COMM_SELF, on_record=records.append, **kw)
+    losses = [r["loss"] for r in records]
+    assert "10 times its best value" in str(err.value)
+    assert losses[-1] > 10 * min(losses[:-1]) and losses[-1] > losses[0]
+    # It stopped at the first record that breaks the rule, long before epoch 200.
+    assert all(L <= 10 * min(losses[: i + 1]) for i, L in enumerate(losses[:-1]))
+    assert len(records) < 150
+    # The rule can be turned off (the run then ends normally, far above its best loss) ...
+    off = fit(X, y, comm=MPI.COMM_SELF, divergence_factor=None, **{**kw, "epochs": 150})
+    assert off.final_loss > 10 * min(off.epoch_losses())
+    # ... and a converging run is not stopped.
+    ok = fit(X, y, comm=MPI.COMM_SELF, **{**kw, "lr": 0.3})
+    assert ok.final_loss < 1500
+
+
+def test_divergence_rule_spares_noise_near_a_perfect_fit():
+    # Noiseless least squares in recipe C: SGD drives the loss from 1e1 to the bf16 floor
+    # (~6e-6), where it jitters by more than 10x between records. The loss never rises
+    # above its starting value, so the rule must not fire.
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(256, 8))
+    y = X @ rng.normal(size=8)
+    kw = dict(model="linear", solver="casgd", s=4, b=8, lr=0.2, epochs=20, recipe="C")
+    res = fit(X, y, eval_every=8, comm=MPI.COMM_SELF, **kw)
+    losses = np.array([h["loss"] for h in res.history])
+    jitter = max(losses[i] / losses[:i].min() for i in range(1, len(losses)))
+    assert jitter > 10  # the factor alone would have stopped this run
+    assert losses[-1] < 1e-5 * losses[0]
+
+
+def test_divergence_factor_is_validated():
+    X, y = problem("linear")
+    for bad in (1.0, 0.5, -3, float("nan")):
+        with pytest.raises(ValueError, match="divergence_factor"):
+            fit(X, y, model="linear", b=8, s=4, divergence_factor=bad, comm=MPI.COMM_SELF)
+
+
 # --------------------------------------------------------------------------------------
 # checkpoints
 # --------------------------------------------------------------------------------------
@@ -614,6 +766,49 @@ def test_checkpoint_resume_in_process(tmp_path):
     assert resumed.stats["allreduce_calls"] == full.stats["allreduce_calls"]
     with pytest.raises(ValueError, match="different run"):
         fit(X, y, epochs=3, checkpoint=ck, resume=True, **{**kw, "lr": 0.4})
+
+
+def test_weighted_multi_output_run_resumes_exactly(tmp_path):
+    X, y = problem("logistic")
+    Y = np.column_stack([y, 1 - y])
+    w = np.random.default_rng(0).uniform(0.5, 2.0, y.shape[0])
+    kw = dict(model="logistic", s=4, b=8, lr=0.5, recipe="C", comm=MPI.COMM_SELF)
+    full = fit(X, Y, epochs=3, sample_weight=w, **kw)
+    ck = tmp_path / "ck.h5"
+    fit(X, Y, epochs=1, sample_weight=w, checkpoint=ck, checkpoint_every=5, **kw)
+    resumed = fit(X, Y, epochs=3, sample_weight=w, checkpoint=ck, resume=True, **kw)
+    np.testing.assert_array_equal(resumed.coef, full.coef)
+    with pytest.raises(ValueError, match="different run"):  # other weights: another run
+        fit(X, Y, epochs=3, sample_weight=w[::-1], checkpoint=ck, resume=True, **kw)
+
+
+def test_glm_imports_without_scikit_learn():
+    # Only the estimators need scikit-learn; fit and the train command must not.
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["sklearn"] = None  # import sklearn now fails
+        import optcc_mpi.glm as glm
+        assert callable(glm.fit)
+        try:
+            glm.CASGDClassifier
+        except ImportError as exc:
+            assert "scikit-learn" in str(exc), exc
+        else:
+            raise SystemExit("no ImportError")
+        """
+    )
+    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
 
 
 KILL_SCRIPT = textwrap.dedent(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +13,7 @@ import pytest
 
 from optcc_mpi.cli import build_parser, main
 from optcc_mpi.glm.solvers import EXIT_AFTER_ENV, EXIT_AFTER_STATUS
+from optcc_mpi.lab import launch
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -49,7 +48,8 @@ def test_help_teaches_with_examples():
     ):
         assert needle in text
     bench = _help("bench-glm")
-    assert "time to target" in bench and "mpiexec -n 8 optcc-mpi bench-glm" in bench
+    for needle in ("mpiexec -n 8 optcc-mpi bench-glm", "--bw 25GB/s", "PROJECTION", "t_crit"):
+        assert needle in bench
 
 
 def test_train_writes_json_with_final_loss(tmp_path, shipped, capsys):
@@ -92,19 +92,17 @@ def test_train_rejects_a_file_without_X(tmp_path, shipped, capsys):
     assert "missing dataset 'X'" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("mpiexec", path=str(VENV_BIN)) is None, reason="no mpiexec")
 def test_train_killed_under_mpiexec_resumes_bit_for_bit(tmp_path, shipped):
-    launcher = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "PRTE_")
-    env = {
-        k: v for k, v in os.environ.items() if k != EXIT_AFTER_ENV and not k.startswith(launcher)
-    }
+    # A new job with the launcher of the MPI library in use (its flags included), without
+    # the variables of any job this test itself may run in.
+    env = {k: v for k, v in launch.clean_env().items() if k != EXIT_AFTER_ENV}
 
     def train(checkpoint, extra=None):
         args = (
             "train --data breast_cancer --s 4 --b 16 --epochs 2 --recipe C --lambda 0.01 "
             "--no-progress --checkpoint-every 3 --resume --checkpoint"
         )
-        cmd = [str(VENV_BIN / "mpiexec"), "-n", "2", sys.executable, "-m", "optcc_mpi"]
+        cmd = [*launch.launcher_argv(2), sys.executable, "-m", "optcc_mpi"]
         cmd += [*args.split(), str(checkpoint)]
         return subprocess.run(
             cmd, env={**env, **(extra or {})}, cwd=REPO, capture_output=True, text=True, timeout=180
@@ -125,12 +123,13 @@ def test_train_killed_under_mpiexec_resumes_bit_for_bit(tmp_path, shipped):
 def test_bench_glm_smoke(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     argv = "bench-glm --m 1024 --n 16 --b 16 --epochs 1 --s 2,4 --recipes fp32,C --repeats 1"
-    status = main([*argv.split(), "--latency", "0,20us", "--out", str(out)])
+    status = main([*argv.split(), "--latency", "0,20us", "--quiet", "--out", str(out)])
     assert status == 0
     table = capsys.readouterr().out
-    assert "t_target(s)" in table and "sklearn" in table
+    assert "t_crit(s)" in table and "SGDClass" in table and "Logistic" in table
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 2 * (1 + 2 * 2 + 1)  # per latency: sgd, casgd x (2 recipes x 2 s), sklearn
+    # per latency: sgd, casgd x (2 recipes x 2 s), SGDClassifier, LogisticRegression
+    assert len(rows) == 2 * (1 + 2 * 2 + 2)
     for row in rows:
         assert row["command"].startswith("mpiexec -n 1 optcc-mpi bench-glm")
     ours = [r for r in rows if r["solver"] != "sklearn"]
@@ -138,3 +137,53 @@ def test_bench_glm_smoke(tmp_path, capsys):
     assert all(r["time_to_target_s"] is not None for r in ours)
     casgd = [r for r in ours if r["solver"] == "casgd"]
     assert {r["allreduce_calls"] for r in casgd if r["s"] == 4} == {1024 // 16 // 4}
+    # One rank: the network charges nothing; the critical path is compute alone.
+    assert all(r["net_charged_s"] == 0.0 and r["critical_s"] is not None for r in ours)
+    est = {r["estimator"] for r in rows if r["solver"] == "sklearn"}
+    assert est == {"SGDClassifier(log_loss)", "LogisticRegression(lbfgs)"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bw", "fast"], "cannot parse bandwidth 'fast'"),
+        (["--bw", "25Gbps"], "ambiguous"),
+        (["--bw", ""], "--bw needs at least one bandwidth"),
+        (["--latency=-5us"], "cannot parse duration"),
+        (["--latency", "5 parsecs"], "cannot parse duration"),
+        (["--s", "4,x"], "--s needs a comma list of integers"),
+        (["--s", "0"], "--s needs integers >= 1"),
+        (["--P", "1,8"], "--P needs integers >= 2"),
+        (["--recipes", "Z"], "unknown recipe"),
+        (["--m", "100", "--s", "16"], "exceeds the 100 rows"),
+        (["--tolerance", "2"], "--tolerance must be in (0, 1)"),
+        (["--plot", "x.png"], "add --project"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+    ],
+)
+def test_bench_glm_rejects_bad_options_with_the_fix(argv, message, capsys):
+    assert main(["bench-glm", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("optcc-mpi bench-glm: error:") and message in err
+
+
+def test_bench_glm_projection_writes_plot_and_follows_the_model(tmp_path, capsys):
+    out, png = tmp_path / "proj.json", tmp_path / "proj.png"
+    argv = "bench-glm --project --n 64 --b 8 --s 4 --recipes C --P 8,64 --quiet"
+    assert (
+        main([*argv.split(), "--latency", "5us,50us", "--plot", str(png), "--out", str(out)]) == 0
+    )
+    assert "PROJECTION" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads(out.read_text())
+    assert doc["projection"] is True and len(doc["networks"]) == 2
+    net = doc["networks"][1]
+    assert net["latency_s"] == pytest.approx(50e-6) and net["bw"] == 25e9
+    comp, nb = doc["compute_s_per_call"], doc["bytes_per_call"]
+    label = "casgd C s=4"
+    assert nb["sgd"] == 8 * 4 and nb[label] > 8 * 4  # b fp32 margins; margins + Gram
+    for i, p in enumerate((8, 64)):
+        rounds = {8: 3, 64: 6}[p]
+        t = (comp[label][str(p)] + rounds * (50e-6 + nb[label] / 25e9)) / 4
+        assert net["per_step_s"][label][i] == pytest.approx(t)
+        assert net["speedup"][label][i] == pytest.approx(doc["baseline_s_per_step"] / t)

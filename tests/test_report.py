@@ -426,7 +426,11 @@ def test_reproduce_sources_and_oracles() -> None:
     # the bound at p = 8, X = 1/2 is 1/(p-1) = 14.3% (the paper's "tension")
     assert get[(1, 8, 0.5, "ring")]["overhead_bound"] == pytest.approx(1 / 7)
     assert get[(1, 8, 0.5, "ring")]["overhead_model"] == pytest.approx(1.0)
-    assert get[(1, 8, 0.5, "r2ccl")]["overhead_model"] == pytest.approx(8 / 14)  # 57.1%
+    # R2CCL's model is 8/14 = 57.1% for K -> infinity; our schedule pipelines its tail in
+    # K = 16 chunks, and its registered cost says so: T3 = Y n / (f B) = n/B grows by 1/16,
+    # over T_ff = 14/8 n/B.
+    want = 8 / 14 + (1 / 16) / (14 / 8)
+    assert get[(1, 8, 0.5, "r2ccl")]["overhead_model"] == pytest.approx(want)
     for r in rows:
         assert r["overhead_model"] >= r["overhead_bound"] - 1e-9
         if r["overhead_sim"] is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from optcc_mpi.cli import main as cli_main
+from optcc_mpi.lab import launch
 from optcc_mpi.lab import testbed as tb
 
 HERE = Path(__file__).resolve().parent
@@ -83,11 +84,9 @@ def _assert_gone(name: str) -> None:
     [
         ("400mbit", 400_000_000),
         ("1gbit", 1_000_000_000),
-        ("50mbps", 400_000_000),  # tc: bps = bytes per second
+        ("50MB/s", 400_000_000),  # bytes per second, decimal (optcc_mpi.units)
         ("2.5Gbit", 2_500_000_000),
         ("100kbit", 100_000),
-        ("1mibit", 2**20),
-        ("64000", 64_000),
         (1_000_000, 1_000_000),
     ],
 )
@@ -95,7 +94,9 @@ def test_parse_rate_accepts_tc_units(text: str | int, bits: int) -> None:
     assert tb.parse_rate(text) == bits
 
 
-@pytest.mark.parametrize("text", ["fast", "400 mbits", "-1mbit", "1kbit", "", "0gbit", "mbit"])
+@pytest.mark.parametrize(
+    "text", ["fast", "400 mbits", "-1mbit", "1kbit", "", "0gbit", "mbit", "50mbps", "64000"]
+)
 def test_parse_rate_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError):
         tb.parse_rate(text)
@@ -111,6 +112,7 @@ def test_parse_degrade() -> None:
     assert tb.parse_degrade("3:0.25, 1:0.5") == {1: 0.5, 3: 0.25}
     assert tb.parse_degrade({2: 0.1}, ranks=4) == {2: 0.1}
     assert tb.parse_degrade("1:1.0") == {}  # a full-rate rank is healthy
+    assert tb.parse_degrade("4-7:0.75", ranks=8) == {r: 0.75 for r in range(4, 8)}
     assert tb.parse_degrade(None) == {} and tb.parse_degrade("") == {}
 
 
@@ -118,13 +120,14 @@ def test_parse_degrade() -> None:
     ("text", "message"),
     [
         ("0", "RANK:FRACTION"),
-        ("a:0.5", "not an integer"),
+        ("a:0.5", "cannot parse"),
         ("0:half", "not a number"),
         ("0:0", "(0, 1]"),
         ("0:1.5", "(0, 1]"),
-        ("-1:0.5", "negative"),
+        ("-1:0.5", "cannot parse"),
         ("0:0.5,0:0.25", "twice"),
-        ("4:0.5", "does not exist"),
+        ("4:0.5", "outside the communicator"),
+        ("2-5:0.5", "outside the communicator"),
     ],
 )
 def test_parse_degrade_errors_are_clear(text: str, message: str) -> None:
@@ -133,8 +136,10 @@ def test_parse_degrade_errors_are_clear(text: str, message: str) -> None:
 
 
 def test_parse_size_and_latency() -> None:
-    assert tb.parse_size("64kb") == 65536
-    assert tb.parse_size("1mb") == 2**20
+    # One meaning of every unit (optcc_mpi.units): KB/MB decimal, K/KiB binary.
+    assert tb.parse_size("64KiB") == tb.parse_size("64k") == 65536
+    assert tb.parse_size("64kb") == 64_000
+    assert tb.parse_size("1MB") == 10**6
     assert tb.parse_size(1500) == 1500
     assert tb.parse_latency("50ms") == 50_000
     assert tb.parse_latency(0.2) == 200_000
@@ -151,10 +156,13 @@ def test_names_are_validated() -> None:
 
 
 def test_launch_argv_shape() -> None:
-    """The argv enters the hub, uses the launcher, one host per rank, and forces TCP."""
+    """MPICH: the argv enters the hub, uses the launcher, one host per rank, forces TCP."""
     bed = tb.Testbed(name="optcctbargv", ranks=4, rate_bit=RATE)
-    argv = bed.launch_argv(["prog", "--x"], n=3, env={"OPTCC_FOO": "1", "UCX_TLS": "tcp"})
-    assert argv[1:4] == ["netns", "exec", "optcctbargv-hub"]
+    hydra = ("/x/bin/mpiexec", "hydra")
+    argv = bed.launch_argv(
+        ["prog", "--x"], n=3, env={"OPTCC_FOO": "1", "UCX_TLS": "tcp"}, mpiexec=hydra
+    )
+    assert argv[1:5] == ["netns", "exec", "optcctbargv-hub", "/x/bin/mpiexec"]
     assert argv[-2:] == ["prog", "--x"]
     assert argv[argv.index("-launcher-exec") + 1] == str(bed.nswrap)
     assert argv[argv.index("-hosts") + 1] == "r0,r1,r2"
@@ -168,6 +176,30 @@ def test_launch_argv_shape() -> None:
     assert tb.Testbed(name="x", ranks=2, rate_bit=RATE).launch_argv(["p"])[-1] == "p"
     with pytest.raises(ValueError, match="has 4"):
         bed.launch_argv(["prog"], n=5)
+
+
+def test_launch_argv_shape_open_mpi() -> None:
+    """Open MPI: PRRTE in the hub (own hostname), nswrap as its ssh agent, one slot per rank
+    host in rank order, root allowed, and the ob1/TCP transport on eth0 only."""
+    bed = tb.Testbed(name="optcctbargv", ranks=4, rate_bit=RATE)
+    argv = bed.launch_argv(
+        ["prog"], n=3, env={"OMPI_MCA_btl": "tcp,self,vader"}, mpiexec=("/o/mpiexec", "openmpi")
+    )
+    assert argv[1:4] == ["netns", "exec", "optcctbargv-hub"]
+    assert argv[argv.index("-c") + 1] == 'hostname hub && exec "$@"'
+    assert argv[argv.index("--prtemca") + 1 : argv.index("--prtemca") + 3] == [
+        "prte_ssh_agent",
+        str(bed.nswrap),
+    ]
+    assert argv[argv.index("--host") + 1] == "r0,r1,r2"
+    assert argv[argv.index("-n") + 1] == "3" and "--allow-run-as-root" in argv
+    xenv = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "-x")
+    assert xenv["OMPI_MCA_pml"] == "ob1" and xenv["OMPI_MCA_btl_tcp_if_include"] == "eth0"
+    assert xenv["OMPI_MCA_btl"] == "tcp,self,vader"  # explicit env wins
+    assert xenv["OPTCC_TESTBED_NAME"] == "optcctbargv" and "UCX_TLS" not in xenv
+    assert argv[-1] == "prog"
+    with pytest.raises(tb.TestbedError, match="neither"):
+        bed.launch_argv(["prog"], mpiexec=("/u/mpirun", "unknown"))
 
 
 # --------------------------------------------------------------------------- privileges
@@ -254,6 +286,26 @@ def test_up_builds_shaped_namespaces(bed: tb.Testbed) -> None:
         assert info["ranks"][rank]["ingress"]["dev"] == f"h{rank}"
         assert Path(f"/etc/netns/{NAME}-r{rank}/hosts").exists()
     assert tb.current(NAME) == bed
+    # Jumbo frames on both ends of every veth, and the congestion control asked for.
+    for rank in range(4):
+        link = subprocess.run(
+            ["ip", "-n", f"{NAME}-r{rank}", "link", "show", "eth0"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert f"mtu {tb.DEFAULT_MTU} " in link
+        cc = subprocess.run(
+            ["ip", "netns", "exec", f"{NAME}-r{rank}", "sysctl", "-n",
+             "net.ipv4.tcp_congestion_control"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        assert cc == tb.DEFAULT_CONGESTION
+
+
+def test_up_validates_mtu_and_congestion() -> None:
+    with pytest.raises(ValueError, match="mtu must be"):
+        tb.up(2, "400mbit", mtu=100, name="tbcheck")
+    with pytest.raises(ValueError, match="congestion must be"):
+        tb.up(2, "400mbit", congestion="vegas", name="tbcheck")
 
 
 @pytest.mark.root
@@ -281,30 +333,66 @@ def test_set_shaping_changes_rates_in_place(bed: tb.Testbed) -> None:
     assert tb.current(NAME).degrade == {1: 0.25}
     tb.set_shaping(None, name=NAME)
     assert all(rates == (RATE, RATE) for rates in _rates(NAME).values())
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="names rank 7, outside"):
         tb.set_shaping({7: 0.5}, name=NAME)
     tb.set_shaping({0: 0.5}, name=NAME)  # back to what the fixture built
 
 
+def _shaper_stats(bed: tb.Testbed) -> dict[int, dict[str, dict[str, int]]]:
+    """Per rank, the tbf qdiscs' counters: egress (rank's eth0), ingress (hub's h<rank>)."""
+
+    def stats(ns: str, dev: str) -> dict[str, int]:
+        out = subprocess.run(
+            ["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        (root,) = [q for q in json.loads(out) if q.get("root")]
+        assert root["kind"] == "tbf", root
+        return {"bytes": int(root["bytes"]), "overlimits": int(root["overlimits"])}
+
+    return {
+        r: {
+            "egress": stats(bed.rank_ns(r), "eth0"),
+            "ingress": stats(bed.hub_ns, bed.hub_dev(r)),
+        }
+        for r in range(bed.ranks)
+    }
+
+
 @pytest.mark.root
 @needs_netns
-def test_ring_allreduce_is_slowed_by_the_degraded_rank(bed: tb.Testbed, tmp_path: Path) -> None:
-    """A real MPI job: healthy vs degraded ring, reshaped from inside the job by rank 0."""
+def test_ring_allreduce_goes_through_the_shapers(bed: tb.Testbed, tmp_path: Path) -> None:
+    """A real MPI job: healthy vs degraded ring, reshaped from inside the job by rank 0; its
+    bytes cross the shaped links and the shapers pace them."""
     out = tmp_path / "ring.json"
     mib, iters, warmup = 8, 3, 1
     cmd = [sys.executable, str(RING), "--mib", str(mib), "--iters", str(iters)]
     cmd += ["--warmup", str(warmup), "--degrade", "0:0.5", "--out", str(out)]
-    before = bed.counters()
+    before, shaped_before = bed.counters(), _shaper_stats(bed)
     done = subprocess.run(bed.launch_argv(cmd), capture_output=True, text=True, timeout=180)
-    after = bed.counters()
+    after, shaped_after = bed.counters(), _shaper_stats(bed)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     healthy = result["phases"]["healthy"]["median"]
     degraded = result["phases"]["degraded"]["median"]
-    ratio = degraded / healthy
-    print(f"ring ({result['impl']}) healthy {healthy:.3f}s degraded {degraded:.3f}s x{ratio:.2f}")
-    # One rank at half rate halves a ring's throughput (ideal 2.0; measured ~2.1 here).
-    assert ratio >= 1.6, result
+    # A measurement, printed; no wall-clock ratio is asserted (the benchmarks keep those:
+    # ideal 2.0, measured ~2.1 with MPICH, ~1.3 with Open MPI's CPU-bound TCP on 2 cores).
+    print(
+        f"ring ({result['impl']}, {launch.mpi_library()}) healthy {healthy:.3f}s "
+        f"degraded {degraded:.3f}s x{degraded / healthy:.2f}"
+    )
+    # The shapers' own accounting instead: every byte a rank sent went through its tbf, and
+    # every tbf held packets back (overlimits: it paced the traffic, in both directions).
+    for rank in range(4):
+        for side in ("egress", "ingress"):
+            moved = shaped_after[rank][side]["bytes"] - shaped_before[rank][side]["bytes"]
+            held = shaped_after[rank][side]["overlimits"] - shaped_before[rank][side]["overlimits"]
+            wire = after[rank]["tx" if side == "egress" else "rx"]
+            wire -= before[rank]["tx" if side == "egress" else "rx"]
+            assert moved >= 0.98 * wire, (rank, side, moved, wire)
+            assert held > 0, (rank, side, shaped_after[rank][side])
     # Every rank sends and receives 2(n-1)/n of the message per ring, all through its eth0:
     # the counters must have risen by that much (plus TCP/IP headers, a few percent).
     n = result["ranks"]
@@ -541,7 +629,8 @@ def test_wrapper_prefers_the_launchers_rank() -> None:
 @pytest.mark.root
 @needs_netns
 def test_probe_finds_the_half_rate_rank(bed: tb.Testbed, tmp_path: Path) -> None:
-    """links="probe" on real shaped links: rank 0 at half rate is found every time."""
+    """links="probe" on real shaped links: rank 0 at half rate, and only it, is found every
+    time."""
     script = tmp_path / "probe_job.py"
     out = tmp_path / "probe.json"
     script.write_text(
@@ -557,6 +646,9 @@ def test_probe_finds_the_half_rate_rank(bed: tb.Testbed, tmp_path: Path) -> None
         bed.launch_argv([sys.executable, str(script)]), capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    for profile in json.loads(out.read_text()):
+    found = json.loads(out.read_text())
+    # Which rank is slow is what the probe decides; the fraction it measures is a timing
+    # (0.5 on a quiet machine, up to 0.7 with the load of other jobs), printed, not asserted.
+    print(f"probe ({launch.mpi_library()}): {found}")
+    for profile in found:
         assert list(profile) == ["0"], profile
-        assert profile["0"] == pytest.approx(0.5, abs=0.1)

@@ -186,7 +186,9 @@ def optcc_plan(p: int, links: Links | str | None = None) -> OptccPlan:
     makes the owners' grid much cheaper to build (see ``_plan``).
     """
     f = fractions(links, p)
-    return _plan(p, tuple(f.round(12).tolist()))
+    # Rounded to 12 significant digits (not decimals: 1e-13 must not become 0) so that
+    # profiles equal up to rounding share a cache entry.
+    return _plan(p, tuple(float(f"{x:.12g}") for x in f.tolist()))
 
 
 @lru_cache(maxsize=256)

@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "train",
     "bench_glm",
     "report",
+    "sweep",
 )
 
 
@@ -59,12 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        status = args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"optcc-mpi {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    return int(status or 0)
+    from optcc_mpi.cli._common import run_command
+
+    # Errors print one line; under MPI an uncaught exception on one rank aborts the job.
+    return run_command(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

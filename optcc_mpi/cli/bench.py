@@ -6,7 +6,19 @@ import argparse
 import sys
 from typing import Any
 
-from optcc_mpi.cli._common import rate_arg, size_arg
+from optcc_mpi.cli._common import (
+    duration_arg,
+    emulation_arg,
+    float_above,
+    int_at_least,
+    links_or_probe_arg,
+    positive_size_arg,
+    rate_arg,
+)
+
+#: Element types and reductions the benchmark's exact check covers (lab.bench._inputs).
+BENCH_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
+BENCH_OPS = ("sum", "max", "min")
 
 EPILOG = """\
 Run it under mpiexec, srun, or `optcc-mpi testbed run`. For every size it first times the
@@ -25,19 +37,40 @@ examples:
   optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
   optcc-mpi testbed run -- optcc-mpi bench -b 16M -e 64M -f 2 -n 3 --out tb.jsonl
 
+  # where the bubbles are: per-rank busy fractions, traces and the slow rank's timeline
+  optcc-mpi testbed run -- optcc-mpi bench -b 32M -e 32M --algorithms optcc --trace tb-trace
+
   # let the probe find the slow rank, and keep the results
   mpiexec -n 8 optcc-mpi bench --links probe --emulate bw=100MB/s,degrade=3:0.5 --out r.csv
 """
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Checks that involve several arguments (each alone was checked by its type);
+    ValueError naming what the user typed. Runs before MPI is touched."""
+    from optcc_mpi.backend import DTYPES
+
+    itemsize = DTYPES[args.dtype].itemsize
+    for flag, value in (("-b/--begin", args.begin), ("-e/--end", args.end)):
+        if value < itemsize:
+            raise ValueError(
+                f"{flag} {value} bytes is less than one {args.dtype} element "
+                f"({itemsize} bytes): nothing to reduce"
+            )
+    if args.end < args.begin:
+        raise ValueError(f"-e/--end {args.end} is smaller than -b/--begin {args.begin}")
+    if args.begin != args.end and args.factor <= 1:
+        raise ValueError(f"-f/--factor {args.factor:g} must be above 1 to step from -b to -e")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     from mpi4py import MPI
 
-    from optcc_mpi.emulation import Emulation
     from optcc_mpi.lab import bench
 
     comm = MPI.COMM_WORLD
-    algs = args.algorithms.split(",")
+    algs = args.algorithms
     cfg = bench.BenchConfig(
         sizes=bench.sizes(args.begin, args.end, args.factor),
         algorithms=algs,
@@ -46,10 +79,13 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         op=args.op,
         links=args.links,
-        emulate=Emulation.coerce(args.emulate) if args.emulate else None,
+        emulate=args.emulate,
         bw=args.bw,
         reference=not args.no_reference,
         command="optcc-mpi " + " ".join(sys.argv[1:]),
+        trace=args.trace,
+        latency=args.latency,
+        efficiency=args.efficiency,
     )
     rows = bench.run(cfg, comm)
     if comm.Get_rank() == 0:
@@ -63,15 +99,34 @@ def run(args: argparse.Namespace) -> int:
         print(bench.table(rows))
         wrong = sum(r["wrong"] for r in rows)
         print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+        if args.trace:
+            print(
+                f"# busy fractions of rank {rows[0].get('busy_rank', 0) if rows else 0} "
+                f"(all ranks in the JSON rows); traces and timelines in {args.trace}/"
+            )
         if args.out:
             bench.write(rows, args.out)
             print(f"# wrote {len(rows)} rows to {args.out}")
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
-def register(subparsers: Any) -> None:
-    from optcc_mpi.backend import DTYPES, OPS
+def _algorithms_arg(text: str) -> list[str]:
+    """argparse type: registered algorithm names, ``auto`` and ``gloo``."""
+    from optcc_mpi import algorithms
 
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    every = [*algorithms.names(), "auto", "gloo"]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected algorithm names")
+    for name in names:
+        if name not in every:
+            raise argparse.ArgumentTypeError(
+                f"unknown algorithm {name!r} in {text!r}; choose from {','.join(every)}"
+            )
+    return names
+
+
+def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
         help="AllReduce benchmark in the style of nccl-tests (run under mpiexec/srun)",
@@ -81,24 +136,48 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-b", "--begin", type=size_arg, default=1 << 20, help="smallest size (1M)")
-    p.add_argument("-e", "--end", type=size_arg, default=16 << 20, help="largest size (16M)")
-    p.add_argument("-f", "--factor", type=float, default=2.0, help="size step factor (2)")
-    p.add_argument("-n", "--iters", type=int, default=5, help="timed iterations (5)")
-    p.add_argument("-w", "--warmup", type=int, default=1, help="warm-up iterations (1)")
-    p.add_argument("-d", "--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("-o", "--op", choices=list(OPS), default="sum")
+    p.add_argument(
+        "-b", "--begin", type=positive_size_arg, default=1 << 20, help="smallest size (1M)"
+    )
+    p.add_argument(
+        "-e", "--end", type=positive_size_arg, default=16 << 20, help="largest size (16M)"
+    )
+    p.add_argument(
+        "-f",
+        "--factor",
+        type=float_above(0.0, "the size step factor"),
+        default=2.0,
+        help="size step factor, above 1 unless -b equals -e (2)",
+    )
+    p.add_argument(
+        "-n",
+        "--iters",
+        type=int_at_least(1, "timed iterations"),
+        default=5,
+        help="timed iterations (5)",
+    )
+    p.add_argument(
+        "-w",
+        "--warmup",
+        type=int_at_least(0, "warm-up iterations"),
+        default=1,
+        help="warm-up iterations (1)",
+    )
+    p.add_argument("-d", "--dtype", choices=BENCH_DTYPES, default="float32")
+    p.add_argument("-o", "--op", choices=BENCH_OPS, default="sum")
     from optcc_mpi import algorithms
 
     every = [*algorithms.names(), "auto"]
     p.add_argument(
         "--algorithms",
-        default=",".join(every),
+        type=_algorithms_arg,
+        default=every,
         help=f"comma-separated from {','.join(every)},gloo (default: all but gloo; "
         "gloo: torch.distributed, when torch is installed)",
     )
     p.add_argument(
         "--links",
+        type=links_or_probe_arg,
         default=None,
         metavar="RANK:FRACTION[,...]|probe",
         help="degraded ranks, or 'probe' to measure them; default $OPTCC_LINKS, "
@@ -106,6 +185,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--emulate",
+        type=emulation_arg,
         default=None,
         metavar="bw=RATE,latency=TIME[,degrade=...]",
         help="software link emulation (the --links ranks are slowed)",
@@ -117,5 +197,30 @@ def register(subparsers: Any) -> None:
         help="healthy link rate for the model columns (default: from the emulation or the testbed)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free ring reference")
+    p.add_argument(
+        "--trace",
+        nargs="?",
+        const="trace",
+        default=None,
+        metavar="DIR",
+        help="report, for the last iteration of every row, the fraction of the run each "
+        "rank's send and receive sides were busy (from the executor's timestamps; "
+        "docs/bench.md defines busy), and write per-message traces and a timeline PNG of "
+        "the degraded rank to DIR (default ./trace)",
+    )
+    p.add_argument(
+        "--latency",
+        type=duration_arg,
+        default=None,
+        help="per-message cost for the model column (default: the emulated latency, else 0)",
+    )
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=1.0,
+        help="fraction of the nominal rate the transport delivers, for the model column "
+        "(measure it: the fault-free ring's model / its time); rows also give the bound at "
+        "that delivered rate (bound_delivered_us)",
+    )
     p.add_argument("--out", help="write rows as JSON lines (CSV if the name ends in .csv)")
     p.set_defaults(func=run)

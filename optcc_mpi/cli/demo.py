@@ -36,7 +36,7 @@ def _use_testbed(args: argparse.Namespace) -> tuple[bool, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from optcc_mpi.lab import testbed
+    from optcc_mpi.lab import launch, testbed
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -64,11 +64,9 @@ def run(args: argparse.Namespace) -> int:
         "--out",
         str(rows_path),
     ]
-    env = dict(os.environ)
-    if args.ranks > (os.cpu_count() or 1):
-        # Ranks beyond the cores poll each other's progress engines; throttling idle
-        # progress makes oversubscribed MPICH runs an order of magnitude faster.
-        env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+    # Ranks beyond the cores poll each other's progress engines; throttling idle progress
+    # makes oversubscribed MPICH runs an order of magnitude faster (launch.oversubscription_env).
+    extra = launch.oversubscription_env(args.ranks)
     use_tb, why = _use_testbed(args)
     t0 = time.perf_counter()
     if use_tb:
@@ -76,11 +74,12 @@ def run(args: argparse.Namespace) -> int:
             f"network: testbed ({why}); {args.ranks} ranks at {args.rate}, degraded {args.links}",
             flush=True,
         )
+        print(f"MPI: {launch.mpi_library()}", flush=True)
         testbed.down()  # a leftover from an interrupted run
         tb = testbed.up(args.ranks, args.rate, degrade=args.links)
         try:
             print("$ optcc-mpi testbed run -- " + shlex.join(bench[1:]), flush=True)
-            status = tb.run(bench, env=env)
+            status = tb.run(bench, env=extra)
         finally:
             testbed.down()
             print("testbed removed", flush=True)
@@ -92,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
             f"{rate / 1e6:g} MB/s virtual NICs, degraded {args.links}",
             flush=True,
         )
-        cmd = [testbed.find_mpiexec(), "-n", str(args.ranks), *bench]
+        chosen = launch.launcher()
+        cmd = [*chosen.argv(args.ranks), *bench]
+        print(f"launcher: {chosen.describe()}", flush=True)
         print("$ " + shlex.join(cmd), flush=True)
-        status = subprocess.call(cmd, env=env)
+        status = subprocess.call(cmd, env={**os.environ, **extra, **chosen.env(args.ranks)})
     took = time.perf_counter() - t0
     if rows_path.exists():
         rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line]

@@ -1,38 +1,34 @@
-"""``optcc-mpi info``: versions, MPI library, GPU and CUDA-awareness."""
+"""``optcc-mpi info``: versions, MPI library and launcher, GPU and CUDA-awareness."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from typing import Any
 
 
 def collect() -> dict[str, Any]:
-    """Everything ``info`` reports, as a dictionary."""
-    import h5py
-    import ml_dtypes
-    import mpi4py
-    import numpy as np
+    """Everything ``info`` reports, as a dictionary (the provenance record's parts, see
+    :mod:`optcc_mpi.lab.provenance`, and what needs MPI initialised)."""
     from mpi4py import MPI
 
     import optcc_mpi
     from optcc_mpi import backend, simulate
+    from optcc_mpi.lab import provenance
 
+    mpi = provenance.mpi()  # after the import above: read from the loaded library
     info: dict[str, Any] = {
         "optcc_mpi": optcc_mpi.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "numpy": np.__version__,
-        "ml_dtypes": ml_dtypes.__version__,
-        "h5py": h5py.__version__,
-        "hdf5": h5py.version.hdf5_version,
-        "mpi4py": mpi4py.__version__,
-        "mpi_vendor": "{} {}".format(MPI.get_vendor()[0], ".".join(map(str, MPI.get_vendor()[1]))),
-        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        **provenance.versions(),
+        "mpi_name": mpi["vendor"],
+        "mpi_version": mpi["version"],
+        "mpi_family": mpi["family"],
+        "mpi_vendor": f"{mpi['vendor']} {mpi['version']}",
+        "mpi_standard": mpi["standard"],
+        "mpi_library": mpi["library"],
         "mpi_ranks": MPI.COMM_WORLD.Get_size(),
+        "launcher": provenance.launcher(),
         "cupy": backend.cupy_status(),
         "cuda_aware_mpi": backend.cuda_aware_mpi(),
         "simulator_engine": "compiled" if simulate._core() is not None else "python",
@@ -61,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     )
+    lr = info["launcher"]
+    launcher = lr.get("describe") or f"none: {lr.get('error')}"
     rows = [
         ("optcc_mpi", info["optcc_mpi"]),
         ("Python", f"{info['python']} ({info['platform']})"),
@@ -68,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
         ("ml_dtypes", info["ml_dtypes"]),
         ("h5py / HDF5", f"{info['h5py']} / {info['hdf5']}"),
         ("mpi4py", info["mpi4py"]),
-        ("MPI library", info["mpi_library"]),
-        ("MPI vendor", f"{info['mpi_vendor']} (MPI {info['mpi_standard']})"),
+        ("MPI library", f"{info['mpi_vendor']} (MPI {info['mpi_standard']})"),
+        ("MPI build", info["mpi_library"]),
+        ("launcher", launcher),
         ("ranks in this run", info["mpi_ranks"]),
         ("GPU", gpu),
         (
@@ -91,9 +90,10 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "info",
         help="versions, MPI library, GPU and CUDA-awareness",
-        description="Show the versions of Python, NumPy and mpi4py, the MPI library and its "
-        "vendor, whether CuPy and a GPU are usable, and whether the MPI library accepts "
-        "device buffers (CUDA-aware).",
+        description="Show the versions of Python, NumPy and mpi4py, the MPI library (MPICH, "
+        "Open MPI, ...) and its version, the launcher that `demo`, the testbed and sweeps "
+        "will start ranks with, whether CuPy and a GPU are usable, and whether the MPI "
+        "library accepts device buffers (CUDA-aware).",
         epilog="examples:\n  optcc-mpi info\n  optcc-mpi info --json > info.json\n"
         "  srun -n 1 optcc-mpi info      # what the compute nodes see",
         formatter_class=argparse.RawDescriptionHelpFormatter,

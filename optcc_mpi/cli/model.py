@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from optcc_mpi import algorithms
-from optcc_mpi.cli._common import add_network_args, print_table
+from optcc_mpi.cli._common import add_network_args, losses_arg, print_table, ranks_list_arg
 from optcc_mpi.links import Links
 
 EPILOG = """\
@@ -63,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     links: Links = args.degrade
-    links.check(args.p)
+    try:
+        links.check(args.p)
+    except ValueError as exc:
+        raise ValueError(f"--degrade {links}: {exc} (set by --p {args.p})") from None
     t = model.table(args.p, args.size, args.bw, links, latency=args.latency)
     if args.json:
         print(json.dumps(t))
@@ -114,14 +117,17 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--ps",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=ranks_list_arg,
         default=[8, 16, 32, 64, 128],
-        help="ranks for --sweep (default 8,16,32,64,128)",
+        metavar="P[,P...]",
+        help="ranks for --sweep, each at least 2 (default 8,16,32,64,128)",
     )
     p.add_argument(
         "--losses",
-        type=lambda s: [float(x) for x in s.split(",")],
+        type=losses_arg,
         default=[0.125, 0.25, 0.5],
-        help="bandwidth losses for --sweep (default 0.125,0.25,0.5)",
+        metavar="LOSS[,LOSS...]",
+        help="bandwidth losses of rank 0 for --sweep, each in [0, 1): 0.25 means rank 0 "
+        "keeps 75%% of the healthy rate (default 0.125,0.25,0.5)",
     )
     p.set_defaults(func=run)

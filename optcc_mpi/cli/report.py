@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from optcc_mpi.cli._common import duration_arg, rate_arg, size_arg
+from optcc_mpi.cli._common import duration_arg, key_value_arg, rate_arg, size_arg
 
 EPILOG = """\
 Two modes.
@@ -58,27 +58,6 @@ def _floats(text: str) -> list[float]:
     if any(not 0 < v < 1 for v in vals):
         raise argparse.ArgumentTypeError("losses are fractions of bandwidth lost, in (0, 1)")
     return vals
-
-
-def _params(items: list[str]) -> dict[str, Any]:
-    """``["fill=False", "k=64"]`` -> ``{"fill": False, "k": 64}``."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--param: expected KEY=VALUE, got {item!r}")
-        value: Any = text.strip()
-        if value.lower() in ("true", "false"):
-            value = value.lower() == "true"
-        else:
-            for conv in (int, float):
-                try:
-                    value = conv(value)
-                    break
-                except ValueError:
-                    continue
-        out[key.strip()] = value
-    return out
 
 
 def register(subparsers: Any) -> None:
@@ -138,6 +117,7 @@ def register(subparsers: Any) -> None:
     )
     s.add_argument(
         "--param",
+        type=key_value_arg,
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -204,7 +184,7 @@ def _simulate(args: argparse.Namespace) -> int:
         bw=args.bw,
         latency=args.latency,
         sim_max_p=args.sim_max_p,
-        params={**({"k": args.segments} if args.segments else {}), **_params(args.param)},
+        params={**({"k": args.segments} if args.segments else {}), **dict(args.param)},
         progress=not args.no_progress,
     )
     if not rows:

@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from optcc_mpi.cli._common import add_network_args, algorithms_arg, print_table
+from optcc_mpi.cli._common import add_network_args, algorithms_arg, key_value_arg, print_table
 from optcc_mpi.links import Links
 
 EPILOG = """\
@@ -23,21 +23,6 @@ examples:
   optcc-mpi simulate --p 1024 --algorithms ring --size 1G --bw 50GB/s
   optcc-mpi simulate --p 16 --degrade 0:0.5,5:0.75 --verify --json
 """
-
-
-def _param(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    if value.lower() in ("true", "false"):
-        return key, value.lower() == "true"
-    try:
-        return key, int(value)
-    except ValueError:
-        try:
-            return key, float(value)
-        except ValueError:
-            return key, value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,7 +138,7 @@ def register(subparsers: Any) -> None:
     add_network_args(p)
     p.add_argument(
         "--param",
-        type=_param,
+        type=key_value_arg,
         action="append",
         default=[],
         metavar="KEY=VALUE",

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from optcc_mpi.cli._common import key_values
 from optcc_mpi.lab import testbed as tb
 
 DESCRIPTION = """\
@@ -69,8 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5\n"
         "  optcc-mpi testbed up --ranks 4 --rate 1gbit --degrade 1:0.25,2:0.5 --force\n"
-        "  optcc-mpi testbed up --ranks 4 --rate 50mbps --burst 128kb --latency 20ms\n\n"
-        "rates are tc-style: bit, kbit, mbit, gbit (bits/s); bps, kbps, mbps, gbps (BYTES/s)",
+        "  optcc-mpi testbed up --ranks 4 --rate 50MB/s --burst 128KiB --latency 20ms\n\n"
+        "units (optcc_mpi.units): kbit, mbit, gbit are bits/s; KB/s, MB/s, GB/s bytes/s; "
+        "KiB, MiB binary, KB, MB decimal",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p_up.add_argument("--ranks", "-n", type=int, required=True, help="number of ranks (1-250)")
@@ -81,8 +83,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="RANK:FRACTION[,...]",
         help="ranks whose link runs at FRACTION (0 < FRACTION <= 1) of --rate, both ways",
     )
-    p_up.add_argument("--burst", default=None, help="tbf bucket, e.g. 64kb (default: 2 ms)")
+    p_up.add_argument("--burst", default=None, help="tbf bucket, e.g. 64KiB (default: 2 ms)")
     p_up.add_argument("--latency", default=None, help="tbf queue latency (default: 50ms)")
+    p_up.add_argument(
+        "--mtu",
+        type=int,
+        default=tb.DEFAULT_MTU,
+        help="MTU of every link (default: %(default)s, jumbo frames; at 1500 TCP/IP headers "
+        "and ACKs take about 7%% of each shaped link)",
+    )
+    p_up.add_argument(
+        "--congestion",
+        default=tb.DEFAULT_CONGESTION,
+        choices=["reno", "bbr", "cubic", ""],
+        help="TCP congestion control in the rank namespaces (default: %(default)s, which "
+        "keeps a shaped link full; '' keeps the kernel's)",
+    )
     p_up.add_argument(
         "--force", action="store_true", help="tear down an existing testbed of this name first"
     )
@@ -176,6 +192,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             latency=args.latency,
             name=args.name,
             force=args.force,
+            mtu=args.mtu,
+            congestion=args.congestion,
         )
     except tb.TestbedExists as exc:
         print(f"optcc-mpi testbed up: {exc}", file=sys.stderr)
@@ -276,12 +294,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         raise ValueError("no command given; use `optcc-mpi testbed run -- COMMAND [ARGS...]`")
-    env = {}
-    for item in args.env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--env {item!r} is not KEY=VALUE")
-        env[key] = value
+    env = key_values(args.env, typed=False, what="--env KEY=VALUE")
     bed = tb.current(args.name)
     if bed is None:
         raise RuntimeError(

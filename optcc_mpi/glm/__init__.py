@@ -24,6 +24,7 @@ Modules
 ``checkpoint``  HDF5 checkpoints and exact resume
 ``api``         :func:`fit`, :func:`fit_partition`
 ``estimator``   :class:`GLM`, :class:`CASGDClassifier`, :class:`CASGDRegressor`
+                (scikit-learn estimators; imported on first use, they need scikit-learn)
 ``synthetic``   synthetic problems for tests and benchmarks
 
 Example
@@ -38,21 +39,65 @@ True
 
 from __future__ import annotations
 
-from .api import FitResult, column_block, fit, fit_partition
-from .comm import Reducer, agree
-from .estimator import GLM, CASGDClassifier, CASGDRegressor
-from .models import MODELS, Model, get_model, model_for_task
-from .precision import PRECISIONS, RECIPES, SLOTS, Recipe, get_recipe
-from .solvers import (
-    EXIT_AFTER_ENV,
-    SOLVERS,
-    DivergenceError,
-    casgd_recurrence,
-    least_squares_deltas,
-)
-from .synthetic import make_glm_data
+import importlib
+from typing import Any
+
+# Public names and the submodule that defines each, resolved on first access: importing
+# optcc_mpi.glm (for instance for its label rules, from optcc_mpi.data) must not load
+# mpi4py or scikit-learn; the trainer and the estimators load them when used.
+_EXPORTS = {
+    "FitResult": "api",
+    "column_block": "api",
+    "fit": "api",
+    "fit_partition": "api",
+    "Reducer": "comm",
+    "agree": "comm",
+    "MODELS": "models",
+    "Model": "models",
+    "get_model": "models",
+    "model_for_task": "models",
+    "PRECISIONS": "precision",
+    "RECIPES": "precision",
+    "SLOTS": "precision",
+    "Recipe": "precision",
+    "get_recipe": "precision",
+    "DIVERGENCE_FACTOR": "solvers",
+    "EXIT_AFTER_ENV": "solvers",
+    "SOLVERS": "solvers",
+    "DivergenceError": "solvers",
+    "casgd_recurrence": "solvers",
+    "least_squares_deltas": "solvers",
+    "make_glm_data": "synthetic",
+    "GLM": "estimator",
+    "CASGDClassifier": "estimator",
+    "CASGDRegressor": "estimator",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        mod = importlib.import_module(f"{__name__}.{module}")
+    except ImportError as exc:
+        if module != "estimator" or "sklearn" not in f"{exc} {getattr(exc, 'name', '')}":
+            raise
+        raise ImportError(
+            f"optcc_mpi.glm.{name} is a scikit-learn estimator and needs scikit-learn >= 1.6 "
+            f"({exc}); install it with: pip install 'scikit-learn>=1.6'"
+        ) from exc
+    value = getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
+    "DIVERGENCE_FACTOR",
     "EXIT_AFTER_ENV",
     "GLM",
     "MODELS",

@@ -18,13 +18,21 @@ import numpy as np
 import scipy.sparse as sp
 from mpi4py import MPI
 
+from .. import config as _config
 from ..progress import Progress
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Reducer, agree, checksum
 from .kernels import GRAM_LAYOUTS, LocalData
 from .models import get_model
 from .precision import Recipe, get_recipe, rounded
-from .solvers import EXIT_AFTER_ENV, SOLVERS, TrainConfig, Trainer, TrainState
+from .solvers import (
+    DIVERGENCE_FACTOR,
+    EXIT_AFTER_ENV,
+    SOLVERS,
+    TrainConfig,
+    Trainer,
+    TrainState,
+)
 
 __all__ = ["FitResult", "column_block", "fit", "fit_partition", "resolve_device"]
 
@@ -70,10 +78,10 @@ class FitResult:
 
     Attributes
     ----------
-    coef : ndarray
-        All ``n_features`` weights, float64, on every rank.
+    coef : ndarray, shape (n_features,) or (n_features, K)
+        All weights, float64, on every rank (``K`` columns when ``y`` had ``K``).
     coef_local : ndarray
-        This rank's slice in the update precision.
+        This rank's rows of ``coef`` in the update precision.
     cols : slice
         This rank's global columns.
     final_loss : float
@@ -151,6 +159,35 @@ def _check_X(X: Any) -> Any:
     return X
 
 
+def _sample_weights(sample_weight: Any, m: int) -> np.ndarray | None:
+    """Check sample weights and normalise them to mean 1; None when they are all equal.
+
+    Equal weights leave the weighted mean loss unchanged, so they take the unweighted path
+    (bit for bit the run without weights).
+    """
+    if sample_weight is None:
+        return None
+    sw = np.asarray(sample_weight)
+    if sw.dtype.kind not in "fiub":
+        raise ValueError(f"sample_weight must hold numbers, got dtype {sw.dtype}")
+    sw = sw.astype(np.float64)
+    if sw.ndim == 0:
+        sw = np.full(m, float(sw))
+    if sw.shape != (m,):
+        raise ValueError(f"sample_weight needs shape ({m},) like y, got {sw.shape}")
+    if not np.isfinite(sw).all():
+        raise ValueError("sample_weight contains NaN or inf")
+    if (sw < 0).any():
+        i = int(np.flatnonzero(sw < 0)[0])
+        raise ValueError(f"sample_weight must be non-negative; sample_weight[{i}] = {sw[i]:g}")
+    total = float(sw.sum())
+    if not total > 0:
+        raise ValueError("sample_weight sums to 0: at least one row needs a positive weight")
+    if np.all(sw == sw[0]):
+        return None
+    return sw * (m / total)
+
+
 def fit(
     X: Any,
     y: Any,
@@ -179,6 +216,8 @@ def fit(
     progress: bool = False,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     device: Any = "cpu",
+    sample_weight: Any = None,
+    divergence_factor: float | None = DIVERGENCE_FACTOR,
 ) -> FitResult:
     """Fit a GLM by mini-batch SGD or CA-SGD; collective over ``comm``.
 
@@ -191,9 +230,12 @@ def fit(
         With ``cols=None``: the full ``(m, n)`` matrix, the same on every rank; each rank
         keeps its column block. With ``cols``: this rank's ``(m, n_local)`` block.
         Any float dtype, bf16 included.
-    y : array_like, shape (m,)
+    y : array_like, shape (m,) or (m, K)
         Labels, the same on every rank: {0, 1} or {-1, +1} (logistic), real (linear),
-        non-negative integers (poisson).
+        non-negative reals (poisson). ``K`` columns train ``K`` independent problems of
+        the model on the same rows at once (the one-vs-rest multiclass classifier uses
+        this): same sample sequence, one AllReduce of the ``K`` margin columns and the one
+        shared Gram matrix per outer iteration; ``coef`` then has ``K`` columns.
     model : str
         ``logistic``, ``linear`` or ``poisson``.
     solver : str
@@ -246,6 +288,16 @@ def fit(
         Called with every loss record (on every rank).
     device : str or module
         ``cpu``, ``gpu``, ``auto``, or an array module for the local kernels.
+    sample_weight : array_like, shape (m,), optional
+        Non-negative weights of the rows, the same on every rank. The objective becomes
+        ``sum_i sw_i l_i / sum_i sw_i + (lam/2) ||w||^2``: the weights are normalised to
+        mean 1 and scale each row's residual, so in full batch (``b = m``) a weight of 2
+        is the same as the row appearing twice. All-equal weights are no weights.
+    divergence_factor : float or None
+        Stop with ``DivergenceError`` when a recorded loss (each epoch end, and every
+        ``eval_every`` steps) exceeds both ``divergence_factor`` times the best loss
+        recorded before it and the loss at the start. Default 10; None or inf turns the
+        check off (non-finite losses and residuals always stop training).
 
     Returns
     -------
@@ -256,7 +308,8 @@ def fit(
     ValueError
         On every rank, before training, for any invalid input on any rank.
     optcc_mpi.glm.DivergenceError
-        If the iterates become non-finite.
+        On every rank, if the iterates become non-finite or the loss diverges (see
+        ``divergence_factor``); the message advises on the step size.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     size, rank = comm.size, comm.rank
@@ -277,14 +330,27 @@ def fit(
         checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 0)
         lr = _finite("lr", lr, positive=True)
         lam = _finite("lam", lam)
+        if divergence_factor is not None:
+            factor = float(divergence_factor)
+            if not factor > 1:
+                raise ValueError(
+                    f"divergence_factor must be a number > 1 (or None to turn the check "
+                    f"off), got {divergence_factor!r}"
+                )
+            divergence_factor = None if math.isinf(factor) else factor
         if resume and checkpoint is None:
             raise ValueError("resume needs a checkpoint file")
         xp = resolve_device(device)
         reducer = Reducer(comm, allreduce, links=links, emulate=emulate)
         X = _check_X(X)
-        y64 = mdl.check_labels(y)
+        y_in = np.asarray(y)
+        if y_in.ndim == 2 and y_in.shape[1] >= 1:
+            y64 = mdl.check_labels(y_in.reshape(-1)).reshape(y_in.shape)
+        else:
+            y64 = mdl.check_labels(y_in)
         if y64.shape[0] != X.shape[0]:
             raise ValueError(f"X has {X.shape[0]} rows but y has {y64.shape[0]} labels")
+        sw = _sample_weights(sample_weight, X.shape[0])
         if cols is not None:
             if not isinstance(cols, slice) or cols.step not in (None, 1):
                 raise ValueError(f"cols must be a contiguous slice, got {cols!r}")
@@ -293,13 +359,17 @@ def fit(
                     f"cols {cols.start}:{cols.stop} name {cols.stop - cols.start} columns but "
                     f"X has {X.shape[1]}"
                 )
-        if w0 is not None and np.shape(w0) != (X.shape[1],):
-            raise ValueError(f"w0 needs shape ({X.shape[1]},) like X's columns, got {np.shape(w0)}")
+        if w0 is not None and np.shape(w0) != (X.shape[1], *y64.shape[1:]):
+            raise ValueError(
+                f"w0 needs shape {(X.shape[1], *y64.shape[1:])} (X's columns, y's outputs), "
+                f"got {np.shape(w0)}"
+            )
         payload = (
             X.shape[0],
             X.shape[1],
             None if cols is None else (cols.start, cols.stop),
             checksum(y64),
+            None if sw is None else checksum(sw),
         )
     except (ValueError, TypeError, OverflowError) as exc:
         error = str(exc)
@@ -311,6 +381,8 @@ def fit(
         raise ValueError(f"ranks disagree on the number of rows: {[p[0] for p in shared]}")
     if any(p[3] != shared[0][3] for p in shared):
         raise ValueError("ranks hold different labels y (they must be replicated)")
+    if any(p[4] != shared[0][4] for p in shared):
+        raise ValueError("ranks hold different sample_weight (it must be replicated)")
     if len({p[2] is None for p in shared}) > 1:
         raise ValueError("either every rank passes cols (its column block) or none does")
     if cols is None:
@@ -350,10 +422,12 @@ def fit(
 
     cfg = TrainConfig(mdl.name, solver, s, b, lr, lam, seed, rcp, gram_layout)
     local = LocalData(X_local, rcp, xp=xp, layout=gram_layout)
-    trainer = Trainer(comm, local, X_local, y64, mdl, cfg, reducer)
+    trainer = Trainer(comm, local, X_local, y64, mdl, cfg, reducer, weights=sw)
     state = TrainState(w=trainer.initial_weights(w0))
 
     ck_config = {**cfg.as_dict(), "m": m, "n_features": n_features, "y_crc32": checksum(y64)}
+    if sw is not None:  # only then, so that checkpoints of unweighted runs stay as they were
+        ck_config["sample_weight_crc32"] = checksum(sw)
     resumed = None
     if checkpoint is not None and resume:
         saved = load_checkpoint(checkpoint, comm, ck_config, cols)
@@ -390,7 +464,7 @@ def fit(
             counters=trainer.stats(st),
         )
 
-    exit_env = os.environ.get(EXIT_AFTER_ENV)
+    exit_env = _config.get(EXIT_AFTER_ENV)
     exit_after = int(exit_env) if exit_env else None
     total = epochs * trainer.sampler.blocks_per_epoch
     bar = Progress(
@@ -410,6 +484,7 @@ def fit(
             checkpoint_every=checkpoint_every,
             exit_after=exit_after,
             on_record=on_record,
+            divergence_factor=divergence_factor,
         )
 
     w_local = np.asarray(local.host(state.w))

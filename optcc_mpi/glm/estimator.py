@@ -1,83 +1,438 @@
-"""Estimators in scikit-learn's spirit: ``fit``, ``predict``, ``score``, ``get_params``.
+"""scikit-learn estimators trained by SGD or CA-SGD over MPI.
 
-They need no scikit-learn at run time. ``fit(X, y)`` takes the full matrix on every rank
-(as scikit-learn users hold it) and trains collectively over ``comm``; afterwards every
-rank has all the weights in ``coef_`` and can predict locally.
+:class:`CASGDClassifier` (logistic regression, any number of classes), :class:`CASGDRegressor`
+(linear or Poisson regression) and their common base :class:`GLM` (any model; predicts the
+conditional mean) are scikit-learn estimators: ``BaseEstimator`` with the classifier or
+regressor mixin, tags, ``NotFittedError`` before ``fit``, every check of the inputs and of
+the parameters in ``fit`` (``__init__`` only stores them), ``sample_weight``, and they work
+in ``Pipeline``, ``GridSearchCV`` and ``cross_val_score``. Training is
+:func:`optcc_mpi.glm.fit`.
 
-Parameter mapping to scikit-learn (our objective is ``mean loss + (lam/2) ||w||^2``, no
-intercept): ``SGDClassifier(loss="log_loss", penalty="l2", alpha=lam,
-fit_intercept=False)``, ``SGDRegressor(penalty="l2", alpha=lam, fit_intercept=False)``,
-``PoissonRegressor(alpha=lam, fit_intercept=False)``, ``LogisticRegression(C=1/(lam*m),
-fit_intercept=False)``.
+One process or many
+-------------------
+Without ``mpiexec`` the communicator is a ``COMM_WORLD`` of size 1 and ``fit`` trains on this
+process (no MPI launch needed). Under ``mpiexec -n P`` the same code trains distributed,
+with these rules for ``fit`` on every rank:
+
+* every rank of ``comm`` (``COMM_WORLD`` by default) calls ``fit`` with the same full ``X``,
+  ``y`` and ``sample_weight``, as scikit-learn users hold them (rows split across ranks are
+  not this layout: the data are split by *columns*);
+* each rank validates its inputs; if any rank rejects its input, every rank raises (the rank
+  that failed re-raises its own exception, the others an ``ArgumentError`` naming it), so no
+  rank waits forever. The ranks also check that they hold the same shapes, ``y`` and
+  ``sample_weight`` (CRC-32); a different ``X`` with the same shape is not detected;
+* each rank keeps the column block ``optcc_mpi.data.column_block(n + 1, P, rank)`` of
+  ``[X, 1]`` (the intercept column is the last) and trains its weights; the mini-batches,
+  and so the iterates, are the same as on one process (in fp64 equal to roundoff);
+* afterwards ``coef_``, ``intercept_``, ``classes_``, ``n_iter_`` and ``result_`` are
+  identical on every rank (the weights are all-gathered in float64);
+* ``predict``, ``predict_proba``, ``decision_function`` and ``score`` are local: no
+  communication, any rank may call them on any rows;
+* ``GridSearchCV`` and ``cross_val_score`` work when every rank runs the same search with
+  ``n_jobs=1``, so that the collective fits happen in the same order on every rank.
+
+A ``comm`` passed as a parameter is shared (not copied) by ``clone``; an estimator holding
+a communicator other than ``COMM_WORLD``/``COMM_SELF`` cannot be pickled.
+
+Parameter mapping to scikit-learn: the objective is ``sum_i sw_i l_i / sum_i sw_i +
+(lam/2) ||w||^2`` with the mean over rows (``lam`` is ``SGDClassifier``'s and
+``PoissonRegressor``'s ``alpha``). With ``fit_intercept=True`` a column of ones is appended,
+so the intercept is penalised by ``lam`` like the other weights (scikit-learn leaves it
+unpenalised; the two agree at ``lam = 0``, the default).
 """
 
 from __future__ import annotations
 
-import inspect
+import copy
+import numbers
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
+from mpi4py import MPI
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
+from sklearn.utils.extmath import safe_sparse_dot
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
 
+from .. import agreement
+from ..errors import ArgumentError, ArgumentTypeError
 from .api import FitResult, fit
-from .models import get_model
+from .models import MODELS, get_model
+from .solvers import DIVERGENCE_FACTOR
 
-__all__ = ["GLM", "CASGDClassifier", "CASGDRegressor"]
+__all__ = ["EXPECTED_FAILED_CHECKS", "GLM", "CASGDClassifier", "CASGDRegressor", "auto_lr"]
+
+_DTYPES = [np.float64, np.float32]
+
+_SEQUENCE = (
+    "the mini-batches are drawn from a random permutation of the n_samples rows, so "
+    "repeating rows (more rows) gives another sample sequence and other iterates than "
+    "weighting them; the objectives are the same, and in full batch (b >= n_samples) "
+    "with recipe fp64 a weight of k equals k copies of the row to roundoff "
+    "(tests/test_estimators.py), as for scikit-learn's SGDClassifier/SGDRegressor"
+)
+
+#: The scikit-learn checks each estimator is expected to fail, with the reason; pass it
+#: as ``check_estimator(est, expected_failed_checks=EXPECTED_FAILED_CHECKS)``. Every other
+#: check of ``sklearn.utils.estimator_checks`` passes (tests/test_estimators.py).
+EXPECTED_FAILED_CHECKS: dict[str, str] = {
+    "check_sample_weight_equivalence_on_dense_data": _SEQUENCE,
+    "check_sample_weight_equivalence_on_sparse_data": _SEQUENCE,
+}
 
 
-class GLM:
-    """A generalized linear model trained by SGD or CA-SGD over MPI.
+def _collective(comm: MPI.Comm, step: Any) -> Any:
+    """Run ``step()`` on every rank; if it raised on any rank, raise on every rank.
+
+    The rank whose step failed re-raises its own exception (type and message unchanged, as
+    scikit-learn's checks expect); the others raise an ``ArgumentError`` naming the rank
+    (:func:`optcc_mpi.agreement.run_everywhere`). On one process no communication at all.
+    """
+    return agreement.run_everywhere(comm, step, what="fit stopped on every rank")
+
+
+#: Rows of the sample on which ``lr="auto"`` estimates the top Hessian eigenvalue.
+_AUTO_LR_ROWS = 4096
+#: Power iterations of that estimate.
+_AUTO_LR_ITERATIONS = 50
+#: Curvature of each model's loss in the margin at the start (see :func:`auto_lr`).
+_CURVATURE = {"logistic": 0.25, "linear": 1.0}
+
+
+def auto_lr(
+    X: Any, y: np.ndarray, model: str, b: int, sample_weight: np.ndarray | None = None
+) -> float:
+    """The step size ``lr="auto"`` uses: ``1 / (c (lambda_max + max_i sw_i ||x_i||^2 / b))``.
+
+    Derived (ours). The mean loss of a mini-batch ``B`` has Hessian ``(c / b) sum_{i in B}
+    sw_i x_i x_i^T`` with ``c`` the loss's curvature in the margin (1/4 at most for
+    logistic, 1 for least squares, the mean rate for Poisson, taken as ``max(1, mean y)``,
+    a heuristic). Its largest eigenvalue is at most about the full data's, ``c
+    lambda_max``, plus one row's share, ``c max_i sw_i ||x_i||^2 / b``; one over that sum
+    is a step that neither full-batch descent (``b = m``) nor single-row SGD (``b = 1``,
+    where the row term dominates) overshoots, on any scaling of the features.
+    ``lambda_max`` of ``(1/m) sum_i sw_i x_i x_i^T`` is estimated by power iteration on a
+    fixed sample of at most 4096 rows.
 
     Parameters
     ----------
+    X : ndarray or sparse matrix, shape (m, n)
+        Training rows (intercept column included).
+    y : ndarray
+        Targets as trained (for Poisson's mean).
     model : str
         ``logistic``, ``linear`` or ``poisson``.
-    solver : str
-        ``casgd`` or ``sgd``.
-    s, b : int
-        Steps per outer iteration and mini-batch size.
-    lr : float
-        Step size.
-    epochs : int
-        Passes over the data.
-    lam : float
-        L2 strength (scikit-learn's ``alpha``).
-    recipe : str
-        Precision preset (``fp64``, ``fp32``, ``C``, ``D``).
+    b : int
+        Mini-batch size.
+    sample_weight : ndarray, optional
+        Row weights (any scale: normalised to mean 1 here).
+    """
+    m = X.shape[0]
+    sw = np.ones(m) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+    sw = sw * (m / sw.sum())
+    if sp.issparse(X):
+        sq = np.asarray(X.multiply(X).sum(axis=1), dtype=np.float64).ravel()
+    else:
+        # Row chunks: a float64 copy of a large float32 X is never made at once.
+        sq = np.empty(m)
+        for lo in range(0, m, 1 << 16):
+            chunk = np.asarray(X[lo : lo + (1 << 16)], dtype=np.float64)
+            sq[lo : lo + chunk.shape[0]] = np.einsum("ij,ij->i", chunk, chunk)
+    row_term = float(np.max(sw * sq)) / b
+    rows = np.arange(m)
+    if m > _AUTO_LR_ROWS:
+        rows = np.sort(np.random.default_rng(0).choice(m, _AUTO_LR_ROWS, replace=False))
+    S, ws = X[rows], sw[rows]
+    v = np.random.default_rng(1).normal(size=X.shape[1])
+    lam_max = 0.0
+    for _ in range(_AUTO_LR_ITERATIONS):
+        norm = np.linalg.norm(v)
+        if norm == 0.0:
+            break
+        v = v / norm
+        u = np.asarray(safe_sparse_dot(S, v), dtype=np.float64)
+        v = np.asarray(safe_sparse_dot(S.T, ws * u), dtype=np.float64).ravel() / len(rows)
+        lam_max = float(np.linalg.norm(v))
+    if model == "poisson":
+        c = max(1.0, float(np.sum(sw * y) / m))
+    else:
+        c = _CURVATURE[model]
+    scale = c * (lam_max + row_term)
+    return 1.0 / scale if scale > 0 and np.isfinite(scale) else 1.0
+
+
+def _with_intercept(X: Any) -> Any:
+    """``[X, 1]``: X with a last column of ones, sparse or dense, in X's dtype."""
+    ones = np.ones((X.shape[0], 1), dtype=X.dtype)
+    if sp.issparse(X):
+        return sp.hstack([X, sp.csr_matrix(ones)], format="csr")
+    return np.hstack([X, ones])
+
+
+class _BaseGLM(BaseEstimator):
+    """Shared machinery: parameters, validation, the collective fit, the margins."""
+
+    #: Models an estimator accepts (``model`` parameter).
+    _models: tuple[str, ...] = tuple(MODELS)
+
+    # -- parameters ----------------------------------------------------------------------
+
+    def _model_name(self) -> str:
+        return str(self.model).lower()
+
+    def _check_params(self) -> None:
+        """Validate what :func:`optcc_mpi.glm.fit` does not see or sees only after clipping."""
+        given = getattr(self, "model", self._model_name())  # the classifier has no param
+        if not isinstance(given, str) or self._model_name() not in self._models:
+            raise ArgumentError(
+                f"{type(self).__name__} fits the models {', '.join(self._models)}; "
+                f"got model={given!r}"
+            )
+        lr = self.lr
+        if not (isinstance(lr, str) and lr == "auto"):
+            if isinstance(lr, (bool, str)) or not isinstance(lr, numbers.Real) or not lr > 0:
+                raise ArgumentError(f'lr must be "auto" or a number > 0, got {lr!r}')
+        for key in ("s", "b"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ArgumentError(f"{key} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.fit_intercept, (bool, np.bool_)):
+            raise ArgumentTypeError(
+                f"fit_intercept must be True or False, got {self.fit_intercept!r}"
+            )
+
+    def _comm(self) -> MPI.Comm:
+        return MPI.COMM_WORLD if self.comm is None else self.comm
+
+    def __sklearn_clone__(self) -> _BaseGLM:
+        # scikit-learn deep-copies every parameter, and a user communicator cannot be
+        # copied (nor should it be: the clone must train on the same ranks). Share it.
+        params = self.get_params(deep=False)
+        new = type(self)(
+            **{k: (v if k == "comm" else clone(v, safe=False)) for k, v in params.items()}
+        )
+        if hasattr(self, "_metadata_request"):
+            new._metadata_request = copy.deepcopy(self._metadata_request)
+        if hasattr(self, "_sklearn_output_config"):
+            new._sklearn_output_config = copy.deepcopy(self._sklearn_output_config)
+        return new
+
+    def __sklearn_tags__(self) -> Any:
+        tags = super().__sklearn_tags__()
+        tags.input_tags.sparse = True
+        return tags
+
+    # -- fitting -------------------------------------------------------------------------
+
+    def _encode_targets(self, y: np.ndarray, sample_weight: np.ndarray | None) -> np.ndarray:
+        """Targets for :func:`optcc_mpi.glm.fit` (the model checks their domain)."""
+        return y
+
+    def _validate(self, X: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+        self._check_params()
+        X, y = validate_data(
+            self,
+            X,
+            y,
+            accept_sparse="csr",
+            dtype=_DTYPES,
+            y_numeric=not isinstance(self, ClassifierMixin),
+        )
+        sw = None
+        if sample_weight is not None:
+            sw = _check_sample_weight(sample_weight, X, dtype=np.float64, ensure_non_negative=True)
+        targets = self._encode_targets(y, sw)
+        if self._model_name() != "logistic":
+            get_model(self._model_name()).check_labels(targets)  # a clear error here
+        return X, targets, sw
+
+    def fit(self, X: Any, y: Any, sample_weight: Any = None) -> Any:
+        """Train on ``X`` and ``y``; collective over ``comm`` (see the module docstring).
+
+        Parameters
+        ----------
+        X : {array-like, sparse matrix} of shape (n_samples, n_features)
+            Training rows, the same on every rank.
+        y : array-like of shape (n_samples,)
+            Targets, the same on every rank.
+        sample_weight : array-like of shape (n_samples,), optional
+            Non-negative row weights, the same on every rank. A weight of 2 counts the row
+            twice in the objective (in full batch exactly a duplicated row).
+
+        Returns
+        -------
+        self
+            Fitted; ``coef_``, ``intercept_`` and ``result_`` equal on every rank.
+
+        Raises
+        ------
+        ValueError, TypeError
+            On every rank, for invalid input or parameters on any rank.
+        optcc_mpi.errors.DivergenceError
+            On every rank, when training diverges (see ``divergence_factor``).
+        """
+        if self.comm is not None and not isinstance(self.comm, MPI.Comm):
+            raise ArgumentTypeError(f"comm must be an mpi4py communicator, got {self.comm!r}")
+        comm = self._comm()
+        X, targets, sw = _collective(comm, lambda: self._validate(X, y, sample_weight))
+        m = X.shape[0]
+        # Defaults that work on small data: a batch no larger than the data, and as many
+        # steps per outer iteration as one epoch holds (at least 1).
+        b = min(int(self.b), m)
+        s = max(1, min(int(self.s), m // b))
+        Xa = _with_intercept(X) if self.fit_intercept else X
+        lr = self.lr
+        if isinstance(lr, str) and lr == "auto":
+            lr = auto_lr(Xa, targets, self._model_name(), b, sw)
+            # Every rank computed it from the same data; rank 0's value makes the step,
+            # and so the iterates, bit-identical across ranks whatever the BLAS does.
+            lr = comm.bcast(lr, root=0) if comm.size > 1 else lr
+        res: FitResult = fit(
+            Xa,
+            targets,
+            model=self._model_name(),
+            solver=self.solver,
+            s=s,
+            b=b,
+            lr=lr,
+            epochs=self.epochs,
+            lam=self.lam,
+            seed=self.seed,
+            recipe=self.recipe,
+            slots=self.slots,
+            comm=comm,
+            allreduce=self.allreduce,
+            links=self.links,
+            emulate=self.emulate,
+            device=self.device,
+            sample_weight=sw,
+            divergence_factor=self.divergence_factor,
+            progress=bool(self.verbose),
+        )
+        coef = res.coef
+        n = X.shape[1]
+        self._set_coef(coef[:n], coef[n] if self.fit_intercept else np.zeros(coef.shape[1:]))
+        self.s_ = s
+        self.b_ = b
+        self.lr_ = float(lr)
+        self.n_iter_ = int(res.config["epochs"])
+        self.result_ = res
+        return self
+
+    def _set_coef(self, coef: np.ndarray, intercept: np.ndarray) -> None:
+        self.coef_ = coef
+        self.intercept_ = float(intercept)
+
+    # -- prediction (local) --------------------------------------------------------------
+
+    def _margins(self, X: Any) -> np.ndarray:
+        check_is_fitted(self)
+        X = validate_data(self, X, accept_sparse="csr", dtype=_DTYPES, reset=False)
+        return np.asarray(safe_sparse_dot(X, self.coef_.T), dtype=np.float64) + self.intercept_
+
+
+_PARAMS_DOC = """
+    solver : {"casgd", "sgd"}, default="casgd"
+        CA-SGD (one AllReduce per ``s`` steps) or SGD (one per step); same iterates in
+        exact arithmetic.
+    s : int, default=16
+        Steps per CA-SGD outer iteration; clipped to the steps one epoch holds,
+        ``max(1, n_samples // b)`` (fitted value in ``s_``).
+    b : int, default=32
+        Mini-batch size; clipped to ``n_samples`` (fitted value in ``b_``; ``b >=
+        n_samples`` is full-batch gradient descent).
+    lr : float or "auto", default="auto"
+        Step size: the step is ``lr`` times the mean gradient of the mini-batch.
+        ``"auto"`` derives it from the data (:func:`optcc_mpi.glm.estimator.auto_lr`:
+        one over the curvature of a mini-batch's loss, safe on any feature scaling); the
+        value used is ``lr_``.
+    epochs : int, default=5
+        Passes over the data (no early stopping: every run does exactly this many).
+    lam : float, default=0.0
+        L2 strength (scikit-learn's ``alpha``), applied to the intercept as well.
+    fit_intercept : bool, default=True
+        Append a column of ones (the intercept is then the last weight).
+    recipe : str, default="fp32"
+        Precision recipe: ``fp64``, ``fp32``, ``C`` (bf16 data, margins and Gram inputs),
+        ``D`` (C communicated in bf16).
     slots : list of str, optional
-        Per-slot precision overrides (``["comm=bf16"]``).
-    seed : int
-        Seed of the sample sequence.
+        Per-slot precision overrides, e.g. ``["comm=bf16"]``.
+    seed : int, default=0
+        Seed of the sample sequence (shared by every rank); results are deterministic.
+    divergence_factor : float or None, default=10.0
+        Stop with ``optcc_mpi.errors.DivergenceError`` when the loss recorded at an epoch
+        end exceeds this many times its best value so far and its starting value; None
+        keeps only the NaN/inf check.
+    verbose : bool, default=False
+        Progress bar on rank 0.
     comm : mpi4py.MPI.Comm, optional
-        Communicator (``COMM_WORLD`` by default).
-    allreduce : str or callable
+        Communicator of the ranks that train together (``COMM_WORLD`` by default).
+    allreduce : str or callable, default="mpi"
         AllReduce to use (see :func:`optcc_mpi.glm.fit`).
     links, emulate : optional
-        Passed to the AllReduce.
-    device : str
-        ``cpu``, ``gpu`` or ``auto``.
+        Link profile and network emulation passed to the AllReduce.
+    device : {"cpu", "gpu", "auto"}, default="cpu"
+        Where the local kernels run.
+"""
+
+_ATTRS_DOC = """
+    n_features_in_ : int
+        Columns seen in ``fit``.
+    feature_names_in_ : ndarray of str
+        Column names, when ``X`` had string column names.
+    s_, b_ : int
+        Steps per outer iteration and batch size actually used (after clipping).
+    lr_ : float
+        Step size used (``lr``, or the ``"auto"`` value).
+    n_iter_ : int
+        Epochs run.
+    result_ : FitResult
+        What :func:`optcc_mpi.glm.fit` recorded: loss history, AllReduce counts and
+        bytes, time split, settings.
+"""
+
+
+class GLM(RegressorMixin, _BaseGLM):
+    __doc__ = f"""A generalized linear model trained by SGD or CA-SGD over MPI.
+
+    Predicts the conditional mean ``E[y | x]`` (probability for ``logistic``, value for
+    ``linear``, rate for ``poisson``); ``score`` is ``D^2``, the fraction of the model's
+    deviance explained (``R^2`` for ``linear``). :class:`CASGDClassifier` and
+    :class:`CASGDRegressor` are the estimators to use in scikit-learn's tools; ``GLM``
+    is their common base and fits any model.
+
+    Parameters
+    ----------
+    model : {{"logistic", "linear", "poisson"}}, default="logistic"
+        The model: targets in {{0, 1}} (or {{-1, +1}}), real, or non-negative real.
+    {_PARAMS_DOC.strip()}
 
     Attributes
     ----------
-    coef_ : ndarray
-        Weights after ``fit``.
-    result_ : FitResult
-        Everything ``fit`` recorded (history, stats, config).
-    n_features_in_ : int
-        Columns seen in ``fit``.
+    coef_ : ndarray of shape (n_features,)
+        Weights (float64), the same on every rank.
+    intercept_ : float
+        Intercept (0.0 with ``fit_intercept=False``).
+    {_ATTRS_DOC.strip()}
     """
 
     def __init__(
         self,
         model: str = "logistic",
+        *,
         solver: str = "casgd",
         s: int = 16,
         b: int = 32,
-        lr: float = 0.5,
+        lr: float | str = "auto",
         epochs: int = 5,
         lam: float = 0.0,
+        fit_intercept: bool = True,
         recipe: str = "fp32",
         slots: list[str] | None = None,
         seed: int = 0,
+        divergence_factor: float | None = DIVERGENCE_FACTOR,
+        verbose: bool = False,
         comm: Any = None,
         allreduce: Any = "mpi",
         links: Any = None,
@@ -91,200 +446,263 @@ class GLM:
         self.lr = lr
         self.epochs = epochs
         self.lam = lam
+        self.fit_intercept = fit_intercept
         self.recipe = recipe
         self.slots = slots
         self.seed = seed
+        self.divergence_factor = divergence_factor
+        self.verbose = verbose
         self.comm = comm
         self.allreduce = allreduce
         self.links = links
         self.emulate = emulate
         self.device = device
 
-    # -- scikit-learn conventions ------------------------------------------------------
-
-    @classmethod
-    def _param_names(cls) -> list[str]:
-        sig = inspect.signature(cls.__init__)
-        return [p for p in sig.parameters if p != "self"]
-
-    def get_params(self, deep: bool = True) -> dict[str, Any]:
-        """Constructor parameters as a dict."""
-        return {name: getattr(self, name) for name in self._param_names()}
-
-    def set_params(self, **params: Any) -> GLM:
-        """Set constructor parameters; returns self."""
-        valid = set(self._param_names())
-        for key, value in params.items():
-            if key not in valid:
-                raise ValueError(f"invalid parameter {key!r} for {type(self).__name__}")
-            setattr(self, key, value)
-        return self
-
-    def __repr__(self) -> str:
-        defaults = {
-            name: p.default for name, p in inspect.signature(type(self).__init__).parameters.items()
-        }
-        shown = ", ".join(
-            f"{k}={v!r}" for k, v in self.get_params().items() if defaults.get(k) != v
-        )
-        return f"{type(self).__name__}({shown})"
-
-    # -- fitting and prediction --------------------------------------------------------
-
-    def _fit_labels(self, y: Any) -> np.ndarray:
-        return np.asarray(y)
-
-    def fit(self, X: Any, y: Any) -> GLM:
-        """Train on the full ``X`` (the same on every rank) and labels ``y``; collective."""
-        labels = self._fit_labels(y)
-        params = self.get_params()
-        params.pop("slots")
-        params.pop("model", None)
-        self.result_: FitResult = fit(X, labels, model=self.model, slots=self.slots, **params)
-        self.coef_ = self.result_.coef
-        self.n_features_in_ = self.coef_.shape[0]
-        return self
-
-    def _check_fitted(self, X: Any) -> Any:
-        if not hasattr(self, "coef_"):
-            raise ValueError(f"this {type(self).__name__} is not fitted yet; call fit first")
-        if X.shape[-1] != self.n_features_in_:
-            raise ValueError(
-                f"X has {X.shape[-1]} features, the model was fit with {self.n_features_in_}"
-            )
-        return X
-
-    def decision_function(self, X: Any) -> np.ndarray:
-        """Margins ``X @ coef_`` (float64); local, no communication."""
-        X = self._check_fitted(X if hasattr(X, "shape") else np.asarray(X))
-        return np.asarray(X.astype(np.float64) @ self.coef_).ravel()
+    def __sklearn_tags__(self) -> Any:
+        tags = super().__sklearn_tags__()
+        tags.target_tags.positive_only = self._model_name() == "poisson"
+        return tags
 
     def predict(self, X: Any) -> np.ndarray:
         """Predicted mean: probability (logistic), value (linear), rate (poisson)."""
-        return get_model(self.model).mean(self.decision_function(X))
+        return get_model(self._model_name()).mean(self._margins(X))
 
-    def score(self, X: Any, y: Any) -> float:
-        """R^2 (linear) or D^2, the fraction of Poisson deviance explained (poisson)."""
-        y = np.asarray(y, dtype=np.float64)
-        mdl = get_model(self.model)
-        z = self.decision_function(X)
-        if mdl.name == "linear":
-            resid = ((y - z) ** 2).sum()
-            total = ((y - y.mean()) ** 2).sum()
-            return float(1.0 - resid / total) if total > 0 else 0.0
-        if mdl.name == "poisson":
-            dev = mdl.loss(z, y).sum()
-            null = mdl.loss(np.full_like(y, np.log(max(y.mean(), 1e-300))), y).sum()
-            return float(1.0 - dev / null) if null > 0 else 0.0
-        raise NotImplementedError("GLM.score for logistic: use CASGDClassifier")
+    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """``D^2``: fraction of the model's deviance explained (``R^2`` for linear).
 
-
-class CASGDClassifier(GLM):
-    """Binary logistic regression by CA-SGD; any two labels (kept in ``classes_``).
-
-    ``predict`` returns labels from ``classes_``, ``predict_proba`` the two class
-    probabilities, ``score`` the accuracy. Other parameters as :class:`GLM`.
-    """
-
-    def __init__(
-        self,
-        solver: str = "casgd",
-        s: int = 16,
-        b: int = 32,
-        lr: float = 0.5,
-        epochs: int = 5,
-        lam: float = 0.0,
-        recipe: str = "fp32",
-        slots: list[str] | None = None,
-        seed: int = 0,
-        comm: Any = None,
-        allreduce: Any = "mpi",
-        links: Any = None,
-        emulate: Any = None,
-        device: str = "cpu",
-    ) -> None:
-        super().__init__(
-            "logistic",
-            solver,
-            s,
-            b,
-            lr,
-            epochs,
-            lam,
-            recipe,
-            slots,
-            seed,
-            comm,
-            allreduce,
-            links,
-            emulate,
-            device,
-        )
-
-    def _fit_labels(self, y: Any) -> np.ndarray:
-        y = np.asarray(y)
-        self.classes_ = np.unique(y)
-        if self.classes_.size != 2:
-            raise ValueError(
-                f"CASGDClassifier is binary: y has {self.classes_.size} distinct label(s)"
-            )
-        return (y == self.classes_[1]).astype(np.float64)
-
-    def predict_proba(self, X: Any) -> np.ndarray:
-        """Probabilities of ``classes_[0]`` and ``classes_[1]``, shape ``(n, 2)``."""
-        p = get_model("logistic").mean(self.decision_function(X))
-        return np.column_stack([1.0 - p, p])
-
-    def predict(self, X: Any) -> np.ndarray:
-        """Predicted labels (from ``classes_``)."""
-        return self.classes_[(self.decision_function(X) > 0).astype(int)]
-
-    def score(self, X: Any, y: Any) -> float:
-        """Mean accuracy."""
-        return float(np.mean(self.predict(X) == np.asarray(y)))
+        ``1 - dev(model) / dev(null)`` where the null model predicts the (weighted) mean
+        of ``y``; the deviance is the model's loss (squared error, log loss, Poisson
+        deviance). Local, no communication.
+        """
+        if self._model_name() == "linear":
+            return float(super().score(X, y, sample_weight=sample_weight))
+        z = self._margins(X)
+        mdl = get_model(self._model_name())
+        y = mdl.check_labels(np.asarray(y).ravel())
+        if y.shape[0] != z.shape[0]:
+            raise ArgumentError(f"X has {z.shape[0]} rows but y has {y.shape[0]} values")
+        sw = None
+        if sample_weight is not None:
+            sw = _check_sample_weight(sample_weight, z[:, None], dtype=np.float64)
+        return mdl.d2(z, y, sw)
 
 
 class CASGDRegressor(GLM):
-    """Linear (``model="linear"``) or Poisson (``model="poisson"``) regression by CA-SGD.
+    __doc__ = f"""Linear or Poisson regression trained by SGD or CA-SGD over MPI.
 
-    ``predict`` returns the mean, ``score`` R^2 (linear) or D^2 (poisson). Parameters as
-    :class:`GLM`.
+    ``predict`` returns the mean (value, or rate ``exp(margin)`` for Poisson); ``score``
+    is ``R^2`` for linear and ``D^2`` (Poisson deviance explained, as
+    ``PoissonRegressor.score``) for Poisson. Poisson targets may be any non-negative
+    numbers, integer or not. See the module docstring for ``fit`` under ``mpiexec``.
+
+    Parameters
+    ----------
+    model : {{"linear", "poisson"}}, default="linear"
+        Least squares, or Poisson with log link.
+    {_PARAMS_DOC.strip()}
+
+    Attributes
+    ----------
+    coef_ : ndarray of shape (n_features,)
+        Weights (float64), the same on every rank.
+    intercept_ : float
+        Intercept (0.0 with ``fit_intercept=False``).
+    {_ATTRS_DOC.strip()}
+
+    Examples
+    --------
+    >>> from sklearn.pipeline import make_pipeline
+    >>> from sklearn.preprocessing import StandardScaler
+    >>> from optcc_mpi.glm import CASGDRegressor, make_glm_data
+    >>> X, y = make_glm_data("linear", 512, 8, seed=0, dtype="float64")
+    >>> reg = make_pipeline(StandardScaler(), CASGDRegressor(lr=0.1, epochs=10)).fit(X, y)
+    >>> reg.score(X, y) > 0.9
+    True
     """
+
+    _models = ("linear", "poisson")
 
     def __init__(
         self,
         model: str = "linear",
+        *,
         solver: str = "casgd",
         s: int = 16,
         b: int = 32,
-        lr: float = 0.1,
+        lr: float | str = "auto",
         epochs: int = 5,
         lam: float = 0.0,
+        fit_intercept: bool = True,
         recipe: str = "fp32",
         slots: list[str] | None = None,
         seed: int = 0,
+        divergence_factor: float | None = DIVERGENCE_FACTOR,
+        verbose: bool = False,
         comm: Any = None,
         allreduce: Any = "mpi",
         links: Any = None,
         emulate: Any = None,
         device: str = "cpu",
     ) -> None:
-        if model not in ("linear", "poisson"):
-            raise ValueError(f"CASGDRegressor fits linear or poisson models, not {model!r}")
         super().__init__(
             model,
-            solver,
-            s,
-            b,
-            lr,
-            epochs,
-            lam,
-            recipe,
-            slots,
-            seed,
-            comm,
-            allreduce,
-            links,
-            emulate,
-            device,
+            solver=solver,
+            s=s,
+            b=b,
+            lr=lr,
+            epochs=epochs,
+            lam=lam,
+            fit_intercept=fit_intercept,
+            recipe=recipe,
+            slots=slots,
+            seed=seed,
+            divergence_factor=divergence_factor,
+            verbose=verbose,
+            comm=comm,
+            allreduce=allreduce,
+            links=links,
+            emulate=emulate,
+            device=device,
         )
+
+
+class CASGDClassifier(ClassifierMixin, _BaseGLM):
+    __doc__ = f"""Logistic regression trained by SGD or CA-SGD over MPI; any number of classes.
+
+    Multiclass: **one-vs-rest, trained jointly**. With ``K > 2`` classes, ``K`` binary
+    logistic problems (class ``k`` against the rest) are trained at once on the same
+    mini-batches: every AllReduce carries the ``K`` margin columns and the one Gram matrix
+    they share, so ``K`` classes cost one Gram per outer iteration, not ``K``. Each
+    column equals the binary fit of its class (to roundoff). ``predict_proba`` normalises
+    the ``K`` sigmoid probabilities to sum to 1; ``predict`` is the class of the largest
+    margin. Two classes train one problem (``classes_[1]`` is the positive class).
+
+    ``score`` is the (weighted) accuracy. See the module docstring for ``fit`` under
+    ``mpiexec``.
+
+    Parameters
+    ----------
+    {_PARAMS_DOC.strip()}
+
+    Attributes
+    ----------
+    classes_ : ndarray of shape (n_classes,)
+        The labels seen in ``fit``, sorted.
+    coef_ : ndarray of shape (1, n_features) or (n_classes, n_features)
+        Weights (float64), the same on every rank; one row for two classes.
+    intercept_ : ndarray of shape (1,) or (n_classes,)
+        Intercepts (zeros with ``fit_intercept=False``).
+    {_ATTRS_DOC.strip()}
+
+    Examples
+    --------
+    >>> from sklearn.datasets import load_iris
+    >>> from sklearn.pipeline import make_pipeline
+    >>> from sklearn.preprocessing import StandardScaler
+    >>> from optcc_mpi.glm import CASGDClassifier
+    >>> X, y = load_iris(return_X_y=True)
+    >>> clf = make_pipeline(StandardScaler(), CASGDClassifier(b=16, epochs=20)).fit(X, y)
+    >>> clf.score(X, y) > 0.85
+    True
+    """
+
+    def __init__(
+        self,
+        *,
+        solver: str = "casgd",
+        s: int = 16,
+        b: int = 32,
+        lr: float | str = "auto",
+        epochs: int = 5,
+        lam: float = 0.0,
+        fit_intercept: bool = True,
+        recipe: str = "fp32",
+        slots: list[str] | None = None,
+        seed: int = 0,
+        divergence_factor: float | None = DIVERGENCE_FACTOR,
+        verbose: bool = False,
+        comm: Any = None,
+        allreduce: Any = "mpi",
+        links: Any = None,
+        emulate: Any = None,
+        device: str = "cpu",
+    ) -> None:
+        self.solver = solver
+        self.s = s
+        self.b = b
+        self.lr = lr
+        self.epochs = epochs
+        self.lam = lam
+        self.fit_intercept = fit_intercept
+        self.recipe = recipe
+        self.slots = slots
+        self.seed = seed
+        self.divergence_factor = divergence_factor
+        self.verbose = verbose
+        self.comm = comm
+        self.allreduce = allreduce
+        self.links = links
+        self.emulate = emulate
+        self.device = device
+
+    def _model_name(self) -> str:
+        return "logistic"
+
+    def _encode_targets(self, y: np.ndarray, sample_weight: np.ndarray | None) -> np.ndarray:
+        check_classification_targets(y)
+        classes = np.unique(y)
+        if classes.size < 2:
+            raise ArgumentError(
+                f"y has only one class ({classes[0]!r} for every row); a classifier needs "
+                "samples of at least two classes"
+            )
+        if sample_weight is not None:
+            weighted = [c for c in classes if sample_weight[y == c].sum() > 0]
+            if len(weighted) < 2:
+                raise ArgumentError(
+                    f"sample_weight leaves only one class with positive weight ({weighted}); "
+                    "a classifier needs at least two classes"
+                )
+        self.classes_ = classes
+        if classes.size == 2:
+            return (y == classes[1]).astype(np.float64)
+        return (y[:, None] == classes[None, :]).astype(np.float64)
+
+    def _set_coef(self, coef: np.ndarray, intercept: np.ndarray) -> None:
+        # coef is (n,) for two classes and (n, K) for K; scikit-learn's layout is (., n).
+        self.coef_ = np.ascontiguousarray(np.atleast_2d(coef.T)) if coef.ndim == 2 else coef[None]
+        self.intercept_ = np.atleast_1d(np.asarray(intercept, dtype=np.float64)).copy()
+
+    def decision_function(self, X: Any) -> np.ndarray:
+        """Margins: shape (n_samples,) for two classes (positive: ``classes_[1]``),
+        (n_samples, n_classes) otherwise. Local, no communication."""
+        z = self._margins(X)
+        return z[:, 0] if self.classes_.size == 2 else z
+
+    def predict_proba(self, X: Any) -> np.ndarray:
+        """Class probabilities, shape (n_samples, n_classes); each row sums to 1.
+
+        Two classes: ``[1 - p, p]`` with ``p = sigmoid(margin)``. More: the one-vs-rest
+        sigmoids normalised to sum to 1 (computed from log-sigmoids, so that rows whose
+        sigmoids all underflow still get finite probabilities).
+        """
+        z = self.decision_function(X)
+        if z.ndim == 1:
+            p = get_model("logistic").mean(z)
+            return np.column_stack([1.0 - p, p])
+        log_p = -np.logaddexp(0.0, -z)  # log sigmoid(z), stable for any z
+        log_p -= log_p.max(axis=1, keepdims=True)
+        p = np.exp(log_p)
+        return p / p.sum(axis=1, keepdims=True)
+
+    def predict_log_proba(self, X: Any) -> np.ndarray:
+        """Logarithm of :meth:`predict_proba`."""
+        with np.errstate(divide="ignore"):
+            return np.log(self.predict_proba(X))
+
+    def predict(self, X: Any) -> np.ndarray:
+        """Predicted labels (from ``classes_``): the class of the largest margin."""
+        z = self.decision_function(X)
+        if z.ndim == 1:
+            return self.classes_[(z > 0).astype(int)]
+        return self.classes_[np.argmax(z, axis=1)]

@@ -10,6 +10,13 @@ lower-layout Gram is one GEMM per block row, written into the packed vector (hal
 flops of the full product); for bf16 inputs on a GPU it is the fp32-output GemmEx of
 :func:`optcc_mpi.backend.gram_bf16`.
 
+On a GPU, 16-bit data stay 16-bit: the gathered rows keep the storage dtype, the GemmEx
+Gram reads them as they are, and the two GEMVs (margins, gradient) share one float32
+widening of the rows per outer iteration. (On the CPU the rows are widened once at the
+gather, because float32 BLAS is the only fast path there.) GemmEx runs on CuPy's cuBLAS
+handle bound to CuPy's *current* stream, so it is ordered with the CuPy kernels around it
+whatever stream the caller made current. bf16 arrays need CuPy 14 or newer.
+
 Gram layout. The recurrence reads only the strictly block-lower blocks ``G[j, t]``
 (``t < j``) of the ``sb x sb`` Gram matrix. ``layout="lower"`` (the default) packs just those,
 ``b^2 s (s - 1) / 2`` words, row block after row block; ``layout="full"`` sends the whole
@@ -59,6 +66,38 @@ def lower_block_index(s: int, b: int) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(rows), np.concatenate(cols)
 
 
+#: Oldest CuPy whose arrays hold bfloat16 (through ml_dtypes).
+CUPY_BF16_MIN = 14
+
+
+def _cupy_major(xp: Any) -> int | None:
+    version = getattr(xp, "__version__", None)
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+class _CurrentStreamCublas:
+    """A cuBLAS binding whose ``gemmEx`` first binds the handle to CuPy's current stream.
+
+    CuPy's shared handle stays bound to whichever stream last used it; a GemmEx issued
+    through it without rebinding could run on another stream than the CuPy kernels that
+    produce its input and consume its output.
+    """
+
+    def __init__(self, cp: Any, lib: Any) -> None:
+        self._cp = cp
+        self._lib = lib
+
+    def gemmEx(self, handle: Any, *args: Any) -> Any:  # noqa: N802 (cuBLAS's name)
+        self._lib.setStream(handle, self._cp.cuda.get_current_stream().ptr)
+        return self._lib.gemmEx(handle, *args)
+
+    def __getattr__(self, name: str) -> Any:  # enum constants of the binding
+        return getattr(self._lib, name)
+
+
 class LocalData:
     """A rank's column block stored in ``recipe.data`` precision, and its kernels.
 
@@ -94,6 +133,16 @@ class LocalData:
             self.X = self.xp.ascontiguousarray(self.xp.asarray(stored))
         self.m, self.n_local = self.X.shape
         self._index_cache: dict[int, Any] = {}
+        # Device rows stay 16-bit after the gather; the GEMVs share one widened copy.
+        self._keep_half = self.on_device and is_half(data)
+        self._wide: tuple[Any, Any] | None = None
+        if self.on_device and any(p == "bf16" for p in recipe.slots().values()):
+            major = _cupy_major(self.xp)
+            if major is not None and major < CUPY_BF16_MIN:
+                raise ValueError(
+                    f"bf16 on the GPU needs CuPy >= {CUPY_BF16_MIN} (found "
+                    f"{self.xp.__version__}): pip install 'cupy-cuda12x>={CUPY_BF16_MIN}'"
+                )
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -105,9 +154,17 @@ class LocalData:
         """``a`` as an array of the kernel module."""
         return self.xp.asarray(a) if self.on_device else a
 
+    def _widened(self, Yd: Any) -> Any:
+        """16-bit device rows widened to float32, once per gathered block."""
+        if not self._keep_half or Yd.dtype == np.float32:
+            return Yd
+        if self._wide is None or self._wide[0] is not Yd:
+            self._wide = (Yd, Yd.astype(np.float32))
+        return self._wide[1]
+
     def _operand(self, Yd: Any, slot: str, acc: str) -> Any:
         """Rows as the input of a kernel with input precision ``slot``, accumulating in ``acc``."""
-        A = Yd
+        A = self._widened(Yd)
         if is_half(slot) and slot != self.recipe.data:
             A = rounded(A, slot)
         return A.astype(compute_dtype(acc), copy=False)
@@ -115,11 +172,13 @@ class LocalData:
     # -- kernels -----------------------------------------------------------------------
 
     def gather(self, rows: np.ndarray) -> Any:
-        """``X[rows]`` widened to the arithmetic dtype of the data precision.
-
-        One widening per outer iteration; every kernel of the iteration reuses it.
+        """``X[rows]``: on the CPU widened to the arithmetic dtype of the data precision
+        (one widening per outer iteration, reused by every kernel); on a GPU in the
+        storage dtype (16-bit data stay 16-bit for the GemmEx Gram).
         """
         Y = self.X[self.device(rows) if self.on_device else rows]
+        if self._keep_half:
+            return Y
         return Y.astype(compute_dtype(self.recipe.data), copy=False)
 
     def margins(self, Yd: Any, w: Any) -> Any:
@@ -164,9 +223,11 @@ class LocalData:
     def _gram_device(self, Yd: Any) -> Any:
         rc = self.recipe
         if rc.data == "bf16" and rc.gram_in == "bf16" and rc.gram_acc == "fp32":
-            from optcc_mpi.backend import gram_bf16
+            from optcc_mpi.backend import _cublas, gram_bf16
 
-            return gram_bf16(self.xp, Yd.astype(storage_dtype("bf16")))
+            # Yd is already bf16 (gather keeps 16-bit rows on the device): no conversion.
+            cublas = _CurrentStreamCublas(self.xp, _cublas(self.xp))
+            return gram_bf16(self.xp, Yd.astype(storage_dtype("bf16"), copy=False), cublas=cublas)
         A = self._operand(Yd, rc.gram_in, rc.gram_acc)
         return A @ A.T
 

@@ -15,6 +15,21 @@ CA-SGD outer iteration of ``s`` steps (``Y`` = the ``s`` stacked mini-batches, `
 
 In exact arithmetic both produce the same iterates for the same sample sequence
 (``docs/casgd.md`` derives it; the tests check it to 1e-12 in fp64).
+
+Sample weights scale each residual: ``delta_i = wt_i residual(z_i, y_i)`` with the weights
+normalised to mean 1 over the training rows, so that the full-batch step is the gradient of
+the weighted mean loss ``sum_i wt_i l_i / sum_i wt_i``. The scaling is linear in ``delta``,
+so it enters the CA-SGD correction sums and the update exactly as in SGD.
+
+Several outputs. ``y`` of shape ``(m, K)`` trains ``K`` independent problems on the same
+rows at once (one-vs-rest multiclass): the weights become ``(n, K)``, the margins ``b x K``,
+and CA-SGD sends the ``K`` margin columns with the one Gram matrix, which all ``K``
+problems share.
+
+Divergence (:meth:`Trainer.run`): besides non-finite residuals or losses, a recorded loss
+above ``divergence_factor`` times the best recorded loss *and* above the starting loss stops
+training with :class:`~optcc_mpi.errors.DivergenceError` on every rank (the loss is the
+reduced value, identical on every rank, so every rank decides the same).
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ from .precision import Recipe, compute_dtype, is_half, rounded, storage_dtype
 from .sampler import Sampler
 
 __all__ = [
+    "DIVERGENCE_FACTOR",
     "EXIT_AFTER_ENV",
     "SOLVERS",
     "DivergenceError",
@@ -56,6 +72,10 @@ SOLVERS = ("sgd", "casgd")
 EXIT_AFTER_ENV = "OPTCC_GLM_EXIT_AFTER"
 EXIT_AFTER_STATUS = 75
 
+#: Default of ``divergence_factor``: a recorded loss above this many times the best one
+#: (and above the starting loss) stops training as diverged.
+DIVERGENCE_FACTOR = 10.0
+
 
 def casgd_recurrence(
     r: np.ndarray,
@@ -67,17 +87,18 @@ def casgd_recurrence(
     s: int,
     q: float = 1.0,
     precision: str = "fp64",
+    weights: np.ndarray | None = None,
 ) -> np.ndarray:
     """The inner recurrence of one CA-SGD outer iteration (identical on every rank).
 
     Parameters
     ----------
-    r : ndarray, shape (s*b,)
-        Reduced base margins ``Y @ w_k``.
+    r : ndarray, shape (s*b,) or (s*b, K)
+        Reduced base margins ``Y @ w_k`` (one column per output).
     G_lower : ndarray
         Reduced strictly block-lower Gram blocks, packed as in
         :func:`~optcc_mpi.glm.kernels.lower_block_index`.
-    y : ndarray, shape (s*b,)
+    y : ndarray, shape like ``r``
         Labels of the ``s`` mini-batches.
     residual : callable
         The model's ``residual(z, y)``.
@@ -88,10 +109,13 @@ def casgd_recurrence(
     precision : str
         Precision of the recurrence: its operands are expected already rounded to it;
         for 16-bit formats every intermediate is rounded again.
+    weights : ndarray, shape (s*b,), optional
+        Sample weights of the rows (normalised to mean 1 over the training set); each
+        residual is multiplied by its row's weight.
 
     Returns
     -------
-    ndarray, shape (s*b,)
+    ndarray, shape like ``r``
         The residuals ``delta_j`` of the ``s`` steps, in the recurrence's compute dtype.
     """
     dt = compute_dtype(precision)
@@ -99,9 +123,13 @@ def casgd_recurrence(
     scale = dt.type(eta / b)
     qd = dt.type(q)
     y = y.astype(dt, copy=False)
-    delta = np.empty(s * b, dtype=dt)
+    if weights is not None:
+        weights = weights.astype(dt, copy=False)
+        if r.ndim == 2:
+            weights = weights[:, None]
+    delta = np.empty(r.shape, dtype=dt)
     # u[t] = (eta/b) q^(j-1-t) delta_t: the coefficients of the correction sum at step j.
-    u = np.empty(s * b, dtype=dt)
+    u = np.empty(r.shape, dtype=dt)
     for j in range(s):
         lo, hi = j * b, (j + 1) * b
         z = r[lo:hi]
@@ -117,6 +145,8 @@ def casgd_recurrence(
         if half:
             z = rounded(z, precision)
         d = residual(z, y[lo:hi])
+        if weights is not None:
+            d = d * weights[lo:hi]
         delta[lo:hi] = rounded(d, precision) if half else d
         if j + 1 < s:
             if q != 1.0:
@@ -159,7 +189,7 @@ def margins64(X: Any, w: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
     """``X @ w`` in float64, in row chunks so that a float64 copy of X is never made."""
     w64 = np.asarray(w, dtype=np.float64)
     m = X.shape[0]
-    out = np.empty(m, dtype=np.float64)
+    out = np.empty((m, *w64.shape[1:]), dtype=np.float64)
     for start in range(0, m, chunk):
         out[start : start + chunk] = X[start : start + chunk].astype(np.float64) @ w64
     return out
@@ -255,14 +285,17 @@ class Trainer:
     X_eval : array or sparse matrix
         The block as given by the user, for the reported loss (so that every recipe is
         scored on the same data).
-    y : ndarray
-        Labels (float64, replicated, already in the model's domain).
+    y : ndarray, shape (m,) or (m, K)
+        Labels (float64, replicated, already in the model's domain); ``K`` columns train
+        ``K`` problems at once.
     model : Model
         The GLM.
     config : TrainConfig
         Solver settings.
     reducer : Reducer
         The AllReduce used for training.
+    weights : ndarray, shape (m,), optional
+        Sample weights normalised to mean 1 (replicated); None for unweighted.
     """
 
     def __init__(
@@ -274,6 +307,7 @@ class Trainer:
         model: Model,
         config: TrainConfig,
         reducer: Reducer,
+        weights: np.ndarray | None = None,
     ) -> None:
         self.comm = comm
         self.local = local
@@ -282,6 +316,16 @@ class Trainer:
         self.model = model
         self.cfg = config
         self.reducer = reducer
+        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
+        # The residual scaling runs in the recurrence's dtype, as every residual does.
+        self._weights_rec = (
+            None
+            if weights is None
+            else rounded(self.weights, config.recipe.recurrence).astype(
+                compute_dtype(config.recipe.recurrence)
+            )
+        )
+        self.outputs = y.shape[1:]  # () for one output, (K,) for K
         self.recipe = config.recipe
         self.q = 1.0 - config.lr * config.lam
         self.sampler = Sampler(y.shape[0], config.b, config.s, config.seed)
@@ -296,10 +340,10 @@ class Trainer:
 
     def initial_weights(self, w0: np.ndarray | None = None) -> np.ndarray:
         """Zero weights (or ``w0``, this rank's slice) in the update precision."""
-        n = self.local.n_local
-        w = np.zeros(n) if w0 is None else np.asarray(w0, dtype=np.float64)
-        if w.shape != (n,):
-            raise ValueError(f"initial weights for this rank need shape ({n},), got {w.shape}")
+        shape = (self.local.n_local, *self.outputs)
+        w = np.zeros(shape) if w0 is None else np.asarray(w0, dtype=np.float64)
+        if w.shape != shape:
+            raise ValueError(f"initial weights for this rank need shape {shape}, got {w.shape}")
         return rounded(w, self.recipe.update)
 
     # -- loss ------------------------------------------------------------------------
@@ -309,16 +353,41 @@ class Trainer:
         t0 = time.perf_counter()
         m = self.y.shape[0]
         w64 = np.asarray(self.local.host(w), dtype=np.float64)
-        buf = np.empty(m + 1)
-        buf[:m] = margins64(self.X_eval, w64)
-        buf[m] = w64 @ w64
-        if self.comm.size > 1:
-            self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+        if self.outputs:
+            # K outputs: the margins of every output, then the squared norm; the objective
+            # is the sum of the K problems' objectives.
+            k = self.outputs[0]
+            buf = np.empty(m * k + 1)
+            buf[: m * k] = margins64(self.X_eval, w64).ravel()
+            buf[m * k] = np.sum(w64 * w64)
+            if self.comm.size > 1:
+                self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+            per = self.model.loss(buf[: m * k].reshape(m, k), self.y)
+            if self.weights is not None:
+                per = per * self.weights[:, None]
+            data_term = float(np.sum(np.mean(per, axis=0)))
+            loss = data_term + 0.5 * self.cfg.lam * float(buf[m * k])
+        else:
+            buf = np.empty(m + 1)
+            buf[:m] = margins64(self.X_eval, w64)
+            buf[m] = w64 @ w64
+            if self.comm.size > 1:
+                self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+            per = self.model.loss(buf[:m], self.y)
+            if self.weights is not None:
+                per = per * self.weights
+            loss = float(np.mean(per) + 0.5 * self.cfg.lam * buf[m])
         self.eval_calls += 1
         self.eval_bytes += buf.nbytes
-        loss = float(np.mean(self.model.loss(buf[:m], self.y)) + 0.5 * self.cfg.lam * buf[m])
         self.eval_s += time.perf_counter() - t0
         return loss
+
+    def _advice(self) -> str:
+        lr = self.cfg.lr
+        return (
+            f"the step size lr = {lr:g} is probably too large: try lr = {lr / 2:g} or "
+            "smaller (features on very different scales also cause this: standardise them)"
+        )
 
     # -- one outer iteration ---------------------------------------------------------
 
@@ -333,7 +402,8 @@ class Trainer:
         if self.q == 1.0:
             v = delta.astype(dt) * dt.type(self.cfg.lr / self.cfg.b)
         else:
-            v = delta.astype(dt) * self._step_coefficients(steps, dt)
+            coef = self._step_coefficients(steps, dt)
+            v = delta.astype(dt) * (coef[:, None] if delta.ndim == 2 else coef)
         g = self.local.gradient(Yd, self.local.device(v))
         w_new = (w * dt.type(self.q**steps) if self.q != 1.0 else w) - g
         return rounded(w_new, self.recipe.update) if is_half(self.recipe.update) else w_new
@@ -342,24 +412,36 @@ class Trainer:
         """One CA-SGD outer iteration over ``rows``; returns new weights and the residuals."""
         L, b, rec = self.local, self.cfg.b, self.recipe.recurrence
         sb = steps * b
+        nr = sb * (self.outputs[0] if self.outputs else 1)  # words of the margins
         Yd = L.gather(rows)
         r = L.margins(Yd, w)
         Gp = L.gram_packed(Yd, steps, b)
-        buf = np.empty(sb + Gp.shape[0], dtype=self._comm_dtype)
-        buf[:sb] = L.host(r)
-        buf[sb:] = L.host(Gp)
+        buf = np.empty(nr + Gp.shape[0], dtype=self._comm_dtype)
+        buf[:nr] = L.host(r).reshape(-1)
+        buf[nr:] = L.host(Gp)
         buf = self.reducer(buf)
-        r_all = rounded(buf[:sb], rec)
-        G_all = buf[sb:]
+        r_all = rounded(buf[:nr].reshape(sb, *self.outputs), rec)
+        G_all = buf[nr:]
         if self.local.layout == "full":
             G_all = L.unpack_lower(G_all, steps, b)
         G_all = rounded(G_all, rec)
+        wts = None if self._weights_rec is None else self._weights_rec[rows]
         delta = casgd_recurrence(
-            r_all, G_all, self.y[rows], self.model.residual, self.cfg.lr, b, steps, self.q, rec
+            r_all,
+            G_all,
+            self.y[rows],
+            self.model.residual,
+            self.cfg.lr,
+            b,
+            steps,
+            self.q,
+            rec,
+            weights=wts,
         )
         if not np.isfinite(delta).all():
             raise DivergenceError(
-                f"CA-SGD diverged (non-finite residuals) at epoch {self._epoch}; lower --lr"
+                f"CA-SGD diverged (non-finite residuals) in epoch {self._epoch + 1}; "
+                f"{self._advice()}"
             )
         return self._apply_update(w, Yd, delta, steps), delta
 
@@ -367,19 +449,25 @@ class Trainer:
         """``steps`` plain SGD steps over ``rows`` (one AllReduce each)."""
         L, b, rec = self.local, self.cfg.b, self.recipe.recurrence
         Yd = L.gather(rows)
-        deltas = np.empty(steps * b, dtype=compute_dtype(rec))
+        deltas = np.empty((steps * b, *self.outputs), dtype=compute_dtype(rec))
+        nz = b * (self.outputs[0] if self.outputs else 1)
+        wts = self._weights_rec
         for j in range(steps):
             J = slice(j * b, (j + 1) * b)
             Yj = Yd[J]
-            buf = np.empty(b, dtype=self._comm_dtype)
-            buf[:] = L.host(L.margins(Yj, w))
+            buf = np.empty(nz, dtype=self._comm_dtype)
+            buf[:] = L.host(L.margins(Yj, w)).reshape(-1)
             buf = self.reducer(buf)
-            z = rounded(buf, rec)
+            z = rounded(buf.reshape(b, *self.outputs), rec)
             d = self.model.residual(z, self.y[rows[J]].astype(z.dtype))
+            if wts is not None:
+                wj = wts[rows[J]]
+                d = d * (wj[:, None] if d.ndim == 2 else wj)
             d = rounded(d, rec) if is_half(rec) else d
             if not np.isfinite(d).all():
                 raise DivergenceError(
-                    f"SGD diverged (non-finite residuals) at epoch {self._epoch}; lower --lr"
+                    f"SGD diverged (non-finite residuals) in epoch {self._epoch + 1}; "
+                    f"{self._advice()}"
                 )
             deltas[J] = d
             w = self._apply_update(w, Yj, d, 1)
@@ -398,6 +486,7 @@ class Trainer:
         checkpoint_every: int = 0,
         exit_after: int | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        divergence_factor: float | None = DIVERGENCE_FACTOR,
     ) -> TrainState:
         """Train until ``epochs`` epochs are done, starting from ``state``.
 
@@ -420,6 +509,16 @@ class Trainer:
             kill, for testing resume).
         on_record : callable, optional
             Called with each loss record.
+        divergence_factor : float or None
+            Stop with :class:`DivergenceError` when a recorded loss exceeds both this
+            many times the best loss recorded before it and the starting loss (the first
+            record). None (or inf) keeps only the non-finite check.
+
+        Raises
+        ------
+        DivergenceError
+            On every rank together: the decision is taken from the reduced loss, which is
+            identical on every rank.
         """
         block_fn = self.casgd_block if self.cfg.solver == "casgd" else self.sgd_block
         sampler = self.sampler
@@ -441,7 +540,20 @@ class Trainer:
             if on_record is not None:
                 on_record(rec)
             if not np.isfinite(loss):
-                raise DivergenceError(f"the training loss is {loss} after {state.steps} steps")
+                raise DivergenceError(
+                    f"the training loss is {loss} after {state.steps} steps; {self._advice()}"
+                )
+            if divergence_factor is not None and len(state.history) > 1:
+                start = state.history[0]["loss"]
+                best = min(h["loss"] for h in state.history[:-1])
+                if loss > divergence_factor * best and loss > start:
+                    raise DivergenceError(
+                        f"the training loss rose to {loss:.6g} after {state.steps} steps "
+                        f"(epoch {rec['epoch']:.4g}): more than {divergence_factor:g} times "
+                        f"its best value {best:.6g} and above its starting value {start:.6g}. "
+                        f"Training diverges: {self._advice()}. (The check is the "
+                        "divergence_factor setting; None turns it off.)"
+                    )
 
         if not state.history:
             record(epoch_end=False)  # the loss of the starting point

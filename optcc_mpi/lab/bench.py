@@ -10,6 +10,10 @@ fault-free ring measured in the same run, and the modelled time and lower bound.
 Every timed result is checked: inputs are small integers, exact in every dtype, and each
 iteration's output is compared element by element with the exact reduction (outside the
 timed region).
+
+With ``trace`` it also reports link utilisation from the executor's own per-message
+records (:func:`utilisation`, defined there) for the last timed iteration of every row, and
+draws a timeline of the degraded rank (:func:`plot_timeline`).
 """
 
 from __future__ import annotations
@@ -29,11 +33,21 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi import config
 from optcc_mpi.backend import DTYPES
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
 
-__all__ = ["BenchConfig", "sizes", "run", "table", "write"]
+__all__ = [
+    "BenchConfig",
+    "sizes",
+    "run",
+    "table",
+    "write",
+    "utilisation",
+    "union_length",
+    "plot_timeline",
+]
 
 #: Columns of the text table, in order.
 COLUMNS = (
@@ -52,6 +66,11 @@ COLUMNS = (
     ("model_us", "model (us)", ".1f"),
     ("bound_us", "bound (us)", ".1f"),
 )
+#: Extra columns with ``trace``: the degraded rank's send and receive busy fractions.
+TRACE_COLUMNS = (
+    ("send_busy", "snd busy", ".3f"),
+    ("recv_busy", "rcv busy", ".3f"),
+)
 
 
 @dataclass
@@ -69,6 +88,12 @@ class BenchConfig:
     bw: float | None = None
     reference: bool = True
     command: str = field(default_factory=lambda: " ".join(sys.argv))
+    trace: str | None = None
+    """Directory for utilisation records and timeline plots; None: no tracing."""
+    latency: float | None = None
+    """Per-message cost (s) for the model column; default the emulated latency, else 0."""
+    efficiency: float = 1.0
+    """Fraction of the nominal rate the transport delivers (measured), for the model."""
 
 
 def sizes(begin: int, end: int, factor: float) -> list[int]:
@@ -105,7 +130,7 @@ class _Network:
         self.comm = comm
         self.emulate = cfg.emulate
         self.testbed = None
-        if os.environ.get("OPTCC_TESTBED_NAME"):
+        if config.get("OPTCC_TESTBED_NAME"):
             from optcc_mpi.lab import testbed
 
             self.testbed = testbed.current()
@@ -147,15 +172,166 @@ class _Network:
 
 
 def model_time(
-    name: str, p: int, size: int, bw: float, links: Links, stats: dict[str, Any]
+    name: str,
+    p: int,
+    size: int,
+    bw: float,
+    links: Links,
+    stats: dict[str, Any],
+    *,
+    latency: float = 0.0,
 ) -> float:
-    """Modelled time of what ran: the cost the algorithm registered, with the parameters
-    the call used."""
+    """Modelled time of what ran: the cost the algorithm registered (through the registry),
+    with the parameters the call used, the per-message ``latency`` and the rate ``bw``
+    (pass the delivered rate, i.e. nominal times efficiency, to predict a measurement)."""
     from optcc_mpi import algorithms
 
     alg = algorithms.get(name)
     params = {k: v for k, v in (stats.get("params") or {}).items() if k in alg.params}
-    return alg.time(p, size, bw, links, **params)
+    return alg.time(p, size, bw, links, latency=latency, **params)
+
+
+def union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    """Total length covered by the union of ``[start, end)`` intervals."""
+    total, cur_lo, cur_hi = 0.0, None, None
+    for lo, hi in sorted(intervals):
+        if hi <= lo:
+            continue
+        if cur_hi is None or lo > cur_hi:
+            if cur_hi is not None:
+                total += cur_hi - cur_lo
+            cur_lo, cur_hi = lo, hi
+        elif hi > cur_hi:
+            cur_hi = hi
+    if cur_hi is not None:
+        total += cur_hi - cur_lo
+    return total
+
+
+def _intervals(
+    ranks: Sequence[dict[str, Any]],
+) -> list[dict[str, list[tuple[float, float, int]]]]:
+    """Per rank, the busy intervals ``(begin, end, peer)`` of its send and receive sides on
+    the common clock.
+
+    ``ranks[r]``: ``start`` (clock value at the executor's start), ``sends`` and ``recvs``
+    (``(op, peer, nbytes, posted, completed)`` relative to ``start``) and ``chan`` (op ->
+    channel; missing ops are channel 0). A receive is matched with its send as MPI does:
+    the k-th send from a to b on a channel meets the k-th receive at b from a on it (op
+    order is posting order within a queue).
+    """
+    send_posted: dict[tuple[int, int, int], list[float]] = {}
+    for a, rt in enumerate(ranks):
+        chan = rt.get("chan") or {}
+        for op, peer, _nb, posted, _done in sorted(rt["sends"]):
+            key = (a, peer, chan.get(op, 0))
+            send_posted.setdefault(key, []).append(rt["start"] + posted)
+    out = []
+    for b, rt in enumerate(ranks):
+        chan = rt.get("chan") or {}
+        t0 = rt["start"]
+        send = [(t0 + posted, t0 + done, peer) for _op, peer, _nb, posted, done in rt["sends"]]
+        seen: dict[tuple[int, int, int], int] = {}
+        recv = []
+        for op, peer, _nb, posted, done in sorted(rt["recvs"]):
+            key = (peer, b, chan.get(op, 0))
+            k = seen.get(key, 0)
+            seen[key] = k + 1
+            sent = send_posted.get(key, [])
+            begin = max(t0 + posted, sent[k]) if k < len(sent) else t0 + posted
+            recv.append((begin, t0 + done, peer))
+        out.append({"send": send, "recv": recv})
+    return out
+
+
+def utilisation(ranks: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
+    """Fraction of the run during which each rank's send side and receive side were busy.
+
+    Definitions (derived from the executor's timestamps; see ``docs/bench.md``):
+
+    * the *run* is the collective as the benchmark times it, from the earliest start to
+      the latest end over all ranks (``start`` + ``seconds``);
+    * the **send side** of a rank is busy while at least one of its sends is in MPI's
+      hands: posted and not yet reported complete;
+    * the **receive side** is busy while at least one message to it is in flight: its
+      receive is posted, its sender has posted the matching send, and the receive has not
+      completed. (A receive posted early, waiting for a sender that has not started, does
+      not count: that wait is a bubble.)
+
+    Busy time is the length of the union of these intervals, so overlapping messages
+    count once. Times must share a clock (one host: ``perf_counter``); across hosts pass
+    starts aligned at a barrier.
+    """
+    if not ranks:
+        return []
+    begin = min(rt["start"] for rt in ranks)
+    end = max(rt["start"] + rt["seconds"] for rt in ranks)
+    span = end - begin
+    res = []
+    for rt, iv in zip(ranks, _intervals(ranks)):
+        s = union_length([(lo, hi) for lo, hi, _ in iv["send"]])
+        r = union_length([(lo, hi) for lo, hi, _ in iv["recv"]])
+        res.append(
+            {
+                "send_busy": s / span if span > 0 else math.nan,
+                "recv_busy": r / span if span > 0 else math.nan,
+                "seconds": span,
+                "messages_sent": len(rt["sends"]),
+                "messages_received": len(rt["recvs"]),
+            }
+        )
+    return res
+
+
+def plot_timeline(
+    ranks: Sequence[dict[str, Any]], rank: int, path: str | os.PathLike, title: str = ""
+) -> None:
+    """PNG of one rank's send and receive sides over the run: one bar per message in
+    flight (colour: peer), the busy fractions in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    begin = min(rt["start"] for rt in ranks)
+    iv = _intervals(ranks)[rank]
+    util = utilisation(ranks)[rank]
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    cmap = plt.get_cmap("tab10")
+    for row, side in enumerate(("send", "recv")):
+        bars = [((lo - begin) * 1e3, (hi - lo) * 1e3) for lo, hi, _ in iv[side]]
+        colours = [cmap(q % 10) for _, _, q in iv[side]]
+        ax.broken_barh(bars, (row * 10 + 1, 8), facecolors=colours, alpha=0.6, linewidth=0)
+    ax.set_yticks([5, 15])
+    ax.set_yticklabels([f"send {util['send_busy']:.0%} busy", f"recv {util['recv_busy']:.0%} busy"])
+    ax.set_xlabel("ms since the first rank started (colour: peer)")
+    ax.set_xlim(0, util["seconds"] * 1e3)
+    ax.set_title(title or f"rank {rank}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _trace_record(comm: Any, stats: Any, schedule: Any) -> list[dict[str, Any]] | None:
+    """Gather every rank's per-message records of the last call to rank 0."""
+    rank = comm.Get_rank()
+    rec = None
+    if stats is not None:
+        chan = {}
+        if schedule is not None:
+            ops = schedule.program(rank).ops
+            chan = {op: ops[op][2] for op, *_ in (*stats.sends, *stats.recvs)}
+        rec = {
+            "start": stats.start,
+            "seconds": stats.seconds,
+            "sends": list(stats.sends),
+            "recvs": list(stats.recvs),
+            "chan": chan,
+        }
+    got = comm.gather(rec, root=0)
+    if rank != 0 or any(g is None for g in got):
+        return None
+    return got
 
 
 def _time(comm: Any, fn: Any, iters: int, warmup: int) -> tuple[list[float], list[Any]]:
@@ -185,7 +361,7 @@ def _gloo(comm: Any) -> Any:
 
         addr = comm.bcast(socket.gethostbyname(socket.gethostname()), root=0)
         port = comm.bcast(29500 + os.getpid() % 1000, root=0)
-        if os.environ.get("OPTCC_TESTBED_NAME"):
+        if config.get("OPTCC_TESTBED_NAME"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         dist.init_process_group(
             "gloo",
@@ -215,6 +391,12 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
         net.degraded(True)
         links = cached_probe(comm, emulate=cfg.emulate).links
     torch = _gloo(comm) if "gloo" in cfg.algorithms else None
+    latency = cfg.latency
+    if latency is None:
+        latency = cfg.emulate.latency if cfg.emulate is not None else 0.0
+    watch = links.degraded[0] if isinstance(links, Links) and links.degraded else 0
+    if cfg.trace and rank == 0:
+        Path(cfg.trace).mkdir(parents=True, exist_ok=True)
     if "gloo" in cfg.algorithms and torch is None:
         raise RuntimeError("gloo needs torch (pip install torch); drop it from --algorithms")
     rows: list[dict[str, Any]] = []
@@ -260,11 +442,33 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
             if label == "ring (fault-free)":
                 ff = med
             chosen = last_stats().get("algorithm") if alg != "gloo" else "gloo"
-            mod = bound = math.nan
+            mod = bound = bound_delivered = math.nan
             if net.bw and p > 1:
                 mlinks = links if degraded else Links()
-                mod = model_time(chosen or alg, p, size, net.bw, mlinks, last_stats())
+                delivered = net.bw * cfg.efficiency
+                mod = model_time(
+                    chosen or alg, p, size, delivered, mlinks, last_stats(), latency=latency
+                )
                 bound = model.lower_bound(p, size, net.bw, mlinks)
+                bound_delivered = model.lower_bound(p, size, delivered, mlinks)
+            busy: dict[str, Any] = {}
+            if cfg.trace and alg != "gloo":
+                ls = last_stats()
+                recs = _trace_record(comm, ls.get("stats"), ls.get("schedule"))
+                # The library's own collective (native) has no messages of ours to trace.
+                if recs is not None and any(r["sends"] or r["recvs"] for r in recs):
+                    util = utilisation(recs)
+                    tag = f"{label.replace(' ', '').replace('(', '-').replace(')', '')}-{size}"
+                    busy = {
+                        "send_busy": util[watch]["send_busy"],
+                        "recv_busy": util[watch]["recv_busy"],
+                        "busy_rank": watch,
+                        "busy": [[u["send_busy"], u["recv_busy"]] for u in util],
+                        "timeline": str(Path(cfg.trace) / f"timeline-{tag}.png"),
+                    }
+                    with open(Path(cfg.trace) / f"trace-{tag}.json", "w") as fh:
+                        json.dump({"label": label, "size": size, "ranks": recs}, fh)
+                    plot_timeline(recs, watch, busy["timeline"], f"{label}, {size} B, rank {watch}")
             algbw = size / med / 1e9 if med > 0 else math.nan
             rows.append(
                 {
@@ -287,6 +491,10 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
                     "ratio_fault_free": med / ff if ff == ff and ff > 0 else math.nan,
                     "model_us": mod * 1e6,
                     "bound_us": bound * 1e6,
+                    "bound_delivered_us": bound_delivered * 1e6,
+                    "efficiency": cfg.efficiency,
+                    "latency_us": latency * 1e6,
+                    **busy,
                     "iters": cfg.iters,
                     "warmup": cfg.warmup,
                     "command": cfg.command,
@@ -298,11 +506,12 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as an aligned text table (nccl-tests' columns, then ours)."""
-    header = [h for _, h, _ in COLUMNS]
+    columns = COLUMNS + (TRACE_COLUMNS if any("send_busy" in r for r in rows) else ())
+    header = [h for _, h, _ in columns]
     body = []
     for r in rows:
         cells = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             v = r.get(key)
             if v is None or (isinstance(v, float) and math.isnan(v)):
                 cells.append("-")

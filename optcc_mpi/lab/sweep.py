@@ -2,8 +2,9 @@
 
 A sweep is a CSV table with one row per array task (task id = row index, from 0). The
 job scripts under ``jobs/`` stay thin: they find Python and call this module, which turns
-the row into an ``optcc-mpi bench`` or ``optcc-mpi train`` command, launches it with
-``srun`` (or ``mpiexec``), and writes one JSON-lines file per task::
+the row into an ``optcc-mpi bench`` or ``optcc-mpi train`` command, launches it with the
+launcher of :mod:`optcc_mpi.lab.launch` (``srun`` inside Slurm, else the ``mpiexec`` of the
+MPI library in use, MPICH or Open MPI), and writes one JSON-lines file per task::
 
     RESULTS/<array_job_id>_<array_task_id>.jsonl
       {"record": "task", "status": "ok" | "failed", "params": {...}, "slurm": {...},
@@ -18,19 +19,12 @@ rows (``bench``) or the training summary (``train``). Every line carries
 submitted, which is how :func:`collect` tells a task that never reported (``missing``)
 from one that was not asked for.
 
-Command line (used by the job scripts; handy by hand too)::
-
-    python -m optcc_mpi.lab.sweep plan TABLE.csv [--only-failed RESULTS] [--shell]
-    python -m optcc_mpi.lab.sweep run TABLE.csv TASK_ID --results RESULTS
-    python -m optcc_mpi.lab.sweep exec --kind allreduce --ranks 8 --results RESULTS -- ARGS...
-    python -m optcc_mpi.lab.sweep manifest --results RESULTS --table TABLE.csv --job ID ...
-    python -m optcc_mpi.lab.sweep status RESULTS [--job ID]
-    python -m optcc_mpi.lab.sweep expand allreduce algorithm=ring,optcc loss=0,0.5 > t.csv
+The command line is ``optcc-mpi sweep`` (:mod:`optcc_mpi.cli.sweep`; the job scripts use
+it); ``python -m optcc_mpi.lab.sweep ...`` is the same command under its old name.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import csv
 import datetime as _dt
@@ -53,6 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import config
+from optcc_mpi.lab import launch, provenance
+
 __all__ = [
     "KINDS",
     "Kind",
@@ -61,10 +58,10 @@ __all__ = [
     "SweepStatus",
     "read_table",
     "task_argv",
-    "launcher_argv",
-    "provenance",
+    "task_env",
     "run_task",
     "run_command",
+    "exec_command",
     "write_manifest",
     "collect",
     "array_spec",
@@ -75,11 +72,11 @@ __all__ = [
 
 #: Lines of a failed command's output kept in its record.
 LOG_TAIL_LINES = 40
-#: Environment variables worth recording with every task: the knobs that change what MPI,
-#: UCX, libfabric and NCCL do, and our own.
-ENV_PREFIXES = ("OPTCC_", "UCX_", "NCCL_", "MPIR_CVAR_", "MPICH_", "OMPI_MCA_", "FI_", "PMI_")
+#: Seconds a terminated task's launcher gets to end its ranks before they are killed.
+STOP_GRACE_S = 10.0
 
-_REPO = Path(__file__).resolve().parent.parent
+# The checkout (optcc_mpi/lab/sweep.py -> the repository), where jobs/ lives.
+_REPO = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- kinds
@@ -337,7 +334,7 @@ def _size_range(spec: str) -> tuple[str, str]:
 def program_argv() -> list[str]:
     """How to start ``optcc-mpi``: ``$OPTCC_PROGRAM`` (shell words) or this Python with
     ``-m optcc_mpi``, so the job uses the interpreter the job script chose."""
-    custom = os.environ.get("OPTCC_PROGRAM", "").strip()
+    custom = (config.get("OPTCC_PROGRAM") or "").strip()
     return shlex.split(custom) if custom else [sys.executable, "-m", "optcc_mpi"]
 
 
@@ -420,49 +417,22 @@ def task_argv(kind: Kind, row: Mapping[str, str], out: str | os.PathLike[str]) -
     return argv + shlex.split(row["extra"])
 
 
-def launcher_argv(ranks: int) -> list[str]:
-    """The MPI launcher for ``ranks`` processes.
-
-    ``$OPTCC_LAUNCHER`` (shell words, ``{ranks}`` replaced) wins. Inside a Slurm job it is
-    ``srun --mpi=$OPTCC_SRUN_MPI`` (default ``pmi2``, which the MPICH wheel speaks; Open MPI
-    built with PMIx wants ``pmix``) with ``--kill-on-bad-exit=1``, so one failing rank ends
-    the step instead of leaving the others blocked in a collective. Elsewhere it is the
-    ``mpiexec`` next to this Python, or the first on ``PATH``.
-    """
-    custom = os.environ.get("OPTCC_LAUNCHER", "").strip()
-    if custom:
-        return shlex.split(custom.replace("{ranks}", str(ranks)))
-    if os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
-        plugin = os.environ.get("OPTCC_SRUN_MPI", "pmi2")
-        return ["srun", f"--mpi={plugin}", "-n", str(ranks), "--kill-on-bad-exit=1"]
-    local = Path(sys.executable).with_name("mpiexec")
-    mpiexec = str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
-    return [mpiexec, "-n", str(ranks)]
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+def _nodes() -> int:
+    return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
 
 
 def task_env(row: Mapping[str, str], ranks: int) -> dict[str, str]:
     """Variables a task adds to the environment.
 
-    * ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1`` when the ranks on this node outnumber its
-      cores: MPICH ranks otherwise spin in their progress engines and steal the cores the
-      others need (ten times slower on 2 cores). Left alone if already set.
+    * What the launcher needs for ``ranks`` ranks on this job's nodes
+      (:meth:`optcc_mpi.lab.launch.Launcher.env`): ``MPIR_CVAR_CH4_PROGRESS_THROTTLE=1``
+      when the ranks on a node outnumber its cores (MPICH ranks otherwise spin in their
+      progress engines and steal the cores the others need; ten times slower on 2 cores;
+      left alone if already set), Open MPI's consent to run as root under ``srun``.
     * For ``degrade`` = ``ucx`` or ``tc``, the settings ``jobs/degrade-wrapper.sh`` reads:
       the straggler ranks, their fraction and the method.
     """
-    env: dict[str, str] = {}
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
-    if math.ceil(ranks / max(nodes, 1)) > _cores():
-        env.setdefault(
-            "MPIR_CVAR_CH4_PROGRESS_THROTTLE",
-            os.environ.get("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1"),
-        )
+    env: dict[str, str] = launch.oversubscription_env(ranks, nodes=_nodes())
     if row.get("degrade") in ("ucx", "tc") and float(row.get("loss") or 0) > 0:
         env["OPTCC_STRAGGLER_PROCIDS"] = ",".join(_rank_list(row.get("stragglers") or "0"))
         env["OPTCC_STRAGGLER_FRACTION"] = f"{1.0 - float(row['loss']):.6g}"
@@ -473,89 +443,12 @@ def task_env(row: Mapping[str, str], ranks: int) -> dict[str, str]:
 def wrapper_argv(env: Mapping[str, str]) -> list[str]:
     """``[jobs/degrade-wrapper.sh]`` when any rank is to be degraded by it, else ``[]``."""
     if env.get("OPTCC_STRAGGLER_PROCIDS") or env.get("OPTCC_STRAGGLER_NODEIDS"):
-        home = Path(os.environ.get("OPTCC_HOME") or _REPO)
+        home = Path(config.get("OPTCC_HOME") or _REPO)
         wrapper = home / "jobs" / "degrade-wrapper.sh"
         if not wrapper.exists():
             raise FileNotFoundError(f"degrading ranks needs {wrapper}; set OPTCC_HOME")
         return ["bash", str(wrapper)]
     return []
-
-
-# ----------------------------------------------------------------------------- provenance
-
-
-def _git(*args: str) -> str | None:
-    home = os.environ.get("OPTCC_HOME") or str(_REPO)
-    try:
-        out = subprocess.run(
-            ["git", "-C", home, *args], capture_output=True, text=True, timeout=20, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip()
-
-
-def _mpi_info() -> dict[str, Any]:
-    """MPI library vendor and version, read without initialising MPI (in the job script's
-    process there is no launcher to talk to, and no need for one)."""
-    try:
-        import mpi4py
-
-        mpi4py.rc.initialize = False
-        mpi4py.rc.finalize = False
-        from mpi4py import MPI
-
-        vendor, version = MPI.get_vendor()
-        lib = MPI.Get_library_version().strip().splitlines()
-        return {
-            "vendor": vendor,
-            "version": ".".join(map(str, version)),
-            "standard": ".".join(map(str, MPI.Get_version())),
-            "library": lib[0] if lib else "",
-            "mpi4py": mpi4py.__version__,
-        }
-    except Exception as exc:  # noqa: BLE001 - provenance must never fail the task
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def _slurm_info() -> dict[str, Any]:
-    keys = {
-        "job_id": "SLURM_JOB_ID",
-        "array_job_id": "SLURM_ARRAY_JOB_ID",
-        "array_task_id": "SLURM_ARRAY_TASK_ID",
-        "array_task_count": "SLURM_ARRAY_TASK_COUNT",
-        "array_task_min": "SLURM_ARRAY_TASK_MIN",
-        "array_task_max": "SLURM_ARRAY_TASK_MAX",
-        "job_name": "SLURM_JOB_NAME",
-        "nodelist": "SLURM_JOB_NODELIST",
-        "nnodes": "SLURM_JOB_NUM_NODES",
-        "ntasks": "SLURM_NTASKS",
-        "partition": "SLURM_JOB_PARTITION",
-        "account": "SLURM_JOB_ACCOUNT",
-        "cluster": "SLURM_CLUSTER_NAME",
-        "submit_dir": "SLURM_SUBMIT_DIR",
-    }
-    return {k: os.environ[v] for k, v in keys.items() if os.environ.get(v)}
-
-
-def provenance() -> dict[str, Any]:
-    """Where and with what a task ran: host, Slurm, MPI, Python, package and git revision."""
-    from optcc_mpi import __version__
-
-    rev = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "host": socket.gethostname(),
-        "slurm": _slurm_info(),
-        "mpi": _mpi_info(),
-        "python": sys.version.split()[0],
-        "optcc_mpi": {
-            "version": __version__,
-            "git_rev": rev,
-            "git_dirty": None if dirty is None else bool(dirty),
-        },
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
-    }
 
 
 # ----------------------------------------------------------------------------- running
@@ -617,26 +510,13 @@ def _run_streaming(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, li
         note = "terminated by SIGTERM (time limit or scancel)"
         tail.append(f"[optcc_mpi.lab.sweep] {note}")
         if proc is not None:
-            _stop_group(proc)
+            launch.stop_group(proc, grace=STOP_GRACE_S)
         status = 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, old)
     if status < 0:  # killed by a signal: report it the way shells do
         status = 128 - status
     return status, list(tail), note
-
-
-def _stop_group(proc: subprocess.Popen[str]) -> None:
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _read_output(kind: str, path: Path) -> tuple[list[dict[str, Any]], str]:
@@ -739,8 +619,10 @@ def run_command(
     results = Path(results)
     results.mkdir(parents=True, exist_ok=True)
     job_id, task_id = _ids(job, task)
-    env = {**os.environ, **(extra_env or {})}
-    argv = [*launcher_argv(ranks), *wrapper_argv(env), *program_argv(), *argv_after_program]
+    chosen = launch.launcher()
+    extra_env = {**chosen.env(ranks, nodes=_nodes()), **(extra_env or {})}
+    env = {**os.environ, **extra_env}
+    argv = [*chosen.argv(ranks), *wrapper_argv(env), *program_argv(), *argv_after_program]
     started, t0 = _now(), time.monotonic()
     print(f"[optcc_mpi.lab.sweep] task {job_id}_{task_id}: {shlex.join(argv)}", flush=True)
     status, tail, note = _run_streaming(argv, env)
@@ -761,11 +643,11 @@ def run_command(
         "params": dict(params),
         "ranks": ranks,
         "command": shlex.join(argv),
-        "extra_env": dict(extra_env or {}),
+        "extra_env": dict(extra_env),
         "started": started,
         "finished": _now(),
         "wall_s": round(wall, 3),
-        **provenance(),
+        **provenance.record(),
     }
     if sweep is not None:
         record["sweep"] = sweep
@@ -1137,147 +1019,38 @@ def expand(kind: str, axes: Mapping[str, Sequence[str]]) -> str:
 # ----------------------------------------------------------------------------- CLI
 
 
-def _shell(assignments: Mapping[str, Any]) -> str:
-    return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in assignments.items())
-
-
-def _cmd_plan(a: argparse.Namespace) -> int:
-    t = read_table(a.table)
-    tasks = failed_tasks(a.only_failed, t.path) if a.only_failed else list(range(len(t.rows)))
-    plan = {
-        "kind": t.kind.name,
-        "script": t.kind.script,
-        "table": str(t.path),
-        "name": t.name,
-        "rows": len(t.rows),
-        "count": len(tasks),
-        "array": array_spec(tasks),
-        "max_ranks": max((int(t.rows[i]["ranks"]) for i in tasks), default=1),
-    }
-    print(_shell(plan) if a.shell else json.dumps(plan, indent=2))
-    return 0
-
-
-def _cmd_run(a: argparse.Namespace) -> int:
-    t = read_table(a.table)
-    if a.kind and t.kind.name != a.kind:
-        raise ValueError(
-            f"{t.path} is a {t.kind.name} table but this is the {a.kind} job script; submit "
-            f"it with jobs/{t.kind.script} (jobs/submit-sweep.sh picks it for you)"
-        )
-    return run_task(t, a.task, a.results, job=a.job)
-
-
-def _cmd_exec(a: argparse.Namespace) -> int:
-    args = list(a.args)
-    if args and args[0] == "--":
-        args = args[1:]
+def exec_command(
+    kind: str,
+    ranks: int,
+    args: Sequence[str],
+    results: str | os.PathLike[str],
+    *,
+    job: str | None = None,
+) -> int:
+    """Run one ``optcc-mpi bench`` (``kind="allreduce"``) or ``train`` (``"casgd"``) with
+    ``args`` on ``ranks`` ranks, without a table, and record it like a sweep task
+    (``optcc-mpi sweep exec``, used by ``jobs/allreduce.sbatch``)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
     if not args:
         raise ValueError("exec: give the optcc-mpi arguments after --, e.g. -- -b 1M -e 64M")
-    results = Path(a.results)
-    job, task = _ids(a.job, None)
-    name = "bench.jsonl" if a.kind == "allreduce" else "train.json"
-    out = _work_file(results, job, task, name)
-    command = "bench" if a.kind == "allreduce" else "train"
-    argv = [command, *args, "--out", str(out)]
-    if a.kind == "casgd":
+    results = Path(results)
+    job_id, task = _ids(job, None)
+    out = _work_file(results, job_id, task, "bench.jsonl" if kind == "allreduce" else "train.json")
+    argv = ["bench" if kind == "allreduce" else "train", *args, "--out", str(out)]
+    if kind == "casgd":
         argv.insert(1, "--no-progress")
-    params = {"ranks": str(a.ranks), "args": shlex.join(args)}
-    env = {}
-    nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or 1)
-    if math.ceil(a.ranks / nodes) > _cores():
-        env["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] = os.environ.get(
-            "MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1"
-        )
+    params = {"ranks": str(ranks), "args": shlex.join(args)}
     return run_command(
-        a.kind,
-        a.ranks,
-        argv,
-        out,
-        params,
-        results,
-        extra_env=env,
-        job=job,
-        task=task,
-        sweep=f"run:{job}",
+        kind, ranks, argv, out, params, results, job=job_id, task=task, sweep=f"run:{job_id}"
     )
-
-
-def _cmd_manifest(a: argparse.Namespace) -> int:
-    tasks = parse_array_spec(a.tasks)
-    path = write_manifest(a.results, a.table, a.job, tasks, script=a.script, argv=a.sbatch)
-    print(path)
-    return 0
-
-
-def _cmd_status(a: argparse.Namespace) -> int:
-    st = collect(a.results)
-    if a.job:
-        st = SweepStatus([t for t in st.tasks if t.job == a.job], st.unreadable, st.manifests)
-    print(st.summary())
-    return 0 if st.ok else 1
-
-
-def _cmd_expand(a: argparse.Namespace) -> int:
-    axes: dict[str, list[str]] = {}
-    for item in a.axes:
-        key, sep, values = item.partition("=")
-        if not sep:
-            raise ValueError(f"expand: expected COLUMN=V1,V2,..., got {item!r}")
-        axes[key.strip().lower()] = [v.strip() for v in values.split(",")]
-    sys.stdout.write(expand(a.kind, axes))
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m optcc_mpi.lab.sweep``: the job scripts' helper (see the module docstring)."""
-    p = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.sweep",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("plan", help="what submit-sweep.sh submits for a table")
-    s.add_argument("table")
-    s.add_argument("--only-failed", metavar="RESULTS", help="only failed or missing tasks")
-    s.add_argument("--shell", action="store_true", help="print shell assignments")
-    s.set_defaults(func=_cmd_plan)
-    s = sub.add_parser("run", help="run one array task of a table and record it")
-    s.add_argument("table")
-    s.add_argument("task", type=int)
-    s.add_argument("--results", required=True)
-    s.add_argument("--job", help="array job id (default: from Slurm)")
-    s.add_argument("--kind", choices=tuple(KINDS), help="fail unless the table is this kind")
-    s.set_defaults(func=_cmd_run)
-    s = sub.add_parser("exec", help="run one command (no table) and record it")
-    s.add_argument("--kind", choices=tuple(KINDS), default="allreduce")
-    s.add_argument("--ranks", type=int, required=True)
-    s.add_argument("--results", required=True)
-    s.add_argument("--job", help="job id (default: from Slurm)")
-    s.add_argument("args", nargs=argparse.REMAINDER)
-    s.set_defaults(func=_cmd_exec)
-    s = sub.add_parser("manifest", help="record a submission")
-    s.add_argument("--results", required=True)
-    s.add_argument("--table", required=True)
-    s.add_argument("--job", required=True)
-    s.add_argument("--tasks", required=True, help="the --array value")
-    s.add_argument("--script", default="")
-    s.add_argument("sbatch", nargs="*", help="the sbatch command line")
-    s.set_defaults(func=_cmd_manifest)
-    s = sub.add_parser("status", help="summarise a results folder; exit 1 unless all ok")
-    s.add_argument("results")
-    s.add_argument("--job", help="only the tasks whose latest submission is this array job")
-    s.set_defaults(func=_cmd_status)
-    s = sub.add_parser("expand", help="write a table over a Cartesian product")
-    s.add_argument("kind", choices=tuple(KINDS))
-    s.add_argument("axes", nargs="+", metavar="COLUMN=V1,V2,...")
-    s.set_defaults(func=_cmd_expand)
-    a = p.parse_args(argv)
-    try:
-        return int(a.func(a) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"optcc_mpi.lab.sweep {a.cmd}: error: {exc}", file=sys.stderr)
-        return 2
+    """``python -m optcc_mpi.lab.sweep ARGS``: the same as ``optcc-mpi sweep ARGS``."""
+    from optcc_mpi.cli import main as cli_main
+
+    return cli_main(["sweep", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ on ``h<i>`` (the hub side, whose egress is the rank's ingress) limits what it re
 degraded rank is slow in both directions. This kernel has no ``netem`` and no ingress
 policing, hence two egress shapers rather than one policer.
 
-Jobs start with MPICH's hydra ``mpiexec`` inside the hub namespace; a generated launcher
-script stands in for ``ssh`` and enters the rank namespace named by the "host". UCX is
-limited to ``tcp,self`` on ``eth0``: otherwise it would use shared memory across the
-namespaces and no byte would cross the shaped links.
+Jobs start with the ``mpiexec`` of the MPI library in use (:mod:`optcc_mpi.lab.launch`),
+MPICH's hydra or Open MPI's PRRTE, inside the hub namespace; a generated launcher script
+stands in for ``ssh`` and enters the rank namespace named by the "host". The transport is
+limited to TCP on ``eth0`` (MPICH: UCX ``tcp,self``; Open MPI: the ``ob1`` PML with the
+``tcp,self`` BTLs): otherwise the ranks would use shared memory across the namespaces and
+no byte would cross the shaped links.
 
 Everything created is listed in a state file (``/run/optcc-testbed/<name>.json``; the folder
 can be moved with ``OPTCC_TESTBED_STATE_DIR``) *before* it is created, and every namespace
@@ -45,7 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import config, units
 from optcc_mpi.errors import TestbedError
+from optcc_mpi.lab import launch
+from optcc_mpi.links import Links
 
 __all__ = [
     "DEFAULT_NAME",
@@ -64,7 +69,6 @@ __all__ = [
     "require_root",
     "resolve_name",
     "run",
-    "find_mpiexec",
     "set_shaping",
     "status",
     "up",
@@ -86,57 +90,32 @@ DEFAULT_LATENCY_US = 50_000
 # Smallest tbf bucket: one 64 KiB TSO/GSO segment must fit, or tbf splits every segment and
 # throughput collapses well below the configured rate.
 MIN_BURST = 64 * 1024
+# Jumbo frames, as on HPC Ethernet: with 1500-byte frames the TCP/IP headers and the ACKs
+# that share each shaped link take about 7% of its rate (an earlier measurement: the
+# fault-free ring reached 0.86-0.88 of the shaped rate at MTU 1500, 0.95-0.96 at 9000).
+DEFAULT_MTU = 9000
+# Loss-based TCP keeps a shaped link full (tbf's queue absorbs the sawtooth); BBR, the
+# kernel default here, paces below the rate in its drain phases (OptCC at 32 MiB, p = 4,
+# rank 0 at half rate: 1.49-1.53 s with reno, 1.56-1.59 s with bbr).
+DEFAULT_CONGESTION = "reno"
 # Slowest link we agree to build; below this tbf's arithmetic and TCP's timers misbehave.
 MIN_RATE_BIT = 8_000
-# Transport settings every testbed job needs (see the module docstring); callers may
-# override them through ``env`` but not through the ambient environment.
+# Transport settings every testbed job needs (see the module docstring), by launcher
+# flavour; callers may override them through ``env`` but not through the ambient
+# environment. MPICH: UCX over TCP only, on the shaped device. Open MPI: the ob1 PML with
+# the TCP and self BTLs on the shaped device (no shared memory, no UCX).
 REQUIRED_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": RANK_DEV}
-# Ambient variables a job commonly needs. Hydra forwards the launching environment anyway;
-# naming them in the argv makes ``launch_argv`` self-contained when run from elsewhere.
+REQUIRED_ENV_OPENMPI = {
+    "OMPI_MCA_pml": "ob1",
+    "OMPI_MCA_btl": "tcp,self",
+    "OMPI_MCA_btl_tcp_if_include": RANK_DEV,
+}
+# Ambient variables a job commonly needs. The launchers forward the launching environment
+# to local ranks only; naming them in the argv makes ``launch_argv`` self-contained.
 PASS_ENV_NAMES = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
-PASS_ENV_PREFIXES = ("OPTCC_", "MPIR_CVAR_", "UCX_", "OMP_")
+PASS_ENV_PREFIXES = ("OPTCC_", "MPIR_CVAR_", "UCX_", "OMP_", "OMPI_MCA_", "PRTE_MCA_")
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
-_RATE_UNITS = {
-    "": 1,
-    "bit": 1,
-    "kbit": 10**3,
-    "mbit": 10**6,
-    "gbit": 10**9,
-    "tbit": 10**12,
-    "kibit": 2**10,
-    "mibit": 2**20,
-    "gibit": 2**30,
-    "tibit": 2**40,
-    "bps": 8,
-    "kbps": 8 * 10**3,
-    "mbps": 8 * 10**6,
-    "gbps": 8 * 10**9,
-    "tbps": 8 * 10**12,
-    "kibps": 8 * 2**10,
-    "mibps": 8 * 2**20,
-    "gibps": 8 * 2**30,
-    "tibps": 8 * 2**40,
-}
-# tc's size units are binary (``kb`` = 1024 bytes; ``kbit`` = 1024 bits).
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kb": 2**10,
-    "kib": 2**10,
-    "m": 2**20,
-    "mb": 2**20,
-    "mib": 2**20,
-    "g": 2**30,
-    "gb": 2**30,
-    "gib": 2**30,
-    "kbit": 2**10 / 8,
-    "mbit": 2**20 / 8,
-    "gbit": 2**30 / 8,
-}
-_TIME_UNITS = {"s": 1e6, "sec": 1e6, "ms": 1e3, "msec": 1e3, "us": 1.0, "usec": 1.0}
-_NUM_UNIT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$")
 
 
 class TestbedExists(TestbedError):
@@ -154,13 +133,8 @@ def parse_rate(value: str | int | float) -> int:
     Parameters
     ----------
     value : str or int or float
-        A number of bits per second, or a tc-style rate: ``400mbit``, ``1gbit``, ``50mbps``
-        (``bps`` is *bytes* per second, as in tc), ``2.5gbit``, ``100mibit``.
-
-    Returns
-    -------
-    int
-        Bits per second.
+        A number of bits per second, or a rate in the units of :mod:`optcc_mpi.units`
+        (``400mbit``, ``1gbit``, ``50MB/s``, ``2.5gbit``).
 
     Raises
     ------
@@ -169,15 +143,9 @@ def parse_rate(value: str | int | float) -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"not a rate: {value!r}")
-    if isinstance(value, (int, float)):
-        bits = float(value)
-    else:
-        match = _NUM_UNIT_RE.match(value.lower())
-        if not match or match.group(2) not in _RATE_UNITS:
-            raise ValueError(
-                f"not a rate: {value!r} (use a tc-style rate such as 400mbit, 1gbit, 50mbps)"
-            )
-        bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"rate {value!r} has no unit; write e.g. 400mbit or 50MB/s")
+    bits = float(value) if isinstance(value, (int, float)) else units.parse_rate(value) * 8
     if not bits >= MIN_RATE_BIT:
         raise ValueError(f"rate {value!r} is below the minimum of {MIN_RATE_BIT} bit/s")
     return int(round(bits))
@@ -185,25 +153,16 @@ def parse_rate(value: str | int | float) -> int:
 
 def format_rate(bits: float) -> str:
     """Return ``bits`` per second as a short tc-style rate (``400mbit``, ``1.5gbit``)."""
-    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bits >= scale:
-            text = f"{bits / scale:.3f}".rstrip("0").rstrip(".")
-            return f"{text}{unit}"
-    return f"{int(bits)}bit"
+    return units.format_rate(bits / 8)
 
 
 def parse_size(value: str | int) -> int:
-    """Return a tc-style size (``64kb``, ``1mb``, ``32kbit``, bare bytes) in bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = float(value)
-    else:
-        match = _NUM_UNIT_RE.match(str(value).lower())
-        if not match or match.group(2) not in _SIZE_UNITS:
-            raise ValueError(f"not a size: {value!r} (use e.g. 64kb, 1mb, 65536)")
-        size = float(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    """Return a size (``64KiB``, ``1MB``, ``32kbit``, bare bytes) in bytes, in the units of
+    :mod:`optcc_mpi.units` (``KB``/``MB`` are decimal, ``K``/``KiB`` binary)."""
+    size = units.parse_size(value)
     if size < 1:
         raise ValueError(f"size {value!r} must be at least one byte")
-    return int(round(size))
+    return size
 
 
 def parse_latency(value: str | float | int) -> int:
@@ -214,13 +173,7 @@ def parse_latency(value: str | float | int) -> int:
     value : str or float or int
         ``50ms``, ``200us``, ``1s``, or a number of seconds.
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        micros = float(value) * 1e6
-    else:
-        match = _NUM_UNIT_RE.match(str(value).lower())
-        if not match or match.group(2) not in _TIME_UNITS:
-            raise ValueError(f"not a latency: {value!r} (use e.g. 50ms, 200us, 1s)")
-        micros = float(match.group(1)) * _TIME_UNITS[match.group(2)]
+    micros = units.parse_duration(value) * 1e6
     if not micros >= 1:
         raise ValueError(f"latency {value!r} must be at least 1us")
     return int(round(micros))
@@ -234,8 +187,9 @@ def parse_degrade(
     Parameters
     ----------
     value : str or mapping or None
-        ``"0:0.5"``, ``"0:0.5,3:0.25"``, a ``{rank: fraction}`` mapping, or None/"" for
-        "all links healthy". A fraction of 1 is accepted and dropped (healthy).
+        ``"0:0.5"``, ``"0:0.5,3:0.25"``, ranges ``"4-7:0.75"`` (the syntax of
+        :meth:`optcc_mpi.links.Links.parse`), a ``{rank: fraction}`` mapping, or None/""
+        for "all links healthy". A fraction of 1 is accepted and dropped (healthy).
     ranks : int, optional
         Number of ranks; when given, every rank must be below it.
 
@@ -252,43 +206,13 @@ def parse_degrade(
     """
     if value is None:
         return {}
-    pairs: list[tuple[Any, Any]]
-    if isinstance(value, str):
-        pairs = []
-        for item in value.replace(" ", "").split(","):
-            if not item:
-                continue
-            rank, sep, fraction = item.partition(":")
-            if not sep:
-                raise ValueError(
-                    f"degrade entry {item!r} is not RANK:FRACTION (example: --degrade 0:0.5,3:0.25)"
-                )
-            pairs.append((rank, fraction))
-    else:
-        pairs = list(value.items())
-    result: dict[int, float] = {}
-    for rank_text, fraction_text in pairs:
-        try:
-            rank = int(rank_text)
-        except (TypeError, ValueError):
-            raise ValueError(f"degrade rank {rank_text!r} is not an integer") from None
-        try:
-            fraction = float(fraction_text)
-        except (TypeError, ValueError):
-            raise ValueError(f"degrade fraction {fraction_text!r} is not a number") from None
-        if rank < 0:
-            raise ValueError(f"degrade rank {rank} is negative")
-        if ranks is not None and rank >= ranks:
-            raise ValueError(f"degrade rank {rank} does not exist (ranks are 0..{ranks - 1})")
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(
-                f"degrade fraction {fraction_text!r} for rank {rank} must be in (0, 1] "
-                "(0.5 = half the healthy rate)"
-            )
-        if rank in result:
-            raise ValueError(f"degrade rank {rank} is given twice")
-        result[rank] = fraction
-    return {r: f for r, f in sorted(result.items()) if f < 1.0}
+    try:
+        links = Links.parse(value) if isinstance(value, str) else Links(dict(value))
+        if ranks is not None:
+            links.check(ranks)
+    except ValueError as exc:
+        raise ValueError(f"degrade: {exc} (example: --degrade 0:0.5,4-7:0.75)") from None
+    return dict(links.fractions)
 
 
 def _check_name(name: str) -> str:
@@ -302,11 +226,11 @@ def _check_name(name: str) -> str:
 
 def resolve_name(name: str | None = None) -> str:
     """Return the testbed name to use: ``name``, else ``OPTCC_TESTBED_NAME``, else the default."""
-    return _check_name(name or os.environ.get("OPTCC_TESTBED_NAME") or DEFAULT_NAME)
+    return _check_name(name or config.get("OPTCC_TESTBED_NAME") or DEFAULT_NAME)
 
 
 def _state_dir() -> Path:
-    return Path(os.environ.get("OPTCC_TESTBED_STATE_DIR") or "/run/optcc-testbed")
+    return Path(config.get("OPTCC_TESTBED_STATE_DIR") or "/run/optcc-testbed")
 
 
 # --------------------------------------------------------------------------- privileges
@@ -445,6 +369,10 @@ class Testbed:
         tbf bucket in bytes; None picks two milliseconds' worth per link (at least 64 KiB).
     latency_us : int
         tbf latency (queue length expressed as waiting time) in microseconds.
+    mtu : int
+        MTU of every veth and the bridge, in bytes.
+    congestion : str
+        TCP congestion control inside the rank namespaces.
     complete : bool
         False while ``up`` is still building (or crashed while building).
     """
@@ -455,6 +383,8 @@ class Testbed:
     degrade: dict[int, float] = field(default_factory=dict)
     burst: int | None = None
     latency_us: int = DEFAULT_LATENCY_US
+    mtu: int = DEFAULT_MTU
+    congestion: str = DEFAULT_CONGESTION
     complete: bool = False
     created: float = field(default_factory=time.time)
     created_etc_netns: bool = False
@@ -589,6 +519,8 @@ class Testbed:
         cmd: Sequence[str],
         n: int | None = None,
         env: Mapping[str, str] | None = None,
+        *,
+        mpiexec: tuple[str, str] | None = None,
     ) -> list[str]:
         """Return the full argv that runs ``cmd`` as an MPI job, one rank per namespace.
 
@@ -600,13 +532,21 @@ class Testbed:
             Number of ranks; default all of the testbed's. Rank *i* runs in ``<name>-r<i>``.
         env : mapping, optional
             Extra variables for every rank; they override everything else, including the
-            required ``UCX_TLS=tcp,self`` and ``UCX_NET_DEVICES=eth0``.
+            required transport settings (:data:`REQUIRED_ENV`, :data:`REQUIRED_ENV_OPENMPI`).
+        mpiexec : (path, flavour), optional
+            The launcher, ``flavour`` ``"hydra"`` or ``"openmpi"``; default
+            :func:`optcc_mpi.lab.launch.mpiexec_for` (the one of this Python's MPI).
 
         Returns
         -------
         list of str
-            ``ip netns exec <hub> mpiexec -launcher ssh -launcher-exec <nswrap> -hosts ...
-            -genv ... cmd...``; run it as root.
+            Run it as root. MPICH: ``ip netns exec <hub> mpiexec -launcher ssh
+            -launcher-exec <nswrap> -hosts r0,.. -localhost hub -n N -genv K V ... cmd``.
+            Open MPI: ``ip netns exec <hub> unshare --uts sh -c 'hostname hub && exec "$@"'
+            sh mpiexec --prtemca prte_ssh_agent <nswrap> --host r0,.. -n N
+            --allow-run-as-root -x K=V ... cmd`` (PRRTE ignores ``plm_rsh_agent`` and would
+            try the real ssh; the hub gets a hostname of its own so that PRRTE does not
+            take a rank host for itself).
         """
         n = self.ranks if n is None else int(n)
         if not 1 <= n <= self.ranks:
@@ -618,30 +558,32 @@ class Testbed:
             for k, v in os.environ.items()
             if k in PASS_ENV_NAMES or k.startswith(PASS_ENV_PREFIXES)
         }
-        job_env.update(REQUIRED_ENV)
+        path, flavour = mpiexec if mpiexec is not None else launch.mpiexec_for()
+        if flavour not in ("hydra", "openmpi"):
+            raise TestbedError(
+                f"{path} is neither MPICH's hydra nor Open MPI's mpiexec; the testbed knows "
+                "how to start ranks in namespaces with those two only (set OPTCC_MPIEXEC)"
+            )
+        job_env.update(REQUIRED_ENV if flavour == "hydra" else REQUIRED_ENV_OPENMPI)
         # A job inside the testbed finds its own testbed (current(), set_shaping()) by name.
         job_env["OPTCC_TESTBED_NAME"] = self.name
         job_env["OPTCC_TESTBED_STATE_DIR"] = str(_state_dir())
         job_env.update(env or {})
-        argv = [
-            shutil.which("ip") or "ip",
-            "netns",
-            "exec",
-            self.hub_ns,
-            find_mpiexec(),
-            "-launcher",
-            "ssh",
-            "-launcher-exec",
-            str(self.nswrap),
-            "-hosts",
-            ",".join(self.rank_host(i) for i in range(n)),
-            "-localhost",
-            HUB_HOST,
-            "-n",
-            str(n),
-        ]
+        hosts = ",".join(self.rank_host(i) for i in range(n))
+        argv = [shutil.which("ip") or "ip", "netns", "exec", self.hub_ns]
+        if flavour == "hydra":
+            argv += [path, "-launcher", "ssh", "-launcher-exec", str(self.nswrap)]
+            argv += ["-hosts", hosts, "-localhost", HUB_HOST, "-n", str(n)]
+            for key, value in job_env.items():
+                argv += ["-genv", key, value]
+            return argv + list(cmd)
+        unshare = shutil.which("unshare") or "unshare"
+        argv += [unshare, "--uts", "/bin/sh", "-c", f'hostname {HUB_HOST} && exec "$@"', "sh"]
+        # One slot per host (--host rI), so rank i lands on rI: the order is the mapping.
+        argv += [path, "--prtemca", "prte_ssh_agent", str(self.nswrap), "--host", hosts]
+        argv += ["-n", str(n), "--allow-run-as-root"]
         for key, value in job_env.items():
-            argv += ["-genv", key, value]
+            argv += ["-x", f"{key}={value}"]
         return argv + list(cmd)
 
     def run(
@@ -665,10 +607,10 @@ class Testbed:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            launch.stop_group(proc, grace=3.0)
             return 124
         except KeyboardInterrupt:
-            _kill_group(proc)
+            launch.stop_group(proc, grace=3.0)
             raise
         return 128 - rc if rc < 0 else rc
 
@@ -706,6 +648,8 @@ class Testbed:
             "degrade": {str(k): v for k, v in self.degrade.items()},
             "burst": self.burst,
             "latency_us": self.latency_us,
+            "mtu": self.mtu,
+            "congestion": self.congestion,
             "complete": self.complete,
             "created": self.created,
             "created_etc_netns": self.created_etc_netns,
@@ -727,6 +671,8 @@ class Testbed:
             degrade={int(k): float(v) for k, v in data.get("degrade", {}).items()},
             burst=data.get("burst"),
             latency_us=int(data.get("latency_us", DEFAULT_LATENCY_US)),
+            mtu=int(data.get("mtu", 1500)),
+            congestion=str(data.get("congestion", "")),
             complete=bool(data.get("complete", False)),
             created=float(data.get("created", 0.0)),
             created_etc_netns=bool(data.get("created_etc_netns", False)),
@@ -751,32 +697,6 @@ class Testbed:
         else:
             text += ", all links healthy"
         return text
-
-
-def find_mpiexec() -> str:
-    """The MPI launcher: ``$OPTCC_MPIEXEC``, else the one next to this Python, else PATH."""
-    # The MPICH wheel puts hydra's mpiexec next to the interpreter; OPTCC_MPIEXEC overrides.
-    explicit = os.environ.get("OPTCC_MPIEXEC")
-    if explicit:
-        return explicit
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise TestbedError("mpiexec not found; install the MPICH wheel (`pip install mpich`)")
-    return found
-
-
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @contextlib.contextmanager
@@ -810,8 +730,9 @@ def _read_state(name: str) -> dict[str, Any] | None:
 
 _NSWRAP = """#!/bin/bash
 # Generated by optcc_mpi.lab.testbed for testbed {name!s}; removed by `optcc-mpi testbed down`.
-# MPICH hydra runs this in place of ssh: `nswrap [ssh options] HOST COMMAND...`. HOST is a
-# rank host rN; COMMAND (hydra's proxy) runs inside namespace {name!s}-rN with hostname rN,
+# The launcher (MPICH hydra, Open MPI's PRRTE) runs this in place of ssh: `nswrap [ssh
+# options] HOST COMMAND...`. HOST is a rank host rN; COMMAND (hydra's proxy, PRRTE's
+# daemon) runs inside namespace {name!s}-rN with hostname rN,
 # so every rank looks like its own node and its traffic leaves through the shaped eth0.
 while [[ $# -gt 0 && "$1" == -* ]]; do
   case "$1" in
@@ -837,6 +758,8 @@ def up(
     latency: str | float | None = None,
     name: str | None = None,
     force: bool = False,
+    mtu: int = DEFAULT_MTU,
+    congestion: str = DEFAULT_CONGESTION,
 ) -> Testbed:
     """Build a testbed: one namespace per rank, veths into a bridge, tbf in both directions.
 
@@ -845,13 +768,13 @@ def up(
     ranks : int
         Number of rank namespaces (1..250).
     rate : str or int
-        Healthy rate of every link, each direction: ``"400mbit"``, ``"1gbit"``, ``"50mbps"``
+        Healthy rate of every link, each direction: ``"400mbit"``, ``"1gbit"``, ``"50MB/s"``
         or bit/s.
     degrade : mapping or str, optional
         ``{rank: fraction}`` or ``"RANK:FRACTION,..."``: these ranks send and receive at
         ``fraction * rate``. Change later with :meth:`Testbed.set_shaping`.
     burst : str or int, optional
-        tbf bucket (``"64kb"`` or bytes); default two milliseconds of each link's rate, at
+        tbf bucket (``"64KiB"`` or bytes); default two milliseconds of each link's rate, at
         least 64 KiB.
     latency : str or float, optional
         tbf latency (``"50ms"`` or seconds); default 50 ms.
@@ -859,6 +782,12 @@ def up(
         Testbed name and namespace prefix; default ``OPTCC_TESTBED_NAME`` or ``optcctb``.
     force : bool
         Tear down an existing testbed of this name first instead of refusing.
+    mtu : int
+        MTU of the veths and the bridge (576..65535); default 9000 (jumbo frames, as on
+        HPC Ethernet; at 1500 headers and ACKs take about 7% of each shaped link).
+    congestion : str
+        TCP congestion control in the rank namespaces, ``"reno"`` (default: keeps a
+        shaped link full) or ``"bbr"``; ``""`` keeps the kernel's default.
 
     Returns
     -------
@@ -882,6 +811,10 @@ def up(
     for r, fraction in degrade_map.items():
         if rate_bit * fraction < MIN_RATE_BIT:
             raise ValueError(f"rank {r} at {fraction} of {format_rate(rate_bit)} is too slow")
+    if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
+        raise ValueError(f"mtu must be an integer in 576..65535, not {mtu!r}")
+    if congestion not in ("", "reno", "bbr", "cubic"):
+        raise ValueError(f"congestion must be reno, bbr, cubic or '' (default), not {congestion!r}")
     bed = Testbed(
         name=name,
         ranks=ranks,
@@ -889,6 +822,8 @@ def up(
         degrade=degrade_map,
         burst=None if burst is None else parse_size(burst),
         latency_us=DEFAULT_LATENCY_US if latency is None else parse_latency(latency),
+        mtu=mtu,
+        congestion=congestion,
     )
     require_root()
     ensure_tools()
@@ -934,6 +869,11 @@ def _build(bed: Testbed) -> None:
         # Mark first, so a namespace of ours is recognisable even if we crash right after.
         _cmd([*ip, "-n", ns, "link", "set", "dev", "lo", "alias", bed.marker])
         _cmd([*ip, "-n", ns, "link", "set", "dev", "lo", "up"])
+        if bed.congestion:
+            _cmd(
+                [*ip, "netns", "exec", ns, "sysctl", "-qw"]
+                + [f"net.ipv4.tcp_congestion_control={bed.congestion}"]
+            )
     _cmd([*ip, "-n", hub, "link", "add", BRIDGE, "type", "bridge"])
     _cmd([*ip, "-n", hub, "addr", "add", f"{HUB_ADDR}/24", "dev", BRIDGE])
     _cmd([*ip, "-n", hub, "link", "set", "dev", BRIDGE, "up"])
@@ -943,11 +883,14 @@ def _build(bed: Testbed) -> None:
             [*ip, "link", "add", peer, "netns", hub, "type", "veth"]
             + ["peer", "name", RANK_DEV, "netns", ns]
         )
+        _cmd([*ip, "-n", hub, "link", "set", "dev", peer, "mtu", str(bed.mtu)])
+        _cmd([*ip, "-n", ns, "link", "set", "dev", RANK_DEV, "mtu", str(bed.mtu)])
         _cmd([*ip, "-n", hub, "link", "set", "dev", peer, "master", BRIDGE])
         _cmd([*ip, "-n", hub, "link", "set", "dev", peer, "up"])
         _cmd([*ip, "-n", ns, "addr", "add", f"{bed.rank_addr(rank)}/24", "dev", RANK_DEV])
         _cmd([*ip, "-n", ns, "link", "set", "dev", RANK_DEV, "up"])
         bed._apply_rank_shaping(rank, bed.rate_of(rank))
+    _cmd([*ip, "-n", hub, "link", "set", "dev", BRIDGE, "mtu", str(bed.mtu)])
     # Name resolution: `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts.
     hosts = [
         f"# {bed.marker} (generated; removed by `optcc-mpi testbed down`)",

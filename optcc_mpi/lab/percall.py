@@ -1,0 +1,152 @@
+"""Per-call cost of ``allreduce`` against the MPI library's ``MPI_Allreduce``.
+
+Run under mpiexec, e.g. ``mpiexec -n 2 python -m optcc_mpi.lab.percall``. For each
+message size it times, interleaved in batches so that every variant sees the same
+machine load:
+
+``MPI_Allreduce``
+    mpi4py's ``comm.Allreduce(x, y, op=MPI.SUM)`` (the library's latency from Python);
+``allreduce``
+    ``optcc_mpi.allreduce(x, y)`` with default arguments (argument agreement included);
+``allreduce check=False``
+    the same without the agreement;
+``ring`` and ``Sendrecv ring``
+    (with ``--p2p``) ``algorithm="ring"``, and a hand-written blocking ``Sendrecv`` ring
+    with the same messages: their difference is the schedule's fixed cost per call.
+
+Each batch is ``--batch`` consecutive calls; the table gives the median, minimum and
+maximum over batches of the time per call, and the ratio of medians to MPI_Allreduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["measure", "main"]
+
+
+def _sendrecv_ring(comm: Any, x: np.ndarray, y: np.ndarray) -> None:
+    """A blocking ring AllReduce with the schedule's messages: p-1 reduce-scatter and p-1
+    all-gather steps over p sections (NumPy reduction)."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    np.copyto(y, x)
+    if p == 1:
+        return
+    bounds = np.linspace(0, y.size, p + 1).astype(int)
+    tmp = np.empty(bounds[1] - bounds[0] + 1, dtype=y.dtype)
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    for t in range(p - 1):
+        s, q = (r - t) % p, (r - t - 1) % p
+        seg = y[bounds[s] : bounds[s + 1]]
+        got = tmp[: bounds[q + 1] - bounds[q]]
+        comm.Sendrecv(seg, nxt, 11, got, prv, 11)
+        y[bounds[q] : bounds[q + 1]] += got
+    for t in range(p - 1):
+        s, q = (r + 1 - t) % p, (r - t) % p
+        comm.Sendrecv(y[bounds[s] : bounds[s + 1]], nxt, 12, y[bounds[q] : bounds[q + 1]], prv, 12)
+
+
+def measure(comm: Any, sizes: list[int], iters: int, batch: int, p2p: bool) -> list[dict[str, Any]]:
+    """Time the variants (module docstring) at each size in bytes (float32 elements);
+    collective. Returns one row per (size, variant) on every rank."""
+    from mpi4py import MPI
+
+    import optcc_mpi
+
+    mine = comm.Dup()  # the user's traffic of the baselines: not on our private duplicate
+    rows = []
+    for size in sizes:
+        n = max(1, size // 4)
+        x = np.arange(n, dtype=np.float32) + comm.Get_rank()
+        y = np.empty_like(x)
+        variants: dict[str, Callable[[], Any]] = {
+            "MPI_Allreduce": lambda x=x, y=y: mine.Allreduce(x, y, op=MPI.SUM),
+            "allreduce": lambda x=x, y=y: optcc_mpi.allreduce(x, y, comm=mine),
+            "allreduce check=False": lambda x=x, y=y: optcc_mpi.allreduce(
+                x, y, comm=mine, check=False
+            ),
+        }
+        if p2p:
+            variants["ring"] = lambda x=x, y=y: optcc_mpi.allreduce(
+                x, y, comm=mine, algorithm="ring"
+            )
+            variants["ring check=False"] = lambda x=x, y=y: optcc_mpi.allreduce(
+                x, y, comm=mine, algorithm="ring", check=False
+            )
+            variants["Sendrecv ring"] = lambda x=x, y=y: _sendrecv_ring(mine, x, y)
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for fn in variants.values():  # warm up: caches, agreement room, schedules
+            for _ in range(max(3, batch)):
+                fn()
+        for _ in range(max(1, iters // batch)):
+            for name, fn in variants.items():
+                mine.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(batch):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / batch)
+        ref = statistics.median(times["MPI_Allreduce"])
+        for name, ts in times.items():
+            # The slowest rank's view: a collective is as slow as its slowest member.
+            med = comm.allreduce(statistics.median(ts), op=MPI.MAX)
+            if name == "MPI_Allreduce":
+                ref = med
+            rows.append(
+                {
+                    "p": comm.Get_size(),
+                    "bytes": n * 4,
+                    "variant": name,
+                    "median_us": med * 1e6,
+                    "min_us": comm.allreduce(min(ts), op=MPI.MAX) * 1e6,
+                    "max_us": comm.allreduce(max(ts), op=MPI.MAX) * 1e6,
+                    "ratio": med / ref if ref > 0 else float("nan"),
+                    "batches": len(ts),
+                    "batch": batch,
+                }
+            )
+    mine.Free()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line (module docstring)."""
+    from mpi4py import MPI
+
+    from optcc_mpi.links import parse_size
+
+    ap = argparse.ArgumentParser(prog="python -m optcc_mpi.lab.percall", description=__doc__)
+    ap.add_argument("--sizes", default="4,64,1K,4K,16K,64K", help="bytes, comma-separated")
+    ap.add_argument("--iters", type=int, default=2000, help="calls per variant and size")
+    ap.add_argument("--batch", type=int, default=20, help="calls per timed batch")
+    ap.add_argument("--p2p", action="store_true", help="also time the ring schedule")
+    ap.add_argument("--json", help="write the rows as JSON lines to this file")
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    rows = measure(comm, sizes, args.iters, args.batch, args.p2p)
+    if comm.Get_rank() == 0:
+        command = "python -m optcc_mpi.lab.percall " + " ".join(argv or sys.argv[1:])
+        print(f"# {command}  (p={comm.Get_size()}, medians of batches of {args.batch})")
+        print(f"{'bytes':>7}  {'variant':<22} {'median us':>10} {'min':>8} {'max':>8} {'ratio':>6}")
+        for r in rows:
+            print(
+                f"{r['bytes']:>7}  {r['variant']:<22} {r['median_us']:>10.2f} "
+                f"{r['min_us']:>8.2f} {r['max_us']:>8.2f} {r['ratio']:>6.2f}"
+            )
+        if args.json:
+            with open(args.json, "a") as fh:
+                for r in rows:
+                    fh.write(json.dumps({**r, "command": command}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

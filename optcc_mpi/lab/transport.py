@@ -1,0 +1,200 @@
+"""Transport benchmark: our executor's ring against a hand-written ring and MPI_Allreduce.
+
+Run under MPI (shared memory or any network)::
+
+    mpiexec -n 2 python -m optcc_mpi.lab.transport -b 1M -e 256M -f 4 -n 5
+
+For every size it times, interleaved iteration by iteration so that all three see the same
+machine load:
+
+``executor``
+    ``optcc_mpi.allreduce(x, out, algorithm="ring")``: argument check, cached schedule,
+    our executor, everything a user pays.
+``sendrecv``
+    A hand-written blocking ring in NumPy: reduce-scatter then all-gather, one
+    ``MPI_Sendrecv`` per step, the same reduction (``np.add`` into place) and the same
+    sections. What a careful user would write by hand; the target for the executor.
+``mpi``
+    The MPI library's own ``MPI_Allreduce``.
+
+Every result is checked against the exact sum. Output: a text table on rank 0 and, with
+``--out``, one JSON object per (method, size) with median, minimum and maximum over the
+iterations (each iteration's time is the maximum over ranks), the machine's load average
+and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["sendrecv_ring", "run", "main"]
+
+METHODS = ("executor", "sendrecv", "mpi")
+
+
+def sendrecv_ring(comm: Any, x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """Ring AllReduce (sum) of ``x`` into ``out`` with blocking ``Sendrecv``.
+
+    ``tmp`` holds at least one section (``ceil(n / p)`` elements). Rank r sends section
+    (r - t) mod p in reduce-scatter step t and adds what arrives from its left neighbour;
+    it then owns section (r + 1) mod p, and the all-gather forwards sections around the
+    ring.
+    """
+    from optcc_mpi.schedule import split
+
+    p, r = comm.Get_size(), comm.Get_rank()
+    np.copyto(out, x)
+    if p == 1:
+        return out
+    b = split(0, x.size, p).tolist()
+    right, left = (r + 1) % p, (r - 1) % p
+    for t in range(p - 1):
+        s, g = (r - t) % p, (r - t - 1) % p
+        m = b[g + 1] - b[g]
+        comm.Sendrecv(out[b[s] : b[s + 1]], right, 7, tmp[:m], left, 7)
+        np.add(out[b[g] : b[g + 1]], tmp[:m], out=out[b[g] : b[g + 1]])
+    for t in range(p - 1):
+        s, g = (r + 1 - t) % p, (r - t) % p
+        comm.Sendrecv(out[b[s] : b[s + 1]], right, 8, out[b[g] : b[g + 1]], left, 8)
+    return out
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - platforms without getloadavg
+        return float("nan")
+
+
+def run(
+    sizes: list[int],
+    iters: int,
+    warmup: int,
+    comm: Any = None,
+    command: str = "",
+    chunks: list[int] = (),
+) -> list[dict[str, Any]]:
+    """Time the three methods at every size (collective); rows on every rank.
+
+    ``chunks``: further executor variants with the ring's ``chunk_bytes`` set to each
+    value (method ``executor/chunk=N``; 0 means one message per section).
+    """
+    from mpi4py import MPI
+
+    import optcc_mpi
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    p, rank = comm.Get_size(), comm.Get_rank()
+    rows = []
+    for size in sizes:
+        n = size // 4
+        i = np.arange(n, dtype=np.int64)
+        x = ((i * 7 + rank * 13) % 17 - 8).astype(np.float32)
+        exact = sum(((i * 7 + q * 13) % 17 - 8) for q in range(p)).astype(np.float32)
+        del i
+        out = np.empty_like(x)
+        tmp = np.empty(-(-n // p) + 1, dtype=np.float32)
+        ring = functools.partial(optcc_mpi.allreduce, x, out, comm=comm, algorithm="ring")
+        calls = {
+            "executor": ring,
+            "sendrecv": functools.partial(sendrecv_ring, comm, x, out, tmp),
+            "mpi": functools.partial(comm.Allreduce, x, out, op=MPI.SUM),
+        }
+        for c in chunks:
+            cb = c if c > 0 else size
+            calls[f"executor/chunk={c}"] = functools.partial(ring, params={"chunk_bytes": cb})
+        methods = list(calls)
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        wrong = dict.fromkeys(methods, 0)
+        load0 = _load()
+        for it in range(warmup + iters):
+            for m in methods:
+                out.fill(np.nan)
+                comm.Barrier()
+                t0 = time.perf_counter()
+                calls[m]()
+                dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                wrong[m] += int(np.count_nonzero(out != exact))
+                if it >= warmup:
+                    times[m].append(dt)
+        for m in methods:
+            t = times[m]
+            rows.append(
+                {
+                    "method": m,
+                    "size": size,
+                    "p": p,
+                    "median_ms": statistics.median(t) * 1e3,
+                    "min_ms": min(t) * 1e3,
+                    "max_ms": max(t) * 1e3,
+                    "iters": iters,
+                    "wrong": comm.allreduce(wrong[m], op=MPI.SUM),
+                    "load": [load0, _load()],
+                    "command": command,
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -m optcc_mpi.lab.transport --help``."""
+    from mpi4py import MPI
+
+    from optcc_mpi.cli._common import size_arg
+    from optcc_mpi.lab.bench import sizes as size_list
+
+    ap = argparse.ArgumentParser(
+        prog="python -m optcc_mpi.lab.transport",
+        description="Executor ring vs hand-written Sendrecv ring vs MPI_Allreduce, "
+        "interleaved per iteration (run under mpiexec).",
+    )
+    ap.add_argument("-b", "--begin", type=size_arg, default=1 << 20, help="smallest size (1M)")
+    ap.add_argument("-e", "--end", type=size_arg, default=256 << 20, help="largest (256M)")
+    ap.add_argument("-f", "--factor", type=float, default=4.0, help="size step factor (4)")
+    ap.add_argument("-n", "--iters", type=int, default=5, help="timed iterations (5)")
+    ap.add_argument("-w", "--warmup", type=int, default=1, help="warm-up iterations (1)")
+    ap.add_argument(
+        "--chunk",
+        type=size_arg,
+        action="append",
+        default=[],
+        help="also time the executor with the ring's chunk_bytes set to this (repeatable; "
+        "0: one message per section)",
+    )
+    ap.add_argument("--out", help="append rows as JSON lines to this file")
+    args = ap.parse_args(argv)
+    command = "python -m optcc_mpi.lab.transport " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    comm = MPI.COMM_WORLD
+    sizes = size_list(args.begin, args.end, args.factor)
+    rows = run(sizes, args.iters, args.warmup, comm, command, args.chunk)
+    if comm.Get_rank() == 0:
+        print(f"# {command}  (p={comm.Get_size()}, load {rows[0]['load'][0]:.1f})")
+        print(f"{'size':>10} {'method':>20} {'median ms':>10} {'min':>9} {'max':>9} {'vs sr':>6}")
+        by = {(r["size"], r["method"]): r for r in rows}
+        for r in rows:
+            ref = by[(r["size"], "sendrecv")]["median_ms"]
+            print(
+                f"{r['size']:>10} {r['method']:>20} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} "
+                f"{r['max_ms']:>9.2f} {r['median_ms'] / ref:>6.2f}"
+                + ("" if r["wrong"] == 0 else f"  WRONG {r['wrong']}")
+            )
+        if args.out:
+            with open(args.out, "a") as fh:
+                for r in rows:
+                    fh.write(json.dumps(r) + "\n")
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

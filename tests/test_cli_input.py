@@ -1,0 +1,91 @@
+"""Command-line input: bad values fail at once, quoting what the user typed; under MPI an
+error on one rank ends the whole job instead of leaving the others hanging."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optcc_mpi.cli import main
+
+EXE = [sys.executable, "-m", "optcc_mpi"]
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+ENV = {**os.environ, "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
+
+
+def fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run the CLI; it must fail (argparse exit 2, or status 2). Returns stderr."""
+    try:
+        status = main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    assert status == 2, f"{argv} gave status {status}"
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [
+        (["model", "--p", "0"], ["--p", "'0'", "at least 2"]),
+        (["model", "--p", "0", "--degrade", "healthy"], ["--p", "'0'"]),
+        (["model", "--p", "1"], ["--p", "'1'", "at least 2"]),
+        (["model", "--p", "eight"], ["--p", "'eight'", "not a whole number"]),
+        (["model", "--p", "4", "--degrade", "7:0.5"], ["--degrade 7:0.5", "names rank 7", "--p 4"]),
+        (["model", "--degrade", "0:1.5"], ["--degrade", "outside (0, 1]"]),
+        (["model", "--size", "0"], ["--size", "'0'", "at least 1 byte"]),
+        (["model", "--size=-5M"], ["--size", "'-5M'"]),
+        (["model", "--sweep", "--losses", "1.5"], ["--losses", "'1.5'", "outside [0, 1)"]),
+        (["model", "--sweep", "--losses", "0.5,x"], ["--losses", "'x'", "not a number"]),
+        (["model", "--sweep", "--losses", "1"], ["--losses", "'1'"]),
+        (["model", "--sweep", "--ps", "1,8"], ["--ps", "'1'", "at least 2"]),
+        (["simulate", "--p", "0"], ["--p", "'0'"]),
+        (["bench", "-n", "0"], ["-n/--iters", "'0'", "at least 1"]),
+        (["bench", "-w", "-1"], ["-w/--warmup", "'-1'", "at least 0"]),
+        (["bench", "-b", "3", "-d", "float64"], ["-b/--begin 3", "float64", "8 bytes"]),
+        (["bench", "-b", "0"], ["-b/--begin", "'0'"]),
+        (["bench", "-b", "1M", "-e", "64K"], ["-e/--end 65536", "-b/--begin 1048576"]),
+        (["bench", "-b", "64K", "-e", "1M", "-f", "1"], ["-f/--factor 1", "above 1"]),
+        (["bench", "-f", "0"], ["-f/--factor", "'0'"]),
+        (["bench", "--algorithms", "ring,tree"], ["--algorithms", "'tree'"]),
+        (["bench", "--links", "0:2"], ["--links", "outside (0, 1]"]),
+        (["bench", "--emulate", "bw=fast"], ["--emulate", "'fast'"]),
+        (["bench", "-d", "complex64"], ["-d/--dtype", "complex64"]),
+    ],
+)
+def test_bad_arguments_name_what_was_typed(
+    argv: list[str], expect: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = fails(argv, capsys)
+    for text in expect:
+        assert text in err, f"{text!r} not in {err!r}"
+
+
+def test_tiny_fraction_models(capsys: pytest.CaptureFixture[str]) -> None:
+    """A valid fraction as small as 1e-9 plans (the LP used to fail on it)."""
+    assert main(["model", "--p", "8", "--degrade", "0:1e-9"]) == 0
+    out = capsys.readouterr().out
+    assert "optcc plan:" in out and "lower bound" in out
+
+
+def test_losses_and_ranks_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["model", "--sweep", "--ps", "4,8", "--losses", "0,0.5", "--json"]) == 0
+    assert "bound" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_error_on_one_rank_aborts_the_job() -> None:
+    """A bad environment variable on one rank, read outside any agreement, ends the whole
+    MPI job with an error instead of leaving the other rank waiting in a collective."""
+    args = [*EXE, "bench", "-b", "4K", "-e", "4K", "-n", "1", "--algorithms", "ring"]
+    cmd = [MPIEXEC, "-n", "1", *args, ":", "-n", "1", "-env", "OPTCC_LINKS", "0:zero", *args]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=ENV)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job hung: the healthy rank waited for the failed one")
+    assert res.returncode != 0
+    assert "aborting all ranks" in res.stderr
+    assert "OPTCC_LINKS" in res.stderr or "zero" in res.stderr
