@@ -196,7 +196,9 @@ def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     if p < 2:
         return OptccPlan((1.0,) * p, 0.0)
     f = np.asarray(f_tuple)
-    t = lower_bound(p, 1.0, 1.0, Links.from_vector(f)) * float(f.max())  # units n/B
+    # The bound in units of n/B, with f as given (not normalised: the fastest rank may be
+    # below the healthy rate B).
+    t = lower_bound(p, 1.0, 1.0, Links({r: float(v) for r, v in enumerate(f)}))
     if p == 2:
         return OptccPlan((0.5, 0.5), t)
     none = np.zeros(p, dtype=bool)
