@@ -197,6 +197,21 @@ def test_too_large_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         simulate.simulate(small, bw=1e9)
 
 
+def test_too_large_on_the_command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI says so in one line with status 2, no traceback."""
+    from optcc_mpi import schedule
+    from optcc_mpi.cli import main
+
+    monkeypatch.setattr(schedule, "memory_available", lambda: 50 * 2**20)
+    code = main(["simulate", "--p", "512", "--algorithms", "ring", "--size", "1G"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("optcc-mpi simulate: error: ring (p=512")
+    assert "GiB of memory is available" in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_optcc_at_1024_ranks() -> None:
     """p = 1024, one straggler at half rate, 1 GiB at 50 GB/s: within 1% of the bound,
