@@ -226,3 +226,17 @@ def test_optcc_at_1024_ranks() -> None:
     got = simulate.simulate(sched, links, bw=bw).time
     del sched
     assert got == pytest.approx(algorithms.get("r2ccl").time(1024, n, bw, links), rel=0.05)
+
+
+def test_profiles_tool_measures_and_verifies() -> None:
+    """lab.profiles: one small profile measured, verified and summarised; every family of
+    the issue is in its list."""
+    from optcc_mpi.lab import profiles
+
+    row = profiles.measure(("server", 8, "0-3:0.5", "ranks 0-3 at 0.5"), size=2**24)
+    assert row["optcc_verified"] and row["r2ccl_verified"]
+    assert 1.0 <= row["optcc_over_bound"] <= 1.03
+    assert row["plan_over_bound"] == pytest.approx(1.0, abs=optcc_alg.ATTACH_TOL)
+    text = profiles.markdown([row])
+    assert "### server" in text and "Verified: 1 of 1" in text
+    assert {f for f, *_ in profiles.families()} == set(profiles.FAMILIES)
