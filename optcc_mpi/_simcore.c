@@ -10,7 +10,7 @@ enum { SEND = 0, RECV = 1, RECV_REDUCE = 2, COPY = 3, REDUCE = 4, COLL = 5 };
 
 typedef struct {
     double t;
-    int64_t seq;
+    int64_t seq;  /* tie-break: the send's op id (program order); n + c for collective c */
     int64_t item; /* send op, or -1 - collective index */
 } event;
 
@@ -61,38 +61,34 @@ static event heap_pop(heap *h) {
     return top;
 }
 
-typedef struct {
-    int64_t op;
-    double t;
-} item;
 
 typedef struct {
     /* inputs */
     int64_t n, p;
     const int8_t *kind;
     const int32_t *rank;
-    const int64_t *partner, *qnext, *succ_ptr, *succ;
-    const double *nbytes, *send_rate, *recv_rate;
-    double latency, red;
-    int64_t *waiting;
+    const int64_t *partner, *succ_ptr, *lo, *hi;
+    const int32_t *qnext, *succ;
+    const double *send_rate, *recv_rate;
+    double itemsize, latency, red;
+    int32_t *waiting;
     /* state */
     double *ready_at, *posted, *finish, *sp, *rp, *send_busy, *recv_busy;
     int64_t *coll_count, *coll_seen, *coll_ops;
     double *coll_post;
     int64_t n_coll;
-    item *stack;
+    int32_t *stack; /* ops ready to post; each is posted at its ready_at */
     int64_t top;
     heap h;
-    int64_t seq;
 } sim;
+
+static double nbytes(const sim *s, int64_t op) {
+    return (double)(s->hi[op] - s->lo[op]) * s->itemsize;
+}
 
 static void release(sim *s, int64_t op, double t) {
     if (t > s->ready_at[op]) s->ready_at[op] = t;
-    if (--s->waiting[op] == 0) {
-        s->stack[s->top].op = op;
-        s->stack[s->top].t = s->ready_at[op];
-        s->top++;
-    }
+    if (--s->waiting[op] == 0) s->stack[s->top++] = (int32_t)op;
 }
 
 static void complete(sim *s, int64_t op, double t) {
@@ -103,9 +99,8 @@ static void complete(sim *s, int64_t op, double t) {
 
 static int drain(sim *s) {
     while (s->top > 0) {
-        item it = s->stack[--s->top];
-        int64_t op = it.op;
-        double t = it.t;
+        int64_t op = s->stack[--s->top];
+        double t = s->ready_at[op];
         s->posted[op] = t;
         if (s->qnext[op] >= 0) release(s, s->qnext[op], t);
         int k = s->kind[op];
@@ -114,18 +109,18 @@ static int drain(sim *s) {
             if (s->posted[other] >= 0.0) {
                 int64_t snd = k == SEND ? op : other;
                 double when = t > s->posted[other] ? t : s->posted[other];
-                event e = {when, s->seq++, snd};
+                event e = {when, snd, snd};
                 if (heap_push(&s->h, e)) return -1;
             }
         } else if (k == COPY || k == REDUCE) {
-            complete(s, op, t + s->nbytes[op] * s->red);
+            complete(s, op, t + nbytes(s, op) * s->red);
         } else if (k == COLL) {
             int32_t r = s->rank[op];
             int64_t c = s->coll_count[r]++;
             s->coll_ops[c * s->p + r] = op;
             if (t > s->coll_post[c]) s->coll_post[c] = t;
             if (++s->coll_seen[c] == s->p) {
-                event e = {s->coll_post[c], s->seq++, -1 - c};
+                event e = {s->coll_post[c], s->n + c, -1 - c};
                 if (heap_push(&s->h, e)) return -1;
             }
         }
@@ -136,15 +131,17 @@ static int drain(sim *s) {
 /* Returns the number of messages, or -1 on allocation failure. ``trace`` (may be NULL)
  * receives 10 doubles per message. */
 int64_t optcc_simulate(int64_t n, int64_t p, const int8_t *kind, const int32_t *rank,
-                       const int64_t *partner, const int64_t *qnext, const int64_t *succ_ptr,
-                       const int64_t *succ, int64_t *waiting, const double *nbytes,
-                       const double *send_rate, const double *recv_rate, double latency,
-                       double red, int64_t n_coll, double *posted, double *finish,
-                       double *send_busy, double *recv_busy, double *trace) {
+                       const int64_t *partner, const int32_t *qnext, const int64_t *succ_ptr,
+                       const int32_t *succ, int32_t *waiting, const int64_t *lo,
+                       const int64_t *hi, const double *send_rate, const double *recv_rate,
+                       double itemsize, double latency, double red, int64_t n_coll,
+                       double *posted, double *finish, double *send_busy, double *recv_busy,
+                       double *trace) {
     sim s = {0};
     s.n = n; s.p = p; s.kind = kind; s.rank = rank; s.partner = partner; s.qnext = qnext;
-    s.succ_ptr = succ_ptr; s.succ = succ; s.nbytes = nbytes; s.send_rate = send_rate;
-    s.recv_rate = recv_rate; s.latency = latency; s.red = red; s.waiting = waiting;
+    s.succ_ptr = succ_ptr; s.succ = succ; s.lo = lo; s.hi = hi; s.itemsize = itemsize;
+    s.send_rate = send_rate; s.recv_rate = recv_rate; s.latency = latency; s.red = red;
+    s.waiting = waiting;
     s.posted = posted; s.finish = finish; s.send_busy = send_busy; s.recv_busy = recv_busy;
     s.n_coll = n_coll;
     s.ready_at = calloc((size_t)n + 1, sizeof(double));
@@ -154,19 +151,14 @@ int64_t optcc_simulate(int64_t n, int64_t p, const int8_t *kind, const int32_t *
     s.coll_seen = calloc((size_t)n_coll + 1, sizeof(int64_t));
     s.coll_post = calloc((size_t)n_coll + 1, sizeof(double));
     s.coll_ops = calloc((size_t)(n_coll + 1) * (size_t)p, sizeof(int64_t));
-    s.stack = malloc(((size_t)n + 1) * sizeof(item));
+    s.stack = malloc(((size_t)n + 1) * sizeof(int32_t));
     int64_t messages = -1;
     if (!s.ready_at || !s.sp || !s.rp || !s.coll_count || !s.coll_seen || !s.coll_post ||
         !s.coll_ops || !s.stack)
         goto out;
     for (int64_t op = 0; op < n; op++) posted[op] = -1.0;
-    for (int64_t op = n - 1; op >= 0; op--) {
-        if (waiting[op] == 0) {
-            s.stack[s.top].op = op;
-            s.stack[s.top].t = 0.0;
-            s.top++;
-        }
-    }
+    for (int64_t op = n - 1; op >= 0; op--)
+        if (waiting[op] == 0) s.stack[s.top++] = (int32_t)op;
     if (drain(&s)) goto out;
     messages = 0;
     while (s.h.n > 0) {
@@ -175,7 +167,7 @@ int64_t optcc_simulate(int64_t n, int64_t p, const int8_t *kind, const int32_t *
         if (e.item < 0) {
             int64_t c = -1 - e.item;
             int64_t first = s.coll_ops[c * p];
-            double m = nbytes[first];
+            double m = nbytes(&s, first);
             double start = t, slow = send_rate[0];
             for (int64_t r = 0; r < p; r++) {
                 if (s.sp[r] > start) start = s.sp[r];
@@ -198,7 +190,7 @@ int64_t optcc_simulate(int64_t n, int64_t p, const int8_t *kind, const int32_t *
         }
         int64_t snd = e.item, rcv = partner[snd];
         int32_t a = rank[snd], b = rank[rcv];
-        double m = nbytes[snd];
+        double m = nbytes(&s, snd);
         double s_start = t > s.sp[a] ? t : s.sp[a];
         double s_time = m / send_rate[a];
         double s_end = s_start + s_time;

@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi.errors import TooLargeError
+
 __all__ = [
     "SEND",
     "RECV",
@@ -56,6 +58,9 @@ __all__ = [
     "ScheduleBuilder",
     "Program",
     "split",
+    "check_size",
+    "memory_available",
+    "BYTES_PER_OP",
 ]
 
 SEND, RECV, RECV_REDUCE, COPY, REDUCE, COLL = range(6)
@@ -90,6 +95,62 @@ def split(lo: Any, hi: Any, parts: int) -> np.ndarray:
     base, extra = np.divmod(length, parts)
     j = np.arange(parts + 1, dtype=np.int64)
     return lo[..., None] + j * base[..., None] + np.minimum(j, extra[..., None])
+
+
+#: Bytes one operation takes at the peak of building a schedule and simulating it
+#: (measured: about 160 while building, 60 in the schedule, 90 in the simulator).
+BYTES_PER_OP = 250
+
+
+def memory_available() -> int:
+    """Bytes this process may still allocate: the smallest of the memory the kernel
+    reports available, the cgroup's remaining limit and the address-space limit."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            text = fh.read().strip()
+        if text != "max":
+            with open("/sys/fs/cgroup/memory.current") as fh:
+                limits.append(int(text) - int(fh.read().strip()))
+    except (OSError, ValueError):
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft not in (resource.RLIM_INFINITY, -1):
+            limits.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return max(0, min(limits)) if limits else 1 << 62
+
+
+def check_size(name: str, n_ops: int, *, per_op: int = BYTES_PER_OP, **what: Any) -> None:
+    """Raise :class:`~optcc_mpi.errors.TooLargeError` before building a schedule of about
+    ``n_ops`` operations that would not fit in the memory available.
+
+    Builders call this with their own estimate, so an oversized request fails with a
+    message instead of being killed by the kernel part-way through. ``what`` names the
+    parameters that made it large (shown in the message).
+    """
+    need = int(n_ops) * per_op
+    have = memory_available()
+    if need > have:
+        detail = ", ".join(f"{k}={v}" for k, v in what.items())
+        raise TooLargeError(
+            f"{name} ({detail}): about {n_ops / 1e6:.1f} million operations, "
+            f"{need / 2**30:.1f} GiB to build and simulate, but only "
+            f"{have / 2**30:.1f} GiB of memory is available; use fewer ranks, fewer "
+            "segments or larger chunks"
+        )
 
 
 @dataclass(frozen=True)
@@ -245,6 +306,8 @@ class Schedule:
             )
         partner[sends] = recvs
         partner[recvs] = sends
+        self.__dict__["partner"] = partner
+        self._release_queue_order()
         return partner
 
     @cached_property
@@ -259,7 +322,15 @@ class Schedule:
         ids, pos = self._queue_order
         later = np.flatnonzero(pos > 0)
         prev[ids[later]] = ids[later - 1]
+        self.__dict__["queue_prev"] = prev
+        self._release_queue_order()
         return prev
+
+    def _release_queue_order(self) -> None:
+        """Drop the queue order (16 bytes per operation) once both matching and queue
+        predecessors, the only things computed from it, are cached."""
+        if "partner" in self.__dict__ and "queue_prev" in self.__dict__:
+            self.__dict__.pop("_queue_order", None)
 
     # -- traffic --------------------------------------------------------------------------
     def traffic(self) -> dict[str, np.ndarray]:
@@ -414,6 +485,11 @@ class ScheduleBuilder:
         if len(parts) != 1:
             self._cols[key] = [np.concatenate(parts) if parts else np.zeros(0, dtype=_DTYPES[key])]
         return self._cols[key][0]
+
+    def column(self, key: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Column ``key`` (``"kind"``, ``"rank"``, ...) of the operations added between
+        marks ``start`` and ``stop`` (a view: do not modify)."""
+        return self._column(key)[start:stop]
 
     def _deps(self) -> tuple[np.ndarray, np.ndarray]:
         """All dependencies so far, as (op, on) arrays, merged in place."""
@@ -624,34 +700,40 @@ class ScheduleBuilder:
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"{self.name}: op {i} on rank {rank[i]} has invalid peer {peer[i]}")
         del comm, bad
-        # Target ranges: lo >= 0 and hi within the buffer; sources of local operations too.
-        for which, lo_key, buf_key, only_local in (
-            ("target", "lo", "buf", False),
-            ("source", "slo", "sbuf", True),
-        ):
-            bufs = cols[buf_key]
-            if np.any((bufs < 0) | (bufs > 1)):
-                i = int(np.flatnonzero((bufs < 0) | (bufs > 1))[0])
-                raise ValueError(f"{self.name}: op {i} uses buffer {bufs[i]} (0 or 1 only)")
-            ids = np.flatnonzero((kind == COPY) | (kind == REDUCE)) if only_local else None
-            lo = cols[lo_key] if ids is None else cols[lo_key][ids]
-            length = (cols["hi"] - cols["lo"]) if ids is None else (cols["hi"] - cols["lo"])[ids]
-            b = bufs if ids is None else bufs[ids]
-            size = np.where(b == 0, self.count, self.scratch)
-            bad = (lo < 0) | (lo + length > size)
+        # Target ranges within their buffers; sources of local operations too. Masks per
+        # buffer rather than a per-operation size array: this runs over every operation.
+        lo, hi, bufs = cols["lo"], cols["hi"], cols["buf"]
+        bad = (bufs < 0) | (bufs > 1) | (lo < 0)
+        bad |= (bufs == 0) & (hi > self.count)
+        bad |= (bufs == 1) & (hi > self.scratch)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) target range "
+                f"[{lo[i]}, {hi[i]}) of buffer {bufs[i]} is out of bounds"
+            )
+        local = np.flatnonzero((kind == COPY) | (kind == REDUCE))
+        if local.size:
+            slo, sb = cols["slo"][local], cols["sbuf"][local]
+            shi = slo + (hi[local] - lo[local])
+            size = np.where(sb == 0, self.count, self.scratch)
+            bad = (sb < 0) | (sb > 1) | (slo < 0) | (shi > size)
             if bad.any():
                 j = int(np.flatnonzero(bad)[0])
-                i = j if ids is None else int(ids[j])
+                i = int(local[j])
                 raise ValueError(
-                    f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) {which} range "
-                    f"[{lo[j]}, {lo[j] + length[j]}) of buffer {b[j]} is out of bounds"
+                    f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) source range "
+                    f"[{slo[j]}, {shi[j]}) of buffer {sb[j]} is out of bounds"
                 )
 
 
 def _dep_list(deps: Any) -> list[Any]:
-    """Normalise ``deps``: one array-like, or a list/tuple of them."""
+    """Normalise ``deps``: one array-like, or a (possibly nested) list/tuple of them."""
     if isinstance(deps, (list, tuple)):
-        return list(deps)
+        out: list[Any] = []
+        for d in deps:
+            out.extend(_dep_list(d))
+        return out
     return [deps]
 
 

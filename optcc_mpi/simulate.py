@@ -7,7 +7,8 @@ The link model
 * Each NIC side is an independent first-in-first-out server of bytes. A message of m
   bytes from a to b needs m / send_rate(a) of a's send side and m / recv_rate(b) of b's
   receive side, each side serving messages in the order they became ready (both ends
-  posted); the message completes ``latency`` seconds after *both* sides served it. So a
+  posted; messages ready at the same instant in program order, i.e. by the id of their
+  send); the message completes ``latency`` seconds after *both* sides served it. So a
   fast NIC talking to a slow one is busy only for its own share of the time and serves
   other messages meanwhile, as with TCP's flow sharing, and no NIC serves more bytes than
   its rate allows over any busy period. (Treating the two sides independently is the
@@ -37,10 +38,24 @@ from pathlib import Path
 import numpy as np
 
 from optcc_mpi import config
+from optcc_mpi.errors import TooLargeError
 from optcc_mpi.links import Links
-from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
+from optcc_mpi.schedule import (
+    COLL,
+    COPY,
+    RECV,
+    RECV_REDUCE,
+    REDUCE,
+    SEND,
+    Schedule,
+    check_size,
+)
 
 __all__ = ["Result", "simulate"]
+
+#: Bytes per operation the simulator allocates beyond the schedule (its 32-bit index
+#: arrays, times and stack; partner and queue arrays the schedule caches).
+_SIM_BYTES_PER_OP = 90
 
 
 @dataclass
@@ -137,25 +152,39 @@ def simulate(
 
 
 def _prepare(s: Schedule, itemsize: int) -> dict[str, np.ndarray]:
-    """Flat arrays both engines read: kinds, ranks, partners, queue successors, byte
-    counts, dependents (CSR) and how many things each op waits for."""
+    """Flat arrays both engines read: kinds, ranks, partners, queue successors, ranges,
+    dependents (CSR) and how many things each op waits for. Indices that fit are 32-bit
+    (the schedule has fewer than 2**31 operations), so that a large schedule costs the
+    simulator about 60 bytes per operation beyond the schedule itself."""
     n = s.n_ops
-    qnext = np.full(n, -1, dtype=np.int64)
-    has = s.queue_prev >= 0
-    qnext[s.queue_prev[has]] = np.flatnonzero(has)
-    order = np.argsort(s.dep_idx, kind="stable")
-    succ = np.arange(n, dtype=np.int64).repeat(np.diff(s.dep_ptr))[order]
+    if n >= 2**31 - 1:
+        raise TooLargeError(f"{s.name}: {n} operations; the simulator handles up to 2**31")
+    check_size(f"simulating {s.name}", n, per_op=_SIM_BYTES_PER_OP, p=s.p)
+    partner = s.partner
+    prev = s.queue_prev
+    qnext = np.full(n, -1, dtype=np.int32)
+    has = np.flatnonzero(prev >= 0)
+    qnext[prev[has]] = has
+    waiting = np.diff(s.dep_ptr).astype(np.int32)
+    waiting[has] += 1
+    del has
+    # Dependents in CSR: for each op, the ops that wait for it (counting sort by target).
     succ_ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(s.dep_idx, minlength=n), out=succ_ptr[1:])
+    order = np.argsort(s.dep_idx, kind="stable")
+    succ = np.arange(n, dtype=np.int32).repeat(np.diff(s.dep_ptr))[order]
+    del order
     return {
         "kind": np.ascontiguousarray(s.kind, dtype=np.int8),
         "rank": np.ascontiguousarray(s.rank, dtype=np.int32),
-        "partner": np.ascontiguousarray(s.partner, dtype=np.int64),
+        "partner": np.ascontiguousarray(partner, dtype=np.int64),
         "qnext": qnext,
         "succ_ptr": succ_ptr,
-        "succ": np.ascontiguousarray(succ, dtype=np.int64),
-        "waiting": (np.diff(s.dep_ptr) + (s.queue_prev >= 0)).astype(np.int64),
-        "nbytes": ((s.hi - s.lo) * itemsize).astype(np.float64),
+        "succ": succ,
+        "waiting": waiting,
+        "lo": np.ascontiguousarray(s.lo, dtype=np.int64),
+        "hi": np.ascontiguousarray(s.hi, dtype=np.int64),
+        "itemsize": np.array(float(itemsize)),
         "n_coll": np.array(int(np.sum(s.kind == COLL)) // max(s.p, 1)),
     }
 
@@ -178,7 +207,7 @@ def _run_python(
     succ_ptr = a["succ_ptr"].tolist()
     succ = a["succ"].tolist()
     waiting = a["waiting"].tolist()
-    nbytes = a["nbytes"].tolist()
+    nbytes = ((a["hi"] - a["lo"]) * float(a["itemsize"])).tolist()
     send_rate = send_rate_a.tolist()
     recv_rate = recv_rate_a.tolist()
     n = len(kind)
@@ -193,7 +222,6 @@ def _run_python(
     coll_post: list[float] = []
     coll_count = [0] * p
     heap: list[tuple[float, int, int]] = []
-    seq = 0
     messages = 0
     rows: list[tuple[float, ...]] = []
     # Posting an op can make others ready (its queue successor, dependents of a local op
@@ -215,7 +243,6 @@ def _run_python(
             release(succ[i], t)
 
     def drain() -> None:
-        nonlocal seq
         while stack:
             op, t = stack.pop()
             posted[op] = t
@@ -226,8 +253,7 @@ def _run_python(
                 other = partner[op]
                 if posted[other] >= 0.0:
                     snd = op if k == SEND else other
-                    heapq.heappush(heap, (max(t, posted[other]), seq, snd))
-                    seq += 1
+                    heapq.heappush(heap, (max(t, posted[other]), snd, snd))
             elif k == COPY or k == REDUCE:
                 complete(op, t + nbytes[op] * red)
             elif k == COLL:
@@ -240,8 +266,7 @@ def _run_python(
                 coll_ops[c][r] = op
                 coll_post[c] = max(coll_post[c], t)
                 if all(o >= 0 for o in coll_ops[c]):
-                    heapq.heappush(heap, (coll_post[c], seq, -1 - c))
-                    seq += 1
+                    heapq.heappush(heap, (coll_post[c], n + c, -1 - c))
 
     stack.extend((op, 0.0) for op in range(n - 1, -1, -1) if waiting[op] == 0)
     drain()
@@ -315,7 +340,8 @@ def _run_c(
         a["succ_ptr"],
         a["succ"],
         waiting,
-        a["nbytes"],
+        a["lo"],
+        a["hi"],
         *rates,
     )
     outputs = (posted, finish, send_busy, recv_busy)
@@ -323,6 +349,7 @@ def _run_c(
         n,
         p,
         *(x.ctypes.data for x in inputs),
+        float(a["itemsize"]),
         latency,
         red,
         int(a["n_coll"]),
@@ -330,7 +357,7 @@ def _run_c(
         rows.ctypes.data if trace else None,
     )
     if messages < 0:
-        raise MemoryError("simulator: out of memory")
+        raise TooLargeError("simulator: out of memory for its event queue")
     return posted, finish, send_busy, recv_busy, messages, rows[:messages]
 
 
@@ -387,8 +414,8 @@ def _core() -> ctypes.CDLL | None:
     lib.optcc_simulate.restype = ctypes.c_int64
     lib.optcc_simulate.argtypes = (
         [ctypes.c_int64, ctypes.c_int64]
-        + [ctypes.c_void_p] * 10
-        + [ctypes.c_double, ctypes.c_double, ctypes.c_int64]
+        + [ctypes.c_void_p] * 11
+        + [ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int64]
         + [ctypes.c_void_p] * 5
     )
     return lib

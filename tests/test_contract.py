@@ -7,7 +7,7 @@ tested by existing. For every algorithm in :func:`optcc_mpi.algorithms.names`:
 * the verifier proves its schedule for p = 2..17 under several link profiles;
 * the simulated time of its schedule is within :data:`COST_TOLERANCE` of the cost it
   declares, on large messages with no latency (the fluid regime its cost describes),
-  healthy and with one straggler (:func:`cost_profiles` says why not yet more);
+  on every profile of :func:`profiles` (:func:`cost_profiles` names the one exception);
 * under MPI it matches a float64 reference and is bit-identical on every rank.
 """
 
@@ -72,13 +72,16 @@ def test_schedule_verifies(name: str, p: int) -> None:
             assert report.ok, f"{name} p={p} {links} count={count}: {report.errors[:3]}"
 
 
-def cost_profiles(p: int) -> list[Links]:
-    """The profiles on which every algorithm's schedule must meet its declared cost:
-    healthy and one straggler. With several degraded ranks our OptCC and R2CCL schedules
-    are still slower than their own models (simulated at 64 MiB: OptCC up to 1.12x, R2CCL
-    1.33 to 1.45x; the open part of the straggler issue, docs/optcc.md), so those profiles
-    are checked by the verifier and under MPI above, not here yet."""
-    return profiles(p)[:2]
+def cost_profiles(p: int, name: str) -> list[Links]:
+    """The profiles on which ``name``'s schedule must meet its declared cost: all of
+    :func:`profiles` (healthy, one straggler, two stragglers at different fractions, a
+    degraded server of half the ranks, a random vector), except the random vector for
+    R2CCL. There every rank but the fastest is degraded, and R2CCL's composition reduces
+    all their tails into the one healthy rank, a load its model leaves out (that rank's
+    traffic alone is 1.24 to 1.60 x the model at p = 4 and 8; docs/optcc.md, "R2CCL"): no
+    schedule of that composition can meet the model there."""
+    out = profiles(p)
+    return out[:-1] if name == "r2ccl" else out
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -86,7 +89,7 @@ def cost_profiles(p: int) -> list[Links]:
 def test_simulated_time_matches_declared_cost(name: str, p: int) -> None:
     nbytes, bw = 64 * 2**20, 1e9
     alg = algorithms.get(name)
-    for links in cost_profiles(p):
+    for links in cost_profiles(p, name):
         sched = algorithms.build(name, p, nbytes // 4, links, itemsize=4)
         sim = simulate(sched, links, bw=bw, latency=0.0).time
         cost = alg.time(p, nbytes, bw, links)

@@ -53,14 +53,21 @@ def test_l_star() -> None:
 def test_pure_four_stage() -> None:
     # p = 5, l = 1: 1.75 n/B = 1.09375 x fault-free.
     assert 1.75 / ff(5) == pytest.approx(1.09375)
-    # Bubble filling off means one attached scheme: max(l, (2p-3)/(p-1)).
+    # Beyond l* the straggler owns nothing (it is attached) and the others share equally:
+    # the four-stage schedule, time max(l, (2p-3)/(p-1)).
     plan = optcc_alg.optcc_plan(8, "0:0.5")
-    assert plan.schemes == (((0,), 1.0),)
+    assert plan.attached == (0,)
+    np.testing.assert_allclose(plan.weights[1:], 1 / 7)
     assert plan.time == pytest.approx(2.0)
+    # Four-stage traffic per byte: n each way for the straggler, (2p-3)/(p-1) n for the
+    # others (oracle 3 of the notes).
+    np.testing.assert_allclose(plan.loads(), [1.0] + [13 / 7] * 7)
 
 
 def test_bubble_fraction_and_plan() -> None:
-    # alpha(8, l) from the notes, and the LP plan reproduces it and meets the bound.
+    """alpha(8, l) from the notes; the plan gives the straggler the share alpha / p of
+    every segment (the same per-rank loads as sending alpha of the data round a full
+    ring), and its time is the bound."""
     for l_, alpha in (
         (1.0, 1.0),
         (8 / 7, 20 / 27),
@@ -70,8 +77,9 @@ def test_bubble_fraction_and_plan() -> None:
     ):
         assert optcc_alg.bubble_fraction(8, l_) == pytest.approx(alpha, abs=1e-12)
         plan = optcc_alg.optcc_plan(8, {0: 1 / l_})
-        ring_share = dict(plan.schemes).get((), 0.0)
-        assert ring_share == pytest.approx(alpha, abs=1e-6)
+        assert plan.weights[0] * 8 == pytest.approx(alpha, abs=1e-9)
+        # the bubble-filling split's straggler load: 1 + alpha (p-2)/p
+        assert plan.loads()[0] == pytest.approx(1 + alpha * 6 / 8, abs=1e-9)
         bound = 2 * 7 * l_ / (7 * l_ + 1) if l_ < 13 / 7 else max(l_, 13 / 7)
         assert plan.time == pytest.approx(bound, rel=1e-6)
 
@@ -91,14 +99,41 @@ def test_plan_meets_bound_for_equal_stragglers() -> None:
     )
 
 
-def test_arbitrary_vector_plan() -> None:
-    rng = np.random.default_rng(0)
-    for p in (5, 12, 33):
-        f = rng.uniform(0.3, 1.0, p)
-        links = {i: float(v / f.max()) for i, v in enumerate(f)}
+@pytest.mark.parametrize("seed", range(6))
+def test_any_vector_plan_meets_the_bound(seed: int) -> None:
+    """The shares' loads 1 + (p-2) w fit every rank's bandwidth in the bound's time and
+    move exactly the combining minimum 2(p-1): the bound is always reached (derived)."""
+    rng = np.random.default_rng(seed)
+    for p in (3, 5, 12, 33, 100):
+        f = rng.uniform(rng.uniform(0.05, 0.9), 1.0, p)
+        # Odd seeds: no rank at the healthy rate (the plan must not assume one is).
+        links = {i: float(v if seed % 2 else v / f.max()) for i, v in enumerate(f)}
+        f = model.fractions(links, p)
+        bound = model.lower_bound(p, N, B, links)
+        t = bound * B / N
+        # The water-filled shares with nobody attached by choice meet the bound exactly.
+        w = optcc_alg._shares(f, t, np.zeros(p, dtype=bool))
+        full = 1 + (p - 2) * w if p > 2 else np.ones(p)
+        assert full.sum() == pytest.approx(2 * (p - 1))
+        assert np.all(full <= t * f * (1 + 1e-9))
+        # The plan may attach ranks whose share is tiny, at most ATTACH_TOL above it.
         plan = optcc_alg.optcc_plan(p, links)
-        assert sum(x for _, x in plan.schemes) == pytest.approx(1.0)
-        assert plan.time * N / B >= model.lower_bound(p, N, B, links) * (1 - 1e-9)
+        assert sum(plan.weights) == pytest.approx(1.0)
+        assert min(plan.weights) >= 0
+        assert bound * (1 - 1e-9) <= plan.time * N / B <= bound * (1 + optcc_alg.ATTACH_TOL)
+        loads = plan.loads()
+        assert loads.sum() == pytest.approx(2 * (p - 1))
+        assert np.all(loads <= plan.time * f * (1 + 1e-9))
+        # attached ranks: those the cut bound pins at one unit each way, or tiny shares
+        for r in plan.attached:
+            pinned = t * f[r] == pytest.approx(1.0, abs=1e-6)
+            assert pinned or w[r] <= optcc_alg.TINY_SHARE * w.max()
+
+
+def test_plan_explained() -> None:
+    text = optcc_alg.explain_plan(16, "0-7:0.5")
+    assert "0-7" in text and "8-15" in text and "grid" in text
+    assert "attached" in optcc_alg.explain_plan(16, "3:0.5")
 
 
 def test_ring_and_r2ccl_oracles() -> None:

@@ -10,6 +10,7 @@ from optcc_mpi.algorithms import native as native_alg
 from optcc_mpi.algorithms import optcc as optcc_alg
 from optcc_mpi.algorithms import r2ccl as r2ccl_alg
 from optcc_mpi.algorithms import ring as ring_alg
+from optcc_mpi.links import Links
 
 N = 64 * 2**20  # bytes per rank
 BW = 25e9
@@ -31,8 +32,8 @@ def test_ring_matches_closed_form_exactly(p: int, links: str) -> None:
 
 @pytest.mark.parametrize(("p", "l"), [(5, 2.0), (8, 2.0), (8, 2.5), (16, 2.0)])
 def test_four_stage_pipeline_matches_closed_form(p: int, l: float) -> None:
-    """Beyond l* the schedule is the pure four-stage one: between the fluid time and
-    (1 + 1/k) x fluid (one segment of head and tail), so within 1% for large k."""
+    """Beyond l* the straggler is attached: between the fluid time and (1 + 1/k) x fluid
+    (one segment of head and tail), and within 1% for large k."""
     links = f"0:{1 / l}"
     fluid = optcc_alg.optcc_time(p, N, BW, links)
     for k in (32, 128):
@@ -41,26 +42,78 @@ def test_four_stage_pipeline_matches_closed_form(p: int, l: float) -> None:
     assert got / fluid < 1.01
 
 
+def _random_profile(p: int, lo: float, seed: int) -> str:
+    f = np.random.default_rng(seed).uniform(lo, 1.0, p)
+    return ",".join(f"{i}:{v / f.max():.4f}" for i, v in enumerate(f))
+
+
+#: Bandwidth profiles of every family the issue names: a degraded server of 8 ranks at
+#: 12.5% to 50% loss, two degraded servers, several stragglers at different fractions,
+#: and random per-rank vectors (fixed seeds).
+PROFILES = [
+    (16, "0-7:0.875"),
+    (16, "0-7:0.5"),
+    (24, "0-7:0.625"),
+    (32, "0-7:0.75,8-15:0.5"),
+    (32, "0-7:0.5,8-15:0.5"),
+    (16, "0:0.5,5:0.7,9:0.85,15:0.6"),
+    (24, "2:0.3,7:0.55,11:0.8"),
+    (12, _random_profile(12, 0.3, 1)),
+    (20, _random_profile(20, 0.6, 2)),
+    (16, _random_profile(16, 0.05, 3)),
+]
+
+
+@pytest.mark.parametrize(("p", "links"), PROFILES)
+def test_optcc_at_the_bound_for_every_profile(p: int, links: str) -> None:
+    """Simulated OptCC within 3% of the lower bound (its plan's fluid time is the bound,
+    or at most ATTACH_TOL above it), for any bandwidth profile."""
+    bound = model.lower_bound(p, N, BW, links)
+    fluid = optcc_alg.optcc_time(p, N, BW, links)
+    assert bound * (1 - 1e-9) <= fluid <= bound * (1 + optcc_alg.ATTACH_TOL)
+    got = sim("optcc", p, links)
+    assert bound <= got <= 1.03 * bound
+
+
 def test_two_equal_stragglers_near_bound() -> None:
     links = "0:0.5,3:0.5"
     got = sim("optcc", 8, links, k=64)
     bound = model.lower_bound(8, N, BW, links)
-    assert bound <= got < 1.10 * bound
+    assert bound <= got < 1.03 * bound
 
 
 @pytest.mark.parametrize(("p", "x"), [(8, 0.125), (8, 0.25), (16, 0.25)])
 def test_bubble_filling_regime_is_close_to_bound(p: int, x: float) -> None:
-    """l < l*: the measured gap to the fluid bound, recorded in docs/optcc.md."""
+    """l < l*: the straggler owns a small share (the notes' bubble filling in one
+    schedule), within 3% of the bound."""
     links = f"0:{1 - x}"
     got = sim("optcc", p, links)
     bound = model.lower_bound(p, N, BW, links)
-    assert bound <= got < 1.15 * bound
+    assert bound <= got < 1.03 * bound
     assert got < r2ccl_alg.r2ccl_time(p, N, BW, links) and got < ring_alg.ring_time(p, N, BW, links)
 
 
-def test_r2ccl_near_its_model() -> None:
-    got = sim("r2ccl", 8, "0:0.5")
-    assert got == pytest.approx(r2ccl_alg.r2ccl_time(8, N, BW, "0:0.5"), rel=0.05)
+#: Profiles where R2CCL's composition meets its own model on our network (one NIC per
+#: rank). Where the healthy ranks' share of the reduce and broadcast, which the model
+#: leaves out, is large (few healthy ranks, small loss) it does not: docs/optcc.md,
+#: "R2CCL", has the measured exceptions.
+R2CCL_PROFILES = [
+    (16, "0-7:0.5"),
+    (32, "0-7:0.5"),
+    (8, "0:0.5"),
+    (16, "0:0.75"),
+    (64, "0-7:0.5,8-15:0.5"),
+    (16, "0:0.5,5:0.7,9:0.85,15:0.6"),
+]
+
+
+@pytest.mark.parametrize(("p", "links"), R2CCL_PROFILES)
+def test_r2ccl_near_its_model(p: int, links: str) -> None:
+    """Our R2CCL schedule within 5% of R2CCL's own cost model with the K it was built
+    for (the registry passes the builder's default chunks=16 to the cost)."""
+    got = sim("r2ccl", p, links)
+    want = algorithms.get("r2ccl").time(p, N, BW, links)
+    assert got == pytest.approx(want, rel=0.05)
 
 
 def test_native_is_library_model() -> None:
@@ -121,3 +174,69 @@ def test_ring_at_1024_ranks() -> None:
     """The simulator handles p = 1024 (4 million operations) and stays exact."""
     got = sim("ring", 1024, "0:0.5")
     assert got == pytest.approx(2 * model.fault_free(1024, N, BW), rel=1e-9)
+
+
+def test_too_large_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schedule that would not fit in memory raises TooLargeError before it is built
+    (the estimate, not the kernel, says no), naming what made it large."""
+    from optcc_mpi import schedule
+    from optcc_mpi.errors import TooLargeError
+
+    monkeypatch.setattr(schedule, "memory_available", lambda: 200 * 2**20)
+    monkeypatch.setattr(optcc_alg, "memory_available", lambda: 200 * 2**20)
+    for name, params in (("ring", {}), ("optcc", {"k": 64}), ("r2ccl", {})):
+        with pytest.raises(TooLargeError, match=r"GiB of memory is available"):
+            algorithms.get(name).build(512, 2**28, Links.parse("0:0.5"), **params)
+    # Without an explicit segment count OptCC takes fewer segments instead.
+    sched = algorithms.get("optcc").build(64, 2**20, Links.parse("0:0.5"))
+    assert sched.params["k"] < 128
+    # The simulator checks its own share too.
+    small = algorithms.get("ring").build(64, 2**16)
+    monkeypatch.setattr(schedule, "memory_available", lambda: 1000)
+    with pytest.raises(TooLargeError, match="simulating ring"):
+        simulate.simulate(small, bw=1e9)
+
+
+def test_too_large_on_the_command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI says so in one line with status 2, no traceback."""
+    from optcc_mpi import schedule
+    from optcc_mpi.cli import main
+
+    monkeypatch.setattr(schedule, "memory_available", lambda: 50 * 2**20)
+    code = main(["simulate", "--p", "512", "--algorithms", "ring", "--size", "1G"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("optcc-mpi simulate: error: ring (p=512")
+    assert "GiB of memory is available" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_optcc_at_1024_ranks() -> None:
+    """p = 1024, one straggler at half rate, 1 GiB at 50 GB/s: within 1% of the bound,
+    and the three schedules fit (each is dropped before the next is built)."""
+    n, bw, links = 2**30, 50e9, Links.parse("0:0.5")
+    bound = model.lower_bound(1024, n, bw, links)
+    sched = algorithms.get("optcc").build(1024, n // 4, links)
+    got = simulate.simulate(sched, links, bw=bw).time
+    del sched
+    assert bound <= got <= 1.01 * bound
+    sched = algorithms.get("r2ccl").build(1024, n // 4, links)
+    got = simulate.simulate(sched, links, bw=bw).time
+    del sched
+    assert got == pytest.approx(algorithms.get("r2ccl").time(1024, n, bw, links), rel=0.05)
+
+
+def test_profiles_tool_measures_and_verifies() -> None:
+    """lab.profiles: one small profile measured, verified and summarised; every family of
+    the issue is in its list."""
+    from optcc_mpi.lab import profiles
+
+    row = profiles.measure(("server", 8, "0-3:0.5", "ranks 0-3 at 0.5"), size=2**24)
+    assert row["optcc_verified"] and row["r2ccl_verified"]
+    assert 1.0 <= row["optcc_over_bound"] <= 1.03
+    assert row["plan_over_bound"] == pytest.approx(1.0, abs=optcc_alg.ATTACH_TOL)
+    text = profiles.markdown([row])
+    assert "### server" in text and "Verified: 1 of 1" in text
+    assert {f for f, *_ in profiles.families()} == set(profiles.FAMILIES)

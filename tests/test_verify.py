@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from optcc_mpi import algorithms
+from optcc_mpi.algorithms import optcc as optcc_alg
 from optcc_mpi.schedule import ScheduleBuilder
 from optcc_mpi.verify import VerificationError, verify
 
@@ -15,6 +17,12 @@ def profiles(p: int) -> list[str]:
     out = ["", f"{p - 1}:0.5", "0:0.9"]
     if p >= 3:
         out += [f"0:0.5,{p // 2}:0.5", f"1:0.6,{p - 1}:0.8"]
+    if p >= 4:
+        # a degraded "server" (the lower half), two servers, a rank that the cut bound
+        # attaches with others that still own shares, and a random vector
+        out += [f"0-{p // 2 - 1}:0.5", f"0-{p // 4}:0.5,{p // 2}-{p - 1}:0.75", "0:0.05"]
+        rng = np.random.default_rng(p)
+        out.append(",".join(f"{i}:{v:.3f}" for i, v in enumerate(rng.uniform(0.3, 1, p))))
     return out
 
 
@@ -28,20 +36,55 @@ def test_ring_and_native(p: int) -> None:
 @pytest.mark.parametrize("p", P_ALL)
 def test_optcc(p: int) -> None:
     big = p >= 24
-    for links in profiles(p)[: 3 if big else None]:
-        for k in (1, 4) if big else (1, 2, 5):
-            for pattern in ("closer",) if big else ("closer", "alternate", "raw"):
+    for links in profiles(p)[:: 3 if big else 1]:
+        for k in (1, 4) if big else (1, 5):
+            for pattern in ("fold",) if big else ("fold", "closer"):
                 count = 3 * k * p + 5
                 verify(algorithms.build("optcc", p, count, links, k=k, pattern=pattern))
     # count < p: most sections empty
     verify(algorithms.build("optcc", p, p - 1, f"{p - 1}:0.5", k=3))
 
 
+@pytest.mark.parametrize(("p", "links"), [(6, ""), (9, "0:0.5"), (12, "0-5:0.5"), (16, "0-7:0.5")])
+def test_optcc_grids(p: int, links: str) -> None:
+    """Every grid the plan allows (rows of owners with equal shares), both patterns."""
+    plan = optcc_alg.optcc_plan(p, links)
+    h = len(plan.owners)
+    rows = [a for a in range(1, h + 1) if h % a == 0]
+    tried = 0
+    for a in rows:
+        try:
+            optcc_alg._grid_shape(plan, a)
+        except ValueError:
+            continue
+        tried += 1
+        for pattern in ("fold", "closer"):
+            for k in (1, 3):
+                sched = algorithms.build(
+                    "optcc", p, 4 * k * p + 3, links, k=k, grid=a, pattern=pattern
+                )
+                assert sched.params["grid"] == (a, h // a)
+                verify(sched)
+    assert tried >= 2
+    with pytest.raises(ValueError, match="grid rows"):
+        algorithms.build("optcc", p, 100, links, grid=h + 1)
+
+
+def test_optcc_large_grid() -> None:
+    """A two-dimensional grid chosen automatically (more owners than DIRECT_OWNERS)."""
+    p = optcc_alg.DIRECT_OWNERS + 2  # 129 owners and one attached rank
+    sched = algorithms.build("optcc", p, 5 * p, f"{p - 1}:0.5", k=2)
+    a, b = sched.params["grid"]
+    assert a > 1 and b > 1 and a * b == p - 1
+    verify(sched)
+
+
 @pytest.mark.parametrize("p", P_ALL)
 def test_r2ccl(p: int) -> None:
-    for links in profiles(p)[: 3 if p >= 24 else None]:
+    for links in profiles(p)[:: 3 if p >= 24 else 1]:
         for chunks in (1, 4):
             verify(algorithms.build("r2ccl", p, 9 * p + 7, links, chunks=chunks, itemsize=4))
+    verify(algorithms.build("r2ccl", p, 1000, f"0-{max(0, p // 2 - 1)}:0.5", schedule=0))
 
 
 def test_catches_deadlock() -> None:

@@ -1,55 +1,61 @@
-"""OptCC: AllReduce that keeps degraded ranks off the ring's critical path.
+"""OptCC: AllReduce that keeps degraded ranks off the critical path.
 
 The four stages (after the OptCC paper; the details below are our reading, see
-``docs/optcc.md``): the healthy ranks form a ring; each *straggler* exchanges each data
-section once in each direction with one healthy rank, instead of carrying ~2n bytes each
-way as a ring member.
+``docs/optcc.md``): the healthy ranks reduce-scatter and all-gather among themselves; each
+*straggler* exchanges each data section once in each direction with the healthy rank that
+owns it, instead of carrying ~2n bytes each way as a ring member.
 
-Per segment of the buffer, cut into h = (number of healthy ranks) sections, section j
-owned by healthy index j:
+The plan: who owns how much (derived, ours)
+-------------------------------------------
+Every rank r *owns* a share ``w_r`` of each segment of the buffer (``sum_r w_r = 1``); the
+owners reduce-scatter the segment, each ending with the complete sum of its share, and
+all-gather it back. A rank that owns nothing is an *attached* rank (a straggler): it
+sends its raw input of every section to the section's owner and receives the result
+back, one unit of traffic each way. Per unit of data, in each direction, rank r moves
 
-* **S1** reduce-scatter over the healthy ring; the chain of section j starts at healthy
-  index j+1 and ends at the owner.
-* **S2/S3** a straggler either *closes* the section (ordering 1: the owner sends it the
-  partial sum, the straggler adds its input and returns the global sum), or *folds* its
-  raw input into the chain before it starts (ordering 2: it sends section j to the
-  chain's first rank, which adds it before forwarding).
-* **S4** all-gather over the healthy ring; stragglers that folded receive the global
-  section from a healthy rank (spread over the ring, so no healthy rank carries more than
-  its share).
+    L_r = 1 + (p - 2) w_r                                              (derived, ours)
 
-The two orderings alternate from segment to segment (``pattern="alternate"``), so the
-straggler sends raw input of one segment while it receives and returns another: both
-directions of its link stay busy. Segments are pipelined: each rank's ring queue carries
-the reduce-scatter of segment L+depth before the all-gather of segment L, so the ring
-works on later segments while a straggler handles earlier ones.
+bytes (it sends everything it does not own and every other rank's copy of what it does
+own), and ``sum_r L_r = 2(p-1)``: the combining minimum. Choosing ``L_r = T f_r`` with T
+the lower bound is therefore always possible (every ``T f_r >= 1`` because T is at least
+the cut bound, and ``sum_r T f_r >= 2(p-1)`` because T is at least the capacity bound),
+so the plan's fluid time *is* the lower bound for every bandwidth vector. Where
+``sum_r T f_r`` exceeds ``2(p-1)`` the loads are water-filled, ``L_r = min(T f_r, lam)``,
+which gives the fastest ranks equal shares; ranks with ``T f_r = 1`` (the cut bound's
+straggler) own nothing and are attached.
 
-Several stragglers, and any vector of per-rank bandwidths, are handled by the plan of
-:func:`optcc_plan` (ours): the buffer is split over *schemes*, each
-attaching a set of slow ranks to the ring of the others, plus (when stragglers keep more
-than about half their bandwidth) a share through the plain ring over all ranks, which
-fills the bubbles on the stragglers' links. All schemes run at once on separate channels.
+With one straggler at rate ``1/l`` this is the four-stage schedule for ``l >= l*`` (the
+straggler owns nothing) and, below ``l*``, gives the straggler the share ``alpha/p`` where
+the notes' bubble-filling split would send ``alpha`` of the data through a full ring: the
+same per-rank loads in one schedule instead of two competing ones.
 
-OptCC's fluid time (derived, ours)
-----------------------------------
-A *scheme* attaches the j slowest ranks (stragglers) to a ring of the others: the healthy
-ring reduce-scatters and all-gathers, and each straggler exchanges each section once in
-each direction with a healthy rank. Per unit of data a straggler moves 1 unit each way and
-a healthy rank ``(2(h-1) + j) / h`` with ``h = p - j`` (j = 0 is the plain ring). Running
-several schemes side by side on disjoint parts of the buffer, the best split is the
-linear program
+The schedule
+------------
+The owners form a grid of ``a`` rows and ``b`` columns; owners of one column have equal
+shares (so a column is a plain ring), columns may differ (so a row is a *weighted direct*
+exchange). Per segment:
 
-    minimise T  subject to  sum_j x_j = 1,  x_j >= 0,
-                            sum_j x_j * load_j(r) <= T * f_r   for every rank r.
+* **S1** reduce-scatter: along each row, every owner sends each other column's block to
+  that column's owner (received into scratch and added in a fixed order, so results are
+  bit-reproducible); then along each column, a ring reduce-scatter of the column's block;
+* **S2/S3** an attached rank either *folds* (sends its raw section to the owner, which
+  adds it; ordering 2 of the notes) or *closes* (the owner sends it the partial sum, it
+  adds its input and returns the global sum; ordering 1);
+* **S4** all-gather: along each column (ring), then along each row (each owner sends its
+  block to every other column); owners return the finished sections to folding ranks.
 
-With one straggler it mixes the ring (x_0) and the four-stage schedule (x_1) exactly as
-the bubble-filling split ``alpha(p, l)`` and meets the lower bound for every l; with
-several degraded ranks or any vector of bandwidths it is our generalisation.
+With every share equal and ``b = 1`` this is the paper's healthy ring; ``a = 1`` is a
+direct all-to-all; large groups use both (``a x b`` about ``sqrt(h)`` each) so that a
+segment costs ``O(h sqrt h)`` operations instead of ``O(h^2)``.
+
+Segments are pipelined: an owner starts segment L's reduce-scatter only when it holds
+the result of segment ``L - depth``, and an attached rank sends segment L's raw input only
+when it received the results of segment ``L - lag``: every stage advances at the pace of
+the slowest, so no stage runs ahead and crowds the others out of a shared NIC.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -58,250 +64,55 @@ import numpy as np
 
 from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import large_messages
-from optcc_mpi.algorithms.ring import (
-    CHUNK_BYTES,
-    add_ring_allreduce,
-    all_gather,
-    reduce_scatter,
-    ring_chunks,
-)
+from optcc_mpi.errors import PlanError
 from optcc_mpi.links import Links
-from optcc_mpi.model import fractions
-from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
+from optcc_mpi.model import fractions, lower_bound
+from optcc_mpi.schedule import (
+    BYTES_PER_OP,
+    Schedule,
+    ScheduleBuilder,
+    check_size,
+    memory_available,
+    split,
+)
 
 __all__ = [
     "optcc",
     "optcc_time",
     "optcc_plan",
     "OptccPlan",
-    "plan_time",
-    "scheme_loads",
     "bubble_fraction",
     "l_star",
-    "FILL_GAIN",
-    "add_attached",
-    "choose_segments",
+    "explain_plan",
+    "segment_bounds",
     "PATTERNS",
 ]
 
-PATTERNS = ("auto", "alternate", "closer", "raw")
-#: Channels used by one attached scheme: reduce-scatter, all-gather, raw folds, closer
-#: exchange, returns.
-_CHANNELS_PER_SCHEME = 5
-
+PATTERNS = ("auto", "fold", "closer")
 
 #: Smallest message (one section of one segment) worth cutting a segment into.
-SECTION_BYTES = 256 * 1024
+SECTION_BYTES = 16 * 1024
 
+#: How much above the bound the plan may go to attach ranks that would own almost
+#: nothing (see :func:`optcc_plan`): attached, they wait for the owners' reduce-scatter
+#: only, where as owners of a sliver they also wait for the all-gather.
+ATTACH_TOL = 1e-3
 
-def choose_segments(
-    nbytes: int, healthy: int, *, section_bytes: int = SECTION_BYTES, lo: int = 4, hi: int = 128
-) -> int:
-    """Segments k for an attached scheme.
+#: A share below this fraction of the largest is "tiny" (see :func:`optcc_plan`).
+TINY_SHARE = 0.05
 
-    The pipeline head and tail cost about one segment each, so the time is about
-    ``(1 + 1/k)`` times the fluid time (:func:`optcc_mpi.model.optcc_time`): more segments
-    are better until messages get so small that per-message costs dominate. k is the
-    number of segments whose sections are ``section_bytes``, within ``[lo, hi]``.
-    """
-    return int(np.clip(nbytes // max(1, healthy * section_bytes), lo, hi))
+#: Owners up to which the grid is a single row (a direct exchange among all owners).
+DIRECT_OWNERS = 128
 
+#: Operations per schedule the automatic segment count stays under (about 0.2 KiB each
+#: while building and simulating: 14 million take about 2.7 GiB and, on a 2-core machine,
+#: about 40 s; p = 1024 with one straggler then gets 43 segments, within 1% of the
+#: bound).
+MAX_AUTO_OPS = 14_000_000
 
-def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0) -> np.ndarray:
-    """Boundaries of ``k`` segments of ``[lo, hi)``.
-
-    The pipeline's head (the straggler idles until the first segment is reduce-scattered)
-    and tail (the ring all-gathers the last segment after the straggler is done) each cost
-    about one segment. With ``ramp = R`` the first and last R segments are 1/2, 1/4, ...,
-    1/2**R of the others (the smallest at the ends), which shortens both by about 2**R at
-    the price of R more segments each.
-    """
-    ramp = max(0, min(int(ramp), (k - 1) // 2))
-    weights = np.ones(k)
-    for i in range(ramp):
-        weights[i] = weights[k - 1 - i] = 0.5 ** (ramp - i)
-    cum = np.concatenate(([0.0], np.cumsum(weights)))
-    return lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
-
-
-def add_attached(
-    b: ScheduleBuilder,
-    healthy: Sequence[int],
-    stragglers: Sequence[int],
-    lo: int,
-    hi: int,
-    *,
-    k: int,
-    depth: int = 2,
-    pattern: str = "auto",
-    chan: int = 0,
-    lookahead: int | None = None,
-    fold_ahead: int = 1,
-    ramp: int = 0,
-) -> None:
-    """Add the four-stage AllReduce of ``[lo, hi)``: ``stragglers`` attached to the ring
-    of ``healthy`` (in ring order), in ``k`` pipelined segments.
-
-    Parameters
-    ----------
-    b : ScheduleBuilder
-        Where to add the operations.
-    healthy, stragglers : sequence of int
-        Ring members and attached ranks (disjoint; at least one healthy rank).
-    lo, hi : int
-        Element range.
-    k : int
-        Segments.
-    depth : int
-        Segments of reduce-scatter each ring queue runs ahead of the all-gather.
-    pattern : {"auto", "alternate", "closer", "raw"}
-        Which ordering the segments use: alternate closing (ordering 1) and folding
-        (ordering 2), always close, or always fold. With several stragglers at most one
-        closes a given segment (the others fold); closers rotate. ``auto`` closes with one
-        straggler and folds with several: a closer must finish its whole segment before
-        the ring can all-gather it, and with several stragglers that one rank becomes the
-        pipeline's bottleneck (simulated, p = 16 with 8 ranks at half rate: 1.14 x the
-        bound folding, 1.58 x closing).
-    chan : int
-        First of the five channels this scheme uses.
-    lookahead : int, optional
-        Messages each straggler keeps in flight per direction, across all its peers
-        (default: one segment's worth, ``h``). Without this bound a straggler would share
-        its slow link among every segment that is ready and finish none of them early.
-    fold_ahead : int
-        Segments by which a straggler's raw sends run ahead of its closing work.
-    ramp : int
-        Segments at each end that grow (shrink) geometrically, halving the head and tail
-        of the pipeline with each step (see :func:`segment_bounds`).
-    """
-    if pattern not in PATTERNS:
-        raise ValueError(f"unknown OptCC pattern {pattern!r}; choose one of {PATTERNS}")
-    H = np.asarray(healthy, dtype=np.int64)
-    D = np.asarray(stragglers, dtype=np.int64)
-    nh, m = H.size, D.size
-    if pattern == "auto":
-        pattern = "closer" if m == 1 else "raw"
-    if nh < 1:
-        raise ValueError("an attached scheme needs at least one healthy rank")
-    if hi <= lo:
-        return
-    # Reduce-scatter and all-gather use separate channels, so an all-gather waiting for
-    # a straggler never holds up the reduce-scatter of later segments behind it.
-    c_rs, c_ag, c_fold, c_close, c_ret = range(chan, chan + _CHANNELS_PER_SCHEME)
-    seg = segment_bounds(lo, hi, k, ramp)
-    sec = split(seg[:-1], seg[1:], nh)  # (k, nh + 1)
-    j = np.arange(nh)
-    starter = (j + 1) % nh  # healthy index that starts section j's chain
-    lookahead = nh if lookahead is None else lookahead
-    streams: dict[tuple[int, str], list[int]] = {}
-
-    def paced(u: int, direction: str, ids: np.ndarray) -> None:
-        b.stream(ids, lookahead, streams.setdefault((u, direction), []))
-
-    def closer_of(L: int) -> int | None:
-        if m == 0 or pattern == "raw":
-            return None
-        if pattern == "closer":
-            return L % m
-        return (L // 2) % m if L % 2 == 0 else None
-
-    pending: dict[int, tuple[Any, ...]] = {}
-    finals: dict[int, np.ndarray] = {}  # per segment, by healthy index: section complete
-
-    folded: dict[int, tuple[np.ndarray, dict[int, np.ndarray]]] = {}
-
-    def fold(L: int) -> None:
-        # S3 first (ordering 2): raw sections go to the chain's first rank, which adds
-        # them one after the other (a fixed order keeps the sum bit-reproducible). Created
-        # `fold_ahead` segments early, so each straggler's paced stream sends raw input of
-        # later segments before it closes earlier ones and no straggler waits on another.
-        slo, shi = sec[L, :-1], sec[L, 1:]
-        closer = closer_of(L)
-        fold_last = np.full(nh, -1, dtype=np.int64)  # by healthy index
-        raw_sends = {}
-        for u in range(m):
-            if u == closer:
-                continue
-            sids, rids = b.transfer(
-                D[u],
-                H[starter],
-                slo,
-                shi,
-                chan=c_fold,
-                reduce=True,
-                recv_deps=fold_last[starter],
-            )
-            raw_sends[u] = sids
-            paced(u, "send", sids)
-            fold_last[starter] = rids
-        folded[L] = (fold_last, raw_sends)
-
-    def front(L: int) -> None:
-        slo, shi = sec[L, :-1], sec[L, 1:]
-        closer = closer_of(L)
-        fold_last, raw_sends = folded.pop(L)
-        # S1: reduce-scatter over the healthy ring, at most `depth` segments ahead of the
-        # all-gather (each member waits until it holds the result of segment L - depth).
-        throttle = finals[L - depth] if L >= depth else -1
-        rs_sends, final = reduce_scatter(
-            b,
-            H,
-            slo[:, None],
-            shi[:, None],
-            chan=c_rs,
-            first_deps=[fold_last[:, None], np.reshape(throttle, (-1, 1))],
-        )
-        final = np.where(final[:, 0] >= 0, final[:, 0], fold_last)
-        # S2 then S3 (ordering 1): the closer completes each section and returns it.
-        if closer is not None:
-            c = D[closer]
-            s_up, r_up = b.transfer(H, c, slo, shi, chan=c_close, reduce=True, send_deps=final)
-            s_down, r_down = b.transfer(
-                c, H, slo, shi, chan=c_close, send_deps=r_up, recv_deps=s_up
-            )
-            paced(closer, "recv", r_up)
-            paced(closer, "send", s_down)
-            final = r_down
-        finals[L] = final
-        pending[L] = (rs_sends, final, raw_sends)
-
-    def back(L: int) -> None:
-        rs_sends, final, raw_sends = pending.pop(L)
-        slo, shi = sec[L, :-1], sec[L, 1:]
-        # S4: all-gather over the healthy ring.
-        ag = all_gather(
-            b,
-            H,
-            slo[:, None],
-            shi[:, None],
-            chan=c_ag,
-            first_deps=final[:, None],
-            rs_sends=rs_sends,
-        )
-        # S2 last (ordering 2): folders get the global sections back. Straggler u takes
-        # section j from healthy index j+u, which holds it after all-gather step u-1, so
-        # the returns are spread over the ring.
-        for u, raw in raw_sends.items():
-            step = u % nh
-            src = (j + step) % nh
-            dep = final if step == 0 else ag[step - 1][src, 0]
-            _, rids = b.transfer(H[src], D[u], slo, shi, chan=c_ret, send_deps=dep, recv_deps=raw)
-            paced(u, "recv", rids)
-
-    for tau in range(k + fold_ahead + depth):
-        if tau < k:
-            fold(tau)
-        if 0 <= tau - fold_ahead - depth < k:
-            back(tau - fold_ahead - depth)
-        if 0 <= tau - fold_ahead < k:
-            front(tau - fold_ahead)
-
-
-def _share_bounds(lo: int, hi: int, shares: Sequence[float]) -> list[tuple[int, int]]:
-    """Cut ``[lo, hi)`` into consecutive ranges proportional to ``shares``."""
-    cum = np.concatenate(([0.0], np.cumsum(shares)))
-    cuts = lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
-    return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+# Channels: row reduce-scatter, row all-gather, column reduce-scatter, column all-gather,
+# folds (attached -> owner), closer exchange, returns (owner -> attached).
+_C_ROW_RS, _C_ROW_AG, _C_COL_RS, _C_COL_AG, _C_FOLD, _C_CLOSE, _C_RET = range(7)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -313,11 +124,10 @@ def l_star(p: int) -> float:
 
 
 def bubble_fraction(p: int, l: float) -> float:
-    """Share of the data sent through the full ring, one straggler at rate B/l (derived).
-
-    ``alpha = p[(2p-3) - l(p-1)] / [(p-2)(l(p-1) + 1)]`` for ``1 <= l <= l*``; 0 beyond
-    ``l*`` (pure four-stage) and 1 at ``l = 1`` (pure ring).
-    """
+    """Share of the data the notes' bubble-filling split sends through a full ring, one
+    straggler at rate B/l (derived): ``alpha = p[(2p-3) - l(p-1)] / [(p-2)(l(p-1) + 1)]``
+    for ``1 <= l <= l*``; 0 beyond ``l*`` and 1 at ``l = 1``. Our plan gives the straggler
+    the share ``alpha / p`` of every segment, which moves the same bytes."""
     if p < 3 or l >= l_star(p):
         return 0.0
     return p * ((2 * p - 3) - l * (p - 1)) / ((p - 2) * (l * (p - 1) + 1))
@@ -325,136 +135,135 @@ def bubble_fraction(p: int, l: float) -> float:
 
 @dataclass(frozen=True)
 class OptccPlan:
-    """How OptCC splits the buffer over schemes (see the module docstring).
+    """Who owns how much of each segment (see the module docstring).
 
     Attributes
     ----------
-    schemes : tuple of (tuple of int, float)
-        (straggler ranks, share of the data) for each scheme in use; an empty straggler
-        tuple is the full ring over all ranks.
+    weights : tuple of float
+        Per rank, the share of every segment it owns (they sum to 1); 0 for an attached
+        rank.
     time : float
-        Fluid time in units of n/B.
+        Fluid time in units of n/B: the lower bound, or at most :data:`ATTACH_TOL`
+        above it where ranks with tiny shares are attached instead.
     """
 
-    schemes: tuple[tuple[tuple[int, ...], float], ...]
+    weights: tuple[float, ...]
     time: float
 
     @property
+    def p(self) -> int:
+        return len(self.weights)
+
+    @property
+    def attached(self) -> tuple[int, ...]:
+        """Ranks that own nothing: they exchange every section once each way."""
+        return tuple(r for r, w in enumerate(self.weights) if w == 0.0)
+
+    @property
     def stragglers(self) -> tuple[int, ...]:
-        """Every rank that is a straggler in some scheme."""
-        return tuple(sorted({r for d, _ in self.schemes for r in d}))
+        """Alias of :attr:`attached` (the paper's word for them)."""
+        return self.attached
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        return tuple(r for r, w in enumerate(self.weights) if w > 0.0)
+
+    def loads(self) -> np.ndarray:
+        """Per rank, bytes moved each way per byte of the buffer: ``1 + (p-2) w``."""
+        p = self.p
+        w = np.asarray(self.weights)
+        if p < 2:
+            return np.zeros(p)
+        return 1.0 + (p - 2) * w if p > 2 else np.ones(p)
 
 
-#: ``fill="auto"`` runs the bubble-filling split only when it beats attaching every
-#: degraded rank by more than this in the fluid model: the plain-ring share competes with
-#: the attached scheme for the degraded links, which costs our schedules 3 to 9% in the
-#: simulator, so smaller gains are not worth it (docs/optcc.md).
-FILL_GAIN = 0.03
+def optcc_plan(p: int, links: Links | str | None = None) -> OptccPlan:
+    """OptCC's plan for ``p`` ranks under ``links``: shares whose loads meet the bound.
 
-
-def scheme_loads(p: int, stragglers: tuple[int, ...]) -> np.ndarray:
-    """Per-rank traffic of one scheme, per unit of data and direction: 1 for an attached
-    rank, ``(2(h-1) + j)/h`` for the ``h`` ring members when ``j`` ranks are attached."""
-    j = len(stragglers)
-    h = p - j
-    loads = np.full(p, (2.0 * (h - 1) + j) / h if h else 0.0)
-    loads[list(stragglers)] = 1.0
-    return loads
-
-
-def plan_time(p: int, links: Links | str | None, schemes: tuple) -> float:
-    """Fluid time (units of n/B) of running ``schemes`` ((stragglers, share) pairs) side
-    by side: the busiest rank's traffic over its bandwidth."""
-    if p < 2:
-        return 0.0
-    f = fractions(links, p)
-    total = sum(x * scheme_loads(p, tuple(d)) for d, x in schemes)
-    return float(np.max(total / f))
-
-
-def optcc_plan(p: int, links: Links | str | None = None, *, fill: bool | str = True) -> OptccPlan:
-    """How OptCC splits the data over straggler schemes.
-
-    ``fill=True``: the best fluid split, by linear programming (bubble filling included);
-    ``fill=False``: every degraded rank attached to the ring of the others, for all of the
-    data; ``fill="auto"``: the first unless it gains less than ``FILL_GAIN`` over the second.
+    Ranks whose share would be below :data:`TINY_SHARE` of the largest are attached
+    instead when that costs at most :data:`ATTACH_TOL` of the time, and beyond
+    :data:`DIRECT_OWNERS` owners up to 8 more may be attached (same tolerance) when that
+    makes the owners' grid much cheaper to build (see ``_plan``).
     """
     f = fractions(links, p)
     # Rounded to 12 significant digits (not decimals: 1e-13 must not become 0) so that
     # profiles equal up to rounding share a cache entry.
-    best = _plan(p, tuple(float(f"{x:.12g}") for x in f.tolist()))
-    if fill is True or p < 2:
-        return best
-    slow = tuple(int(r) for r in np.flatnonzero(f < f.max()))
-    if not slow:
-        return best
-    attach = ((slow, 1.0),)
-    plain = OptccPlan(attach, plan_time(p, links, attach))
-    if fill is False or plain.time <= best.time * (1 + FILL_GAIN):
-        return plain
-    return best
+    return _plan(p, tuple(float(f"{x:.12g}") for x in f.tolist()))
 
 
 @lru_cache(maxsize=256)
 def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     if p < 2:
-        return OptccPlan((((), 1.0),), 0.0)
+        return OptccPlan((1.0,) * p, 0.0)
     f = np.asarray(f_tuple)
-    order = np.argsort(f, kind="stable")
-    n_slow = int(np.sum(f < f.max()))
-    if n_slow == 0:
-        return OptccPlan((((), 1.0),), 2.0 * (p - 1) / p / f.max())
-    # Scheme j attaches the j slowest ranks; j = 0 is the ring over all ranks. Attaching a
-    # rank as fast as the fastest never helps, so j stops at the number of slower ranks.
-    J = min(n_slow, p - 1) + 1
-    loads = np.empty((J, p))
-    for j in range(J):
-        h = p - j
-        loads[j] = (2.0 * (h - 1) + j) / h
-        loads[j, order[:j]] = 1.0
-    from scipy.optimize import linprog
+    # The bound in units of n/B, with f as given (not normalised: the fastest rank may be
+    # below the healthy rate B).
+    t = lower_bound(p, 1.0, 1.0, Links({r: float(v) for r, v in enumerate(f)}))
+    if p == 2:
+        return OptccPlan((0.5, 0.5), t)
+    none = np.zeros(p, dtype=bool)
+    w = _shares(f, t, none)
 
-    # Each scheme on its own (attach the j slowest ranks, all of the data): a feasible
-    # plan whose time is exact, the answer when the fractions are too extreme for the LP.
-    with np.errstate(over="ignore", divide="ignore"):
-        single = np.max(loads / f[None, :], axis=1)
-    j_best = int(np.argmin(single))
-    x = np.zeros(J)
-    x[j_best] = 1.0
-    t = float(single[j_best])
-    # Variables x_0..x_{J-1}, T. Minimise T. Row r reads loads_r . x / f_r <= T: divided
-    # by f_r, the coefficients of T are all -1, so a tiny fraction (1e-9) gives a large
-    # load coefficient, which the solver keeps, instead of a tiny one, which it drops as
-    # zero (the problem then looked infeasible).
-    c = np.zeros(J + 1)
-    c[-1] = 1.0
-    with np.errstate(over="ignore", divide="ignore"):
-        a_ub = np.hstack([loads.T / f[:, None], -np.ones((p, 1))])
-    a_eq = np.zeros((1, J + 1))
-    a_eq[0, :J] = 1.0
-    if np.all(np.isfinite(a_ub)) and np.abs(a_ub).max() < 1e12:
-        res = linprog(
-            c,
-            A_ub=a_ub,
-            b_ub=np.zeros(p),
-            A_eq=a_eq,
-            b_eq=[1.0],
-            bounds=[(0, None)] * (J + 1),
-            method="highs",
-        )
-        if res.success:
-            x_lp = np.where(res.x[:J] < 1e-9, 0.0, res.x[:J])
-            x_lp /= x_lp.sum()
-            t_lp = float(res.x[-1])
-            # Keep the LP's answer if it is what its split really takes, and no worse
-            # than the best single scheme.
-            check = float(np.max(loads.T @ x_lp / f))
-            if abs(check - t_lp) <= 1e-6 * t_lp and t_lp <= t * (1 + 1e-9):
-                x, t = x_lp, t_lp
-    schemes = tuple(
-        (tuple(sorted(int(r) for r in order[:j])), float(x[j])) for j in range(J) if x[j] > 0
-    )
-    return OptccPlan(schemes, t)
+    def attach_time(att: np.ndarray) -> float:
+        return max(t, (2.0 * (p - 1) - att.sum()) / f[~att].sum())
+
+    # Ranks left with a tiny share are attached instead when that costs at most
+    # ATTACH_TOL of the time: an attached rank's receives need only the owners' reduce-
+    # scatter, an owner's also its all-gather, so a slow owner idles longer at the start
+    # (simulated, p = 1024 with 8 ranks at half rate, each owning 0.0003%: 11% above the
+    # bound as owners).
+    attached = (w <= TINY_SHARE * w.max()) & (w < w.max())
+    if attached.any() and attach_time(attached) > t * (1.0 + ATTACH_TOL):
+        attached = w == 0.0
+    # With more owners than a direct exchange handles, a few more attached ranks can make
+    # the owners' grid much cheaper (1016 owners form an 8 x 127 grid, 1015 a 29 x 35
+    # one: half the operations per segment, so twice the segments); again within
+    # ATTACH_TOL.
+    if (~attached).sum() > DIRECT_OWNERS:
+        best = (_grid_cost(_shares(f, attach_time(attached), attached)), attached)
+        top = np.flatnonzero(~attached & (w >= w.max() * (1 - 1e-9)))[::-1]
+        for e in range(1, min(9, top.size)):
+            trial = attached.copy()
+            trial[top[:e]] = True
+            if attach_time(trial) > t * (1.0 + ATTACH_TOL):
+                break
+            cost = _grid_cost(_shares(f, attach_time(trial), trial))
+            if cost < 0.8 * best[0]:
+                best = (cost, trial)
+        attached = best[1]
+    if attached.any():
+        t = attach_time(attached)
+        w = _shares(f, t, attached)
+    if w.sum() <= 0:  # pragma: no cover - sum of loads is 2(p-1) > p
+        raise PlanError(f"OptCC plan: no rank can own anything under {f_tuple}")
+    w = w / w.sum()
+    # Equal shares should be exactly equal (the grid groups owners by share).
+    w = np.round(w, 12)
+    w = w / w.sum()
+    return OptccPlan(tuple(float(x) for x in w), float(t))
+
+
+def _shares(f: np.ndarray, t: float, attached: np.ndarray) -> np.ndarray:
+    """Shares ``w = (L - 1)/(p - 2)`` whose loads ``L`` fit ``t f`` and sum to the
+    combining minimum ``2(p-1)``, attached ranks at ``L = 1``: water-filled,
+    ``L_r = min(t f_r, lam)``, so the fastest ranks get equal shares."""
+    p = f.size
+    cap = np.where(attached, 1.0, t * f)  # the most each rank can move in time t
+    need = 2.0 * (p - 1) - attached.sum()
+    owners = cap[~attached]
+    c = np.sort(owners)
+    below = np.concatenate(([0.0], np.cumsum(c)))  # sum of the i smallest caps
+    lam = c[-1]
+    for i in range(c.size):
+        # lam within [c[i-1], c[i]]: the i smallest are capped, the rest at lam.
+        level = (need - below[i]) / (c.size - i)
+        if level <= c[i] + 1e-12:
+            lam = max(level, c[i - 1] if i else 1.0)
+            break
+    loads = np.where(attached, 1.0, np.minimum(cap, lam))
+    w = (loads - 1.0) / (p - 2)
+    w[w < 1e-9] = 0.0
+    return w
 
 
 def optcc_time(
@@ -465,30 +274,522 @@ def optcc_time(
     *,
     latency: float = 0.0,
     k: int | None = None,
-    fill: bool | str = True,
 ) -> float:
-    """OptCC's fluid time (the best split unless ``fill`` says otherwise, see
-    :func:`optcc_plan`); with ``k`` segments, one segment's worth of pipeline head and
-    tail added, ``(1 + 1/k)`` times the fluid time (derived); plus one latency per ring
-    step, 2(p-1)."""
+    """OptCC's fluid time, the plan's: the lower bound, or at most :data:`ATTACH_TOL`
+    above it (see :func:`optcc_plan`); with ``k``
+    equal segments, one segment's worth of pipeline head and tail added, ``(1 + 1/k)``
+    times it (derived); plus one latency per step of a segment's critical path."""
     if p < 2:
         return 0.0
-    t = optcc_plan(p, links, fill=fill).time * nbytes / bw
+    plan = optcc_plan(p, links)
+    t = plan.time * nbytes / bw
     t = t if k is None else t * (1.0 + 1.0 / k)
-    return t + 2 * (p - 1) * latency
+    a, _ = _grid_shape(plan, "auto")
+    steps = 2 * (a - 1) + 2 + (2 if plan.attached else 0)
+    return t + steps * latency
 
 
-def explain_plan(p: int, links: Links | str | None = None, *, fill: bool | str = "auto") -> str:
-    """The plan in words: each scheme's share and what it attaches."""
+def explain_plan(p: int, links: Links | str | None = None, **_: Any) -> str:
+    """The plan in words: attached ranks, and the share each owner holds."""
+    plan = optcc_plan(p, links)
+    att = plan.attached
+    levels: dict[float, list[int]] = {}
+    for r in plan.owners:
+        levels.setdefault(round(plan.weights[r], 9), []).append(r)
     parts = []
-    for d, x in optcc_plan(p, links, fill=fill).schemes:
-        what = f"ranks {','.join(map(str, d))} attached" if d else "ring over all ranks"
-        parts.append(f"{x:.1%} {what}")
+    if att:
+        parts.append(f"ranks {_ranges(att)} attached (own nothing)")
+    for w, ranks in sorted(levels.items()):
+        parts.append(f"{len(ranks)} rank(s) {_ranges(ranks)} own {w:.4%} each")
+    a, b = _grid_shape(plan, "auto")
+    parts.append(f"owners in a {a} x {b} grid")
     return "; ".join(parts)
 
 
+def _ranges(ranks: tuple[int, ...] | list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    rs = sorted(ranks)
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+def _grid_shape(plan: OptccPlan, grid: int | str) -> tuple[int, int]:
+    """Rows ``a`` and columns ``b`` of the owners' grid.
+
+    A column's owners must have equal shares, so ``a`` divides the number of owners at
+    every share level. ``auto`` is one row (a direct exchange among all owners) up to
+    :data:`DIRECT_OWNERS` owners, and beyond that the allowed ``a`` that minimises the
+    operations of a segment (``a`` near the square root of the owners).
+    """
+    owners = plan.owners
+    h = len(owners)
+    if h == 0:
+        return 1, 0
+    counts = np.unique(np.round([plan.weights[r] for r in owners], 9), return_counts=True)[1]
+    g = int(np.gcd.reduce(counts))
+    allowed = [a for a in range(1, g + 1) if g % a == 0]
+    if grid != "auto":
+        a = int(grid)
+        if a not in allowed:
+            raise ValueError(
+                f"optcc: grid rows {a} must divide the owners at every share level "
+                f"(allowed: {allowed})"
+            )
+        return a, h // a
+    if h <= DIRECT_OWNERS:
+        return 1, h
+    a = min(allowed, key=lambda a: (h // a + a, a))
+    return a, h // a
+
+
+def _grid_cost(w: np.ndarray) -> int:
+    """Operations per segment of the automatic grid for shares ``w``."""
+    plan = OptccPlan(tuple(float(x) for x in np.round(w / w.sum(), 12)), 0.0)
+    a, b = _grid_shape(plan, "auto")
+    return _ops_per_segment(plan.p, a, b, len(plan.attached))
+
+
+def _layout(plan: OptccPlan, a: int) -> tuple[np.ndarray, np.ndarray]:
+    """Owners as an ``(a, b)`` array (row i, column c) and each column's share of a
+    segment. Columns are ordered by share, then rank; rows by rank within a column."""
+    owners = sorted(plan.owners, key=lambda r: (round(plan.weights[r], 9), r))
+    h = len(owners)
+    b = h // a
+    grid = np.asarray(owners, dtype=np.int64).reshape(b, a).T.copy()
+    col_share = np.array([a * plan.weights[int(grid[0, c])] for c in range(b)])
+    return grid, col_share / col_share.sum()
+
+
+def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0, ratio: float = 2.0) -> np.ndarray:
+    """Boundaries of ``k`` segments of ``[lo, hi)``.
+
+    The pipeline's head (an attached rank idles until the first segment is
+    reduce-scattered) and tail (the owners all-gather the last segment after the attached
+    ranks are done) each cost about one segment. With ``ramp = R`` the first and last R
+    segments are 1/2, 1/4, ..., 1/2**R of the others (the smallest at the ends), which
+    shortens both by about 2**R at the price of R more segments each.
+    """
+    ramp = max(0, min(int(ramp), (k - 1) // 2))
+    weights = np.ones(k)
+    for i in range(ramp):
+        weights[i] = weights[k - 1 - i] = ratio ** -(ramp - i)
+    cum = np.concatenate(([0.0], np.cumsum(weights)))
+    return lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
+
+
+def _ops_per_segment(p: int, a: int, b: int, m: int) -> int:
+    """Operations one segment adds (upper estimate): per owner and peer of its row and of
+    its column a send, a receive and a reduce (reduce-scatter) and a send and a receive
+    (all-gather); per attached rank and owner a send, a receive, a reduce and a return."""
+    h = a * b
+    return h * 5 * (a + b - 2) + 5 * m * h
+
+
+def choose_segments(
+    nbytes: int, plan: OptccPlan, a: int, *, section_bytes: int = SECTION_BYTES
+) -> int:
+    """Segments k: the pipeline's head and tail cost about one segment (with every owner
+    busy, about half of one segment's time each), so as many as fit in
+    :data:`MAX_AUTO_OPS` operations and in the memory available, at most 128, and no more
+    than leave each owner's section of a segment ``section_bytes`` or more (at least 4).
+    """
+    h = len(plan.owners)
+    b = h // a if a else 0
+    k = int(np.clip(nbytes // max(1, max(h, 1) * section_bytes), 4, 128))
+    per = max(_ops_per_segment(plan.p, a, b, len(plan.attached)), 1)
+    fits = memory_available() // (BYTES_PER_OP * per)
+    return int(max(1, min(k, MAX_AUTO_OPS // per, fits)))
+
+
+# ----------------------------------------------------------------------------- builder
+
+
+class _Pipeline:
+    """Builds OptCC's segments into a :class:`ScheduleBuilder` (see the module docstring).
+
+    Both phases of the owners' reduce-scatter and all-gather are *direct* exchanges: in
+    slot t every member of a group sends to the member t places on, so no message waits
+    for another's arrival before it can leave (a ring's chain of a-1 hops would wait in
+    every busy NIC queue on its way, and with pipelined segments those queues are full).
+
+    Per segment, per owner: a *final* operation after which it holds the complete sum of
+    its section; per attached rank: the receives that finish its segment. These are what
+    the pipelining waits for.
+    """
+
+    def __init__(
+        self,
+        b: ScheduleBuilder,
+        plan: OptccPlan,
+        grid: np.ndarray,
+        col_share: np.ndarray,
+        seg: np.ndarray,
+        *,
+        pattern: str,
+        depth: int,
+        lag: int,
+        lookahead: int,
+        row_lag: int = 0,
+        ag_lag: int = 0,
+    ) -> None:
+        self.b = b
+        self.grid = grid  # (a, nb) ranks
+        self.a, self.nb = grid.shape
+        self.att = np.asarray(plan.attached, dtype=np.int64)
+        self.m = self.att.size
+        self.k = seg.size - 1
+        self.pattern = pattern
+        self.depth = depth
+        self.lag = lag
+        self.lookahead = lookahead
+        # Per segment: column c's block, then its a sections (one per row).
+        cum = np.concatenate(([0.0], np.cumsum(col_share)))
+        lo, hi = seg[:-1, None], seg[1:, None]
+        blk = lo + np.round(cum[None, :] * (hi - lo)).astype(np.int64)  # (k, nb + 1)
+        blk[:, -1] = seg[1:]
+        sec = split(blk[:, :-1], blk[:, 1:], self.a)  # (k, nb, a + 1)
+        # As (k, a, nb) arrays indexed like the grid.
+        self.blo = np.broadcast_to(blk[:, None, :-1], (self.k, self.a, self.nb))
+        self.bhi = np.broadcast_to(blk[:, None, 1:], (self.k, self.a, self.nb))
+        self.slo = np.ascontiguousarray(sec[:, :, :-1].transpose(0, 2, 1))
+        self.shi = np.ascontiguousarray(sec[:, :, 1:].transpose(0, 2, 1))
+        # Scratch: per phase, (segment slot, peer offset) regions; then per attached rank
+        # and segment slot one section. Slots rotate over the segments in flight.
+        self.slots = depth + lag + 3
+        max_blk = int(np.max(self.bhi - self.blo, initial=0))
+        max_sec = int(np.max(self.shi - self.slo, initial=0))
+        self.row_base, self.row_stride = 0, max_blk
+        self.col_base = self.slots * max(self.nb - 1, 0) * max_blk
+        self.col_stride = max_sec
+        self.fold_base = self.col_base + self.slots * max(self.a - 1, 0) * max_sec
+        self.fold_stride = max_sec
+        self.scratch_end = self.fold_base + self.slots * self.m * max_sec
+        self.final: dict[int, np.ndarray] = {}
+        self.rs_row: dict[int, list[np.ndarray]] = {}
+        self.rs_col: dict[int, list[np.ndarray]] = {}
+        self.reads: dict[tuple[str, int], np.ndarray] = {}  # scratch readers, per segment
+        self.returns: dict[int, np.ndarray] = {}  # per segment, (m, a, nb) by owner
+        self.raw: dict[int, np.ndarray] = {}
+        self.fold_recv: dict[int, np.ndarray] = {}
+        self.done_owner: dict[int, np.ndarray] = {}
+        self.streams: dict[tuple[int, str], list[int]] = {}
+        self.row_done: dict[int, np.ndarray] = {}
+        self.ret_sends: dict[int, np.ndarray] = {}
+        self.row_lag = row_lag
+        self.ag_lag = ag_lag
+
+    # -- helpers -----------------------------------------------------------------------
+    def _paced(self, rank: int, direction: str, ids: np.ndarray) -> None:
+        self.b.stream(ids, self.lookahead, self.streams.setdefault((rank, direction), []))
+
+    def closer_of(self, L: int) -> int | None:
+        if self.m == 0 or self.pattern == "fold":
+            return None
+        return L % self.m
+
+    def _order(self, u: int) -> np.ndarray:
+        """Owner positions (flattened grid) in the order attached rank ``u`` serves them:
+        rotated so that attached ranks address different owners at any moment."""
+        h = self.a * self.nb
+        start = (u * h) // max(self.m, 1)
+        return (np.arange(h) + start) % h
+
+    def _shifted(self, axis: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Index arrays (rows, cols), shape (n-1, a, nb): for slot t = 1..n-1 and member
+        x, the member t places on along ``axis``."""
+        i = np.arange(self.a)[None, :, None]
+        c = np.arange(self.nb)[None, None, :]
+        t = np.arange(1, n)[:, None, None]
+        if axis == 0:
+            return np.broadcast_to((i + t) % self.a, (n - 1, self.a, self.nb)), np.broadcast_to(
+                c, (n - 1, self.a, self.nb)
+            )
+        return np.broadcast_to(i, (n - 1, self.a, self.nb)), np.broadcast_to(
+            (c + t) % self.nb, (n - 1, self.a, self.nb)
+        )
+
+    def _rs_direct(
+        self,
+        L: int,
+        axis: int,
+        own_lo: np.ndarray,
+        own_hi: np.ndarray,
+        *,
+        name: str,
+        base: int,
+        stride: int,
+        send_deps: Any,
+        reduce_after: Any,
+    ) -> tuple[np.ndarray, Any]:
+        """Direct reduce-scatter along ``axis`` of the grid: every member ends with the
+        sum over its group of the range it owns (``own_lo``/``own_hi``, by member).
+
+        In slot t member x sends the range member x+t owns; x+t receives it into scratch
+        and adds it to its own range, slots in order (a fixed order: bit-reproducible
+        sums). Returns the sends, shape (n-1, a, nb) by slot and sender, and the last
+        reduce of each member (``reduce_after`` where there is none)."""
+        b, G = self.b, self.grid
+        n = G.shape[axis]
+        if n < 2:
+            self.reads[(name, L)] = np.zeros((0,) + G.shape, dtype=np.int64)
+            return np.zeros((0,) + G.shape, dtype=np.int64), reduce_after
+        ri, ci = self._shifted(axis, n)  # slot t, member x -> member x + t
+        back_i, back_c = self._shifted(axis, n)
+        if axis == 0:
+            back_i = (np.arange(self.a)[None, :, None] - np.arange(1, n)[:, None, None]) % n
+        else:
+            back_c = (np.arange(self.nb)[None, None, :] - np.arange(1, n)[:, None, None]) % n
+        slot = L % self.slots
+        off = base + (slot * (n - 1) + np.arange(n - 1))[:, None, None] * stride
+        old = self.reads.get((name, L - self.slots))
+        sends = b.send(
+            G, G[ri, ci], own_lo[ri, ci], own_hi[ri, ci], chan=_CH[name][0], deps=send_deps
+        )
+        # By receiver x, from x - t, into scratch; the region is reused once the reduce of
+        # the segment that used it before has read it.
+        recvs = b.recv(
+            G,
+            G[back_i, back_c],
+            off,
+            off + (own_hi - own_lo),
+            chan=_CH[name][0],
+            buf=1,
+            deps=-1 if old is None else old,
+        )
+        reads = b.reduce(G, own_lo, own_hi, off, sbuf=1, deps=[recvs, reduce_after])
+        # Chain each member's reduces in slot order (the ids grow with the slot).
+        chained = np.maximum.accumulate(reads, axis=0)
+        b.depend(reads[1:], chained[:-1])
+        self.reads[(name, L)] = reads
+        last = chained[-1]
+        return sends, np.where(last >= 0, last, reduce_after)
+
+    def _ag_direct(
+        self,
+        axis: int,
+        own_lo: np.ndarray,
+        own_hi: np.ndarray,
+        *,
+        name: str,
+        send_deps: Any,
+        rs_sends: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Direct all-gather along ``axis``: every member sends its own range to every
+        other member of its group. A receiver overwrites its copy only once its own
+        reduce-scatter send of that range (its slot n - t) has left. Returns the sends and
+        the receives, shape (n-1, a, nb) by slot and *sender*."""
+        b, G = self.b, self.grid
+        n = G.shape[axis]
+        if n < 2:
+            empty = np.zeros((0,) + G.shape, dtype=np.int64)
+            return empty, empty
+        ri, ci = self._shifted(axis, n)
+        # Receiver x+t sent this range to x in its reduce-scatter slot n - t.
+        hazard = rs_sends[(n - 1 - np.arange(1, n))[:, None, None], ri, ci]
+        sids, rids = b.transfer(
+            G,
+            G[ri, ci],
+            own_lo,
+            own_hi,
+            chan=_CH[name][1],
+            send_deps=send_deps,
+            recv_deps=hazard,
+        )
+        return sids, rids
+
+    # -- stages ------------------------------------------------------------------------
+    def fold(self, L: int) -> None:
+        """Raw sections of segment L from every folding attached rank into the owners'
+        scratch (built early, so the owners' receives are posted ahead)."""
+        if L < 0 or L >= self.k or self.m == 0:
+            return
+        b = self.b
+        closer = self.closer_of(L)
+        slo, shi = self.slo[L].ravel(), self.shi[L].ravel()
+        slot = L % self.slots
+        old = self.reads.get(("fold", L - self.slots))
+        raw = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
+        rec = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
+        for u in range(self.m):
+            if u == closer:
+                continue
+            s = int(self.att[u])
+            order = self._order(u)
+            g = self.grid.ravel()[order]
+            lo, hi = slo[order], shi[order]
+            off = self.fold_base + (slot * self.m + u) * self.fold_stride
+            sids = b.send(s, g, lo, hi, chan=_C_FOLD, deps=self._done_attached(u, L - self.lag))
+            rids = b.recv(
+                g,
+                s,
+                off,
+                off + (hi - lo),
+                chan=_C_FOLD,
+                buf=1,
+                deps=-1 if old is None else old[u].ravel()[order],
+            )
+            self._paced(s, "send", sids)
+            raw[u].ravel()[order] = sids
+            rec[u].ravel()[order] = rids
+        self.raw[L] = raw
+        self.fold_recv[L] = rec
+
+    def _done_attached(self, u: int, L: int) -> Any:
+        """What attached rank ``u``'s raw sends of a later segment wait for: its results
+        of segment ``L``, position by position in its order."""
+        got = self.returns.get(L)
+        if L < 0 or got is None:
+            return -1
+        return [got[u].ravel()[self._order(u)]]
+
+    def front(self, L: int) -> None:
+        """Reduce-scatter of segment L, the attached ranks' folds or close, returns."""
+        if L < 0 or L >= self.k:
+            return
+        b, G = self.b, self.grid
+        throttle: Any = self.done_owner.get(L - self.depth, -1)
+        if self.row_lag and (L - self.row_lag) in self.row_done:
+            throttle = [throttle, self.row_done[L - self.row_lag]]
+        blo, bhi, slo, shi = self.blo[L], self.bhi[L], self.slo[L], self.shi[L]
+        # S1: along rows, each owner ends with its column's block; along columns, with
+        # its section of that block.
+        self.rs_row[L], row_last = self._rs_direct(
+            L,
+            1,
+            blo,
+            bhi,
+            name="row",
+            base=self.row_base,
+            stride=self.row_stride,
+            send_deps=throttle,
+            reduce_after=-1,
+        )
+        self.rs_col[L], final = self._rs_direct(
+            L,
+            0,
+            slo,
+            shi,
+            name="col",
+            base=self.col_base,
+            stride=self.col_stride,
+            send_deps=[row_last, throttle],
+            reduce_after=row_last,
+        )
+        self.row_done[L] = np.broadcast_to(np.asarray(row_last, dtype=np.int64), G.shape)
+        self.row_done.pop(L - self.row_lag - 1, None)
+        final = np.broadcast_to(np.asarray(final, dtype=np.int64), G.shape).copy()
+        # S2/S3 fold: the owners add the raw sections in scratch, in attached-rank order.
+        rec = self.fold_recv.pop(L, None)
+        reads = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
+        if rec is not None:
+            for u in range(self.m):
+                if (rec[u] < 0).all():
+                    continue
+                off = self.fold_base + ((L % self.slots) * self.m + u) * self.fold_stride
+                red = b.reduce(G, slo, shi, off, sbuf=1, deps=[rec[u], final])
+                final = np.where(red >= 0, red, final)
+                reads[u] = red
+        self.reads[("fold", L)] = reads
+        rets = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
+        # S2/S3 close: the owner sends the partial, the closer adds its input, returns it.
+        closer = self.closer_of(L)
+        if closer is not None:
+            s = int(self.att[closer])
+            order = self._order(closer)
+            g = G.ravel()[order]
+            lo, hi = slo.ravel()[order], shi.ravel()[order]
+            fin = final.ravel()[order]
+            up_s, up_r = b.transfer(g, s, lo, hi, chan=_C_CLOSE, reduce=True, send_deps=fin)
+            dn_s, dn_r = b.transfer(s, g, lo, hi, chan=_C_CLOSE, send_deps=up_r, recv_deps=up_s)
+            self._paced(s, "recv", up_r)
+            self._paced(s, "send", dn_s)
+            final.ravel()[order] = np.where(dn_r >= 0, dn_r, fin)
+            rets[closer].ravel()[order] = dn_s
+        # Returns to the folding ranks: each owner sends its finished section.
+        raw = self.raw.pop(L, None)
+        ret_sends = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
+        for u in range(self.m):
+            if u == closer or raw is None:
+                continue
+            s = int(self.att[u])
+            order = self._order(u)
+            sids, rids = b.transfer(
+                G.ravel()[order],
+                s,
+                slo.ravel()[order],
+                shi.ravel()[order],
+                chan=_C_RET,
+                send_deps=final.ravel()[order],
+                recv_deps=raw[u].ravel()[order],
+            )
+            self._paced(s, "recv", rids)
+            rets[u].ravel()[order] = rids
+            ret_sends[u].ravel()[order] = sids
+        self.returns[L] = rets
+        self.ret_sends[L] = ret_sends
+        self.returns.pop(L - self.lag - 1, None)
+        self.final[L] = final
+        self.done_owner[L] = final
+        self.done_owner.pop(L - self.depth - self.ag_lag - 2, None)
+
+    def back(self, L: int) -> None:
+        """All-gather of segment L: along each column, then along each row."""
+        if L < 0 or L >= self.k:
+            return
+        final: Any = self.final.pop(L)
+        if self.ag_lag:
+            # Defer the all-gather until this owner finished the reduce-scatter of a
+            # later segment: reduce-scatters (which the attached ranks wait for) go first.
+            later = self.done_owner.get(min(L + self.ag_lag, self.k - 1))
+            final = [final, later if later is not None else -1]
+        sent, got = self._ag_direct(
+            0,
+            self.slo[L],
+            self.shi[L],
+            name="col",
+            send_deps=final,
+            rs_sends=self.rs_col.pop(L),
+        )
+        # A block goes out along the row once the member has every section of it. With a
+        # column, a one-element copy of the block onto itself joins the column
+        # all-gather (its receives and sends) and the returns (their reads), so each row
+        # send waits for one operation instead of a of them.
+        deps: Any = final
+        ret_sends = self.ret_sends.pop(L, None)
+        if self.a > 1:
+            blo, bhi = self.blo[L], self.bhi[L]
+            parts: list[Any] = [final, *sent]
+            parts += [np.roll(got[t - 1], t, axis=0) for t in range(1, self.a)]
+            if ret_sends is not None:
+                parts += list(ret_sends)
+            deps = self.b.copy(self.grid, blo, np.minimum(blo + 1, bhi), blo, deps=parts)
+        self._ag_direct(
+            1,
+            self.blo[L],
+            self.bhi[L],
+            name="row",
+            send_deps=deps,
+            rs_sends=self.rs_row.pop(L),
+        )
+
+
+# Channels (reduce-scatter, all-gather) per phase.
+_CH = {"row": (_C_ROW_RS, _C_ROW_AG), "col": (_C_COL_RS, _C_COL_AG)}
+
+
 @register(
-    summary="four-stage pipelined AllReduce that attaches degraded ranks to a healthy ring",
+    summary="four-stage pipelined AllReduce: degraded ranks attached to the others, any "
+    "bandwidth vector at its lower bound",
     cost=optcc_time,
     explain=explain_plan,
     auto=large_messages,
@@ -502,12 +803,15 @@ def optcc(
     itemsize: int = 4,
     k: int | None = None,
     depth: int = 3,
+    lag: int = 3,
     window: int = 2,
     pattern: str = "auto",
-    fill: bool | str = "auto",
-    chunk_bytes: int = CHUNK_BYTES,
+    grid: int | str = "auto",
     lookahead: int | None = None,
-    ramp: int = 2,
+    ramp: int = 8,
+    ratio: float = 1.4,
+    row_lag: int = 1,
+    ag_lag: int = 0,
 ) -> Schedule:
     """OptCC AllReduce schedule.
 
@@ -516,67 +820,71 @@ def optcc(
     p, count : int
         Ranks and elements.
     links : Links
-        Which ranks are degraded; with none, OptCC is the ring.
+        Per-rank bandwidths; with all ranks equal, OptCC is a (grid of) ring(s).
     itemsize : int
-        Bytes per element (segment and chunk sizes).
+        Bytes per element (segment sizes).
     k : int, optional
-        Segments per attached scheme; chosen from the size by default.
+        Segments; chosen from the size by default (:func:`choose_segments`).
     depth : int
-        Pipeline depth of the healthy ring (segments of look-ahead).
+        Segments an owner's reduce-scatter runs ahead of its finished sections.
+    lag : int
+        Segments an attached rank's raw input runs ahead of the results it got back.
     window : int
         Messages in flight per connection.
-    pattern : {"auto", "alternate", "closer", "raw"}
-        Stage ordering per segment (see :func:`add_attached`).
-    fill : bool or "auto"
-        True: the bubble-filling split of :func:`optcc_plan` (a plain
-        ring over all ranks beside the attached scheme); False: every degraded rank
-        attached, for all of the data; "auto": the split only where the fluid model says
-        it gains more than ``FILL_GAIN`` (3%), since the two shares compete for the
-        degraded links (simulated, p = 32 at 12.5% loss: 1.057 x the bound with the
-        split, 1.013 x attaching).
-    chunk_bytes : int
-        Message size target of the full-ring share.
+    pattern : {"auto", "fold", "closer"}
+        How attached ranks exchange (module docstring): ``closer`` rotates one closing
+        rank per segment and lets the others fold; ``auto`` closes with one attached rank
+        and folds with several.
+    grid : int or "auto"
+        Rows of the owners' grid (see :func:`_grid_shape`); 1 is a direct all-to-all,
+        the number of owners a ring.
     lookahead : int, optional
-        Messages a straggler keeps in flight per direction (see :func:`add_attached`).
+        Messages an attached rank keeps in flight per direction (default: one segment's
+        worth, the number of owners).
     ramp : int
         Geometrically smaller segments at each end of the pipeline (see
-        :func:`segment_bounds`); with 2, the simulated overhead at k = 16 drops from 6.3%
-        to 2.9% of the bound (p = 8, half rate).
+        :func:`segment_bounds`).
     """
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown OptCC pattern {pattern!r}; choose one of {PATTERNS}")
     links = links if links is not None else Links()
-    plan = optcc_plan(p, links, fill=fill)
-    ks: list[int] = []
-    b = ScheduleBuilder(p, count, "optcc", window=window)
-    chan = 0
-    shares = [x for _, x in plan.schemes]
-    for (stragglers, _), (lo, hi) in zip(plan.schemes, _share_bounds(0, count, shares)):
-        if not stragglers:
-            chunks = ring_chunks(-(-(hi - lo) // p), itemsize, chunk_bytes)
-            add_ring_allreduce(b, range(p), lo, hi, chunks=chunks, chan=chan)
-            chan += 1
-            continue
-        healthy = [r for r in range(p) if r not in stragglers]
-        kk = k if k is not None else choose_segments((hi - lo) * itemsize, len(healthy))
-        ks.append(kk)
-        add_attached(
-            b,
-            healthy,
-            stragglers,
-            lo,
-            hi,
-            k=kk,
-            depth=depth,
-            pattern=pattern,
-            chan=chan,
-            lookahead=lookahead,
-            ramp=ramp,
-        )
-        chan += _CHANNELS_PER_SCHEME
-    b.params.update(
-        schemes=tuple((tuple(d), x) for d, x in plan.schemes),
-        k=tuple(ks),
+    plan = optcc_plan(p, links)
+    a, nb = _grid_shape(plan, grid)
+    m = len(plan.attached)
+    pat = "fold" if pattern == "auto" else pattern
+    kk = k if k is not None else choose_segments(count * itemsize, plan, a)
+    kk = max(1, int(kk))
+    check_size("optcc", kk * _ops_per_segment(p, a, nb, m) + 1, p=p, k=kk)
+    params = dict(
+        weights=plan.weights,
+        grid=(a, nb),
+        k=kk,
         depth=depth,
-        pattern=pattern,
-        window=window,
+        lag=lag,
+        pattern=pat,
+        ramp=ramp,
     )
+    if p < 2 or count == 0 or nb == 0:
+        return ScheduleBuilder(p, count, "optcc", window=window, **params).build()
+    G, col_share = _layout(plan, a)
+    seg = segment_bounds(0, count, kk, ramp, ratio)
+    b = ScheduleBuilder(p, count, "optcc", window=window, **params)
+    pipe = _Pipeline(
+        b,
+        plan,
+        G,
+        col_share,
+        seg,
+        pattern=pat,
+        depth=depth,
+        lag=lag,
+        lookahead=lookahead if lookahead is not None else a * nb,
+        row_lag=row_lag,
+        ag_lag=ag_lag,
+    )
+    b.scratch = pipe.scratch_end
+    for tau in range(kk + 2 + ag_lag):
+        pipe.fold(tau)
+        pipe.front(tau - 1)
+        pipe.back(tau - 2 - ag_lag)
     return b.build()

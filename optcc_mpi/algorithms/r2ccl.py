@@ -7,12 +7,27 @@ comparison with OptCC is like for like (see ``docs/optcc.md`` for the source):
    the degraded rank (rounded down to a multiple of 16 bytes, as R2CCL does);
 2. main part: ring AllReduce over all ranks;
 3. tail: (a) ring AllReduce over the healthy ranks only, (b) a pipelined reduce of the
-   degraded ranks' raw tails into a helper (the first healthy rank), in K chunks,
-   (c) a pipelined broadcast of the finished tail from the helper to every rank, along
-   two chains (degraded ranks; other healthy ranks).
+   degraded ranks' raw tails into the helpers, chunk by chunk, (c) a pipelined broadcast
+   of the finished tail from the helpers to every rank.
 
-All parts run as soon as their data allows (R2CCL's overlap schedule 0), which is the
-setting R2CCL's own cost model describes.
+The healthy ranks' AllReduce of the tail runs beside the main AllReduce; by default a
+degraded rank starts sending its raw tail once its part of the main AllReduce is done
+(R2CCL's overlap schedule 1), and ``schedule=0`` starts it as soon as its data allows.
+
+Reduce and broadcast on a flat network (ours)
+---------------------------------------------
+In R2CCL the degraded server's GPUs reduce their tails among themselves over NVLink, so
+the tail crosses the degraded NICs once in each direction: that is the model's
+``T3 = Y n / ((1-X) B)``. Our network model has one NIC per rank and no NVLink, so a
+reduce chained through the degraded ranks (and a broadcast chained back) would carry
+every degraded rank's tail through every other degraded NIC: 2 Y n each way instead of
+Y n (simulated, p = 16 with 8 ranks at half rate: +107% over the fault-free ring against
+the model's +53%, slower than the plain ring). So each chunk of the tail has its own
+helper (the healthy ranks in turn, R2CCL's "first healthy rank" being the helper of the
+first chunk): every degraded rank sends its raw chunk straight to that chunk's helper,
+which adds them (in a fixed order) to its healthy partial sum, and the helper sends the
+finished chunk straight back to every degraded rank; the healthy ranks all-gather the
+finished chunks. Each degraded NIC then carries its tail once each way, as in R2CCL.
 """
 
 from __future__ import annotations
@@ -24,9 +39,52 @@ from optcc_mpi.algorithms._policy import Transport, large_messages, message_byte
 from optcc_mpi.algorithms.ring import add_ring_allreduce, ring_chunks
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
-from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
+from optcc_mpi.schedule import SEND, Schedule, ScheduleBuilder, check_size, split
 
 __all__ = ["r2ccl", "r2ccl_time", "tail_share"]
+
+#: Healthy ranks up to which the finished tail goes round their ring (beyond: trees).
+RING_BROADCAST_MAX = 128
+
+
+def _pace(
+    b: ScheduleBuilder,
+    ranks: list[int],
+    lead: tuple[int, int],
+    follow: tuple[int, int],
+    share: float = 1.0,
+) -> None:
+    """Make each rank's sends among the ops ``follow`` keep pace with its sends among
+    ``lead``: the q-th of Q waits until the ceil((q+1) share M / Q)-th of M has completed
+    (``share`` < 1 lets the follower finish when the leader is that far).
+
+    R2CCL's model runs the healthy AllReduce of the tail on the bandwidth the main
+    AllReduce leaves spare (it is held back by the degraded ranks). Sharing a NIC first
+    come first served, the tail's messages would instead take their turn with the main
+    ring's and slow the ring down, and with it the degraded ranks (simulated, p = 16 with
+    one rank at 3/4: 13% above the model); paced, the tail fills the gaps.
+    """
+
+    def sends(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Send ids sorted by rank, where each rank's run starts, and its length."""
+        kind, rank = b.column("kind", lo, hi), b.column("rank", lo, hi)
+        ids = np.flatnonzero(kind == SEND)
+        r = rank[ids]
+        order = np.argsort(r, kind="stable")
+        count = np.bincount(r, minlength=b.p)
+        start = np.concatenate(([0], np.cumsum(count)[:-1]))
+        return lo + ids[order], start, count
+
+    lead_ids, lead_start, lead_n = sends(*lead)
+    fol_ids, fol_start, fol_n = sends(*follow)
+    want = np.zeros(b.p, dtype=bool)
+    want[list(ranks)] = True
+    owner = np.repeat(np.arange(b.p), fol_n)  # rank of each follower send
+    q = np.arange(fol_ids.size) - fol_start[owner]
+    M, Q = lead_n[owner], fol_n[owner]
+    step = np.ceil((q + 1) * (share * M / np.maximum(Q, 1))).astype(np.int64) - 1
+    ok = want[owner] & (M > 0) & (step >= 0)
+    b.depend(fol_ids[ok], lead_ids[lead_start[owner[ok]] + np.minimum(step[ok], M[ok] - 1)])
 
 
 def tail_share(count: int, itemsize: int, loss: float) -> int:
@@ -86,6 +144,7 @@ def r2ccl(
     window: int = 2,
     chunk_bytes: int | None = None,
     transport: str | Transport = "network",
+    schedule: int = 1,
 ) -> Schedule:
     """R2CCL-AllReduce schedule.
 
@@ -100,7 +159,8 @@ def r2ccl(
         Bytes per element.
     chunks : int
         K, pipeline chunks of the tail's reduce and broadcast (R2CCL allows up to 16);
-        more are used when chunks would exceed ``chunk_bytes``.
+        more are used when chunks would exceed ``chunk_bytes``, and at least one per
+        healthy rank (each chunk has its own helper).
     window : int
         Messages in flight per connection.
     chunk_bytes : int, optional
@@ -109,6 +169,9 @@ def r2ccl(
         sections).
     transport : {"network", "shared-memory"} or Transport
         What joins the ranks (set by :func:`optcc_mpi.allreduce`; see the ring).
+    schedule : {0, 1}
+        R2CCL's overlap schedule: 1 (default) starts a degraded rank's reduce sends once
+        its part of the main AllReduce is done; 0 starts them as soon as data allows.
     """
     if chunk_bytes is None:
         chunk_bytes = message_bytes(-(-count // max(p, 1)) * itemsize, transport, window)
@@ -120,60 +183,168 @@ def r2ccl(
     healthy = [r for r in range(p) if f[r] == f.max()]
     loss = 1.0 - f.min() / f.max()
     tail = tail_share(count, itemsize, loss) if degraded else 0
-    b = ScheduleBuilder(p, count, "r2ccl", window=window, tail=tail, chunks=chunks)
     main_hi = count - tail
-
-    def ring_over(members: list[int], lo: int, hi: int, chan: int) -> None:
-        c = ring_chunks(-(-(hi - lo) // max(1, len(members))), itemsize, chunk_bytes)
-        add_ring_allreduce(b, members, lo, hi, chunks=c, chan=chan)
-
-    ring_over(list(range(p)), 0, main_hi, 0)
+    h, m = len(healthy), len(degraded)
+    main_chunks = ring_chunks(-(-main_hi // max(p, 1)), itemsize, chunk_bytes)
+    tail_chunks = ring_chunks(-(-tail // max(h, 1)), itemsize, chunk_bytes)
+    # Chunks per helper: K at least, and messages of at most chunk_bytes. The degraded
+    # ranks start one chunk apart (below), so the broadcast of the first chunk starts m
+    # chunks late: 16 m chunks keep that within the model's 1/K = 1/16.
+    per = max(
+        -(-max(chunks, 16 * m) // max(h, 1)),
+        -(-tail * itemsize // max(1, h * chunk_bytes)),
+        1,
+    )
+    estimate = 4 * p * p * main_chunks + 4 * h * h * tail_chunks + 6 * m * h * per + 4 * h * h
+    check_size("r2ccl", estimate, p=p, degraded=m)
+    b = ScheduleBuilder(p, count, "r2ccl", window=window, tail=tail, chunks=chunks)
+    add_ring_allreduce(b, range(p), 0, main_hi, chunks=main_chunks, chan=0)
     if tail == 0:
         return b.build()
+    main_done = b.sinks(0)  # what each rank's part of the main AllReduce ends with
 
+    # (a) the healthy ranks' AllReduce of the tail; what each one's part ends with.
     mark = b.next_id
-    ring_over(healthy, main_hi, count, 1)
-    # What each healthy rank's tail AllReduce ends with (everything else precedes these).
+    add_ring_allreduce(b, healthy, main_hi, count, chunks=tail_chunks, chan=1)
     sinks = b.sinks(mark)
-    tail_ops = {r: sinks.get(r, np.zeros(0, dtype=np.int64)) for r in healthy}
-    helper = healthy[0]
-    # K chunks at least; more when the tail is large, as NCCL's own pipelining would, and
-    # at least 4 per healthy rank so the broadcast chain's fill is a small part of it.
-    k = min(max(chunks, -(-tail * itemsize // chunk_bytes), 4 * len(healthy)), max(tail, 1))
-    cb = split(main_hi, count, k)
-    clo, chi = cb[:-1], cb[1:]
+    # The healthy AllReduce should end when the model says (T2, or with T1 if later).
+    t1 = r2ccl_time(p, 1.0, 1.0, links, chunks=None) - tail / max(count, 1) / f.min()
+    t2 = 2.0 * (h - 1) / h * (tail / max(count, 1)) / max(loss, 1e-12) if h > 1 else 0.0
+    _pace(b, healthy, (0, mark), (mark, b.next_id), share=min(1.0, t2 / t1) if t1 > 0 else 1.0)
+    H = np.asarray(healthy, dtype=np.int64)
+    D = np.asarray(degraded, dtype=np.int64)
+    # Per healthy rank, a one-element copy of its tail onto itself that waits for its
+    # AllReduce to be done with the tail: what later writes into its tail wait for.
+    join = np.full(h, -1, dtype=np.int64)
+    for j, rank in enumerate(healthy):
+        join[j] = b.copy(rank, main_hi, main_hi + 1, main_hi)
+        b.depend(join[j], sinks.get(rank, np.zeros(0, np.int64)))
+    # The tail in n_chunks = per * h chunks; chunk i's helper is H[i mod h], so the
+    # chunks of one helper are h apart and consecutive chunks have different helpers.
+    n_chunks = per * h
+    cb = split(main_hi, count, n_chunks)
+    lo, hi = cb[:-1], cb[1:]
+    i = np.arange(n_chunks)
+    helper = H[i % h]
 
-    # (b) Reduce: degraded ranks chained into the helper, chunk by chunk.
-    chain = [*degraded, helper]
-    reduce_ops: dict[int, list[np.ndarray]] = {r: [] for r in degraded}
-    prev_recv = np.full(k, -1, dtype=np.int64)
-    for src, dst in zip(chain[:-1], chain[1:]):
-        sids, rids = b.transfer(src, dst, clo, chi, chan=2, reduce=True, send_deps=prev_recv)
-        if dst == helper:
-            # The helper may add a chunk only once its healthy AllReduce is done with it.
-            b.depend(rids[:, None], tail_ops[helper][None, :])
-        reduce_ops[src].append(sids)
-        if dst != helper:
-            reduce_ops[dst].append(rids)
-        prev_recv = rids
+    # (b) Reduce. Degraded rank u sends chunk i at step (i + u) mod n (n = n_chunks;
+    # it starts with chunk n - u): at any moment the degraded ranks send different chunks
+    # to different helpers, and chunk i is complete about m steps after it started, so
+    # the broadcast follows the reduce chunk by chunk (R2CCL's pipelining). A helper adds
+    # a chunk's contributions in their order of arrival, which is fixed (bit-reproducible
+    # sums): in round r chunk i comes from degraded rank (start_i + r) mod m, start_i
+    # being n - i for the last m - 1 chunks (some ranks send them first) and 0 otherwise.
+    # Created round by round, each rank's sends come out in its step order; the first
+    # contribution waits until the helper's healthy AllReduce is done with the tail.
+    start = np.where(i > n_chunks - m, n_chunks - i, 0)
+    raw_sends = []
+    by_rank: list[list[np.ndarray]] = [[] for _ in range(m)]
+    prev = np.full(n_chunks, -1, dtype=np.int64)
+    for r in range(m):
+        u = (start + r) % m
+        sids, rids = b.transfer(D[u], helper, lo, hi, chan=2, reduce=True, recv_deps=prev)
+        if r == 0:
+            b.depend(rids, join[i % h])
+        for v in range(m):
+            by_rank[v].append(sids[u == v])
+        raw_sends.append(sids)
+        prev = np.where(rids >= 0, rids, prev)
+    final = prev  # per chunk: the helper holds the finished chunk
+    for v in range(m):
+        # Each degraded rank's sends in its step order, two in flight, starting once its
+        # part of the main AllReduce is done (R2CCL's overlap schedule 1: the healthy
+        # AllReduce of the tail runs beside the main one, reduce and broadcast after it).
+        mine = np.concatenate(by_rank[v])
+        mine = mine[mine >= 0]
+        b.chain(mine, window)
+        if schedule >= 1:
+            done = main_done.get(int(D[v]), np.zeros(0, np.int64))
+            b.depend(mine[:window, None], done[None, :])
 
-    # (c) Broadcast from the helper, pipelined chunk by chunk along two chains: through the
-    # degraded ranks, and through the other healthy ranks (each forwards once, as in
-    # NCCL's ring broadcast; there are enough chunks that the chain fills quickly).
-    got = {helper: prev_recv}  # per rank, the receives that give it each finished chunk
-
-    def deliver(src: int, dst: int, chan: int) -> None:
-        # A healthy rank overwrites its partial tail only once its AllReduce is done with
-        # it; a degraded rank only once its reduce sends have left.
-        _, rids = b.transfer(
-            src, dst, clo, chi, chan=chan, send_deps=got[src], recv_deps=reduce_ops.get(dst, ())
-        )
-        if dst in tail_ops:
-            b.depend(rids[:, None], tail_ops[dst][None, :])
-        got[dst] = rids
-
-    for src, dst in zip([helper, *degraded[:-1]], degraded):
-        deliver(src, dst, 3)
-    for src, dst in zip(healthy[:-1], healthy[1:]):
-        deliver(src, dst, 4)
+    # (c) Broadcast: each helper sends a finished chunk straight to every degraded rank,
+    # which receives the chunks in the order they finish (0, 1, ...: a receive waiting
+    # for a late chunk would hold up the rest of its queue), each once its own raw chunk
+    # has left.
+    raw_of = np.full((m, n_chunks), -1, dtype=np.int64)
+    for r in range(m):
+        raw_of[(start + r) % m, i] = raw_sends[r]
+    for v in range(m):
+        b.transfer(helper, D[v], lo, hi, chan=3, send_deps=final, recv_deps=raw_of[v])
+    # ... and to the other healthy ranks: along their ring, one round of h chunks after
+    # the other in the order they finish (member j owns chunks j, j + h, ...), or, with
+    # many healthy ranks (a chunk would take h - 1 hops round the ring after it
+    # finishes), along binomial trees.
+    if h <= RING_BROADCAST_MAX:
+        _ring_broadcast(b, H, lo, hi, final, join, per)
+    else:
+        _tree_broadcast(b, H, lo, hi, final, join)
     return b.build()
+
+
+def _ring_broadcast(
+    b: ScheduleBuilder,
+    H: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    final: np.ndarray,
+    join: np.ndarray,
+    per: int,
+) -> None:
+    """All-gather of the finished chunks over the healthy ring, round by round (a queue
+    waiting for a late chunk would hold up the rest). A receive overwrites the rank's
+    partial sum of the chunk, so it waits for the rank's AllReduce, through the join."""
+    q = H.size
+    k = np.arange(q)
+    H1 = H[(k + 1) % q]
+    for c in range(per):
+        cols = c * q + k  # chunk owned by member k in this round
+        prev_send = final[cols]
+        for t in range(q - 1):
+            s = cols[(k - t) % q]  # chunk member k forwards
+            _, rids = b.transfer(
+                H, H1, lo[s], hi[s], chan=4, send_deps=prev_send, recv_deps=join[(k + 1) % q]
+            )
+            prev_send = rids[(k - 1) % q]  # what each member received, by member
+
+
+def _tree_broadcast(
+    b: ScheduleBuilder,
+    H: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    final: np.ndarray,
+    join: np.ndarray,
+) -> None:
+    """Each finished chunk from its helper to the other healthy ranks along a binomial
+    tree (NCCL broadcasts along trees too): a chunk that finishes last reaches every
+    healthy rank within log2(h) hops, where a ring takes h - 1 (at p = 1024 that alone
+    was 14% above the model). Roots rotate with the chunks, so every healthy rank
+    forwards about (h-1)/h of the tail."""
+    h = H.size
+    n_chunks = lo.size
+    i = np.arange(n_chunks)
+    # Tree position v of chunk i is healthy index (i + v g_i) mod h, with strides g_i
+    # coprime to h that change from chunk to chunk: chunks finish one after the other, and
+    # with one fixed layout the same ranks would be the busy inner nodes of consecutive
+    # trees (twice their bandwidth for a while, idle otherwise).
+    have = np.full((n_chunks, h), -1, dtype=np.int64)  # by chunk and position from root
+    have[:, 0] = final
+    strides = np.array([g for g in range(1, 8 * h + 2) if np.gcd(g, h) == 1][:64])
+    root = i % h
+    g = strides[(i // h * 7 + i) % strides.size]
+    span = 1
+    while span < h:
+        v = np.arange(min(span, h - span))
+        src = (root[:, None] + v[None, :] * g[:, None]) % h
+        dst = (root[:, None] + (v[None, :] + span) * g[:, None]) % h
+        _, rids = b.transfer(
+            H[src],
+            H[dst],
+            lo[:, None],
+            hi[:, None],
+            chan=4,
+            send_deps=have[:, v],
+            recv_deps=join[dst],
+        )
+        have[:, v + span] = rids
+        span *= 2

@@ -23,7 +23,7 @@ from optcc_mpi.algorithms._policy import (
 )
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
-from optcc_mpi.schedule import Schedule, ScheduleBuilder, split
+from optcc_mpi.schedule import Schedule, ScheduleBuilder, check_size, split
 
 __all__ = ["ring", "ring_time", "add_ring_allreduce", "reduce_scatter", "all_gather", "ring_chunks"]
 
@@ -220,6 +220,7 @@ def ring(
     else:
         transport_of(transport)  # the same error for an unknown transport
     chunks = ring_chunks(section, itemsize, chunk_bytes)
+    check_size("ring", 4 * p * (p - 1) * min(chunks, max(1, count)), p=p, chunks=chunks)
     b = ScheduleBuilder(p, count, "ring", window=window, chunks=chunks)
     add_ring_allreduce(b, range(p), 0, count, chunks=chunks)
     return b.build()

@@ -312,8 +312,9 @@ def _no_mpi(exc: BaseException) -> bool:
 def run_command(args: argparse.Namespace) -> int:
     """Run ``args.func(args)`` and return its exit status.
 
-    Errors a user can fix (ValueError, FileNotFoundError, RuntimeError) print one line and
-    give status 2. Under MPI with more than one rank, any exception that escapes a command
+    Errors a user can fix (ValueError, FileNotFoundError, RuntimeError, and
+    TooLargeError: a request refused before it was allocated) print one line and give
+    status 2. Under MPI with more than one rank, any exception that escapes a command
     on one rank aborts the whole job (``MPI_Abort``), since the other ranks may be waiting
     for it in a collective and would otherwise hang until the job's time limit.
     """
@@ -337,6 +338,14 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return 2
     except (ValueError, FileNotFoundError) as exc:
+        return _fail(args, exc)
+    except MemoryError as exc:
+        # A request our own size check refused before allocating (TooLargeError) is a
+        # message for the user; a real MemoryError is not.
+        from optcc_mpi.errors import TooLargeError
+
+        if not isinstance(exc, TooLargeError):
+            raise
         return _fail(args, exc)
     except SystemExit as exc:
         if exc.code not in (None, 0) and _mpi_world_size() > 1:

@@ -38,8 +38,8 @@ examples:
   optcc-mpi report results/ --csv all.csv --plots plots/
   optcc-mpi report --simulate --plots plots/ --csv repro.csv --markdown repro.md
   optcc-mpi report --simulate --p 8,16,32 --loss 0.5 --gpus-per-server 1 --sim-max-p 32
-  optcc-mpi report --simulate --sim-max-p 128 --segments 32     # more simulation, slower
-  optcc-mpi report --simulate --p 16,32,64 --param fill=False   # OptCC without bubble filling
+  optcc-mpi report --simulate --sim-max-p 64                    # model beyond p = 64, faster
+  optcc-mpi report --simulate --p 16,32,64 --param pattern=closer  # another OptCC pattern
 """
 
 
@@ -104,10 +104,10 @@ def register(subparsers: Any) -> None:
     s.add_argument(
         "--sim-max-p",
         type=int,
-        default=64,
+        default=1024,
         metavar="P",
-        help="simulate up to P ranks, model beyond (default 64; 128 takes "
-        "minutes, R2CCL at 256 several)",
+        help="simulate up to P ranks, model beyond (default 1024: every configuration; "
+        "p = 1024 takes about 20 s and 2.5 GiB per loss and g)",
     )
     s.add_argument(
         "--segments",
@@ -121,7 +121,7 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an OptCC schedule parameter in the simulator, e.g. fill=False or pattern=closer "
+        help="an OptCC schedule parameter in the simulator, e.g. k=64 or pattern=closer "
         "(repeatable)",
     )
     s.add_argument("--size", type=size_arg, default=1 << 30, help="bytes per rank (default 1G)")
