@@ -218,6 +218,35 @@ def test_run_task_failure_leaves_a_failed_record(fake_env: Path) -> None:
     assert any("unknown algorithm" in ln for ln in head["log_tail"])
 
 
+@pytest.mark.parametrize(
+    "tail, expected",
+    [
+        # srun cancels the other ranks' step after the program's own message
+        (
+            [
+                "optcc-mpi bench: error: unknown algorithm 'x'",
+                "srun: error: vm: task 1: Exited with exit code 2",
+                "slurmstepd-vm: error: *** STEP 89.0 ON vm CANCELLED AT 2026-12-03T19:21:00 ***",
+            ],
+            "optcc-mpi bench: error: unknown algorithm 'x'",
+        ),
+        (
+            [
+                "Traceback (most recent call last):",
+                "ValueError: bad size",
+                "[mpiexec@vm] Press Ctrl-C again to force abort",
+                "prterun detected that one or more processes exited with non-zero status, error",
+            ],
+            "ValueError: bad size",
+        ),
+        (["no message at all", "last line"], "last line"),
+        ([], None),
+    ],
+)
+def test_error_line_skips_launcher_lines(tail: list[str], expected: str | None) -> None:
+    assert sweep.error_line(tail) == expected
+
+
 def test_run_task_without_rows_is_a_failure(
     fake_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

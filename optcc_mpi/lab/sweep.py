@@ -886,16 +886,25 @@ class SweepStatus:
         return "\n".join(lines)
 
 
+# Lines the launchers add when one rank fails and they tear the rest down: they mention
+# "error" but never say why the program failed (srun's own messages, slurmstepd's
+# "*** STEP 89.0 ON vm CANCELLED ***", Open MPI's prterun banners, Hydra's summaries).
+_LAUNCHER_LINE = re.compile(
+    r"^(srun:|slurmstepd|prterun|prte|mpiexec|mpirun|\[mpiexec@|\*\*\*|=+ *$|-+ *$)"
+    r"|\*\*\* (STEP|JOB) .* CANCELLED",
+    re.IGNORECASE,
+)
+
+
 def error_line(lines: Iterable[str]) -> str | None:
     """The line of a log tail that best says why a task failed: the last one that mentions
-    an error (launchers such as srun add their own lines after the program's message),
-    else the last non-empty line."""
+    an error and is the program's own (launchers such as srun, slurmstepd and mpiexec add
+    their own lines after the program's message), else the last non-empty line."""
     kept = [str(ln).strip() for ln in lines if str(ln).strip()]
     for ln in reversed(kept):
         low = ln.lower()
-        if ("error" in low or "traceback" in low or "exception" in low) and not low.startswith(
-            "srun: "
-        ):
+        telling = "error" in low or "traceback" in low or "exception" in low
+        if telling and not _LAUNCHER_LINE.search(ln):
             return ln
     return kept[-1] if kept else None
 
