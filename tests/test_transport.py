@@ -171,3 +171,42 @@ def test_allreduce_with_a_measured_transport() -> None:
     mine = other if comm.rank == p - 1 else t
     with pytest.raises(ArgumentError, match="params"):
         optcc_mpi.allreduce(x, algorithm="ring", params={"transport": mine})
+
+
+def test_optcc_section_floor_by_transport() -> None:
+    from optcc_mpi.algorithms.optcc import SECTION_BYTES, section_floor
+
+    assert section_floor(None) == SECTION_BYTES
+    # Over the network default: 2 * message cost * rate, rounded up to a power of two.
+    net = section_floor("network")
+    assert net >= 2 * NETWORK.message_cost * NETWORK.rate and net & (net - 1) == 0
+    assert net > SECTION_BYTES
+    # A transport whose messages cost nothing keeps the simulator's floor.
+    free = Transport("free", latency=1e-6, message_cost=0.0, rate=NETWORK.rate)
+    assert section_floor(free) == SECTION_BYTES
+    # Without overlap the floor never binds a real size: the fewest segments.
+    assert section_floor("shared-memory") > 1 << 50
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_optcc_segments_follow_the_transport(p: int) -> None:
+    from optcc_mpi.algorithms.optcc import optcc_plan, section_floor
+
+    count = (16 << 20) // 4
+    links = {0: 0.5}
+    k = {
+        tr: algorithms.build("optcc", p, count, itemsize=4, links=links, transport=tr).params["k"]
+        for tr in (None, "network", "shared-memory")
+    }
+    # The simulator's fabric cuts the most segments, shared memory the fewest (4).
+    assert k[None] >= k["network"] > k["shared-memory"] == 4
+    # An owner's section of a segment is on average at least the network's floor.
+    owners = len(optcc_plan(p, links).owners)
+    assert count * 4 // (k["network"] * owners) >= section_floor("network")
+    for tr in ("network", "shared-memory"):
+        verify(algorithms.build("optcc", p, count, itemsize=4, links=links, transport=tr))
+    # An explicit k wins over the transport.
+    explicit = algorithms.build(
+        "optcc", p, count, itemsize=4, links=links, transport="network", k=7
+    )
+    assert explicit.params["k"] == 7

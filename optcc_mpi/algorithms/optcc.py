@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi.algorithms import register
-from optcc_mpi.algorithms._policy import large_messages
+from optcc_mpi.algorithms._policy import Transport, large_messages, transport_of
 from optcc_mpi.errors import PlanError
 from optcc_mpi.links import Links
 from optcc_mpi.model import fractions, lower_bound
@@ -90,8 +90,33 @@ __all__ = [
 
 PATTERNS = ("auto", "fold", "closer")
 
-#: Smallest message (one section of one segment) worth cutting a segment into.
+#: Smallest message (one section of one segment) worth cutting a segment into, on a
+#: fabric without per-message costs (the simulator's; the builder's default).
 SECTION_BYTES = 16 * 1024
+
+
+def section_floor(transport: str | Transport | None) -> int:
+    """Smallest section of a segment over ``transport``: :data:`SECTION_BYTES` without one
+    (the simulator's fabric, where a message costs only its bytes); over a transport that
+    overlaps, the bytes the fixed costs of one message at both its ends could have moved
+    (``2 * message_cost * rate``, rounded up to a power of two), below which the CPU's
+    work per message outruns the wire; without overlap (shared memory, where MPI copies
+    with the CPU) a whole section per segment, so the fewest segments.
+
+    The network default (:data:`~optcc_mpi.algorithms._policy.NETWORK`) gives 128 KiB.
+    On the testbed (8 ranks at 400 Mbit/s on 2 cores, rank 0 at half rate) OptCC took
+    2.4x the bound at 16 MiB with 19 KiB sections (128 segments), 1.14-1.24x with 75 to
+    150 KiB (16 to 36 segments), and at 32 MiB 1.09x with 150 KiB against 1.27x with
+    75 KiB (docs/testbed.md section 1.6b).
+    """
+    if transport is None:
+        return SECTION_BYTES
+    tr = transport_of(transport)
+    if not tr.overlap:
+        return 1 << 62
+    floor = max(float(SECTION_BYTES), 2 * tr.message_cost * tr.rate)
+    return 1 << int(np.ceil(np.log2(floor)))
+
 
 #: How much above the bound the plan may go to attach ranks that would own almost
 #: nothing (see :func:`optcc_plan`): attached, they wait for the owners' reduce-scatter
@@ -812,6 +837,7 @@ def optcc(
     ratio: float = 1.4,
     row_lag: int = 1,
     ag_lag: int = 0,
+    transport: str | Transport | None = None,
 ) -> Schedule:
     """OptCC AllReduce schedule.
 
@@ -844,6 +870,11 @@ def optcc(
     ramp : int
         Geometrically smaller segments at each end of the pipeline (see
         :func:`segment_bounds`).
+    transport : {"network", "shared-memory"}, Transport or None
+        What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator):
+        it sets the smallest section of a segment (:func:`section_floor`), so the number
+        of segments when ``k`` is not given. None (the default, and the simulator's
+        setting) is a fabric whose messages cost only their bytes.
     """
     if pattern not in PATTERNS:
         raise ValueError(f"unknown OptCC pattern {pattern!r}; choose one of {PATTERNS}")
@@ -852,7 +883,8 @@ def optcc(
     a, nb = _grid_shape(plan, grid)
     m = len(plan.attached)
     pat = "fold" if pattern == "auto" else pattern
-    kk = k if k is not None else choose_segments(count * itemsize, plan, a)
+    floor = section_floor(transport)
+    kk = k if k is not None else choose_segments(count * itemsize, plan, a, section_bytes=floor)
     kk = max(1, int(kk))
     check_size("optcc", kk * _ops_per_segment(p, a, nb, m) + 1, p=p, k=kk)
     params = dict(
