@@ -105,9 +105,9 @@ def section_floor(transport: str | Transport | None) -> int:
 
     The network default (:data:`~optcc_mpi.algorithms._policy.NETWORK`) gives 128 KiB.
     On the testbed (8 ranks at 400 Mbit/s on 2 cores, rank 0 at half rate) OptCC took
-    2.4x the bound at 16 MiB with 19 KiB sections (128 segments), 1.14-1.24x with 75 to
-    150 KiB (16 to 36 segments), and at 32 MiB 1.09x with 150 KiB against 1.27x with
-    75 KiB (docs/testbed.md section 1.6b).
+    2.4x the bound at 16 MiB with 19 KiB sections (128 segments), 1.16-1.25x with 75 to
+    300 KiB (8 to 32 segments), and at 32 MiB 1.09x with 150 KiB against 1.15x with
+    75 KiB (docs/testbed.md section 1.6d, ``testbed/ksweep-p8.jsonl``).
     """
     if transport is None:
         return SECTION_BYTES

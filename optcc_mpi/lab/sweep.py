@@ -890,8 +890,7 @@ class SweepStatus:
 # "error" but never say why the program failed (srun's own messages, slurmstepd's
 # "*** STEP 89.0 ON vm CANCELLED ***", Open MPI's prterun banners, Hydra's summaries).
 _LAUNCHER_LINE = re.compile(
-    r"^(srun:|slurmstepd|prterun|prte|mpiexec|mpirun|\[mpiexec@|\*\*\*|=+ *$|-+ *$)"
-    r"|\*\*\* (STEP|JOB) .* CANCELLED",
+    r"^(srun:|slurmstepd|prte|mpiexec|mpirun|\[mpiexec@|\*\*\*|=+ *$|-+ *$)",
     re.IGNORECASE,
 )
 
