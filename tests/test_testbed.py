@@ -383,8 +383,13 @@ def test_ring_allreduce_goes_through_the_shapers(bed: tb.Testbed, tmp_path: Path
         f"ring ({result['impl']}, {launch.mpi_library()}) healthy {healthy:.3f}s "
         f"degraded {degraded:.3f}s x{degraded / healthy:.2f}"
     )
-    # The shapers' own accounting instead: every byte a rank sent went through its tbf, and
-    # every tbf held packets back (overlimits: it paced the traffic, in both directions).
+    # The shapers' own accounting instead: every byte a rank sent or received went through its
+    # tbf, and the shapers paced the traffic (overlimits: packets held back).  Every sender's
+    # own egress tbf must hold back (TCP offers more than the rate).  On the ingress side only
+    # the degraded rank's shaper must: a healthy rank's single ring neighbour arrives already
+    # paced by its egress tbf at the same or a lower rate, so whether that shaper ever holds a
+    # packet is timing (CI saw 0 on rank 1); rank 0's ingress at half rate receives a full-rate
+    # sender in the degraded phase and cannot avoid it.
     for rank in range(4):
         for side in ("egress", "ingress"):
             moved = shaped_after[rank][side]["bytes"] - shaped_before[rank][side]["bytes"]
@@ -392,7 +397,8 @@ def test_ring_allreduce_goes_through_the_shapers(bed: tb.Testbed, tmp_path: Path
             wire = after[rank]["tx" if side == "egress" else "rx"]
             wire -= before[rank]["tx" if side == "egress" else "rx"]
             assert moved >= 0.98 * wire, (rank, side, moved, wire)
-            assert held > 0, (rank, side, shaped_after[rank][side])
+            if side == "egress" or rank == 0:
+                assert held > 0, (rank, side, shaped_after[rank][side])
     # Every rank sends and receives 2(n-1)/n of the message per ring, all through its eth0:
     # the counters must have risen by that much (plus TCP/IP headers, a few percent).
     n = result["ranks"]
