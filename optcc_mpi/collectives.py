@@ -48,6 +48,7 @@ import os
 import struct
 import zlib
 from functools import lru_cache
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -479,6 +480,7 @@ def allreduce(
             inline = _agree(st, fields, err, fold, flat_in if fold else None, seen)
         except _Mismatch as mismatch:
             _disagreement(st, err, mismatch.table, mismatch.bounds, locals())
+        epoch = perf_counter()  # a collective just ended: nearly the same instant everywhere
     elif err is not None:
         raise err
     else:
@@ -501,13 +503,14 @@ def allreduce(
         # elementwise maximum gives every rank the same observations, hence the same
         # profile at the same call (optcc_mpi.watch).
         watch = _watch_of(st)
-        if seen is not None and _extra_fits(st, p):
-            seen = _gathered_extra(st, p).max(axis=0)
-        else:  # no check ran, or too many ranks for its room: one tiny collective more
+        if seen is not None and _extra_fits(st, seen.size):
+            rows = _gathered_extra(st, seen.size)
+        else:  # no check ran, or its room was too small: one small collective more
             seen = watch.contribution()
-            if p > 1:
-                st.private.Allreduce(IN_PLACE, seen, op=MPI.MAX)
-        link_obj = watch.agree(seen)
+            rows = np.empty((p, seen.size), dtype=np.int64)
+            st.private.Allgather(seen, rows)
+            epoch = perf_counter()
+        link_obj = watch.agree(rows)
         plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
     name_run, sched, coll_only = plan
     if flat_out is None:
@@ -555,7 +558,15 @@ def allreduce(
                     pacer=pacer,
                 )
             if watch is not None:
-                watch.record(st.rank, _timed_sends(stats, pacer))
+                if pacer is None:
+                    watch.record_messages(st.rank, sched, work.dtype.itemsize, stats, epoch)
+                else:
+                    watch.record(st.rank, _timed_sends(stats, pacer))
+                # Room for what the next check carries (the same on every rank: it
+                # depends on the schedule all of them ran).
+                room = 8 * watch.contribution_size()
+                if p <= GATHER_MAX_P and room <= FOLD_TOTAL // p:
+                    st.next_capacity = max(FOLD_MIN, 1 << (room - 1).bit_length())
     if keyed:
         from_keys(xp, work, dtype, opn)
     elif coll_only and p > 1 and xp is not None and opn in ("sum", "prod"):
@@ -577,12 +588,12 @@ def _watch_of(st: CommState) -> Any:
 
 
 def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, float]]:
-    """This call's sends as ``(peer, nbytes, busy from, busy until)`` for the watch.
+    """This call's paced sends as ``(peer, nbytes, busy from, busy until)`` for the watch.
 
-    On a real network, the executor's records (handed to MPI, completed). Under emulation
-    the virtual NIC is what is slow, and its service time is what the pacer charged: per
-    peer, all bytes sent over the seconds charged for them (the pacing wait happens before
-    a paced send is handed to MPI, so the records alone would not show it).
+    Under emulation the virtual NIC is what is slow, and its service time is what the pacer
+    charged: per peer, all bytes sent over the seconds charged for them (the pacing wait
+    happens before a paced send is handed to MPI, so the records alone would not show it).
+    A pacer that charged nothing leaves the executor's records (handed to MPI, completed).
     """
     if pacer is None or not pacer.charged_to:
         return [r[1:] for r in stats.sends]
@@ -765,7 +776,7 @@ def _agree(
     if err is None and heads.tobytes() == hb * p:
         # Room for the next call: this call's size if its data could travel with the
         # check, else the least (a large room would only slow the checks of calls whose
-        # data never travels with them).
+        # data never travels with them; a watched call sets its own after running).
         room = _capacity(p, nbytes) if foldable else FOLD_MIN
         if room != cap:
             st.next_capacity = room

@@ -8,29 +8,51 @@ run different schedules.
 
 Estimator (ours)
 ----------------
-A send is *busy* from the moment its data is ready (the operation is posted) until it
-completes: in that time the sender's NIC is serving it or a message queued before it. Per
-peer, the union of a rank's send intervals of at least :data:`MIN_BYTES` gives a rate,
-``bytes / busy time``, that of the link ``rank -> peer``, which runs at the pace of the
-slower of its two NICs. So the rate of every observed link is a lower bound on the
-bandwidth of *both* its ends, and a rank's bandwidth is estimated by the fastest link it
-takes part in::
+A message is *on the wire* from the moment both its ends have posted it (the sender had
+the data, the receiver its buffer) until the receiver has it. Only the two ranks together
+know that interval: the sender knows when it posted, the receiver when it posted and when
+the data arrived. So every rank records, for the messages of the call it ran, its side of
+each timed message (at least :data:`MIN_BYTES`): the sender the post time, the receiver
+its post and completion times, in microseconds from the end of the argument check (a
+collective: it ends at nearly the same instant on every rank, which gives all ranks a
+common clock to well under a millisecond, against messages of tens of milliseconds).
+Every rank computes the same schedule, so a message is named by the schedule's id of its
+send, and the values can travel without their names, in an order every rank can rebuild.
 
-    v[r] = max over observed links (a -> b) with r in {a, b} of rate(a -> b)
+At the next call every rank has every rank's values (the check gathers them) and pairs
+them. Per rank, the union of the intervals of the messages it received gives its ingress
+busy time, of those it sent its egress busy time, hence two rates, ``bytes / busy``. A
+message moves at the pace of the slower of its two ends, so both rates are lower bounds
+on the rank's bandwidth, and the faster one is its estimate::
 
-Each rank contributes the links it sent on; the contributions travel in the data room of
-the argument check that every call runs anyway (the data of a watched call never uses
-that room), and the elementwise maximum of the gathered rows gives every rank the same
-``v``. Only with ``check=False`` or above ``GATHER_MAX_P`` ranks (where the check is an
-``MPI_Allreduce`` of fixed fields) does one tiny ``MPI_Allreduce`` with ``MAX`` carry
-them. Fractions are relative to the median observed rank (as the probe's are: the
-fastest measurement is a poor reference), fractions at or above ``healthy_above`` count
-as healthy, and a rank with no observation keeps its current fraction.
+    v[r] = max(ingress rate of r, egress rate of r)
+
+This sees a slow link even in a ring, where every link carries the same bytes in lockstep:
+the slow link's messages are on the wire twice as long, the healthy links' messages
+arrive early and then wait for the next step. Times taken on the sending side alone
+cannot: a send completes when the transport has buffered the data, not when it arrived.
+
+Under emulation (``emulate=``) the virtual NIC is what is slow, and the pacer knows what
+it charged: per peer, all bytes sent over the seconds charged for them; those rates are
+lower bounds on both ends of their link, and they travel as the first ``p`` values of the
+contribution, reduced by the elementwise maximum.
+
+Fractions are relative to the upper quartile of the observed ranks (half of them may be
+slow, as on a degraded server; the single fastest measurement is a poor reference);
+fractions at or above ``healthy_above`` count as healthy, and a rank with no observation
+keeps its current fraction.
 
 Decision: the measured profile replaces the current one when some rank's fraction differs
 by more than ``threshold`` in ``confirm`` consecutive calls (hysteresis against noise).
-Every input of the decision is the reduced vector, identical on every rank, so every rank
-decides the same at the same call.
+Every input of the decision is in the gathered rows, identical on every rank, so every
+rank decides the same at the same call.
+
+Volume: each rank contributes ``p + 2`` values and its side of the timed messages, at
+most :func:`watch_length` int64 (16 KiB up to 16 ranks, less beyond, so that the gather
+moves at most ``FOLD_TOTAL`` bytes). When the timed messages need more, every ``s``-th of
+them (in schedule order, the same choice on every rank) is recorded; from about 180 ranks
+on, only the emulated rates fit. A call leaves the check of the next one exactly the room
+its schedule's messages need, so a watched small call pays little.
 """
 
 from __future__ import annotations
@@ -40,14 +62,43 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi.comm import FOLD_TOTAL
 from optcc_mpi.links import Links
+from optcc_mpi.schedule import SEND
 
-__all__ = ["WATCH", "MIN_BYTES", "LinkWatch", "send_rates"]
+__all__ = ["WATCH", "MIN_BYTES", "LinkWatch", "MessageLayout", "send_rates", "watch_length"]
 
 #: The value of ``links`` that turns watching on.
 WATCH = "watch"
-#: Sends shorter than this are not timed: an eager send completes before it is on the wire.
-MIN_BYTES = 256 * 1024
+#: Messages shorter than this are not timed: their time is mostly fixed per-message costs
+#: (a 64 KiB message is 1.3 ms at 400 Mbit/s, against about 0.1 ms of such costs on the
+#: testbed), and they would make a link look slower than it is.
+MIN_BYTES = 64 * 1024
+#: Most int64 one rank contributes (16 KiB).
+_MOST = 2048
+#: Header of the message values: how many values, and the layout's tag.
+_HEAD = 2
+
+
+def watch_length(p: int) -> int:
+    """Int64 values each of ``p`` ranks contributes per call: the emulated rates (``p``),
+    a header of two, and the message values, within ``FOLD_TOTAL`` bytes over all ranks
+    (a power of two while it fits, so that it is a room size of the check)."""
+    room = min(_MOST, FOLD_TOTAL // (8 * max(p, 1)))
+    return max(room, p + _HEAD)
+
+
+def _busy(lo: np.ndarray, hi: np.ndarray) -> float:
+    """Length of the union of the intervals ``[lo, hi)``."""
+    if lo.size == 0:
+        return 0.0
+    order = np.argsort(lo, kind="stable")
+    busy, end = 0.0, -np.inf
+    for a, b in zip(lo[order].tolist(), hi[order].tolist()):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
 
 
 def send_rates(records: Any, p: int, min_bytes: int = MIN_BYTES) -> np.ndarray:
@@ -56,7 +107,7 @@ def send_rates(records: Any, p: int, min_bytes: int = MIN_BYTES) -> np.ndarray:
     Parameters
     ----------
     records : iterable of (peer, nbytes, posted, completed)
-        This rank's sends, times in seconds.
+        This rank's sends, times in seconds (under emulation: the pacer's charges).
     p : int
         Ranks in the communicator.
     min_bytes : int
@@ -68,15 +119,113 @@ def send_rates(records: Any, p: int, min_bytes: int = MIN_BYTES) -> np.ndarray:
             by_peer.setdefault(int(peer), []).append((float(posted), float(done), int(nbytes)))
     rates = np.zeros(p)
     for peer, spans in by_peer.items():
-        spans.sort()
-        busy, end = 0.0, -np.inf
-        for lo, hi, _ in spans:
-            if hi > end:
-                busy += hi - max(lo, end)
-                end = hi
-        total = sum(n for _, _, n in spans)
-        rates[peer] = total / busy if busy > 0 else 0.0
+        lo = np.array([a for a, _, _ in spans])
+        hi = np.array([b for _, b, _ in spans])
+        busy = _busy(lo, hi)
+        rates[peer] = sum(n for _, _, n in spans) / busy if busy > 0 else 0.0
     return rates
+
+
+class MessageLayout:
+    """Which messages of a schedule are timed, and where their values travel.
+
+    The same on every rank (it depends on the schedule, the element size and the room
+    only). ``ids``: the schedule ids of the timed sends, ascending (every ``stride``-th
+    of those of at least :data:`MIN_BYTES`). Rank ``r`` contributes the post times of
+    its sends among them, in that order, then ``(posted, completed)`` of its receives
+    among them, in that order.
+
+    Parameters
+    ----------
+    schedule : Schedule
+        What the call ran.
+    itemsize : int
+        Bytes per element.
+    budget : int
+        Most values one rank may contribute.
+    """
+
+    def __init__(self, schedule: Any, itemsize: int, budget: int) -> None:
+        p = schedule.p
+        nbytes = (schedule.hi - schedule.lo) * itemsize
+        timed = np.flatnonzero((schedule.kind == SEND) & (nbytes >= MIN_BYTES))
+        self.stride = 1
+        while True:
+            ids = timed[:: self.stride]
+            sends = np.bincount(schedule.rank[ids], minlength=p)
+            recvs = np.bincount(schedule.peer[ids], minlength=p)
+            if ids.size == 0 or int((sends + 2 * recvs).max()) <= budget:
+                break
+            self.stride *= 2
+        self.p = p
+        self.ids = ids
+        self.sender = schedule.rank[ids].astype(np.int64)
+        self.receiver = schedule.peer[ids].astype(np.int64)
+        self.nbytes = nbytes[ids].astype(np.float64)
+        self.sends, self.recvs = sends, recvs
+        #: Values of the rank that contributes most (every rank's row has this width).
+        self.width = int((sends + 2 * recvs).max()) if ids.size else 0
+        self.tag = (int(schedule.n_ops) * 131 + itemsize) * 64 + self.stride.bit_length()
+
+    def values(self, rank: int, schedule: Any, stats: Any, epoch: float) -> np.ndarray:
+        """This rank's values for a call that ran ``schedule`` (``stats``: its
+        :class:`~optcc_mpi.executor.ExecStats`; ``epoch``: the end of the check, a
+        ``perf_counter`` value); -1 where a message was not recorded."""
+        out = np.full(int(self.sends[rank] + 2 * self.recvs[rank]), -1, dtype=np.int64)
+        if self.ids.size == 0:
+            return out
+        local = schedule.op_ids(rank)
+        shift = stats.start - epoch
+        mine_s = self.ids[self.sender == rank]
+        if stats.sends and mine_s.size:
+            rec = np.asarray(stats.sends, dtype=np.float64)
+            keys = local[rec[:, 0].astype(np.int64)]
+            at = _positions(mine_s, keys)
+            ok = at >= 0
+            out[at[ok]] = np.round((rec[ok, 3] + shift) * 1e6)
+        mine_r = self.ids[self.receiver == rank]
+        if stats.recvs and mine_r.size:
+            rec = np.asarray(stats.recvs, dtype=np.float64)
+            keys = schedule.partner[local[rec[:, 0].astype(np.int64)]]
+            at = _positions(mine_r, keys)
+            ok = at >= 0
+            base = mine_s.size + 2 * at[ok]
+            out[base] = np.round((rec[ok, 3] + shift) * 1e6)
+            out[base + 1] = np.round((rec[ok, 4] + shift) * 1e6)
+        return out
+
+    def rates(self, rows: np.ndarray) -> np.ndarray:
+        """Per rank, ``max(ingress rate, egress rate)`` in bytes/s from every rank's
+        values (``rows``: one row per rank, as :meth:`values` wrote them); 0 where no
+        message of the rank was recorded."""
+        p, n = self.p, self.ids.size
+        post, start, done = np.full(n, -1.0), np.full(n, -1.0), np.full(n, -1.0)
+        for r in range(p):
+            row = rows[r].astype(np.float64)
+            ns, nr = int(self.sends[r]), int(self.recvs[r])
+            post[self.sender == r] = row[:ns]
+            pairs = row[ns : ns + 2 * nr].reshape(nr, 2)
+            start[self.receiver == r] = pairs[:, 0]
+            done[self.receiver == r] = pairs[:, 1]
+        ok = (post >= 0) & (start >= 0) & (done >= 0)
+        lo = np.maximum(post, start) * 1e-6
+        hi = done * 1e-6
+        ok &= hi > lo
+        v = np.zeros(p)
+        for r in range(p):
+            for side in (self.receiver, self.sender):
+                sel = ok & (side == r)
+                busy = _busy(lo[sel], hi[sel])
+                if busy > 0:
+                    v[r] = max(v[r], float(self.nbytes[sel].sum()) / busy)
+        return v
+
+
+def _positions(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Index of each key in the ascending ``ids``, or -1."""
+    at = np.searchsorted(ids, keys)
+    at = np.minimum(at, max(ids.size - 1, 0))
+    return np.where(ids[at] == keys, at, -1)
 
 
 @dataclass
@@ -103,6 +252,8 @@ class LinkWatch:
     calls: int = 0
     changes: list[tuple[int, Links]] = field(default_factory=list)
     _mine: np.ndarray | None = None
+    _values: np.ndarray | None = None
+    _layout: MessageLayout | None = None
     _streak: int = 0
 
     def __post_init__(self) -> None:
@@ -112,19 +263,45 @@ class LinkWatch:
             raise ValueError(f"watch: confirm {self.confirm!r} must be at least 1")
         self._mine = np.zeros(self.p)
 
+    @property
+    def length(self) -> int:
+        """Most int64 values of :meth:`contribution` (:func:`watch_length`)."""
+        return watch_length(self.p)
+
+    def contribution_size(self) -> int:
+        """Int64 values of the next :meth:`contribution` (the same on every rank: it
+        depends on the schedule of the last call, which all of them ran)."""
+        lay = self._layout
+        return self.p + _HEAD + (lay.width if lay is not None and self._values is not None else 0)
+
     # -- one call: contribute, agree, run, record -------------------------------------
     def contribution(self) -> np.ndarray:
-        """This rank's observations since the last call, as int64 bytes/s (0: none), for
-        the elementwise-maximum reduction."""
+        """This rank's observations since the last call, :meth:`contribution_size` int64:
+        the emulated rates (bytes/s, 0: none), then the number of message values, the
+        layout's tag and the values (:class:`MessageLayout`)."""
         assert self._mine is not None
-        return np.round(self._mine).astype(np.int64)
+        out = np.zeros(self.contribution_size(), dtype=np.int64)
+        out[: self.p] = np.round(self._mine)
+        vals = self._values
+        if vals is not None and self._layout is not None:
+            out[self.p] = vals.size
+            out[self.p + 1] = self._layout.tag
+            out[self.p + _HEAD : self.p + _HEAD + vals.size] = vals
+        return out
 
-    def agree(self, reduced: np.ndarray) -> Links:
-        """Take the elementwise maximum of every rank's :meth:`contribution` and return the
-        profile to run this call with (the same on every rank)."""
+    def agree(self, gathered: np.ndarray) -> Links:
+        """Take every rank's :meth:`contribution` (one row per rank; a 1-D vector is read
+        as the rates already reduced) and return the profile to run this call with (the
+        same on every rank)."""
         self.calls += 1
         self._mine = np.zeros(self.p)
-        measured = self.estimate(np.asarray(reduced, dtype=float))
+        gathered = np.asarray(gathered)
+        if gathered.ndim == 1:
+            v = gathered.astype(float)
+        else:
+            v = self.observed(gathered)
+        self._values, self._layout = None, None
+        measured = self.estimate(v)
         if measured is None:
             self._streak = 0
             return self.profile
@@ -140,26 +317,55 @@ class LinkWatch:
             self._streak = 0
         return self.profile
 
+    def observed(self, rows: np.ndarray) -> np.ndarray:
+        """Per rank, bytes/s observed in the gathered contributions ``rows``: the larger
+        of the emulated rates' maximum and the paired messages' estimate."""
+        p = self.p
+        v = rows[:, :p].max(axis=0).astype(float)
+        lay = self._layout
+        if lay is None or rows.shape[1] < p + _HEAD:
+            return v
+        count, tags = rows[:, p], rows[:, p + 1]
+        want = lay.sends + 2 * lay.recvs
+        if not (np.all(tags == lay.tag) and np.array_equal(count, want)):
+            return v  # not every rank recorded the last call: nothing to pair
+        return np.maximum(v, lay.rates(rows[:, p + _HEAD :]))
+
     def estimate(self, v: np.ndarray) -> Links | None:
-        """The profile the reduced observations ``v`` (bytes/s per rank) indicate, or None
-        when fewer than half of the ranks were observed."""
+        """The profile the observations ``v`` (bytes/s per rank) indicate, or None when
+        fewer than half of the ranks were observed."""
         seen = v > 0
         if seen.sum() * 2 < self.p or not seen.any():
             return None
         frac = self.profile.vector(self.p).copy()
-        ref = float(np.median(v[seen]))
+        # The reference is the upper quartile: half the ranks may be slow (a degraded
+        # server), and the single fastest measurement is noise.
+        ref = float(np.quantile(v[seen], 0.75))
         frac[seen] = np.minimum(v[seen] / ref, 1.0)
         frac = np.where(frac >= self.healthy_above, 1.0, np.round(frac, 2))
         frac = np.maximum(frac, 0.01)
         return Links({r: float(f) for r, f in enumerate(frac) if f < 1.0})
 
     def record(self, rank: int, sends: Any) -> None:
-        """Fold this rank's timed sends ``(peer, nbytes, posted, completed)`` of the call
-        into the observation for the next call: ``v[rank]`` and ``v[peer]`` are at least
-        the rate of the link ``rank -> peer``."""
+        """Fold this rank's paced sends ``(peer, nbytes, from, until)`` of the call into
+        the observation for the next call (emulation: ``v[rank]`` and ``v[peer]`` are at
+        least the rate of the link ``rank -> peer``)."""
         assert self._mine is not None
         rates = send_rates(sends, self.p)
         if not rates.any():
             return
         self._mine = np.maximum(self._mine, rates)
         self._mine[rank] = max(self._mine[rank], float(rates.max()))
+
+    def record_messages(
+        self, rank: int, schedule: Any, itemsize: int, stats: Any, epoch: float
+    ) -> None:
+        """Keep this rank's side of the call's timed messages for the next call (a real
+        network: see the module's estimator). ``epoch``: when the check ended here."""
+        cache = schedule.__dict__.setdefault("_watch_layouts", {})
+        key = (itemsize, self.length)
+        lay = cache.get(key)
+        if lay is None:
+            lay = cache[key] = MessageLayout(schedule, itemsize, self.length - self.p - _HEAD)
+        self._layout = lay
+        self._values = lay.values(rank, schedule, stats, epoch)

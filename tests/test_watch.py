@@ -6,8 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from optcc_mpi import algorithms
+from optcc_mpi.executor import ExecStats
 from optcc_mpi.links import Links
-from optcc_mpi.watch import MIN_BYTES, LinkWatch, send_rates
+from optcc_mpi.simulate import simulate
+from optcc_mpi.watch import LinkWatch, MessageLayout, send_rates, watch_length
 
 MB = 1 << 20
 
@@ -24,35 +27,84 @@ def test_send_rates_union_of_busy_intervals() -> None:
     assert r[1] == pytest.approx(MB)
 
 
-def ring_observations(fracs: np.ndarray, bw: float = 100 * MB) -> np.ndarray:
-    """What every rank contributes after one ring call on NICs at ``fracs`` (a link runs
-    at its slower end), reduced by elementwise maximum as the check collective does."""
-    p = fracs.size
-    reduced = np.zeros(p, dtype=np.int64)
+def observations(
+    name: str, truth: Links, p: int, plan: Links | None = None
+) -> tuple[np.ndarray, LinkWatch]:
+    """The gathered contributions after one call of ``name`` (planned for ``plan``) on
+    NICs at ``truth``: each rank's side of every message, as the executor would record it,
+    taken from the simulator's trace of the schedule (a send is posted when it is ready, a
+    receive at the start, and completes when the data is in)."""
+    # Over a network, as the collectives build it (OptCC's sections follow the transport).
+    params = {"transport": "network"} if "transport" in algorithms.get(name).params else {}
+    count = (16 << 20) // 4
+    sched = algorithms.build(name, p, count, plan or Links(), itemsize=4, **params)
+    trace = simulate(sched, truth, bw=50 * MB, latency=50e-6, trace=True).trace
+    stats = [ExecStats(start=10.0) for _ in range(p)]
+    for gid, src, dst, nbytes, ready, *_, done in trace:
+        gid, src, dst = int(gid), int(src), int(dst)
+        mine = int(np.searchsorted(sched.op_ids(src), gid))
+        theirs = int(np.searchsorted(sched.op_ids(dst), sched.partner[gid]))
+        stats[src].sends.append((mine, dst, int(nbytes), ready, done - 0.3 * (done - ready)))
+        stats[dst].recvs.append((theirs, src, int(nbytes), 0.0, done))
+    rows, watches = [], []
     for rank in range(p):
         w = LinkWatch(p)
-        peer = (rank + 1) % p
-        rate = bw * min(fracs[rank], fracs[peer])
-        t = MIN_BYTES / rate
-        w.record(rank, [(peer, MIN_BYTES, 0.0, t), (peer, MIN_BYTES, t, 2 * t)])
-        reduced = np.maximum(reduced, w.contribution())
-    return reduced
+        w.record_messages(rank, sched, 4, stats[rank], epoch=9.5)
+        rows.append(w.contribution())
+        watches.append(w)
+    return np.array(rows), watches[0]
+
+
+def estimate_after(name: str, truth: Links, p: int, plan: Links | None = None) -> Links | None:
+    """What the watch estimates from one call of ``name`` on links ``truth``."""
+    rows, w = observations(name, truth, p, plan)
+    return w.estimate(w.observed(rows))
 
 
 @pytest.mark.parametrize("p", [4, 8, 16])
 def test_estimate_finds_the_slow_rank_from_ring_traffic(p: int) -> None:
-    fracs = np.ones(p)
-    fracs[3] = 0.5
-    w = LinkWatch(p)
-    est = w.estimate(ring_observations(fracs).astype(float))
-    assert est == Links({3: 0.5})
+    # A ring moves every link in lockstep at the slowest one's pace: only pairing each
+    # message's two ends shows which link is slow.
+    assert estimate_after("ring", Links({3: 0.5}), p) == Links({3: 0.5})
+    assert estimate_after("ring", Links(), p) == Links()
+
+
+def test_estimate_finds_a_degraded_server() -> None:
+    # Half the ranks slow: the reference must still be a healthy rank.
+    server = Links({r: 0.5 for r in range(8)})
+    assert estimate_after("ring", server, 16) == server
+
+
+@pytest.mark.parametrize("name", ["optcc", "r2ccl"])
+def test_estimate_is_stable_under_the_plan_for_the_truth(name: str) -> None:
+    # Once the plan follows the slow rank, its own traffic must not argue for another.
+    truth = Links({3: 0.5})
+    est = estimate_after(name, truth, 8, plan=truth)
+    assert est is not None and est.degraded == (3,)
+    assert abs(est.fractions[3] - 0.5) < 0.2
+
+
+def test_layout_subsamples_the_same_messages_everywhere() -> None:
+    sched = algorithms.build("ring", 8, 64 << 20, Links())
+    wide, narrow = MessageLayout(sched, 4, 10_000), MessageLayout(sched, 4, 8)
+    assert wide.stride == 1 and narrow.stride > 1
+    assert set(narrow.ids) <= set(wide.ids)
+    assert int((narrow.sends + 2 * narrow.recvs).max()) <= 8
+    assert watch_length(8) * 8 * 8 <= 256 * 1024 and watch_length(1024) == 1026
+
+
+def ring_rates(fracs: np.ndarray, bw: float = 100 * MB) -> np.ndarray:
+    """Per-rank rates a ring on NICs at ``fracs`` shows, as the estimator reduces them."""
+    after = np.roll(fracs, -1)
+    before = np.roll(fracs, 1)
+    return bw * np.maximum(np.minimum(before, fracs), np.minimum(fracs, after))
 
 
 def test_adoption_needs_confirmation_and_is_deterministic() -> None:
     p = 8
     slow = np.ones(p)
     slow[3] = 0.5
-    obs_slow, obs_ok = ring_observations(slow), ring_observations(np.ones(p))
+    obs_slow, obs_ok = ring_rates(slow), ring_rates(np.ones(p))
     a, b = LinkWatch(p, confirm=2), LinkWatch(p, confirm=2)
     seq = [obs_ok, obs_ok, obs_slow, obs_ok, obs_slow, obs_slow, obs_slow, obs_ok, obs_ok]
     got = [a.agree(o) for o in seq]
