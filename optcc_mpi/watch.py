@@ -42,8 +42,18 @@ slow, as on a degraded server; the single fastest measurement is a poor referenc
 fractions at or above ``healthy_above`` count as healthy, and a rank with no observation
 keeps its current fraction.
 
-Decision: the measured profile replaces the current one when some rank's fraction differs
-by more than ``threshold`` in ``confirm`` consecutive calls (hysteresis against noise).
+Decision: when some rank's measured fraction differs from the current profile by more
+than ``threshold`` in ``confirm`` consecutive calls (hysteresis against noise), the
+elementwise maximum of those measurements replaces the profile, if it still departs from
+it. Every measurement is a lower bound and noise only makes a rank look slower (on the
+testbed, the neighbours of a slow rank measured 0.6-0.78 in single calls of a ring): the
+maximum keeps what the calls agree on.
+Rates are lower bounds, and a plan that spares a slow rank keeps it from showing its full
+speed once it recovers (on the testbed, a recovered rank under OptCC's plan for 0.5 looked
+like 0.6 to 0.77, against 0.51 to 0.58 while it stayed slow). So rises count from half the
+threshold (the profile climbs to what was measured, and the next plan shows more), and a
+rank measured faster than the profile by more than ``threshold`` is taken as healthy; if
+it is not, the ring that follows measures it in full.
 Every input of the decision is in the gathered rows, identical on every rank, so every
 rank decides the same at the same call.
 
@@ -251,10 +261,13 @@ class LinkWatch:
     profile: Links = field(default_factory=Links)
     calls: int = 0
     changes: list[tuple[int, Links]] = field(default_factory=list)
+    #: What the last call's observations indicated (before the decision), if anything.
+    measured: Links | None = None
     _mine: np.ndarray | None = None
     _values: np.ndarray | None = None
     _layout: MessageLayout | None = None
     _streak: int = 0
+    _recent: list[np.ndarray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
@@ -301,21 +314,42 @@ class LinkWatch:
         else:
             v = self.observed(gathered)
         self._values, self._layout = None, None
-        measured = self.estimate(v)
+        measured = self.measured = self.estimate(v)
         if measured is None:
             self._streak = 0
             return self.profile
         cur = self.profile.vector(self.p)
         new = measured.vector(self.p)
-        if np.max(np.abs(new - cur)) > self.threshold:
-            self._streak += 1
-        else:
+        # A measured rate is a lower bound: a rank the plan gives little traffic never
+        # shows its full speed. So a rank measured clearly faster than the profile says
+        # has recovered by more than we can see: it counts as healthy, and the plan that
+        # follows (the ring, if it is the only one) measures it in full.
+        new = np.where(new > cur + self.threshold, 1.0, new)
+        if not self._departs(new, cur):
             self._streak = 0
-        if self._streak >= self.confirm:
-            self.profile = measured
-            self.changes.append((self.calls, measured))
-            self._streak = 0
+            self._recent = []
+            return self.profile
+        self._streak += 1
+        self._recent = [*self._recent[-(self.confirm - 1) :], new] if self.confirm > 1 else [new]
+        if self._streak < self.confirm:
+            return self.profile
+        # Every measurement is a lower bound, and noise only ever makes a rank look slower:
+        # the elementwise maximum of the streak's measurements is the tightest bound.
+        best = np.max(self._recent, axis=0)
+        best = np.where(best >= self.healthy_above, 1.0, best)
+        if self._departs(best, cur):
+            self.profile = Links({r: float(f) for r, f in enumerate(best) if f < 1.0})
+            self.changes.append((self.calls, self.profile))
+        self._streak = 0
+        self._recent = []
         return self.profile
+
+    def _departs(self, new: np.ndarray, cur: np.ndarray) -> bool:
+        """Whether ``new`` departs from ``cur``: some rank slower by more than
+        ``threshold``, or faster by more than half of it (a measured rate is a lower
+        bound, so a rise is evidence, and a profile that undervalues a rank keeps it from
+        showing more)."""
+        return bool(np.any(cur - new > self.threshold) or np.any(new - cur > self.threshold / 2))
 
     def observed(self, rows: np.ndarray) -> np.ndarray:
         """Per rank, bytes/s observed in the gathered contributions ``rows``: the larger

@@ -414,6 +414,40 @@ def test_ring_allreduce_goes_through_the_shapers(bed: tb.Testbed, tmp_path: Path
 
 @pytest.mark.root
 @needs_netns
+def test_watch_follows_a_link_degraded_and_recovered_on_real_links(
+    bed: tb.Testbed, tmp_path: Path
+) -> None:
+    """links="watch" on the shaped links: rank 1 is reshaped to half rate from inside the
+    job, then back. Asserted: what the ranks adopt and run, never a time."""
+    out = tmp_path / "transition.jsonl"
+    cmd = [sys.executable, "-m", "optcc_mpi.lab.transition", "--size", "8M"]
+    cmd += ["--degrade", "1:0.5", "--calls", "3,6,10", "--out", str(out)]
+    try:
+        done = subprocess.run(bed.launch_argv(cmd), capture_output=True, text=True, timeout=300)
+    finally:
+        tb.set_shaping({0: 0.5}, name=NAME)  # what the fixture built, for the tests after
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    print("\n".join(f"{r['call']} {r['phase']} {r['algorithm']} {r['adopted']}" for r in rows))
+    phase = {name: [r for r in rows if r["phase"] == name] for name in ("healthy", "degraded")}
+    phase["recovered"] = [r for r in rows if r["phase"] == "recovered"]
+    # The job started on rank 0 at half rate (the fixture): the first call reshaped to
+    # healthy, and its first measurement is of healthy links.
+    assert all(r["adopted"] == "healthy" for r in phase["healthy"]), phase["healthy"]
+    # Degraded: a ring's own messages show rank 1 (the earliest is the third call: one
+    # call to measure, one to confirm), and auto re-plans for it.
+    last = phase["degraded"][-1]
+    adopted = tb.parse_degrade(last["adopted"].replace("healthy", ""), ranks=4)
+    assert list(adopted) == [1] and 0.3 <= adopted[1] <= 0.7, phase["degraded"]
+    assert last["algorithm"] == "optcc"
+    # Recovered: the rank measures faster than the plan that spares it; the watch climbs
+    # back to healthy and the ring.
+    assert phase["recovered"][-1]["adopted"] == "healthy", phase["recovered"]
+    assert phase["recovered"][-1]["algorithm"] == "ring"
+
+
+@pytest.mark.root
+@needs_netns
 def test_down_removes_everything_and_is_idempotent() -> None:
     tb.down(NAME_CRASH, kill=True)
     tb.up(2, "100mbit", name=NAME_CRASH)

@@ -129,3 +129,58 @@ def test_bad_parameters() -> None:
         LinkWatch(4, threshold=0)
     with pytest.raises(ValueError, match="confirm"):
         LinkWatch(4, confirm=0)
+
+
+def test_a_rank_measured_clearly_faster_counts_as_recovered() -> None:
+    # Under a plan that spares rank 3 its rate is a lower bound (the testbed showed 0.66
+    # for a recovered rank): clearly faster than the profile means healthy, and the ring
+    # that follows measures it in full. A small rise is noise and changes nothing.
+    p = 8
+    w = LinkWatch(p, confirm=2)
+    w.profile = Links({3: 0.41})
+    faster = np.full(p, 100 * MB)
+    faster[3] = 66 * MB
+    assert w.agree(faster) == Links({3: 0.41})
+    assert w.measured == Links({3: 0.66})
+    assert w.agree(faster) == Links()
+    w.profile = Links({3: 0.5})
+    faster[3] = 60 * MB
+    assert [w.agree(faster) for _ in range(3)] == [Links({3: 0.5})] * 3
+
+
+def test_the_streak_adopts_what_its_calls_agree_on() -> None:
+    p = 8
+    w = LinkWatch(p, confirm=2)
+
+    def rates(fracs: dict[int, float]) -> np.ndarray:
+        v = np.full(p, 100 * MB)
+        for r, f in fracs.items():
+            v[r] = f * 100 * MB
+        return v
+
+    # Rates are lower bounds and noise only slows a rank down: two calls that agree only on
+    # rank 3 adopt rank 3 alone, at the larger of its two measurements.
+    assert w.agree(rates({1: 0.77, 2: 0.76, 3: 0.43})) == Links()
+    assert w.agree(rates({0: 0.78, 3: 0.41, 4: 0.63})) == Links({3: 0.43})
+    # Two departures that cancel out (a rank slow once, then another) change nothing.
+    assert w.agree(rates({3: 0.43, 5: 0.5})) == Links({3: 0.43})
+    assert w.agree(rates({3: 0.43, 6: 0.5})) == Links({3: 0.43})
+
+
+def test_a_rank_that_measures_faster_climbs_back() -> None:
+    # Degraded and still slow: OptCC's plan lets it show a little more than the profile
+    # (0.51-0.58 on the testbed for 0.5), which changes nothing ...
+    p = 8
+    w = LinkWatch(p, confirm=2)
+    w.profile = Links({3: 0.5})
+    v = np.full(p, 100 * MB)
+    for seen in (0.56, 0.58, 0.55, 0.57):
+        v[3] = seen * 100 * MB
+        assert w.agree(v) == Links({3: 0.5})
+    # ... recovered: it measures clearly more; the profile climbs to what two calls agree
+    # on, and from there a plan that spares it less shows it healthy.
+    got = []
+    for seen in (0.66, 0.65, 0.9, 0.85):
+        v[3] = seen * 100 * MB
+        got.append(w.agree(v))
+    assert got == [Links({3: 0.5}), Links({3: 0.66}), Links({3: 0.66}), Links()]

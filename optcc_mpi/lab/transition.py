@@ -46,6 +46,7 @@ def run(
     (collective); every rank returns the same rows."""
     import optcc_mpi
     from optcc_mpi.collectives import last_stats
+    from optcc_mpi.comm import state_of
     from optcc_mpi.emulation import Emulation
     from optcc_mpi.links import Links
 
@@ -83,6 +84,8 @@ def run(
             if not np.all(out == expected):
                 raise RuntimeError(f"rank {rank}: wrong sum at call {call}")
             st = last_stats()
+            watch = state_of(comm).watch
+            measured = watch.measured if watch is not None else None
             rows.append(
                 {
                     "call": call,
@@ -90,6 +93,7 @@ def run(
                     "truth": str(truth),
                     "algorithm": st.get("algorithm"),
                     "adopted": str(st.get("links")),
+                    "measured": "-" if measured is None else str(measured),
                     "time_s": t,
                     "ring_same_network_s": ref,
                     "p": p,
@@ -189,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in rows:
             print(
                 f"{r['call']:3d} {r['phase']:9s} truth={r['truth']:8s} ran={r['algorithm']:6s} "
-                f"adopted={r['adopted']:8s} {1e3 * r['time_s']:8.1f} ms "
+                f"adopted={r['adopted']:8s} measured={r.get('measured', '-'):8s} "
+                f"{1e3 * r['time_s']:8.1f} ms "
                 f"({r['time_s'] / r['ring_same_network_s']:.2f} x ring)"
             )
         if args.out:
