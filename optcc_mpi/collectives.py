@@ -499,8 +499,8 @@ def allreduce(
         link_obj = _probe(st, emu).links
         plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
     elif link_obj is WATCH:
-        # Every rank agreed on "watch": each brings what its last call measured, and the
-        # elementwise maximum gives every rank the same observations, hence the same
+        # Every rank agreed on "watch": each brings its side of what its last call
+        # measured, and every rank reads the same gathered rows, hence decides the same
         # profile at the same call (optcc_mpi.watch).
         watch = _watch_of(st)
         if seen is not None and _extra_fits(st, seen.size):

@@ -266,7 +266,7 @@ class LinkWatch:
     _mine: np.ndarray | None = None
     _values: np.ndarray | None = None
     _layout: MessageLayout | None = None
-    _streak: int = 0
+    #: The measurements of the current run of departing calls.
     _recent: list[np.ndarray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -316,7 +316,7 @@ class LinkWatch:
         self._values, self._layout = None, None
         measured = self.measured = self.estimate(v)
         if measured is None:
-            self._streak = 0
+            self._recent = []
             return self.profile
         cur = self.profile.vector(self.p)
         new = measured.vector(self.p)
@@ -326,12 +326,10 @@ class LinkWatch:
         # follows (the ring, if it is the only one) measures it in full.
         new = np.where(new > cur + self.threshold, 1.0, new)
         if not self._departs(new, cur):
-            self._streak = 0
             self._recent = []
             return self.profile
-        self._streak += 1
-        self._recent = [*self._recent[-(self.confirm - 1) :], new] if self.confirm > 1 else [new]
-        if self._streak < self.confirm:
+        self._recent = [*self._recent, new][-self.confirm :]
+        if len(self._recent) < self.confirm:
             return self.profile
         # Every measurement is a lower bound, and noise only ever makes a rank look slower:
         # the elementwise maximum of the streak's measurements is the tightest bound.
@@ -340,7 +338,6 @@ class LinkWatch:
         if self._departs(best, cur):
             self.profile = Links({r: float(f) for r, f in enumerate(best) if f < 1.0})
             self.changes.append((self.calls, self.profile))
-        self._streak = 0
         self._recent = []
         return self.profile
 
