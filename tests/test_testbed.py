@@ -421,7 +421,7 @@ def test_watch_follows_a_link_degraded_and_recovered_on_real_links(
     job, then back. Asserted: what the ranks adopt and run, never a time."""
     out = tmp_path / "transition.jsonl"
     cmd = [sys.executable, "-m", "optcc_mpi.lab.transition", "--size", "8M"]
-    cmd += ["--degrade", "1:0.5", "--calls", "3,6,10", "--out", str(out)]
+    cmd += ["--degrade", "1:0.5", "--calls", "3,6,14", "--out", str(out)]
     try:
         done = subprocess.run(bed.launch_argv(cmd), capture_output=True, text=True, timeout=300)
     finally:
@@ -438,7 +438,7 @@ def test_watch_follows_a_link_degraded_and_recovered_on_real_links(
     # call to measure, one to confirm), and auto re-plans for it.
     last = phase["degraded"][-1]
     adopted = tb.parse_degrade(last["adopted"].replace("healthy", ""), ranks=4)
-    assert list(adopted) == [1] and 0.3 <= adopted[1] <= 0.7, phase["degraded"]
+    assert list(adopted) == [1] and 0.3 <= adopted[1] <= 0.75, phase["degraded"]
     assert last["algorithm"] == "optcc"
     # Recovered: the rank measures faster than the plan that spares it; the watch climbs
     # back to healthy and the ring.
