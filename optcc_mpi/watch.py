@@ -204,25 +204,35 @@ class MessageLayout:
             out[base + 1] = np.round((rec[ok, 4] + shift) * 1e6)
         return out
 
-    def rates(self, rows: np.ndarray) -> np.ndarray:
-        """Per rank, ``max(ingress rate, egress rate)`` in bytes/s from every rank's
-        values (``rows``: one row per rank, as :meth:`values` wrote them); 0 where no
-        message of the rank was recorded."""
-        p, n = self.p, self.ids.size
+    def intervals(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per timed message (in the order of :attr:`ids`), when it was on the wire, in
+        seconds from the check: from when both ends had posted it until it arrived, read
+        from every rank's values (``rows``: one row per rank, as :meth:`values` wrote
+        them); NaN where an end did not record it."""
+        n = self.ids.size
         post, start, done = np.full(n, -1.0), np.full(n, -1.0), np.full(n, -1.0)
-        for r in range(p):
+        for r in range(self.p):
             row = rows[r].astype(np.float64)
             ns, nr = int(self.sends[r]), int(self.recvs[r])
             post[self.sender == r] = row[:ns]
             pairs = row[ns : ns + 2 * nr].reshape(nr, 2)
             start[self.receiver == r] = pairs[:, 0]
             done[self.receiver == r] = pairs[:, 1]
-        ok = (post >= 0) & (start >= 0) & (done >= 0)
-        lo = np.maximum(post, start) * 1e-6
-        hi = done * 1e-6
-        ok &= hi > lo
-        v = np.zeros(p)
-        for r in range(p):
+        missing = (post < 0) | (start < 0) | (done < 0)
+        lo = np.where(missing, np.nan, np.maximum(post, start) * 1e-6)
+        hi = np.where(missing, np.nan, done * 1e-6)
+        return lo, hi
+
+    def rates(self, rows: np.ndarray) -> np.ndarray:
+        """Per rank, ``max(ingress rate, egress rate)`` in bytes/s from every rank's
+        values (``rows`` as for :meth:`intervals`); 0 where no message of the rank was
+        measured. A message that seems to arrive before it was sent (the common clock is
+        only as good as the skew of the check's end, which matters where messages take
+        microseconds) is left out."""
+        lo, hi = self.intervals(rows)
+        ok = hi > lo  # False for NaN too
+        v = np.zeros(self.p)
+        for r in range(self.p):
             for side in (self.receiver, self.sender):
                 sel = ok & (side == r)
                 busy = _busy(lo[sel], hi[sel])

@@ -109,8 +109,12 @@ def test_watch_pairs_both_ends_of_every_message_on_a_real_transport(check: bool)
         if check:
             assert state_of(comm).next_capacity >= 8 * mine.size  # rides on the next check
         rows = np.array(comm.allgather(mine))
+        # Both ends of every message found (not asserted: that durations are positive;
+        # in shared memory a message takes microseconds, less than the clock's skew).
+        lo, hi = watch._layout.intervals(rows[:, p + 2 :])
+        assert lo.size > 0 and np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))
         v = watch.observed(rows)
-        assert np.all(v > 0) and np.all(np.isfinite(v))  # every rank's messages paired
+        assert np.all(v >= 0) and np.all(np.isfinite(v))
         assert all(np.array_equal(v, other) for other in comm.allgather(v))
         decided.append(str(last_stats()["links"]))
     assert len({repr(d) for d in comm.allgather(decided)}) == 1
