@@ -372,6 +372,7 @@ def _gloo(comm: Any) -> Any:
             rank=comm.Get_rank(),
             world_size=comm.Get_size(),
         )
+        _gloo.made = True  # type: ignore[attr-defined]
     return torch
 
 
@@ -506,6 +507,15 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
                 }
             )
     net.degraded(True)
+    if torch is not None and getattr(_gloo, "made", False):
+        # Our group, ours to end: gloo's threads still running while the interpreter
+        # finalises abort the process ("terminate called without an active exception",
+        # seen under Open MPI in CI).
+        import torch.distributed as dist
+
+        comm.Barrier()
+        dist.destroy_process_group()
+        _gloo.made = False  # type: ignore[attr-defined]
     return rows
 
 
