@@ -130,6 +130,41 @@ def test_any_vector_plan_meets_the_bound(seed: int) -> None:
             assert pinned or w[r] <= optcc_alg.TINY_SHARE * w.max()
 
 
+@pytest.mark.parametrize(
+    ("p", "profile"),
+    [
+        (256, "0:0.875"),
+        (512, "0:0.625"),
+        (1024, "0:0.75"),
+        (1024, "0-7:0.75"),
+        (512, "0-7:0.5,256-263:0.875"),
+        (512, "random"),
+        (1024, "random"),
+    ],
+)
+def test_grid_plan_fits_a_square_grid(p: int, profile: str) -> None:
+    """Beyond DIRECT_OWNERS owners the plan suits a grid of several rows (a single row of
+    p owners would allow only a few segments), within GRID_TOL of the bound, and every
+    load still fits its rank's rate and the loads sum to the combining minimum."""
+    if profile == "random":
+        rng = np.random.default_rng(p)
+        links = {r: float(v) for r, v in enumerate(rng.uniform(0.4, 1.0, p))}
+    else:
+        links = profile
+    f = model.fractions(links, p)
+    bound = model.lower_bound(p, N, B, links) * B / N
+    plan = optcc_alg.optcc_plan(p, links)
+    a, b = optcc_alg._grid_shape(plan, "auto")
+    assert a * b == len(plan.owners) and min(a, b) >= 4
+    assert bound * (1 - 1e-9) <= plan.time <= bound * (1 + optcc_alg.GRID_TOL)
+    loads = plan.loads()
+    assert loads.sum() == pytest.approx(2 * (p - 1))
+    assert np.all(loads <= plan.time * f * (1 + 1e-9))
+    # Owners of one column have equal shares: every share level fills whole columns.
+    counts = np.unique(np.round([plan.weights[r] for r in plan.owners], 9), return_counts=True)
+    assert np.all(counts[1] % a == 0)
+
+
 def test_plan_explained() -> None:
     text = optcc_alg.explain_plan(16, "0-7:0.5")
     assert "0-7" in text and "8-15" in text and "grid" in text

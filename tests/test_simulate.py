@@ -213,6 +213,25 @@ def test_too_large_on_the_command_line(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("links", "within"),
+    [("0:0.625", 1.01), ("0-7:0.75", 1.01), (_random_profile(512, 0.5, 7), 1.03)],
+    ids=["one-rank", "server", "random"],
+)
+def test_optcc_grid_at_512_ranks(links: str, within: float) -> None:
+    """Beyond DIRECT_OWNERS owners, a rank that keeps a share of its own (one rank at
+    0.625, or every rank of a random vector) no longer forces one row of 512 owners and a
+    few segments (1.053 x the bound for the first, 1.043 for the third before)."""
+    n, bw = 2**30, 50e9
+    bound = model.lower_bound(512, n, bw, links)
+    sched = algorithms.get("optcc").build(512, n // 4, links)
+    a, b = sched.params["grid"]
+    assert min(a, b) >= 4
+    got = simulate.simulate(sched, links, bw=bw).time
+    assert bound <= got <= within * bound
+
+
+@pytest.mark.slow
 def test_optcc_at_1024_ranks() -> None:
     """p = 1024, one straggler at half rate, 1 GiB at 50 GB/s: within 1% of the bound,
     and the three schedules fit (each is dropped before the next is built)."""

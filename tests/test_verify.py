@@ -79,6 +79,31 @@ def test_optcc_large_grid() -> None:
     verify(sched)
 
 
+@pytest.mark.parametrize(
+    ("p", "links"),
+    [
+        (22, "0:0.8"),
+        (26, "0-3:0.75"),
+        (24, ",".join(f"{r}:{0.5 + 0.5 * ((r * 7) % 24) / 24:.4f}" for r in range(24))),
+    ],
+    ids=["one-rank", "server", "many-rates"],
+)
+def test_optcc_grid_plans(monkeypatch: pytest.MonkeyPatch, p: int, links: str) -> None:
+    """The plans chosen for a grid (``_grid_plan``: slow owners attached, owners grouped
+    by rate, fast owners attached for a squarer grid) make correct schedules; exercised at
+    small p by lowering the direct-exchange limit and the operation budget."""
+    monkeypatch.setattr(optcc_alg, "DIRECT_OWNERS", 6)
+    monkeypatch.setattr(optcc_alg, "MAX_AUTO_OPS", 4000)
+    optcc_alg._plan.cache_clear()
+    try:
+        sched = algorithms.build("optcc", p, 7 * p + 3, links, k=3)
+        a, b = sched.params["grid"]
+        assert a > 1 and b > 1
+        verify(sched)
+    finally:
+        optcc_alg._plan.cache_clear()
+
+
 @pytest.mark.parametrize("p", P_ALL)
 def test_r2ccl(p: int) -> None:
     for links in profiles(p)[:: 3 if p >= 24 else 1]:

@@ -129,6 +129,13 @@ TINY_SHARE = 0.05
 #: Owners up to which the grid is a single row (a direct exchange among all owners).
 DIRECT_OWNERS = 128
 
+#: Beyond DIRECT_OWNERS, how much above the bound a plan that suits the owners' grid may
+#: go (see ``_grid_plan``).
+GRID_TOL = 0.02
+
+#: The pipeline's ends with owners of equal shares, in segments (see ``_grid_plan``).
+GRID_C0 = 0.1
+
 #: Operations per schedule the automatic segment count stays under (about 0.2 KiB each
 #: while building and simulating: 14 million take about 2.7 GiB and, on a 2-core machine,
 #: about 40 s; p = 1024 with one straggler then gets 43 segments, within 1% of the
@@ -169,7 +176,8 @@ class OptccPlan:
         rank.
     time : float
         Fluid time in units of n/B: the lower bound, or at most :data:`ATTACH_TOL`
-        above it where ranks with tiny shares are attached instead.
+        above it where ranks with tiny shares are attached instead (at most
+        :data:`GRID_TOL` beyond :data:`DIRECT_OWNERS` owners, see ``_grid_plan``).
     """
 
     weights: tuple[float, ...]
@@ -206,9 +214,9 @@ def optcc_plan(p: int, links: Links | str | None = None) -> OptccPlan:
     """OptCC's plan for ``p`` ranks under ``links``: shares whose loads meet the bound.
 
     Ranks whose share would be below :data:`TINY_SHARE` of the largest are attached
-    instead when that costs at most :data:`ATTACH_TOL` of the time, and beyond
-    :data:`DIRECT_OWNERS` owners up to 8 more may be attached (same tolerance) when that
-    makes the owners' grid much cheaper to build (see ``_plan``).
+    instead when that costs at most :data:`ATTACH_TOL` of the time; beyond
+    :data:`DIRECT_OWNERS` owners the plan is one that suits the owners' grid, at most
+    :data:`GRID_TOL` above the bound (see ``_grid_plan``).
     """
     f = fractions(links, p)
     # Rounded to 12 significant digits (not decimals: 1e-13 must not become 0) so that
@@ -223,7 +231,7 @@ def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     f = np.asarray(f_tuple)
     # The bound in units of n/B, with f as given (not normalised: the fastest rank may be
     # below the healthy rate B).
-    t = lower_bound(p, 1.0, 1.0, Links({r: float(v) for r, v in enumerate(f)}))
+    t = t0 = lower_bound(p, 1.0, 1.0, Links({r: float(v) for r, v in enumerate(f)}))
     if p == 2:
         return OptccPlan((0.5, 0.5), t)
     none = np.zeros(p, dtype=bool)
@@ -240,25 +248,13 @@ def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     attached = (w <= TINY_SHARE * w.max()) & (w < w.max())
     if attached.any() and attach_time(attached) > t * (1.0 + ATTACH_TOL):
         attached = w == 0.0
-    # With more owners than a direct exchange handles, a few more attached ranks can make
-    # the owners' grid much cheaper (1016 owners form an 8 x 127 grid, 1015 a 29 x 35
-    # one: half the operations per segment, so twice the segments); again within
-    # ATTACH_TOL.
-    if (~attached).sum() > DIRECT_OWNERS:
-        best = (_grid_cost(_shares(f, attach_time(attached), attached)), attached)
-        top = np.flatnonzero(~attached & (w >= w.max() * (1 - 1e-9)))[::-1]
-        for e in range(1, min(9, top.size)):
-            trial = attached.copy()
-            trial[top[:e]] = True
-            if attach_time(trial) > t * (1.0 + ATTACH_TOL):
-                break
-            cost = _grid_cost(_shares(f, attach_time(trial), trial))
-            if cost < 0.8 * best[0]:
-                best = (cost, trial)
-        attached = best[1]
     if attached.any():
         t = attach_time(attached)
         w = _shares(f, t, attached)
+    # With more owners than a direct exchange handles the owners form a grid, whose
+    # columns need equal shares: choose among plans that suit a grid (see _grid_plan).
+    if (~attached).sum() > DIRECT_OWNERS:
+        w, t = _grid_plan(f, t0, attached)
     if w.sum() <= 0:  # pragma: no cover - sum of loads is 2(p-1) > p
         raise PlanError(f"OptCC plan: no rank can own anything under {f_tuple}")
     w = w / w.sum()
@@ -266,6 +262,82 @@ def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     w = np.round(w, 12)
     w = w / w.sum()
     return OptccPlan(tuple(float(x) for x in w), float(t))
+
+
+def _grid_plan(f: np.ndarray, bound: float, base: np.ndarray) -> tuple[np.ndarray, float]:
+    """Shares and fluid time for more owners than a direct exchange handles.
+
+    The owners then form a grid whose columns need equal shares (``_grid_shape``), so a
+    plan whose shares come in many levels, or in levels whose counts have no common
+    divisor, can only be realised as one long row: few segments fit the operation budget
+    and the pipeline's head and tail cost up to 15% (p = 1024, one rank at 0.625: one row
+    of 1024 owners, k = 2). Candidates, each within :data:`GRID_TOL` of the bound
+    (derived, ours):
+
+    * the water-filled plan with ``base`` attached;
+    * every owner below the top share attached as well (a slow owner idles at the
+      pipeline's ends; attached, it only sends and receives each section once);
+    * either of these with up to 8 of the fastest owners attached too, for an owner
+      count with a squarer grid (1016 owners form an 8 x 127 grid, 1015 a 29 x 35 one);
+    * owners sorted by rate in groups of ``a`` (a divisor of their number), each group
+      held to its slowest member's rate, so that every share level fills whole columns
+      of an ``a``-row grid.
+
+    The winner minimises ``time * (1 + (GRID_C0 + 1 - w_min / w_max) / k)``, ``k`` the
+    segments the operation budget allows: the fluid time with the pipeline's ends
+    charged, more where owners' shares differ (fitted to simulated runs at p = 256 to
+    1024: owners of unequal shares cost up to about ``(1 - w_min/w_max) / k`` above the
+    fluid time, equal ones about a tenth of ``1/k``).
+    """
+    p = f.size
+
+    def fluid(att: np.ndarray, rate: np.ndarray) -> float:
+        return max(bound, (2.0 * (p - 1) - att.sum()) / rate[~att].sum())
+
+    def score(rate: np.ndarray, t: float, att: np.ndarray) -> tuple[float, np.ndarray]:
+        w = _shares(rate, t, att)
+        w = np.round(w / w.sum(), 12)
+        plan = OptccPlan(tuple(float(x) for x in w / w.sum()), t)
+        a, b = _grid_shape(plan, "auto")
+        per = _ops_per_segment(p, a, b, len(plan.attached))
+        k = max(1, min(128, MAX_AUTO_OPS // max(per, 1)))
+        own = w[w > 0]
+        return t * (1.0 + (GRID_C0 + 1.0 - own.min() / own.max()) / k), w
+
+    w0 = _shares(f, fluid(base, f), base)
+    slow = ~base & (w0 < w0.max() * (1 - 1e-9))
+    bases = [base] + ([base | slow] if slow.any() else [])
+    best: tuple[float, np.ndarray, float] | None = None
+    for att0 in bases:
+        # The fastest owners, last rank first among equals, are the ones attached for a
+        # better factorisation.
+        own = np.flatnonzero(~att0)
+        fast = own[np.lexsort((-own, -f[own]))]
+        for e in range(min(9, own.size - 2)):
+            att = att0.copy()
+            att[fast[:e]] = True
+            t = fluid(att, f)
+            if t > bound * (1.0 + GRID_TOL):
+                break
+            tries = [(f, t)]
+            h = own.size - e
+            order = np.flatnonzero(~att)
+            order = order[np.argsort(f[order], kind="stable")]
+            for a in range(2, int(np.sqrt(h)) + 1):
+                if h % a:
+                    continue
+                # Each group of a consecutive owners (by rate) at its slowest's rate.
+                grouped = f.copy()
+                grouped[order] = np.repeat(f[order].reshape(h // a, a)[:, 0], a)
+                tq = fluid(att, grouped)
+                if tq <= bound * (1.0 + GRID_TOL):
+                    tries.append((grouped, tq))
+            for rate, tt in tries:
+                s, w = score(rate, tt, att)
+                if best is None or s < best[0] * (1 - 1e-12):
+                    best = (s, w, tt)
+    assert best is not None
+    return best[1], best[2]
 
 
 def _shares(f: np.ndarray, t: float, attached: np.ndarray) -> np.ndarray:
@@ -301,9 +373,10 @@ def optcc_time(
     k: int | None = None,
 ) -> float:
     """OptCC's fluid time, the plan's: the lower bound, or at most :data:`ATTACH_TOL`
-    above it (see :func:`optcc_plan`); with ``k``
-    equal segments, one segment's worth of pipeline head and tail added, ``(1 + 1/k)``
-    times it (derived); plus one latency per step of a segment's critical path."""
+    above it (:data:`GRID_TOL` beyond :data:`DIRECT_OWNERS` owners; see
+    :func:`optcc_plan`); with ``k`` equal segments, one segment's worth of pipeline head
+    and tail added, ``(1 + 1/k)`` times it (derived); plus one latency per step of a
+    segment's critical path."""
     if p < 2:
         return 0.0
     plan = optcc_plan(p, links)

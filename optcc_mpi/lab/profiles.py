@@ -7,7 +7,8 @@ them at 50 GB/s without latency (the fluid setting of the models), and records
 
 * OptCC's simulated time over the lower bound, and its plan's fluid time over the bound
   (the plan meets the bound for every vector, derived (ours), docs/optcc.md; it may sit
-  up to ``optcc.ATTACH_TOL`` above it where it attaches ranks with tiny shares);
+  up to ``optcc.ATTACH_TOL`` above it where it attaches ranks with tiny shares, and up
+  to ``optcc.GRID_TOL`` beyond ``optcc.DIRECT_OWNERS`` owners);
 * R2CCL's simulated time over its own cost model (``r2ccl.r2ccl_time``);
 * whether the verifier proves both schedules for the profile (built for a small buffer
   with enough segments that OptCC's scratch slots are reused, see :func:`verify_profile`:
