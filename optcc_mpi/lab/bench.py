@@ -352,14 +352,16 @@ def _time(comm: Any, fn: Any, iters: int, warmup: int, check: Any) -> tuple[list
     return times, wrong
 
 
-def _gloo(comm: Any) -> Any:
-    """A torch.distributed gloo group over the same ranks, or None without torch."""
+def _gloo(comm: Any) -> tuple[Any, bool]:
+    """torch with a torch.distributed gloo group over the same ranks (None without
+    torch), and whether this call made the group (then the caller ends it)."""
     try:
         import torch
         import torch.distributed as dist
     except ImportError:
-        return None
-    if not dist.is_initialized():
+        return None, False
+    made = not dist.is_initialized()
+    if made:
         import socket
 
         addr = comm.bcast(socket.gethostbyname(socket.gethostname()), root=0)
@@ -372,8 +374,7 @@ def _gloo(comm: Any) -> Any:
             rank=comm.Get_rank(),
             world_size=comm.Get_size(),
         )
-        _gloo.made = True  # type: ignore[attr-defined]
-    return torch
+    return torch, made
 
 
 def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
@@ -394,7 +395,7 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
 
         net.degraded(True)
         links = cached_probe(comm, emulate=cfg.emulate).links
-    torch = _gloo(comm) if "gloo" in cfg.algorithms else None
+    torch, made_gloo = _gloo(comm) if "gloo" in cfg.algorithms else (None, False)
     latency = cfg.latency
     if latency is None:
         latency = cfg.emulate.latency if cfg.emulate is not None else 0.0
@@ -507,7 +508,7 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
                 }
             )
     net.degraded(True)
-    if torch is not None and getattr(_gloo, "made", False):
+    if made_gloo:
         # Our group, ours to end: gloo's threads still running while the interpreter
         # finalises abort the process ("terminate called without an active exception",
         # seen under Open MPI in CI).
@@ -515,7 +516,6 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
 
         comm.Barrier()
         dist.destroy_process_group()
-        _gloo.made = False  # type: ignore[attr-defined]
     return rows
 
 
