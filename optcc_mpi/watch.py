@@ -103,12 +103,10 @@ def _busy(lo: np.ndarray, hi: np.ndarray) -> float:
     if lo.size == 0:
         return 0.0
     order = np.argsort(lo, kind="stable")
-    busy, end = 0.0, -np.inf
-    for a, b in zip(lo[order].tolist(), hi[order].tolist()):
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    return busy
+    a, b = lo[order].astype(float), hi[order].astype(float)
+    # In start order, each interval adds what reaches past every earlier one's end.
+    before = np.concatenate(([-np.inf], np.maximum.accumulate(b)[:-1]))
+    return float(np.maximum(b - np.maximum(a, before), 0.0).sum())
 
 
 def send_rates(records: Any, p: int, min_bytes: int = MIN_BYTES) -> np.ndarray:

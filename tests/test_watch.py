@@ -184,3 +184,20 @@ def test_a_rank_that_measures_faster_climbs_back() -> None:
         v[3] = seen * 100 * MB
         got.append(w.agree(v))
     assert got == [Links({3: 0.5}), Links({3: 0.66}), Links({3: 0.66}), Links()]
+
+
+def test_busy_time_is_the_union_of_intervals() -> None:
+    """The busy time of a side is the length of the union of its messages' intervals:
+    against a unit-grid count on random integer intervals (overlapping, nested, empty)."""
+    from optcc_mpi.watch import _busy
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(1, 25))
+        lo = rng.integers(0, 200, n)
+        hi = lo + rng.integers(0, 40, n)
+        grid = np.zeros(260, dtype=bool)
+        for a, b in zip(lo, hi):
+            grid[a:b] = True
+        assert _busy(lo.astype(float), hi.astype(float)) == grid.sum()
+    assert _busy(np.array([]), np.array([])) == 0.0
