@@ -1,14 +1,18 @@
-"""OptCC's time on the testbed at several segment counts k (issue 9, docs/testbed.md 1.6d).
+"""OptCC's time on the testbed at several values of one schedule parameter: the segment
+count k (issue 9, docs/testbed.md 1.6d) or the ramp (1.6e).
 
 Run inside the testbed, one rank per namespace, e.g.::
 
     optcc-mpi testbed run --name tb8 -- .venv/bin/python docs/testbed/ksweep.py \
         0:0.5 16,32 auto,64,32,16,8 3 > docs/testbed/ksweep-p8.jsonl
+    optcc-mpi testbed run --name tb8 -- .venv/bin/python docs/testbed/ksweep.py \
+        0:0.5 16,32 8,0,2,3,4,6,8,0,2,3,4,6 5 ramp > docs/testbed/rampsweep-p8.jsonl
 
-Arguments: the links (as ``links=``), sizes in MiB, segment counts (``auto`` is the
-builder's own choice for this transport), timed calls per point (one warm-up call
-first). Rank 0 prints one JSON line per point: median, min and max over the calls of the
-slowest rank's time, and the k the builder used.
+Arguments: the links (as ``links=``), sizes in MiB, values of the parameter (``auto`` is
+the builder's own choice for this transport), timed calls per point (one warm-up call
+first), and the parameter's name (default ``k``). Rank 0 prints one JSON line per point:
+median, min and max over the calls of the slowest rank's time, and the k and ramp the
+builder used.
 """
 
 import json
@@ -28,12 +32,13 @@ links = sys.argv[1]
 sizes = [int(s) << 20 for s in sys.argv[2].split(",")]
 ks = [None if k == "auto" else int(k) for k in sys.argv[3].split(",")]
 n = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+name = sys.argv[5] if len(sys.argv) > 5 else "k"
 command = shlex.join(["python", *sys.argv])
 for nbytes in sizes:
     x0 = np.random.default_rng(rank).random(nbytes // 4, dtype=np.float32)
     want = comm.allreduce(x0.astype(np.float64))
     for k in ks:
-        params = {} if k is None else {"k": k}
+        params = {} if k is None else {name: k}
         ts = []
         for _ in range(n + 1):
             x = x0.copy()
@@ -44,12 +49,14 @@ for nbytes in sizes:
             )
             ts.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         used = last_stats()["schedule"].params["k"]
+        ramp_used = last_stats()["schedule"].params["ramp"]
         err = float(np.max(np.abs(x - want)) / max(1.0, float(np.max(np.abs(want)))))
         wrong = comm.allreduce(int(err > 1e-5))
         ts = ts[1:]
         if rank == 0:
             row = dict(
-                p=p, MiB=nbytes >> 20, links=links, k=k or "auto", k_used=used,
+                p=p, MiB=nbytes >> 20, links=links, **{name: "auto" if k is None else k},
+                k_used=used, ramp_used=ramp_used,
                 median_ms=1e3 * float(np.median(ts)), min_ms=1e3 * min(ts),
                 max_ms=1e3 * max(ts), calls=n, wrong=wrong, command=command,
             )

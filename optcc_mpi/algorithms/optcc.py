@@ -85,6 +85,7 @@ __all__ = [
     "l_star",
     "explain_plan",
     "segment_bounds",
+    "auto_ramp",
     "PATTERNS",
 ]
 
@@ -483,6 +484,21 @@ def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0, ratio: float = 2.0) 
         weights[i] = weights[k - 1 - i] = ratio ** -(ramp - i)
     cum = np.concatenate(([0.0], np.cumsum(weights)))
     return lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
+
+
+def auto_ramp(k: int) -> int:
+    """Ramp segments at each end for ``k`` segments: ``k / 7`` rounded, 1 to 8.
+
+    The ramp shortens the pipeline's head and tail, but with few segments a long one
+    leaves most of the data in one or two full segments in the middle, which nothing
+    overlaps. Measured (docs/testbed.md 1.6e): 8 ranks at 400 Mbit/s, rank 0 at half rate,
+    k = 18 (16 MiB): 822-825 ms with 8 ramp segments, 748-751 ms with 3, 777-787 ms with
+    none; k = 36 (32 MiB): 1475-1490 ms with 8, 1432-1450 with 4, 1440-1445 with 5.
+    Simulated at p = 1024 (1 GiB, 50 GB/s, over the bound): a random vector with k = 17,
+    1.121 with 8 and 1.060 with 2 or 3; one rank at half rate with k = 43, 1.0064 with 8,
+    1.0084 with 6, 1.0134 with 4.
+    """
+    return int(min(8, max(1, round(k / 7))))
 
 
 def _ops_per_segment(p: int, a: int, b: int, m: int) -> int:
@@ -906,7 +922,7 @@ def optcc(
     pattern: str = "auto",
     grid: int | str = "auto",
     lookahead: int | None = None,
-    ramp: int = 8,
+    ramp: int | None = None,
     ratio: float = 1.4,
     row_lag: int = 1,
     ag_lag: int = 0,
@@ -940,9 +956,9 @@ def optcc(
     lookahead : int, optional
         Messages an attached rank keeps in flight per direction (default: one segment's
         worth, the number of owners).
-    ramp : int
+    ramp : int, optional
         Geometrically smaller segments at each end of the pipeline (see
-        :func:`segment_bounds`).
+        :func:`segment_bounds`); by default :func:`auto_ramp` of the segment count.
     transport : {"network", "shared-memory"}, Transport or None
         What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator):
         it sets the smallest section of a segment (:func:`section_floor`), so the number
@@ -959,6 +975,7 @@ def optcc(
     floor = section_floor(transport)
     kk = k if k is not None else choose_segments(count * itemsize, plan, a, section_bytes=floor)
     kk = max(1, int(kk))
+    ramp = auto_ramp(kk) if ramp is None else int(ramp)
     check_size("optcc", kk * _ops_per_segment(p, a, nb, m) + 1, p=p, k=kk)
     params = dict(
         weights=plan.weights,
