@@ -259,3 +259,46 @@ def test_profiles_tool_measures_and_verifies() -> None:
     text = profiles.markdown([row])
     assert "### server" in text and "Verified: 1 of 1" in text
     assert {f for f, *_ in profiles.families()} == set(profiles.FAMILIES)
+
+
+def test_profiles_tool_large_profiles_are_optcc_only() -> None:
+    """lab.profiles --large: profiles beyond DIRECT_OWNERS owners, OptCC alone, and the
+    summary says so instead of failing on the missing R2CCL columns."""
+    from optcc_mpi.lab import profiles
+
+    large = profiles.large_families()
+    assert {p for _, p, *_ in large} == {256, 512, 1024}
+    assert all(p > optcc_alg.DIRECT_OWNERS for _, p, *_ in large)
+    row = profiles.measure(
+        ("random", 12, _random_profile(12, 0.5, 1), "r"),
+        size=2**24,
+        check=False,
+        algorithms=("optcc",),
+    )
+    assert "r2ccl_sim_s" not in row and 1.0 <= row["optcc_over_bound"] <= 1.03
+    text = profiles.markdown([row])
+    assert "| - | - | - | - |" in text and "Worst R2CCL" not in text
+
+
+def test_ramp_follows_the_segment_count() -> None:
+    """The pipeline's ramp is round(k / 7) from 1 to 8 unless given: with few segments a
+    long ramp leaves most of the data in the few full segments in the middle."""
+    assert [optcc_alg.auto_ramp(k) for k in (1, 4, 11, 18, 36, 52, 53, 128)] == [
+        1,
+        1,
+        2,
+        3,
+        5,
+        7,
+        8,
+        8,
+    ]
+    sched = algorithms.get("optcc").build(8, 18 * 7 * 64, "0:0.5", k=18)
+    assert sched.params["ramp"] == 3
+    sched = algorithms.get("optcc").build(8, 18 * 7 * 64, "0:0.5", k=18, ramp=8)
+    assert sched.params["ramp"] == 8
+    # Equal segments with ramp 0, and the ends smaller than the middle otherwise.
+    flat = np.diff(optcc_alg.segment_bounds(0, 18_000, 18, 0, 1.4))
+    assert flat.max() - flat.min() <= 1
+    ramped = np.diff(optcc_alg.segment_bounds(0, 18_000, 18, 3, 1.4))
+    assert ramped[0] < ramped[1] < ramped[2] < ramped[3] == ramped[9]
