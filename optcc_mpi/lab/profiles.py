@@ -31,7 +31,7 @@ import numpy as np
 
 from optcc_mpi.links import Links
 
-__all__ = ["Profile", "families", "measure", "markdown", "main"]
+__all__ = ["Profile", "families", "large_families", "measure", "markdown", "main"]
 
 #: One profile: family name, ranks, link profile text, and a short description.
 Profile = tuple[str, int, str, str]
@@ -69,6 +69,20 @@ def families(max_p: int = 128) -> list[Profile]:
     for p, lo, seed in ((16, 0.3, 1), (16, 0.05, 3), (32, 0.5, 2), (64, 0.1, 4), (128, 0.6, 5)):
         out.append(("random", p, _random(p, lo, seed), f"seed {seed}, f uniform in [{lo}, 1)"))
     return [x for x in out if x[1] <= max_p]
+
+
+def large_families() -> list[Profile]:
+    """Profiles beyond ``optcc.DIRECT_OWNERS`` owners, where OptCC's owners form a grid
+    (p = 256, 512, 1024): one rank at 0.625 (it keeps a share of its own), a degraded
+    server at 0.75 and at 0.5, and two seeded random vectors."""
+    out: list[Profile] = []
+    for p in (256, 512, 1024):
+        out.append(("stragglers", p, "0:0.625", "rank 0 at 0.625"))
+        for f in (0.75, 0.5):
+            out.append(("server", p, f"0-7:{f:g}", f"ranks 0-7 at {f:g}"))
+        for lo, seed in ((0.5, 7), (0.1, 4)):
+            out.append(("random", p, _random(p, lo, seed), f"seed {seed}, f uniform in [{lo}, 1)"))
+    return out
 
 
 def verify_profile(name: str, p: int, links: Links) -> bool:
@@ -110,10 +124,13 @@ def measure(
     size: int = 1 << 30,
     bw: float = 50e9,
     check: bool = True,
+    algorithms: Sequence[str] = ("optcc", "r2ccl"),
 ) -> dict[str, Any]:
     """One profile: the bound, OptCC's plan and simulated time, R2CCL's model and
-    simulated time, and (``check``) the verifier's verdict on both schedules."""
-    from optcc_mpi import algorithms, model
+    simulated time (of those in ``algorithms``), and (``check``) the verifier's verdict
+    on both schedules."""
+    from optcc_mpi import algorithms as registry
+    from optcc_mpi import model
     from optcc_mpi.algorithms import optcc as optcc_alg
     from optcc_mpi.simulate import simulate
 
@@ -133,11 +150,11 @@ def measure(
         "bound_over_ff": bound / ff,
         "plan_over_bound": plan.time * size / bw / bound,
         "attached": list(plan.attached),
-        "ring_model_over_bound": algorithms.get("ring").time(p, size, bw, links) / bound,
+        "ring_model_over_bound": registry.get("ring").time(p, size, bw, links) / bound,
     }
     row["r2ccl_helper_s"] = r2ccl_helper_time(p, size, bw, links)
-    for name in ("optcc", "r2ccl"):
-        alg = algorithms.get(name)
+    for name in algorithms:
+        alg = registry.get(name)
         t0 = time.perf_counter()
         sched = alg.build(p, size // 4, links)
         t1 = time.perf_counter()
@@ -190,29 +207,39 @@ def markdown(rows: Sequence[dict[str, Any]], command: str = "") -> str:
         for r in mine:
             ok = [r.get("optcc_verified"), r.get("r2ccl_verified")]
             verdict = "-" if None in ok else ("yes" if all(ok) else "NO")
+            if "r2ccl_over_model" in r:
+                r2 = (
+                    f"{_x(r['r2ccl_over_model'])} | "
+                    f"{_x(r['r2ccl_helper_s'] / r['r2ccl_model_s'])} | {_x(r['r2ccl_over_bound'])}"
+                )
+            else:
+                r2 = "- | - | -"
             out.append(
                 f"| {r['p']} | {r['profile']} | {_x(r['bound_over_ff'])} | "
                 f"{_x(r['plan_over_bound'])} | {_x(r['optcc_over_bound'])} | {r['optcc_k']} | "
-                f"{_x(r['r2ccl_over_model'])} | {_x(r['r2ccl_helper_s'] / r['r2ccl_model_s'])} | "
-                f"{_x(r['r2ccl_over_bound'])} | {verdict} |"
+                f"{r2} | {verdict} |"
             )
         out.append("")
     if rows:
         worst_o = max(rows, key=lambda r: r["optcc_over_bound"])
-        worst_r = max(rows, key=lambda r: abs(r["r2ccl_over_model"] - 1))
-        checked = [r for r in rows if "optcc_verified" in r]
         out += [
             f"Worst OptCC / bound: {_x(worst_o['optcc_over_bound'])} "
             f"({worst_o['family']}, p = {worst_o['p']}, {worst_o['profile']}); "
             f"worst plan / bound: {_x(max(r['plan_over_bound'] for r in rows))}.",
             "",
-            f"Worst R2CCL / model: {_x(worst_r['r2ccl_over_model'])} "
-            f"({worst_r['family']}, p = {worst_r['p']}, {worst_r['profile']}).",
-            "",
-            f"Verified: {sum(r['optcc_verified'] and r['r2ccl_verified'] for r in checked)} "
-            f"of {len(checked)} profiles checked.",
-            "",
         ]
+        with_r2 = [r for r in rows if "r2ccl_over_model" in r]
+        if with_r2:
+            worst_r = max(with_r2, key=lambda r: abs(r["r2ccl_over_model"] - 1))
+            out += [
+                f"Worst R2CCL / model: {_x(worst_r['r2ccl_over_model'])} "
+                f"({worst_r['family']}, p = {worst_r['p']}, {worst_r['profile']}).",
+                "",
+            ]
+        checked = [r for r in rows if "optcc_verified" in r and "r2ccl_verified" in r]
+        if checked:
+            n_ok = sum(r["optcc_verified"] and r["r2ccl_verified"] for r in checked)
+            out += [f"Verified: {n_ok} of {len(checked)} profiles checked.", ""]
     return "\n".join(out)
 
 
@@ -224,6 +251,7 @@ def run(
     check: bool,
     out: Path | None,
     progress: bool = True,
+    algorithms: Sequence[str] = ("optcc", "r2ccl"),
 ) -> list[dict[str, Any]]:
     """Measure each profile, appending a JSON line per profile to ``out/profiles.jsonl``."""
     from optcc_mpi.progress import Progress
@@ -237,7 +265,7 @@ def run(
         lines = (out / "profiles.jsonl").open("w")
     try:
         for prof in todo:
-            row = measure(prof, size=size, bw=bw, check=check)
+            row = measure(prof, size=size, bw=bw, check=check, algorithms=algorithms)
             rows.append(row)
             if lines is not None:
                 lines.write(json.dumps(row) + "\n")
@@ -257,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         epilog="examples:\n"
         "  python -m optcc_mpi.lab.profiles --out docs/profiles     # all (minutes)\n"
-        "  python -m optcc_mpi.lab.profiles --family server --max-p 32 --no-verify\n",
+        "  python -m optcc_mpi.lab.profiles --family server --max-p 32 --no-verify\n"
+        "  python -m optcc_mpi.lab.profiles --large --out docs/profiles/large   # p = 256-1024\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--family", action="append", choices=FAMILIES, help="repeatable; default all")
@@ -265,17 +294,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=1 << 30, help="bytes per rank (default 1 GiB)")
     ap.add_argument("--bw", type=float, default=50e9, help="healthy rate, bytes/s (50e9)")
     ap.add_argument("--no-verify", action="store_true", help="skip the verifier")
+    ap.add_argument(
+        "--large",
+        action="store_true",
+        help="the profiles at p = 256 to 1024 instead (OptCC only, not verified: the "
+        "verifier's cost grows as operations x p, and R2CCL's helper under a random "
+        "vector carries every other rank's tail)",
+    )
     ap.add_argument("--out", type=Path, help="write profiles.jsonl and profiles.md here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    chosen = [x for x in families(args.max_p) if not args.family or x[0] in args.family]
+    pool = large_families() if args.large else families(args.max_p)
+    chosen = [x for x in pool if not args.family or x[0] in args.family]
     rows = run(
         chosen,
         size=args.size,
         bw=args.bw,
-        check=not args.no_verify,
+        check=not (args.no_verify or args.large),
         out=args.out,
         progress=not args.no_progress,
+        algorithms=("optcc",) if args.large else ("optcc", "r2ccl"),
     )
     cmd = "python -m optcc_mpi.lab.profiles " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(rows, cmd.strip())
