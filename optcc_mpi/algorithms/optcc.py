@@ -249,13 +249,13 @@ def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     attached = (w <= TINY_SHARE * w.max()) & (w < w.max())
     if attached.any() and attach_time(attached) > t * (1.0 + ATTACH_TOL):
         attached = w == 0.0
-    if attached.any():
+    if (~attached).sum() > DIRECT_OWNERS:
+        # More owners than a direct exchange handles: they form a grid, whose columns
+        # need equal shares; choose among plans that suit a grid (see _grid_plan).
+        w, t = _grid_plan(f, t0, attached)
+    elif attached.any():
         t = attach_time(attached)
         w = _shares(f, t, attached)
-    # With more owners than a direct exchange handles the owners form a grid, whose
-    # columns need equal shares: choose among plans that suit a grid (see _grid_plan).
-    if (~attached).sum() > DIRECT_OWNERS:
-        w, t = _grid_plan(f, t0, attached)
     if w.sum() <= 0:  # pragma: no cover - sum of loads is 2(p-1) > p
         raise PlanError(f"OptCC plan: no rank can own anything under {f_tuple}")
     w = w / w.sum()
@@ -297,11 +297,7 @@ def _grid_plan(f: np.ndarray, bound: float, base: np.ndarray) -> tuple[np.ndarra
 
     def score(rate: np.ndarray, t: float, att: np.ndarray) -> tuple[float, np.ndarray]:
         w = _shares(rate, t, att)
-        w = np.round(w / w.sum(), 12)
-        plan = OptccPlan(tuple(float(x) for x in w / w.sum()), t)
-        a, b = _grid_shape(plan, "auto")
-        per = _ops_per_segment(p, a, b, len(plan.attached))
-        k = max(1, min(128, MAX_AUTO_OPS // max(per, 1)))
+        k = max(1, min(128, MAX_AUTO_OPS // max(_grid_cost(w), 1)))
         own = w[w > 0]
         return t * (1.0 + (GRID_C0 + 1.0 - own.min() / own.max()) / k), w
 
