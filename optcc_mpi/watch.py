@@ -53,7 +53,14 @@ speed once it recovers (on the testbed, a recovered rank under OptCC's plan for 
 like 0.6 to 0.77, against 0.51 to 0.58 while it stayed slow). So rises count from half the
 threshold (the profile climbs to what was measured, and the next plan shows more), and a
 rank measured faster than the profile by more than ``threshold`` is taken as healthy; if
-it is not, the ring that follows measures it in full.
+it is not, the ring that follows measures it in full. A plan that loads a rank at exactly
+the fraction the profile gives it can also show exactly that fraction once the rank has
+recovered (on the 4-rank testbed a recovered rank settled at 0.73-0.74 under the plan for
+0.74): so after ``explore`` calls under an unchanged degraded profile one call runs as if
+every link were healthy (the ring, which loads every rank alike, as when the degradation
+was found), and where that call measures a rank faster than the profile says, its
+measurement is adopted at once (noise only makes a rank look slower); otherwise the
+profile stays and the next exploration waits twice as long (up to ``explore_max``).
 Every input of the decision is in the gathered rows, identical on every rank, so every
 rank decides the same at the same call.
 
@@ -260,12 +267,20 @@ class LinkWatch:
         Consecutive calls that must show the departure.
     healthy_above : float
         Measured fractions at or above this count as healthy.
+    explore : int
+        Calls under an unchanged degraded profile before one call runs on the healthy
+        profile to measure every rank alike (0: never); doubled after each exploration
+        that finds the profile right, up to ``explore_max``.
+    explore_max : int
+        The longest wait between explorations.
     """
 
     p: int
     threshold: float = 0.2
     confirm: int = 2
     healthy_above: float = 0.8
+    explore: int = 4
+    explore_max: int = 64
     profile: Links = field(default_factory=Links)
     calls: int = 0
     changes: list[tuple[int, Links]] = field(default_factory=list)
@@ -276,13 +291,24 @@ class LinkWatch:
     _layout: MessageLayout | None = None
     #: The measurements of the current run of departing calls.
     _recent: list[np.ndarray] = field(default_factory=list)
+    #: Calls since the profile last changed or was explored, the wait before the next
+    #: exploration, and whether the last call was one.
+    _steady: int = 0
+    _gap: int = 0
+    _exploring: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
             raise ValueError(f"watch: threshold {self.threshold!r} must be in (0, 1)")
         if self.confirm < 1:
             raise ValueError(f"watch: confirm {self.confirm!r} must be at least 1")
+        if self.explore < 0 or self.explore_max < self.explore:
+            raise ValueError(
+                f"watch: explore {self.explore!r} must be at least 0 and at most "
+                f"explore_max {self.explore_max!r}"
+            )
         self._mine = np.zeros(self.p)
+        self._gap = self.explore
 
     @property
     def length(self) -> int:
@@ -323,11 +349,20 @@ class LinkWatch:
             v = self.observed(gathered)
         self._values, self._layout = None, None
         measured = self.measured = self.estimate(v)
+        explored, self._exploring = self._exploring, False
         if measured is None:
             self._recent = []
             return self.profile
         cur = self.profile.vector(self.p)
         new = measured.vector(self.p)
+        if explored:
+            # The last call loaded every rank alike: a rank it shows faster than the
+            # profile says is at least that fast.
+            self._recent = []
+            if np.any(new - cur > self.threshold / 2):
+                return self._adopt(np.where(new >= self.healthy_above, 1.0, new))
+            self._steady, self._gap = 0, min(2 * self._gap, self.explore_max)
+            return self.profile
         # A measured rate is a lower bound: a rank the plan gives little traffic never
         # shows its full speed. So a rank measured clearly faster than the profile says
         # has recovered by more than we can see: it counts as healthy, and the plan that
@@ -335,7 +370,7 @@ class LinkWatch:
         new = np.where(new > cur + self.threshold, 1.0, new)
         if not self._departs(new, cur):
             self._recent = []
-            return self.profile
+            return self._steady_call()
         self._recent = [*self._recent, new][-self.confirm :]
         if len(self._recent) < self.confirm:
             return self.profile
@@ -343,11 +378,28 @@ class LinkWatch:
         # the elementwise maximum of the streak's measurements is the tightest bound.
         best = np.max(self._recent, axis=0)
         best = np.where(best >= self.healthy_above, 1.0, best)
-        if self._departs(best, cur):
-            self.profile = Links({r: float(f) for r, f in enumerate(best) if f < 1.0})
-            self.changes.append((self.calls, self.profile))
         self._recent = []
+        if self._departs(best, cur):
+            return self._adopt(best)
         return self.profile
+
+    def _adopt(self, fracs: np.ndarray) -> Links:
+        """Make ``fracs`` the profile from this call on."""
+        self.profile = Links({r: float(f) for r, f in enumerate(fracs) if f < 1.0})
+        self.changes.append((self.calls, self.profile))
+        self._steady, self._gap = 0, self.explore
+        return self.profile
+
+    def _steady_call(self) -> Links:
+        """The profile for a call that found it right; every so often under a degraded
+        profile, the healthy one instead, so that the call measures every rank alike."""
+        if not self.profile.fractions or not self.explore:
+            return self.profile
+        self._steady += 1
+        if self._steady < self._gap:
+            return self.profile
+        self._steady, self._exploring = 0, True
+        return Links()
 
     def _departs(self, new: np.ndarray, cur: np.ndarray) -> bool:
         """Whether ``new`` departs from ``cur``: some rank slower by more than

@@ -171,7 +171,7 @@ def test_a_rank_that_measures_faster_climbs_back() -> None:
     # Degraded and still slow: OptCC's plan lets it show a little more than the profile
     # (0.51-0.58 on the testbed for 0.5), which changes nothing ...
     p = 8
-    w = LinkWatch(p, confirm=2)
+    w = LinkWatch(p, confirm=2, explore=0)  # without explorations (next test)
     w.profile = Links({3: 0.5})
     v = np.full(p, 100 * MB)
     for seen in (0.56, 0.58, 0.55, 0.57):
@@ -184,6 +184,35 @@ def test_a_rank_that_measures_faster_climbs_back() -> None:
         v[3] = seen * 100 * MB
         got.append(w.agree(v))
     assert got == [Links({3: 0.5}), Links({3: 0.66}), Links({3: 0.66}), Links()]
+
+
+def test_exploration_measures_every_rank_alike() -> None:
+    """Under a degraded profile that the calls keep confirming (a plan that loads a rank
+    at its believed fraction shows that fraction, recovered or not), every ``explore``-th
+    call runs on the healthy profile; a rank that call shows faster is adopted at once,
+    and a profile it confirms waits twice as long for the next exploration."""
+    p = 8
+    w = LinkWatch(p, confirm=2, explore=3, explore_max=6)
+    w.profile = Links({3: 0.74})
+    v = np.full(p, 100 * MB)
+    v[3] = 74 * MB  # what the plan for 0.74 lets it show
+    got = [w.agree(v) for _ in range(3)]
+    assert got == [Links({3: 0.74})] * 2 + [Links()]  # the third call explores
+    # Still slow under the ring: the profile stays, the next exploration 6 calls on.
+    v[3] = 50 * MB
+    assert w.agree(v) == Links({3: 0.74})  # what the exploration measured: it stays
+    v[3] = 74 * MB
+    got = [w.agree(v) for _ in range(6)]
+    assert got == [Links({3: 0.74})] * 5 + [Links()]
+    assert w.changes == []
+    # Recovered: the ring shows it in full, adopted on that one measurement.
+    v[3] = 97 * MB
+    assert w.agree(v) == Links()
+    assert w.changes == [(w.calls, Links())]
+    # A healthy profile never explores.
+    assert [w.agree(v) for _ in range(10)] == [Links()] * 10
+    with pytest.raises(ValueError, match="explore"):
+        LinkWatch(4, explore=8, explore_max=4)
 
 
 def test_busy_time_is_the_union_of_intervals() -> None:
