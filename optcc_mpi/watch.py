@@ -357,10 +357,12 @@ class LinkWatch:
         new = measured.vector(self.p)
         if explored:
             # The last call loaded every rank alike: a rank it shows faster than the
-            # profile says is at least that fast.
+            # profile says is at least that fast. Only the rises are taken on this one
+            # measurement (noise only makes a rank look slower); a rank it shows slower
+            # has to depart in calls of its own.
             self._recent = []
             if np.any(new - cur > self.threshold / 2):
-                return self._adopt(np.where(new >= self.healthy_above, 1.0, new))
+                return self._adopt(np.maximum(cur, new))
             self._steady, self._gap = 0, min(2 * self._gap, self.explore_max)
             return self.profile
         # A measured rate is a lower bound: a rank the plan gives little traffic never

@@ -205,10 +205,13 @@ def test_exploration_measures_every_rank_alike() -> None:
     got = [w.agree(v) for _ in range(6)]
     assert got == [Links({3: 0.74})] * 5 + [Links()]
     assert w.changes == []
-    # Recovered: the ring shows it in full, adopted on that one measurement.
+    # Recovered: the ring shows it in full, adopted on that one measurement; a dip of
+    # another rank in the same call is not (it would need calls of its own).
     v[3] = 97 * MB
+    v[5] = 60 * MB
     assert w.agree(v) == Links()
     assert w.changes == [(w.calls, Links())]
+    v[5] = 100 * MB
     # A healthy profile never explores.
     assert [w.agree(v) for _ in range(10)] == [Links()] * 10
     with pytest.raises(ValueError, match="explore"):
