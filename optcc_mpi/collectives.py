@@ -40,6 +40,10 @@ more collective, so that every rank's exception names the rank and value at faul
 
 With ``check=False`` the agreement is skipped (then the ranks must pass the same
 arguments, and ``check`` itself must be the same on every rank).
+
+The commonest short call (NumPy arrays, default arguments, a size that already travelled
+in the check) runs all of the above in C (:mod:`optcc_mpi.fastcall`): the same header,
+the same collective, the same rank-order sums, at about the library's own latency.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from optcc_mpi import agreement, algorithms, config
+from optcc_mpi import agreement, algorithms, config, fastcall
 from optcc_mpi.algorithms._policy import SMALL_BYTES
 from optcc_mpi.backend import (
     _CATEGORY,
@@ -75,7 +79,7 @@ from optcc_mpi.backend import (
     result_like,
     to_keys,
 )
-from optcc_mpi.comm import FOLD_MIN, FOLD_TOTAL, CommState, state_of
+from optcc_mpi.comm import _BY_HANDLE, FOLD_MIN, FOLD_TOTAL, CommState, state_of
 from optcc_mpi.emulation import ENV_EMULATE, Emulation, forced_fraction
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.executor import ExecStats, execute
@@ -361,6 +365,26 @@ def allreduce(
     Results are deterministic and bit-identical on every rank: every schedule fixes the
     order of every reduction. See :mod:`optcc_mpi.backend` for NaN and signed zeros.
     """
+    if (
+        (check is True or check is False)
+        and algorithm == "auto"
+        and links is None
+        and emulate is None
+        and params is None
+    ):
+        # The compiled path (optcc_mpi.fastcall) for NumPy arrays: it takes the call, or
+        # declines having touched nothing.
+        if type(sendbuf) is _NDARRAY:
+            if type(recvbuf) is _NDARRAY:
+                if _compiled(sendbuf, recvbuf, op, comm, check):
+                    return recvbuf
+            elif recvbuf is None:
+                out = np.empty_like(sendbuf)
+                if _compiled(sendbuf, out, op, comm, check):
+                    return out
+        elif (sendbuf is IN_PLACE or sendbuf is None) and type(recvbuf) is _NDARRAY:
+            if _compiled(recvbuf, recvbuf, op, comm, check):
+                return recvbuf
     st = state_of(comm)
     p = st.size
     err: BaseException | None = None
@@ -492,6 +516,8 @@ def allreduce(
             result, flat_out = result_like(sendbuf, flat_in, backend)
         _reduce_gathered(st, opn, dtype, nbytes, flat_out)
         _last[0] = (plan[0], plan[1], None, link_obj, emu, params, True)
+        if link_obj is _HEALTHY and emu is None and not params and backend is _NUMPY:
+            _enable_compiled(st, dtype, nbytes, plan)
         return result
     watch = None
     if link_obj is PROBE:
@@ -527,6 +553,8 @@ def allreduce(
         # what auto returns never depends on which calls came before.
         _gather_reduce(st, opn, flat_in, flat_out, backend)
         _last[0] = (name_run, sched, None, link_obj, emu, params, False)
+        if link_obj is _HEALTHY and not params and backend is _NUMPY:
+            _enable_compiled(st, dtype, nbytes, plan)
         return result
     if not in_place:
         backend.copyto(flat_out, flat_in)
@@ -576,6 +604,96 @@ def allreduce(
             canonical_nans(xp, flat_out)
     _last[0] = (name_run, sched, stats, link_obj, emu, params, False)
     return result
+
+
+# -- the compiled call path ----------------------------------------------------------------------
+_NDARRAY = np.ndarray
+_MPI_COMM = MPI.Comm
+_WORLD_HANDLE = MPI.COMM_WORLD.handle
+_ENV_KEY_LINKS = os.environ.encodekey(ENV_LINKS)
+_ENV_KEY_EMULATE = os.environ.encodekey(ENV_EMULATE)
+#: The header of a short call on the compiled path, with the call's own fields zero.
+_COMPILED_HEADER = (_PROTOCOL, 0, 0, 0, 0, _AUTO_CODE, 0, 0, _NUMPY_CODE, 0, 0, 0)
+
+
+def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Any) -> None:
+    """After a short call whose data travelled in the check with default arguments:
+    let the next such calls of this size and type take the compiled path."""
+    if _ENV_DATA is None or not fastcall.available():
+        return
+    key = (nbytes, dtype)
+    if key not in st.folds:
+        st.remember(st.folds, key, plan)
+    if st.fast is None:
+        limit = max(FOLD_MIN, FOLD_TOTAL // st.size)
+        st.fast = fastcall.context(st, _COMPILED_HEADER, FOLD_MIN, limit)
+
+
+def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, check: bool) -> bool:
+    """Run the call on the compiled path (:mod:`optcc_mpi.fastcall`) if it can take it;
+    False when it declined, having touched nothing (the Python path then runs the call).
+
+    The caller checked the arguments that must be at their defaults. Here: the
+    communicator's state exists with a context for its current check room, which the
+    ranks agreed for this call (every rank derives it from the previous call's headers),
+    no environment variable changes the call, and an earlier call of this size and type
+    was one whose data travels in that room (``auto`` hands it to the MPI library). With
+    ``check=False`` the same gather runs without comparing the headers: the room is the
+    one the Python path's gather uses for this size (``_capacity``), so ranks on either
+    path move blocks of one shape."""
+    if comm is None:
+        st = _BY_HANDLE.get(_WORLD_HANDLE)
+    elif isinstance(comm, _MPI_COMM):
+        st = _BY_HANDLE.get(comm.handle)
+    else:
+        return False
+    if st is None or st.fast is None or (check and st.next_capacity != st.capacity):
+        return False  # (without the check, the room is _capacity's: the C side checks it)
+    opc = _OP_CODE.get(op) if type(op) is str else None
+    if (
+        opc is None
+        or _ENV_DATA.get(_ENV_KEY_LINKS) is not None
+        or _ENV_DATA.get(_ENV_KEY_EMULATE) is not None
+    ):
+        return False
+    dtype = sendbuf.dtype
+    nbytes = sendbuf.nbytes
+    plan = st.folds.get((nbytes, dtype))
+    if plan is None:
+        return False
+    answer = _FOLD(st.fast, sendbuf, recvbuf, opc, check)
+    if answer == fastcall.FALLBACK:
+        return False
+    if answer == fastcall.GATHERED:  # agreed; a reduction the C path leaves to NumPy
+        _reduce_gathered(st, op, dtype, nbytes, _numpy_flat(recvbuf, "recvbuf"))
+    elif answer == fastcall.MISMATCH:
+        # As the Python path: every rank saw the same headers, so the same next room and
+        # the same error (the ranks on the Python path raise it from _agree).
+        table = st.heads.copy().view("<i8")
+        st.next_capacity = FOLD_MIN
+        scope = {
+            "count": sendbuf.size,
+            "name": _NAME_OF[dtype],
+            "opn": op,
+            "algorithm": "auto",
+            "link_obj": _HEALTHY,
+            "emu": None,
+            "backend": _NUMPY,
+            "params": None,
+        }
+        _disagreement(st, None, table, None, scope)
+    elif answer != fastcall.DONE:
+        raise MPI.Exception(-1000 - answer)
+    _last[0] = (plan[0], plan[1], None, _HEALTHY, None, None, bool(check))
+    return True
+
+
+def _fold_function() -> Any:
+    mod = fastcall._module()
+    return mod[0].fold if mod is not None else None
+
+
+_FOLD = _fold_function()
 
 
 def _watch_of(st: CommState) -> Any:
@@ -704,6 +822,11 @@ def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any
 
 def _reduce_gathered(st: CommState, opn: str, dtype: np.dtype, nbytes: int, out: Any) -> None:
     """Reduce every rank's data from the agreement's gather into ``out``, in rank order."""
+    kind = fastcall.reduce_kind(_NAME_OF.get(dtype, "")) if opn == "sum" else 0
+    if kind and st.size > 1:
+        # The loop of the compiled path, so that both paths give the same bits.
+        fastcall.sum_rows(kind, out, st.gathered, HEADER_BYTES)
+        return
     views = st.views.get((dtype, nbytes))
     rows = views[1] if views is not None else _fold_views(st, dtype, nbytes)[1]
     if opn == "sum" and dtype not in _LOW_PRECISION:

@@ -80,6 +80,8 @@ class CommState:
         "watch",
         "chosen",
         "plans",
+        "folds",
+        "fast",
         "transport",
         "__weakref__",
     )
@@ -113,6 +115,11 @@ class CommState:
         self.watch: Any = None
         self.chosen: dict[Any, str] = {}
         self.plans: dict[Any, Any] = {}
+        # The compiled call path (optcc_mpi.fastcall): the plans of the short calls whose
+        # data travelled in the check, by (bytes, dtype), and its context for the current
+        # check buffers (None until made, and again whenever they are reallocated).
+        self.folds: dict[Any, Any] = {}
+        self.fast: Any = None
 
     def free(self) -> None:
         """Free the private duplicate (called by MPI when the communicator is freed)."""
@@ -180,6 +187,7 @@ class CommState:
             self.gathered = np.zeros((self.size, width), dtype=np.uint8)
             self.heads = self.gathered[:, :header_bytes]
             self.views = {}
+            self.fast = None
 
 
 def _keyval() -> Any:

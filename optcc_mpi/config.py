@@ -50,6 +50,13 @@ _ALL = (
         "collectives",
     ),
     Variable(
+        "OPTCC_FASTCALL",
+        "1",
+        "`0` turns off the compiled call path of short `allreduce` calls "
+        "(`optcc_mpi.fastcall`; the Python path gives the same results).",
+        "collectives",
+    ),
+    Variable(
         "OPTCC_CUDA_AWARE",
         None,
         "`1`/`0`: force whether the MPI library is taken as CUDA-aware (default: detected).",

@@ -1,0 +1,150 @@
+"""The compiled call path of a short AllReduce.
+
+A short :func:`optcc_mpi.allreduce` is one ``MPI_Allgather`` that carries the argument
+check and the data together (:mod:`optcc_mpi.collectives`). In Python the bookkeeping
+around that collective (validating two buffers, packing and comparing the headers,
+reducing the rows) costs about three times the collective itself at two ranks on shared
+memory. ``_fastcall.c`` does the same work in C for the commonest call: NumPy arrays for
+both ``sendbuf`` and ``recvbuf``, ``op`` given by name, every other argument at its
+default and neither ``$OPTCC_LINKS`` nor ``$OPTCC_EMULATE`` set, on a communicator of 2 to
+:data:`~optcc_mpi.collectives.GATHER_MAX_P` ranks whose last call left the check room this
+message needs. It writes the same header, byte for byte, as the Python path, so ranks on
+either path agree with each other, and it declines (before touching anything) whatever
+else it is given: the Python path then runs the whole call, errors included.
+
+The extension is optional and never links MPI. It calls the ``MPI_Allgather`` that
+mpi4py's own extension module resolves (looked up through that module's handle with
+``dlsym``, so it is the very library mpi4py uses, MPICH or Open MPI or the standard ABI),
+with handles of the size that library uses. Where the extension was not built (no C
+compiler), was built from another version of its source, or the MPI library's entry
+cannot be found, :func:`available` is False and the Python path runs every call, with
+the same results. ``OPTCC_FASTCALL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import importlib.machinery
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from optcc_mpi import config
+
+__all__ = ["available", "context", "reduce_kind", "sum_rows"]
+
+#: fold()'s answers (``_fastcall.c``).
+FALLBACK, DONE, GATHERED, MISMATCH = -1, 0, 1, 2
+#: The rank-order sums done in C, by our dtype name (``_fastcall.c``'s RED_*).
+_SUM_KINDS = {"float32": 1, "float64": 2, "int32": 3, "int64": 4}
+
+
+def _built(here: Path) -> Any:
+    """The extension module if it was built from the source beside it (or there is no
+    source beside it, as in a wheel), else None."""
+    if not any((here / f"_fastcall{s}").exists() for s in importlib.machinery.EXTENSION_SUFFIXES):
+        return None
+    try:
+        ext = importlib.import_module("optcc_mpi._fastcall")
+    except ImportError:  # pragma: no cover - a library built for another interpreter
+        return None
+    src = here / "_fastcall.c"
+    if src.exists() and getattr(ext, "SOURCE", "") != hashlib.sha256(src.read_bytes()).hexdigest():
+        return None  # a checkout whose C source changed since the install
+    return ext
+
+
+@functools.lru_cache(maxsize=1)
+def _module() -> Any:
+    """The extension and the address of mpi4py's MPI_Allgather, or None."""
+    if (config.get("OPTCC_FASTCALL") or "1").strip() == "0" or sys.byteorder != "little":
+        return None
+    ext = _built(Path(__file__).parent)
+    if ext is None:
+        return None
+    try:
+        mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1)
+        # dlsym through mpi4py's own module finds the MPI library that module calls.
+        lib = ctypes.CDLL(MPI.__file__, mode=mode)
+        address = ctypes.cast(lib.MPI_Allgather, ctypes.c_void_p).value
+    except (OSError, AttributeError):  # pragma: no cover - a platform without dlsym
+        return None
+    size = MPI._sizeof(MPI.Comm)
+    if not address or size not in (4, ctypes.sizeof(ctypes.c_void_p)):
+        return None  # pragma: no cover
+    return ext, address, size
+
+
+def available() -> bool:
+    """Whether short AllReduces take the compiled path (see the module docstring)."""
+    return _module() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _formats() -> tuple[tuple[str, int, int, int, int], ...]:
+    """Per element type the C path handles: (buffer format, dtype code of the header,
+    itemsize, mask of the ops defined on it, sum kind). A format two of our types share
+    is left out (the Python path tells them apart)."""
+    from optcc_mpi.backend import DTYPES, OPS, check_op_dtype
+    from optcc_mpi.errors import ArgumentError
+
+    rows: dict[str, tuple[str, int, int, int, int]] = {}
+    clash: set[str] = set()
+    for code, (name, dt) in enumerate(DTYPES.items()):
+        try:
+            fmt = memoryview(np.empty(1, dtype=dt)).format
+        except (TypeError, ValueError, BufferError):  # pragma: no cover - no buffer format
+            continue
+        mask = 0
+        for i, op in enumerate(OPS):
+            try:
+                check_op_dtype(op, name)
+            except ArgumentError:
+                continue
+            mask |= 1 << i
+        if fmt in rows or len(fmt) >= 8:
+            clash.add(fmt)
+        rows[fmt] = (fmt, code, dt.itemsize, mask, _SUM_KINDS.get(name, 0))
+    return tuple(row for fmt, row in rows.items() if fmt not in clash)
+
+
+def context(st: Any, header: tuple[int, ...], fold_min: int, limit: int) -> Any:
+    """The C context for communicator state ``st`` and its current check buffers, or
+    None without the extension. ``header``: the 12 header fields, those of the call
+    zero."""
+    mod = _module()
+    if mod is None or st.block is None or not 1 < st.size:
+        return None
+    ext, address, size = mod
+    return ext.make(
+        address,
+        size,
+        MPI._handleof(st.private),
+        MPI._handleof(MPI.BYTE),
+        st.size,
+        st.capacity,
+        fold_min,
+        limit,
+        st.block,
+        st.gathered,
+        header,
+        _formats(),
+    )
+
+
+def reduce_kind(name: str) -> int:
+    """The C sum for dtype ``name`` (0: none)."""
+    return _SUM_KINDS.get(name, 0) if _module() is not None else 0
+
+
+def sum_rows(kind: int, out: np.ndarray, gathered: np.ndarray, offset: int) -> None:
+    """``out`` = the rank-order sum of ``gathered[:, offset:offset + out.nbytes]``, by the
+    same C loop as the compiled call path (so that both give the same bits)."""
+    _module()[0].reduce(kind, out, gathered, offset, gathered.shape[1], gathered.shape[0])
