@@ -165,6 +165,31 @@ def test_grid_plan_fits_a_square_grid(p: int, profile: str) -> None:
     assert np.all(counts[1] % a == 0)
 
 
+@pytest.mark.parametrize(
+    "p, lo, column", [(1024, 0.1, True), (512, 0.1, True), (1024, 0.5, False), (256, 0.1, False)]
+)
+def test_column_fold_where_it_buys_segments(p: int, lo: float, column: bool) -> None:
+    """Many attached ranks among a grid's owners fold one block per column when that at
+    least doubles the segments the operation budget allows, and never otherwise (a
+    degraded server or few attached ranks keep a section into every owner)."""
+    links = {r: float(v) for r, v in enumerate(np.random.default_rng(4).uniform(lo, 1.0, p))}
+    plan = optcc_alg.optcc_plan(p, links)
+    a, b = optcc_alg._grid_shape(plan, "auto")
+    m = len(plan.attached)
+    assert optcc_alg.column_fold(a, "fold", m, b) is column
+    per_owner = optcc_alg._ops_per_segment(p, a, b, m, "closer")  # a section per owner
+    chosen = optcc_alg._ops_per_segment(p, a, b, m)
+    k_owner = optcc_alg.MAX_AUTO_OPS // per_owner
+    if column:
+        assert min(128, optcc_alg.MAX_AUTO_OPS // chosen) >= 2 * k_owner and m > a
+    else:
+        assert chosen == per_owner
+    for server in ("0-7:0.5", "0:0.625"):
+        plan = optcc_alg.optcc_plan(p, server)
+        a, b = optcc_alg._grid_shape(plan, "auto")
+        assert not optcc_alg.column_fold(a, "fold", len(plan.attached), b)
+
+
 def test_plan_explained() -> None:
     text = optcc_alg.explain_plan(16, "0-7:0.5")
     assert "0-7" in text and "8-15" in text and "grid" in text

@@ -104,6 +104,31 @@ def test_optcc_grid_plans(monkeypatch: pytest.MonkeyPatch, p: int, links: str) -
         optcc_alg._plan.cache_clear()
 
 
+@pytest.mark.parametrize("p, links", [(28, "0-15:0.1"), (32, "0-19:0.1,25:0.5"), (27, "0-14:0.08")])
+def test_optcc_column_fold(monkeypatch: pytest.MonkeyPatch, p: int, links: str) -> None:
+    """Attached ranks folding whole column blocks into one owner per column (chosen where
+    it at least doubles the segments the operation budget allows), at small p by lowering
+    the direct-exchange limit and the budget; segments beyond the scratch slots."""
+    monkeypatch.setattr(optcc_alg, "DIRECT_OWNERS", 6)
+    monkeypatch.setattr(optcc_alg, "MAX_AUTO_OPS", 20_000)
+    optcc_alg._plan.cache_clear()
+    try:
+        sched = algorithms.build("optcc", p, 11 * p + 3, links, k=12)
+        a, b = sched.params["grid"]
+        assert a > 1 and sched.params["fold"] == "column", sched.params
+        verify(sched)
+        # The budget that chose it also sizes the schedule: fewer operations per segment
+        # than with a section into every owner.
+        m = p - a * b
+        assert m > a  # several attached ranks per owner of a column
+        assert sched.n_ops <= 12 * optcc_alg._ops_per_segment(p, a, b, m) + 1
+        assert optcc_alg._ops_per_segment(p, a, b, m) < optcc_alg._ops_per_segment(
+            p, a, b, m, "closer"
+        )
+    finally:
+        optcc_alg._plan.cache_clear()
+
+
 @pytest.mark.parametrize("p", P_ALL)
 def test_r2ccl(p: int) -> None:
     for links in profiles(p)[:: 3 if p >= 24 else 1]:

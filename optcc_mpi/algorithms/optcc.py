@@ -497,16 +497,44 @@ def auto_ramp(k: int) -> int:
     return int(min(8, max(1, round(k / 7))))
 
 
-def _ops_per_segment(p: int, a: int, b: int, m: int) -> int:
+def column_fold(a: int, pattern: str = "fold", m: int = 0, b: int = 1) -> bool:
+    """Whether the ``m`` attached ranks fold whole column blocks into one owner of each
+    column (``_Pipeline._fold_columns``) rather than a section into every owner.
+
+    Only with several rows and the folding pattern, and only where it at least doubles
+    the segments :data:`MAX_AUTO_OPS` allows (derived, ours): the column fold sends ``a``
+    times fewer messages, but in one segment only some of a column's owners take an
+    attached rank's block, each ``a`` sections' worth, so per segment the owners' loads
+    are uneven (even only over ``a`` segments). Simulated (1 GiB, 50 GB/s): a random
+    vector in [0.1, 1) at p = 1024, 114 ranks attached, 17 segments -> 48 and 1.060 ->
+    1.022 of the bound; at equal segments it costs (a degraded server at half rate,
+    p = 256: 1.0002 -> 1.0120)."""
+    if a < 2 or pattern != "fold" or m == 0:
+        return False
+    h = a * b
+    grid_ops = h * 5 * (a + b - 2) + h
+    per_owner = MAX_AUTO_OPS // (grid_ops + 5 * m * h)
+    per_column = MAX_AUTO_OPS // (grid_ops + 5 * m * b)
+    return per_owner < 128 and min(128, per_column) >= 2 * per_owner
+
+
+def _ops_per_segment(p: int, a: int, b: int, m: int, pattern: str = "fold") -> int:
     """Operations one segment adds (upper estimate): per owner and peer of its row and of
     its column a send, a receive and a reduce (reduce-scatter) and a send and a receive
-    (all-gather); per attached rank and owner a send, a receive, a reduce and a return."""
+    (all-gather), and a join; per attached rank and owner it serves (every owner, or one
+    per column with the column fold) a send, a receive, a reduce and a return."""
     h = a * b
-    return h * 5 * (a + b - 2) + 5 * m * h
+    served = b if column_fold(a, pattern, m, b) else h
+    return h * 5 * (a + b - 2) + h + 5 * m * served
 
 
 def choose_segments(
-    nbytes: int, plan: OptccPlan, a: int, *, section_bytes: int = SECTION_BYTES
+    nbytes: int,
+    plan: OptccPlan,
+    a: int,
+    *,
+    section_bytes: int = SECTION_BYTES,
+    pattern: str = "fold",
 ) -> int:
     """Segments k: the pipeline's head and tail cost about one segment (with every owner
     busy, about half of one segment's time each), so as many as fit in
@@ -516,7 +544,7 @@ def choose_segments(
     h = len(plan.owners)
     b = h // a if a else 0
     k = int(np.clip(nbytes // max(1, max(h, 1) * section_bytes), 4, 128))
-    per = max(_ops_per_segment(plan.p, a, b, len(plan.attached)), 1)
+    per = max(_ops_per_segment(plan.p, a, b, len(plan.attached), pattern), 1)
     fits = memory_available() // (BYTES_PER_OP * per)
     return int(max(1, min(k, MAX_AUTO_OPS // per, fits)))
 
@@ -582,8 +610,16 @@ class _Pipeline:
         self.col_base = self.slots * max(self.nb - 1, 0) * max_blk
         self.col_stride = max_sec
         self.fold_base = self.col_base + self.slots * max(self.a - 1, 0) * max_sec
-        self.fold_stride = max_sec
-        self.scratch_end = self.fold_base + self.slots * self.m * max_sec
+        # With several rows an attached rank folds a whole column block into one owner of
+        # the column (column_fold); otherwise one section into every owner.
+        self.colfold = column_fold(self.a, pattern, self.m, self.nb)
+        self.per_owner = -(-self.m // self.a)  # attached ranks an owner serves (column fold)
+        if self.colfold:
+            self.fold_stride = max_blk
+            self.scratch_end = self.fold_base + self.slots * self.per_owner * max_blk
+        else:
+            self.fold_stride = max_sec
+            self.scratch_end = self.fold_base + self.slots * self.m * max_sec
         self.final: dict[int, np.ndarray] = {}
         self.rs_row: dict[int, list[np.ndarray]] = {}
         self.rs_col: dict[int, list[np.ndarray]] = {}
@@ -723,6 +759,9 @@ class _Pipeline:
         scratch (built early, so the owners' receives are posted ahead)."""
         if L < 0 or L >= self.k or self.m == 0:
             return
+        if self.colfold:
+            self._fold_columns(L)
+            return
         b = self.b
         closer = self.closer_of(L)
         slo, shi = self.slo[L].ravel(), self.shi[L].ravel()
@@ -760,7 +799,119 @@ class _Pipeline:
         got = self.returns.get(L)
         if L < 0 or got is None:
             return -1
+        if self.colfold:
+            return [got[u][self._columns(u)]]
         return [got[u].ravel()[self._order(u)]]
+
+    # -- the column fold (several rows) ----------------------------------------------------
+    def _columns(self, u: int) -> np.ndarray:
+        """Columns in the order attached rank ``u`` serves them (rotated, as ``_order``)."""
+        return (np.arange(self.nb) + (u * self.nb) // max(self.m, 1)) % self.nb
+
+    def _row_of(self, u: int, cols: np.ndarray, L: int) -> np.ndarray:
+        """The row of the owner that takes attached rank ``u``'s block of each column in
+        segment ``L``: rotating with the segment, so that over ``a`` segments every owner
+        of a column serves every attached rank once (equal loads on average), and within
+        a segment an owner serves the attached ranks ``u`` with ``(u + c + L) % a`` its
+        row, ``u // a`` its slot."""
+        return (u + cols + L) % self.a
+
+    def _served(self, j: int, L: int) -> np.ndarray:
+        """By owner (a, nb): the attached rank (index into ``att``) it serves in slot ``j``
+        of segment ``L``, or -1."""
+        i = np.arange(self.a)[:, None]
+        c = np.arange(self.nb)[None, :]
+        u = (i - c - L) % self.a + self.a * j
+        return np.where(u < self.m, u, -1)
+
+    def _fold_columns(self, L: int) -> None:
+        """Raw blocks of segment L: attached rank u sends column c's block to one owner of
+        the column (``_row_of``), which adds it to its row-reduced partial before the
+        column reduce-scatter spreads it over the column. An attached rank then sends one
+        message per column instead of one per owner (``a`` times fewer operations: at
+        p = 1024 with half the ranks attached that is what bounded the segments), and an
+        owner still takes about ``m`` sections' worth per segment."""
+        b = self.b
+        slot = L % self.slots
+        old = self.reads.get(("fold", L - self.slots))
+        raw = np.full((self.m, self.nb), -1, dtype=np.int64)
+        rec = np.full((self.per_owner, self.a, self.nb), -1, dtype=np.int64)
+        blo, bhi = self.blo[L][0], self.bhi[L][0]
+        for u in range(self.m):
+            s = int(self.att[u])
+            cols = self._columns(u)
+            rows = self._row_of(u, cols, L)
+            j = u // self.a
+            off = self.fold_base + (slot * self.per_owner + j) * self.fold_stride
+            lo, hi = blo[cols], bhi[cols]
+            sids = b.send(
+                s,
+                self.grid[rows, cols],
+                lo,
+                hi,
+                chan=_C_FOLD,
+                deps=self._done_attached(u, L - self.lag),
+            )
+            rids = b.recv(
+                self.grid[rows, cols],
+                s,
+                off,
+                off + (hi - lo),
+                chan=_C_FOLD,
+                buf=1,
+                deps=-1 if old is None else old[j, rows, cols],
+            )
+            self._paced(s, "send", sids)
+            raw[u, cols] = sids
+            rec[j, rows, cols] = rids
+        self.raw[L] = raw
+        self.fold_recv[L] = rec
+
+    def _add_columns(self, L: int, partial: np.ndarray) -> np.ndarray:
+        """The owners add the raw blocks of segment L to their row-reduced partials, slot by
+        slot (a fixed order); returns each owner's last operation on its block."""
+        rec = self.fold_recv.pop(L, None)
+        reads = np.full((self.per_owner, self.a, self.nb), -1, dtype=np.int64)
+        cur = np.broadcast_to(np.asarray(partial, dtype=np.int64), self.grid.shape).copy()
+        if rec is not None:
+            blo, bhi = self.blo[L], self.bhi[L]
+            for j in range(self.per_owner):
+                got = rec[j] >= 0
+                if not got.any():
+                    continue
+                off = self.fold_base + ((L % self.slots) * self.per_owner + j) * self.fold_stride
+                red = self.b.reduce(
+                    self.grid[got], blo[got], bhi[got], off, sbuf=1, deps=[rec[j][got], cur[got]]
+                )
+                cur[got] = red
+                reads[j][got] = red
+        self.reads[("fold", L)] = reads
+        return cur
+
+    def _return_columns(self, L: int, ready: np.ndarray) -> None:
+        """Each finished block back to the attached ranks that folded into its owner, once
+        the owner holds the whole block (``ready``, by owner)."""
+        raw = self.raw.pop(L, None)
+        rets = np.full((self.m, self.nb), -1, dtype=np.int64)
+        if raw is not None:
+            blo, bhi = self.blo[L][0], self.bhi[L][0]
+            for u in range(self.m):
+                s = int(self.att[u])
+                cols = self._columns(u)
+                rows = self._row_of(u, cols, L)
+                _, rids = self.b.transfer(
+                    self.grid[rows, cols],
+                    s,
+                    blo[cols],
+                    bhi[cols],
+                    chan=_C_RET,
+                    send_deps=ready[rows, cols],
+                    recv_deps=raw[u, cols],
+                )
+                self._paced(s, "recv", rids)
+                rets[u, cols] = rids
+        self.returns[L] = rets
+        self.returns.pop(L - self.lag - 1, None)
 
     def front(self, L: int) -> None:
         """Reduce-scatter of segment L, the attached ranks' folds or close, returns."""
@@ -784,6 +935,10 @@ class _Pipeline:
             send_deps=throttle,
             reduce_after=-1,
         )
+        self.row_done[L] = np.broadcast_to(np.asarray(row_last, dtype=np.int64), G.shape)
+        self.row_done.pop(L - self.row_lag - 1, None)
+        if self.colfold:
+            row_last = self._add_columns(L, row_last)
         self.rs_col[L], final = self._rs_direct(
             L,
             0,
@@ -795,9 +950,12 @@ class _Pipeline:
             send_deps=[row_last, throttle],
             reduce_after=row_last,
         )
-        self.row_done[L] = np.broadcast_to(np.asarray(row_last, dtype=np.int64), G.shape)
-        self.row_done.pop(L - self.row_lag - 1, None)
         final = np.broadcast_to(np.asarray(final, dtype=np.int64), G.shape).copy()
+        if self.colfold:
+            self.final[L] = final
+            self.done_owner[L] = final
+            self.done_owner.pop(L - self.depth - self.ag_lag - 2, None)
+            return
         # S2/S3 fold: the owners add the raw sections in scratch, in attached-rank order.
         rec = self.fold_recv.pop(L, None)
         reads = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
@@ -883,6 +1041,8 @@ class _Pipeline:
             if ret_sends is not None:
                 parts += list(ret_sends)
             deps = self.b.copy(self.grid, blo, np.minimum(blo + 1, bhi), blo, deps=parts)
+        if self.colfold:
+            self._return_columns(L, deps)
         self._ag_direct(
             1,
             self.blo[L],
@@ -969,10 +1129,14 @@ def optcc(
     m = len(plan.attached)
     pat = "fold" if pattern == "auto" else pattern
     floor = section_floor(transport)
-    kk = k if k is not None else choose_segments(count * itemsize, plan, a, section_bytes=floor)
+    kk = (
+        k
+        if k is not None
+        else choose_segments(count * itemsize, plan, a, section_bytes=floor, pattern=pat)
+    )
     kk = max(1, int(kk))
     ramp = auto_ramp(kk) if ramp is None else int(ramp)
-    check_size("optcc", kk * _ops_per_segment(p, a, nb, m) + 1, p=p, k=kk)
+    check_size("optcc", kk * _ops_per_segment(p, a, nb, m, pat) + 1, p=p, k=kk)
     params = dict(
         weights=plan.weights,
         grid=(a, nb),
@@ -980,6 +1144,7 @@ def optcc(
         depth=depth,
         lag=lag,
         pattern=pat,
+        fold="column" if column_fold(a, pat, m, nb) else "owner",
         ramp=ramp,
     )
     if p < 2 or count == 0 or nb == 0:
@@ -996,7 +1161,9 @@ def optcc(
         pattern=pat,
         depth=depth,
         lag=lag,
-        lookahead=lookahead if lookahead is not None else a * nb,
+        lookahead=lookahead
+        if lookahead is not None
+        else (nb if column_fold(a, pat, m, nb) else a * nb),
         row_lag=row_lag,
         ag_lag=ag_lag,
     )
