@@ -521,11 +521,12 @@ def column_fold(a: int, pattern: str = "fold", m: int = 0, b: int = 1) -> bool:
 def _ops_per_segment(p: int, a: int, b: int, m: int, pattern: str = "fold") -> int:
     """Operations one segment adds (upper estimate): per owner and peer of its row and of
     its column a send, a receive and a reduce (reduce-scatter) and a send and a receive
-    (all-gather), and a join; per attached rank and owner it serves (every owner, or one
-    per column with the column fold) a send, a receive, a reduce and a return."""
+    (all-gather), and a join with several rows; per attached rank and owner it serves
+    (every owner, or one per column with the column fold) a send, a receive, a reduce and
+    a return."""
     h = a * b
     served = b if column_fold(a, pattern, m, b) else h
-    return h * 5 * (a + b - 2) + h + 5 * m * served
+    return h * 5 * (a + b - 2) + (h if a > 1 else 0) + 5 * m * served
 
 
 def choose_segments(
