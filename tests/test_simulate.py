@@ -293,6 +293,8 @@ def test_ramp_follows_the_segment_count() -> None:
         8,
         8,
     ]
+    assert optcc_alg.auto_ramp(128, most=optcc_alg.RAMP_MAX_NETWORK) == 5
+    assert optcc_alg.auto_ramp(18, most=optcc_alg.RAMP_MAX_NETWORK) == 3
     sched = algorithms.get("optcc").build(8, 18 * 7 * 64, "0:0.5", k=18)
     assert sched.params["ramp"] == 3
     sched = algorithms.get("optcc").build(8, 18 * 7 * 64, "0:0.5", k=18, ramp=8)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from optcc_mpi import algorithms
+from optcc_mpi.algorithms import optcc as optcc_alg
 from optcc_mpi.algorithms._policy import (
     MIN_MESSAGE_BYTES,
     NETWORK,
@@ -177,9 +178,9 @@ def test_optcc_section_floor_by_transport() -> None:
     from optcc_mpi.algorithms.optcc import SECTION_BYTES, section_floor
 
     assert section_floor(None) == SECTION_BYTES
-    # Over the network default: 2 * message cost * rate, rounded up to a power of two.
+    # Over the network default: the bytes 2 * message cost would have moved at its rate.
     net = section_floor("network")
-    assert net >= 2 * NETWORK.message_cost * NETWORK.rate and net & (net - 1) == 0
+    assert net == pytest.approx(2 * NETWORK.message_cost * NETWORK.rate, abs=1)
     assert net > SECTION_BYTES
     # A transport whose messages cost nothing keeps the simulator's floor.
     free = Transport("free", latency=1e-6, message_cost=0.0, rate=NETWORK.rate)
@@ -205,6 +206,15 @@ def test_optcc_segments_follow_the_transport(p: int) -> None:
     assert count * 4 // (k["network"] * owners) >= section_floor("network")
     for tr in ("network", "shared-memory"):
         verify(algorithms.build("optcc", p, count, itemsize=4, links=links, transport=tr))
+    # Over the network the ramp stays short (its last sections are small messages).
+    ramps = {
+        tr: algorithms.build("optcc", p, count * 8, itemsize=4, links=links, transport=tr).params
+        for tr in (None, "network")
+    }
+    assert ramps["network"]["ramp"] == min(
+        optcc_alg.RAMP_MAX_NETWORK, round(ramps["network"]["k"] / 7)
+    )
+    assert ramps[None]["ramp"] == optcc_alg.auto_ramp(ramps[None]["k"])
     # An explicit k wins over the transport.
     explicit = algorithms.build(
         "optcc", p, count, itemsize=4, links=links, transport="network", k=7

@@ -9,8 +9,9 @@ Run inside the testbed, one rank per namespace, e.g.::
         0:0.5 16,32 8,0,2,3,4,6,8,0,2,3,4,6 5 ramp > docs/testbed/rampsweep-p8.jsonl
 
 Arguments: the links (as ``links=``), sizes in MiB, values of the parameter (``auto`` is
-the builder's own choice for this transport), timed calls per point (one warm-up call
-first), and the parameter's name (default ``k``). Rank 0 prints one JSON line per point:
+the builder's own choice for this transport; ``k=47:ramp=5`` sets several parameters at
+one point, docs/testbed.md 1.6f), timed calls per point (one warm-up call first), and the
+parameter's name (default ``k``). Rank 0 prints one JSON line per point:
 median, min and max over the calls of the slowest rank's time, and the k and ramp the
 builder used.
 """
@@ -30,7 +31,7 @@ comm = MPI.COMM_WORLD
 rank, p = comm.Get_rank(), comm.Get_size()
 links = sys.argv[1]
 sizes = [int(s) << 20 for s in sys.argv[2].split(",")]
-ks = [None if k == "auto" else int(k) for k in sys.argv[3].split(",")]
+ks = [None if k == "auto" else k if "=" in k else int(k) for k in sys.argv[3].split(",")]
 n = int(sys.argv[4]) if len(sys.argv) > 4 else 3
 name = sys.argv[5] if len(sys.argv) > 5 else "k"
 command = shlex.join(["python", *sys.argv])
@@ -38,7 +39,10 @@ for nbytes in sizes:
     x0 = np.random.default_rng(rank).random(nbytes // 4, dtype=np.float32)
     want = comm.allreduce(x0.astype(np.float64))
     for k in ks:
-        params = {} if k is None else {name: k}
+        if isinstance(k, str):  # several parameters: "k=47:ramp=5"
+            params = {key: int(v) for key, v in (kv.split("=") for kv in k.split(":"))}
+        else:
+            params = {} if k is None else {name: k}
         ts = []
         for _ in range(n + 1):
             x = x0.copy()

@@ -100,23 +100,25 @@ def section_floor(transport: str | Transport | None) -> int:
     """Smallest section of a segment over ``transport``: :data:`SECTION_BYTES` without one
     (the simulator's fabric, where a message costs only its bytes); over a transport that
     overlaps, the bytes the fixed costs of one message at both its ends could have moved
-    (``2 * message_cost * rate``, rounded up to a power of two), below which the CPU's
-    work per message outruns the wire; without overlap (shared memory, where MPI copies
-    with the CPU) a whole section per segment, so the fewest segments.
+    (``2 * message_cost * rate``), below which the CPU's work per message outruns the
+    wire; without overlap (shared memory, where MPI copies with the CPU) a whole section
+    per segment, so the fewest segments.
 
-    The network default (:data:`~optcc_mpi.algorithms._policy.NETWORK`) gives 128 KiB.
+    The network default (:data:`~optcc_mpi.algorithms._policy.NETWORK`) gives 97.7 KiB.
     On the testbed (8 ranks at 400 Mbit/s on 2 cores, rank 0 at half rate) OptCC took
     2.4x the bound at 16 MiB with 19 KiB sections (128 segments), 1.16-1.25x with 75 to
     300 KiB (8 to 32 segments), and at 32 MiB 1.09x with 150 KiB against 1.15x with
-    75 KiB (docs/testbed.md section 1.6d, ``testbed/ksweep-p8.jsonl``).
+    75 KiB (docs/testbed.md section 1.6d, ``testbed/ksweep-p8.jsonl``). The floor was
+    rounded up to a power of two (128 KiB) until a sweep with the ramp held to
+    :data:`RAMP_MAX_NETWORK` found 24, 47 and 95 segments 0.5-1.5% faster than 18, 36
+    and 72 at 16, 32 and 64 MiB (docs/testbed.md 1.6f).
     """
     if transport is None:
         return SECTION_BYTES
     tr = transport_of(transport)
     if not tr.overlap:
         return 1 << 62
-    floor = max(float(SECTION_BYTES), 2 * tr.message_cost * tr.rate)
-    return 1 << int(np.ceil(np.log2(floor)))
+    return int(np.ceil(max(float(SECTION_BYTES), 2 * tr.message_cost * tr.rate)))
 
 
 #: How much above the bound the plan may go to attach ranks that would own almost
@@ -482,8 +484,17 @@ def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0, ratio: float = 2.0) 
     return lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
 
 
-def auto_ramp(k: int) -> int:
-    """Ramp segments at each end for ``k`` segments: ``k / 7`` rounded, 1 to 8.
+#: The longest automatic ramp over a transport whose messages have a fixed cost (see
+#: :func:`auto_ramp`).
+RAMP_MAX_NETWORK = 5
+
+
+def auto_ramp(k: int, most: int = 8) -> int:
+    """Ramp segments at each end for ``k`` segments: ``k / 7`` rounded, 1 to ``most``
+    (8; :data:`RAMP_MAX_NETWORK` over a transport whose messages have a fixed cost, where
+    a ramp's last sections are small messages: on the testbed below, k = 47 at 32 MiB took
+    1524-1531 ms with a ramp of 7 and 1420-1430 ms with 4 or 5, and k = 95 at 64 MiB
+    2828-2836 ms with 8 and 2783-2795 ms with 5; docs/testbed.md 1.6f).
 
     The ramp shortens the pipeline's head and tail, but with few segments a long one
     leaves most of the data in one or two full segments in the middle, which nothing
@@ -494,7 +505,7 @@ def auto_ramp(k: int) -> int:
     1.121 with 8 and 1.060 with 2 or 3; one rank at half rate with k = 43, 1.0064 with 8,
     1.0084 with 6, 1.0134 with 4.
     """
-    return int(min(8, max(1, round(k / 7))))
+    return int(min(most, max(1, round(k / 7))))
 
 
 def column_fold(a: int, pattern: str = "fold", m: int = 0, b: int = 1) -> bool:
@@ -1136,7 +1147,12 @@ def optcc(
         else choose_segments(count * itemsize, plan, a, section_bytes=floor, pattern=pat)
     )
     kk = max(1, int(kk))
-    ramp = auto_ramp(kk) if ramp is None else int(ramp)
+    if ramp is None:
+        # A transport with a fixed cost per message holds the ramp's smallest sections
+        # back (auto_ramp).
+        costly = transport is not None and floor > SECTION_BYTES
+        ramp = auto_ramp(kk, RAMP_MAX_NETWORK if costly else 8)
+    ramp = int(ramp)
     check_size("optcc", kk * _ops_per_segment(p, a, nb, m, pat) + 1, p=p, k=kk)
     params = dict(
         weights=plan.weights,
