@@ -116,6 +116,20 @@ def test_r2ccl_near_its_model(p: int, links: str) -> None:
     assert got == pytest.approx(want, rel=0.05)
 
 
+@pytest.mark.parametrize(("p", "links"), [(16, "0-7:0.875"), (16, "0-7:0.75")])
+def test_r2ccl_paced_tail_overlaps_the_main_ring(p: int, links: str) -> None:
+    """``schedule=2`` releases the degraded ranks' raw tail in step with their main ring:
+    at 1 GiB per rank (fine pipeline chunks) it meets R2CCL's model where schedule 1,
+    which leaves the tail for after the main ring, is 5-7% above it."""
+    n = 2**30
+    model = algorithms.get("r2ccl").time(p, n, BW, links)
+    got = {}
+    for schedule in (1, 2):
+        s = algorithms.build("r2ccl", p, n // 4, links, schedule=schedule)
+        got[schedule] = simulate.simulate(s, links, bw=BW).time / model
+    assert got[2] < 1.035 and got[1] > 1.05 and got[2] < got[1], got
+
+
 def test_native_is_library_model() -> None:
     got = sim("native", 8, "0:0.5")
     assert got == pytest.approx(native_alg.native_time(8, N, BW, "0:0.5"), rel=1e-9)

@@ -134,7 +134,10 @@ def test_r2ccl(p: int) -> None:
     for links in profiles(p)[:: 3 if p >= 24 else 1]:
         for chunks in (1, 4):
             verify(algorithms.build("r2ccl", p, 9 * p + 7, links, chunks=chunks, itemsize=4))
-    verify(algorithms.build("r2ccl", p, 1000, f"0-{max(0, p // 2 - 1)}:0.5", schedule=0))
+    for schedule in (0, 2):  # R2CCL's schedule 0, and ours (1, the default, is above)
+        verify(algorithms.build("r2ccl", p, 1000, f"0-{max(0, p // 2 - 1)}:0.5", schedule=schedule))
+    with pytest.raises(ValueError, match="schedule"):
+        algorithms.build("r2ccl", p, 1000, "0:0.5", schedule=3)
 
 
 def test_catches_deadlock() -> None:
