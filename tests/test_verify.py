@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -79,6 +82,19 @@ def test_optcc_large_grid() -> None:
     verify(sched)
 
 
+@contextmanager
+def _small_grids(monkeypatch: pytest.MonkeyPatch, budget: int) -> Iterator[None]:
+    """Owners' grids at small p: the direct-exchange limit lowered to 6 owners and the
+    operation budget to ``budget``; the cached plans cleared on the way in and out."""
+    monkeypatch.setattr(optcc_alg, "DIRECT_OWNERS", 6)
+    monkeypatch.setattr(optcc_alg, "MAX_AUTO_OPS", budget)
+    optcc_alg._plan.cache_clear()
+    try:
+        yield
+    finally:
+        optcc_alg._plan.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("p", "links"),
     [
@@ -92,16 +108,11 @@ def test_optcc_grid_plans(monkeypatch: pytest.MonkeyPatch, p: int, links: str) -
     """The plans chosen for a grid (``_grid_plan``: slow owners attached, owners grouped
     by rate, fast owners attached for a squarer grid) make correct schedules; exercised at
     small p by lowering the direct-exchange limit and the operation budget."""
-    monkeypatch.setattr(optcc_alg, "DIRECT_OWNERS", 6)
-    monkeypatch.setattr(optcc_alg, "MAX_AUTO_OPS", 4000)
-    optcc_alg._plan.cache_clear()
-    try:
+    with _small_grids(monkeypatch, budget=4000):
         sched = algorithms.build("optcc", p, 7 * p + 3, links, k=3)
         a, b = sched.params["grid"]
         assert a > 1 and b > 1
         verify(sched)
-    finally:
-        optcc_alg._plan.cache_clear()
 
 
 @pytest.mark.parametrize("p, links", [(28, "0-15:0.1"), (32, "0-19:0.1,25:0.5"), (27, "0-14:0.08")])
@@ -109,10 +120,7 @@ def test_optcc_column_fold(monkeypatch: pytest.MonkeyPatch, p: int, links: str) 
     """Attached ranks folding whole column blocks into one owner per column (chosen where
     it at least doubles the segments the operation budget allows), at small p by lowering
     the direct-exchange limit and the budget; segments beyond the scratch slots."""
-    monkeypatch.setattr(optcc_alg, "DIRECT_OWNERS", 6)
-    monkeypatch.setattr(optcc_alg, "MAX_AUTO_OPS", 20_000)
-    optcc_alg._plan.cache_clear()
-    try:
+    with _small_grids(monkeypatch, budget=20_000):
         sched = algorithms.build("optcc", p, 11 * p + 3, links, k=12)
         a, b = sched.params["grid"]
         assert a > 1 and sched.params["fold"] == "column", sched.params
@@ -125,8 +133,6 @@ def test_optcc_column_fold(monkeypatch: pytest.MonkeyPatch, p: int, links: str) 
         assert optcc_alg._ops_per_segment(p, a, b, m) < optcc_alg._ops_per_segment(
             p, a, b, m, "closer"
         )
-    finally:
-        optcc_alg._plan.cache_clear()
 
 
 @pytest.mark.parametrize("p", P_ALL)
