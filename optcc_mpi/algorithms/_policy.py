@@ -39,6 +39,7 @@ from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 
 __all__ = [
+    "MAX_AUTO_OPS",
     "SMALL_BYTES",
     "NETWORK_MESSAGE_BYTES",
     "TRANSPORTS",
@@ -52,6 +53,12 @@ __all__ = [
     "large_messages",
     "message_bytes",
 ]
+
+#: Operations per schedule the automatic choices (OptCC's segments, R2CCL's broadcast
+#: rounds) stay under: about 0.2 KiB each while building and simulating, so 14 million
+#: take about 2.7 GiB and, on a 2-core machine, about 40 s; p = 1024 with one straggler
+#: then gets 43 OptCC segments, within 1% of the bound.
+MAX_AUTO_OPS = 14_000_000
 
 #: Bytes per rank below which ``auto`` uses the MPI library's AllReduce.
 SMALL_BYTES = 256 * 1024

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi.algorithms import register
-from optcc_mpi.algorithms._policy import Transport, large_messages, transport_of
+from optcc_mpi.algorithms._policy import MAX_AUTO_OPS, Transport, large_messages, transport_of
 from optcc_mpi.errors import PlanError
 from optcc_mpi.links import Links
 from optcc_mpi.model import fractions, lower_bound
@@ -139,11 +139,6 @@ GRID_TOL = 0.02
 #: The pipeline's ends with owners of equal shares, in segments (see ``_grid_plan``).
 GRID_C0 = 0.1
 
-#: Operations per schedule the automatic segment count stays under (about 0.2 KiB each
-#: while building and simulating: 14 million take about 2.7 GiB and, on a 2-core machine,
-#: about 40 s; p = 1024 with one straggler then gets 43 segments, within 1% of the
-#: bound).
-MAX_AUTO_OPS = 14_000_000
 
 # Channels: row reduce-scatter, row all-gather, column reduce-scatter, column all-gather,
 # folds (attached -> owner), closer exchange, returns (owner -> attached).

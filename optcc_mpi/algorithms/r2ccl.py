@@ -11,10 +11,11 @@ comparison with OptCC is like for like (see ``docs/optcc.md`` for the source):
    of the finished tail from the helpers to every rank.
 
 The healthy ranks' reduce-scatter of the tail runs beside the main AllReduce (its
-all-gather is the broadcast of the finished tail); by default a degraded rank starts
-sending its raw tail once its part of the main AllReduce is done (R2CCL's overlap
-schedule 1), ``schedule=0`` starts it as soon as its data allows, and ``schedule=2``
-(ours) releases it in step with the rank's part of the main AllReduce.
+all-gather is the broadcast of the finished tail). When a degraded rank sends its raw
+tail: ``schedule=1`` once its part of the main AllReduce is done (R2CCL's overlap
+schedule 1), ``schedule=0`` as soon as its data allows, ``schedule=2`` (ours) in step
+with the rank's part of the main AllReduce; by default 2 where the main ring is
+pipelined finely enough to make room for it, 1 otherwise (:func:`raw_schedule`).
 
 Reduce and broadcast on a flat network (ours)
 ---------------------------------------------
@@ -34,23 +35,35 @@ finished chunks. Each degraded NIC then carries its tail once each way, as in R2
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from optcc_mpi.algorithms import register
-from optcc_mpi.algorithms._policy import Transport, large_messages, message_bytes, transport_of
+from optcc_mpi.algorithms._policy import (
+    MAX_AUTO_OPS,
+    Transport,
+    large_messages,
+    message_bytes,
+    transport_of,
+)
 from optcc_mpi.algorithms.ring import add_ring_allreduce, reduce_scatter, ring_chunks
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
 from optcc_mpi.schedule import SEND, Schedule, ScheduleBuilder, check_size, split
 
-__all__ = ["r2ccl", "r2ccl_time", "tail_share"]
+__all__ = ["PACED_MIN_CHUNKS", "r2ccl", "r2ccl_time", "raw_schedule", "tail_share"]
 
 #: With ``schedule=2``, the share of a degraded rank's main-ring sends by whose
 #: completion all its raw tail sends have been released (see :func:`r2ccl`).
 RAW_SPREAD = 0.5
 
-#: Healthy ranks up to which the finished tail goes round their ring (beyond: trees).
-RING_BROADCAST_MAX = 128
+#: Pipeline chunks per section of the main ring from which ``schedule=2`` is the default.
+PACED_MIN_CHUNKS = 8
+
+#: Rounds of the finished tail round the healthy ranks' ring, per unit of the degraded
+#: rate ``fmin / fmax`` (at least; see :func:`r2ccl`).
+RING_ROUNDS = 8
 
 
 def _pace(
@@ -91,6 +104,22 @@ def _pace(
     step = np.ceil((q + 1) * (share * M / np.maximum(Q, 1))).astype(np.int64) - 1
     ok = want[owner] & (M > 0) & (step >= 0)
     b.depend(fol_ids[ok], lead_ids[lead_start[owner[ok]] + np.minimum(step[ok], M[ok] - 1)])
+
+
+def raw_schedule(main_chunks: int) -> int:
+    """The default overlap schedule for a main ring of ``main_chunks`` chunks per section.
+
+    Schedule 2 slots the raw tail's messages between the degraded rank's main-ring
+    messages; that pays when the main ring has many of them, and costs when it has few
+    (each raw message then holds up a large share of a ring step, and the whole ring waits
+    for it). Simulated time over R2CCL's model, 90 runs (the 21 non-random profiles of
+    ``python -m optcc_mpi.lab.profiles`` and 9 more: one rank at 0.5 to 0.875, servers of
+    4 and 8 ranks, two servers, p = 8 to 128, at 64 MiB, 256 MiB and 1 GiB per rank):
+    with at least :data:`PACED_MIN_CHUNKS` chunks per section schedule 2 is at most
+    0.009 above schedule 1 and up to 0.069 below it (47 runs); with fewer it is up to
+    0.046 above (43 runs). Measured, ours.
+    """
+    return 2 if main_chunks >= PACED_MIN_CHUNKS else 1
 
 
 def tail_share(count: int, itemsize: int, loss: float) -> int:
@@ -150,7 +179,7 @@ def r2ccl(
     window: int = 2,
     chunk_bytes: int | None = None,
     transport: str | Transport = "network",
-    schedule: int = 1,
+    schedule: int | None = None,
 ) -> Schedule:
     """R2CCL-AllReduce schedule.
 
@@ -175,22 +204,19 @@ def r2ccl(
         sections).
     transport : {"network", "shared-memory"} or Transport
         What joins the ranks (set by :func:`optcc_mpi.allreduce`; see the ring).
-    schedule : {0, 1, 2}
-        When a degraded rank sends its raw tail. R2CCL's overlap schedules: 1 (the
-        default) once its part of the main AllReduce is done, 0 as soon as data allows.
-        2 (ours): released in step with its main-ring sends, all of them by
-        :data:`RAW_SPREAD` of the way, so that the tail's reduce and broadcast overlap
-        the main ring. Simulated, time over R2CCL's model, on the 21 profiles of
-        ``python -m optcc_mpi.lab.profiles`` other than random vectors: at 1 GiB per
-        rank schedule 1 reaches 1.065 and schedule 2 at most 1.028; on the 9 profiles of
-        ``tests/test_simulate.py`` with 1 MiB messages at 25 GB/s, schedule 2 is better
-        on 4 and worse on 3 at 256 MiB, and worse on 6 at 64 MiB (our reading, not
-        traced: a main ring of 4 chunks per section leaves the raw tail few gaps). No
-        single choice wins everywhere, so the default stays R2CCL's own (docs/optcc.md,
+    schedule : {None, 0, 1, 2}
+        When a degraded rank sends its raw tail. R2CCL's overlap schedules: 1 once its
+        part of the main AllReduce is done, 0 as soon as data allows. 2 (ours): released
+        in step with its main-ring sends, all of them by :data:`RAW_SPREAD` of the way,
+        so that the tail's reduce and broadcast overlap the main ring. ``None`` (the
+        default): :func:`raw_schedule` of the main ring's chunks per section, i.e. 2 from
+        :data:`PACED_MIN_CHUNKS` on. Simulated at 1 GiB per rank on the 21 profiles of
+        ``python -m optcc_mpi.lab.profiles`` other than random vectors, schedule 1 is
+        up to 1.065 x R2CCL's model and the default at most 1.028 x (docs/optcc.md,
         "R2CCL").
     """
-    if schedule not in (0, 1, 2):
-        raise ValueError(f"r2ccl: schedule must be 0, 1 or 2, not {schedule!r}")
+    if schedule not in (None, 0, 1, 2):
+        raise ValueError(f"r2ccl: schedule must be None, 0, 1 or 2, not {schedule!r}")
     if chunk_bytes is None:
         chunk_bytes = message_bytes(-(-count // max(p, 1)) * itemsize, transport, window)
     else:
@@ -204,6 +230,8 @@ def r2ccl(
     main_hi = count - tail
     h, m = len(healthy), len(degraded)
     main_chunks = ring_chunks(-(-main_hi // max(p, 1)), itemsize, chunk_bytes)
+    if schedule is None:
+        schedule = raw_schedule(main_chunks)
     # Chunks per helper: K at least, and messages of at most chunk_bytes. The degraded
     # ranks start one chunk apart (below), so the broadcast of the first chunk starts m
     # chunks late: 16 m chunks keep that within the model's 1/K = 1/16.
@@ -212,9 +240,37 @@ def r2ccl(
         -(-tail * itemsize // max(1, h * chunk_bytes)),
         1,
     )
-    estimate = 4 * p * p * main_chunks + 3 * h * h * per + 6 * m * h * per + 4 * h * h
-    check_size("r2ccl", estimate, p=p, degraded=m)
-    b = ScheduleBuilder(p, count, "r2ccl", window=window, tail=tail, chunks=chunks)
+
+    def ops(per: int) -> int:
+        # main ring; the tail's reduce-scatter and broadcast among the healthy ranks;
+        # raw and finished chunks to and from the degraded ranks; joins and slack.
+        return 4 * p * p * main_chunks + 4 * h * h * per + 6 * m * h * per + 4 * h * h
+
+    # The healthy ranks get the finished tail round their ring in rounds of h chunks. The
+    # last round leaves when the degraded ranks are done and takes about tail / per at
+    # the healthy rate, against the model's T3 = tail / fmin: with per >= RING_ROUNDS
+    # fmin / fmax that is at most T3 / RING_ROUNDS (derived, ours). Simulated at 1 GiB,
+    # p = 256 and 512, six profiles each: 2 or 3 rounds (what the sizes above gave)
+    # 1.034 to 1.063 x the model, binomial trees 1.022 to 1.127, 4 to 7 rounds 1.004 to
+    # 1.023.
+    # Where that many rounds would exceed the operation budget (p = 1024), binomial
+    # trees: log2(h) hops instead of h - 1, but they load the helpers the degraded ranks
+    # wait on.
+    ring_per = max(per, math.ceil(RING_ROUNDS * float(f.min() / f.max())))
+    ring = ops(ring_per) <= MAX_AUTO_OPS
+    per = ring_per if ring else per
+    check_size("r2ccl", ops(per), p=p, degraded=m)
+    b = ScheduleBuilder(
+        p,
+        count,
+        "r2ccl",
+        window=window,
+        tail=tail,
+        chunks=chunks,
+        schedule=schedule,
+        broadcast="ring" if ring else "trees",
+        rounds=per,
+    )
     add_ring_allreduce(b, range(p), 0, main_hi, chunks=main_chunks, chan=0)
     main_end = b.next_id
     if tail == 0:
@@ -310,10 +366,9 @@ def r2ccl(
     for v in range(m):
         b.transfer(helper, D[v], lo, hi, chan=3, send_deps=final, recv_deps=raw_of[v])
     # ... and to the other healthy ranks: along their ring, one round of h chunks after
-    # the other in the order they finish (member j owns chunks j, j + h, ...), or, with
-    # many healthy ranks (a chunk would take h - 1 hops round the ring after it
-    # finishes), along binomial trees.
-    if h <= RING_BROADCAST_MAX:
+    # the other in the order they finish (member j owns chunks j, j + h, ...), or, where
+    # enough rounds would not fit the budget, along binomial trees.
+    if ring:
         _ring_broadcast(b, H, lo, hi, final, join, per)
     else:
         _tree_broadcast(b, H, lo, hi, final, join)
