@@ -10,6 +10,8 @@ import pytest
 
 from optcc_mpi import algorithms
 from optcc_mpi.algorithms import optcc as optcc_alg
+from optcc_mpi.algorithms import r2ccl as r2ccl_alg
+from optcc_mpi.links import Links
 from optcc_mpi.schedule import ScheduleBuilder
 from optcc_mpi.verify import VerificationError, verify
 
@@ -140,10 +142,32 @@ def test_r2ccl(p: int) -> None:
     for links in profiles(p)[:: 3 if p >= 24 else 1]:
         for chunks in (1, 4):
             verify(algorithms.build("r2ccl", p, 9 * p + 7, links, chunks=chunks, itemsize=4))
-    for schedule in (0, 2):  # R2CCL's schedule 0, and ours (1, the default, is above)
+    for schedule in (0, 1, 2):  # each overlap schedule (the default, above, picks 1 or 2)
         verify(algorithms.build("r2ccl", p, 1000, f"0-{max(0, p // 2 - 1)}:0.5", schedule=schedule))
     with pytest.raises(ValueError, match="schedule"):
         algorithms.build("r2ccl", p, 1000, "0:0.5", schedule=3)
+
+
+@pytest.mark.parametrize("p", [3, 5, 9, 17])
+def test_r2ccl_rounds(p: int) -> None:
+    """The finished tail goes round the healthy ring in RING_ROUNDS * fmin rounds or more
+    (several chunks per helper; the reduce-scatter moves each helper's section in fewer
+    messages than it has chunks)."""
+    for links in ("0:0.25", f"0-{max(0, p // 2 - 1)}:0.5", "1:0.9"):
+        sched = algorithms.build("r2ccl", p, 40 * p + 3, links, chunks=1)
+        assert sched.params["broadcast"] == "ring"
+        assert sched.params["rounds"] >= r2ccl_alg.RING_ROUNDS * Links.parse(links).vector(p).min()
+        verify(sched)
+
+
+@pytest.mark.parametrize("p", [9, 17])
+@pytest.mark.parametrize("links", ["1:0.9", "0:0.875"])
+def test_r2ccl_trees(p: int, links: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Binomial trees where the operation budget allows fewer than half the rounds."""
+    monkeypatch.setattr(r2ccl_alg, "MAX_AUTO_OPS", 1)
+    sched = r2ccl_alg.r2ccl(p, 40 * p + 3, Links.parse(links), chunks=1)
+    assert sched.params["broadcast"] == "trees"
+    verify(sched)
 
 
 def test_catches_deadlock() -> None:

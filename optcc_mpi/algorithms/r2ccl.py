@@ -116,8 +116,8 @@ def raw_schedule(main_chunks: int) -> int:
     ``python -m optcc_mpi.lab.profiles`` and 9 more: one rank at 0.5 to 0.875, servers of
     4 and 8 ranks, two servers, p = 8 to 128, at 64 MiB, 256 MiB and 1 GiB per rank):
     with at least :data:`PACED_MIN_CHUNKS` chunks per section schedule 2 is at most
-    0.009 above schedule 1 and up to 0.069 below it (47 runs); with fewer it is up to
-    0.046 above (43 runs). Measured, ours.
+    0.002 above schedule 1 and up to 0.069 below it (47 runs); with fewer it is up to
+    0.031 above (43 runs). Measured, ours.
     """
     return 2 if main_chunks >= PACED_MIN_CHUNKS else 1
 
@@ -232,19 +232,18 @@ def r2ccl(
     main_chunks = ring_chunks(-(-main_hi // max(p, 1)), itemsize, chunk_bytes)
     if schedule is None:
         schedule = raw_schedule(main_chunks)
+    # Messages per helper's section of the tail in the healthy reduce-scatter: at most
+    # chunk_bytes each.
+    rs_chunks = max(1, -(-tail * itemsize // max(1, h * chunk_bytes)))
     # Chunks per helper: K at least, and messages of at most chunk_bytes. The degraded
     # ranks start one chunk apart (below), so the broadcast of the first chunk starts m
     # chunks late: 16 m chunks keep that within the model's 1/K = 1/16.
-    per = max(
-        -(-max(chunks, 16 * m) // max(h, 1)),
-        -(-tail * itemsize // max(1, h * chunk_bytes)),
-        1,
-    )
+    per = max(-(-max(chunks, 16 * m) // max(h, 1)), rs_chunks)
 
-    def ops(per: int) -> int:
-        # main ring; the tail's reduce-scatter and broadcast among the healthy ranks;
-        # raw and finished chunks to and from the degraded ranks; joins and slack.
-        return 4 * p * p * main_chunks + 4 * h * h * per + 6 * m * h * per + 4 * h * h
+    def tail_ops(per: int) -> int:
+        # the tail's reduce-scatter and broadcast among the healthy ranks; raw and
+        # finished chunks to and from the degraded ranks (with slack); joins
+        return 2 * h * h * (rs_chunks + per) + 6 * m * h * per + h
 
     # The healthy ranks get the finished tail round their ring in rounds of h chunks. The
     # last round leaves when the degraded ranks are done and takes about tail / per at
@@ -252,14 +251,14 @@ def r2ccl(
     # fmin / fmax that is at most T3 / RING_ROUNDS (derived, ours). Simulated at 1 GiB,
     # p = 256 and 512, six profiles each: 2 or 3 rounds (what the sizes above gave)
     # 1.034 to 1.063 x the model, binomial trees 1.022 to 1.127, 4 to 7 rounds 1.004 to
-    # 1.023.
-    # Where that many rounds would exceed the operation budget (p = 1024), binomial
-    # trees: log2(h) hops instead of h - 1, but they load the helpers the degraded ranks
-    # wait on.
-    ring_per = max(per, math.ceil(RING_ROUNDS * float(f.min() / f.max())))
-    ring = ops(ring_per) <= MAX_AUTO_OPS
-    per = ring_per if ring else per
-    check_size("r2ccl", ops(per), p=p, degraded=m)
+    # 1.023. The rounds stay within the operation budget (p = 1024: 4 or 5), and where
+    # it allows fewer than half of them (beyond p = 1024), binomial trees: log2(h) hops
+    # instead of h - 1, but they load the helpers the degraded ranks wait on.
+    want = max(per, math.ceil(RING_ROUNDS * float(f.min() / f.max())))
+    fit = (MAX_AUTO_OPS - h - 2 * h * h * rs_chunks) // (2 * h * h + 6 * m * h)
+    ring = 2 * max(per, fit) >= want
+    per = max(per, min(want, fit)) if ring else per
+    check_size("r2ccl", 4 * p * p * main_chunks + tail_ops(per), p=p, degraded=m)
     b = ScheduleBuilder(
         p,
         count,
@@ -281,10 +280,14 @@ def r2ccl(
     D = np.asarray(degraded, dtype=np.int64)
     # The tail in n_chunks = per * h chunks; chunk i's helper is H[i mod h], so the
     # chunks of one helper are h apart and consecutive chunks have different helpers.
+    # Helper j's chunks lie side by side (section j of the tail), so that the healthy
+    # ranks' reduce-scatter moves each section in messages of the ring's size however
+    # many chunks the reduce and broadcast need.
     n_chunks = per * h
     cb = split(main_hi, count, n_chunks)
-    lo, hi = cb[:-1], cb[1:]
     i = np.arange(n_chunks)
+    at = (i % h) * per + i // h  # chunk i's place in the tail
+    lo, hi = cb[at], cb[at + 1]
     helper = H[i % h]
 
     # (a) The healthy ranks reduce-scatter the tail: each helper ends with the healthy
@@ -295,8 +298,8 @@ def r2ccl(
     # 2.094 n/B of traffic against 1.984, and R2CCL 5.3% above its model).
     mark = b.next_id
     if h > 1:
-        sec = np.arange(n_chunks).reshape(per, h).T  # (h, per): section j's chunks
-        reduce_scatter(b, H, lo[sec], hi[sec], chan=1)
+        sec = split(cb[:-1:per], cb[per::per], rs_chunks)  # (h, rs_chunks + 1)
+        reduce_scatter(b, H, sec[:, :-1], sec[:, 1:], chan=1)
     sinks = b.sinks(mark)
     # Paced to end when the model's healthy AllReduce would (T2, with T1 if later),
     # scaled to the reduce-scatter's half of its traffic.
