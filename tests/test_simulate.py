@@ -311,6 +311,24 @@ def test_profiles_tool_measures_and_verifies() -> None:
     assert {f for f, *_ in profiles.families()} == set(profiles.FAMILIES)
 
 
+def test_profiles_tool_draws_unseen_profiles() -> None:
+    """lab.profiles --draw: seeded, within --max-p, every profile valid for its p, three
+    families; the command line refuses a count below 1 and --draw with --large."""
+    from optcc_mpi.lab import profiles
+
+    got = profiles.drawn(60, seed=5, max_p=48)
+    assert got == profiles.drawn(60, seed=5, max_p=48) != profiles.drawn(60, seed=6, max_p=48)
+    assert {f for f, *_ in got} == {"server", "two-servers", "stragglers"}
+    for _, p, text, _ in got:
+        assert 16 <= p <= 48
+        f = Links.parse(text).vector(p)
+        assert 0.2 <= f.min() <= f.max() <= 1.0 and f.min() < 1.0
+    for argv in (["--draw", "0"], ["--draw", "2", "--large"], ["--draw", "2", "--max-p", "8"]):
+        with pytest.raises(SystemExit) as e:
+            profiles.main(argv)
+        assert e.value.code == 2
+
+
 def test_profiles_tool_large_profiles_are_optcc_only() -> None:
     """lab.profiles --large: profiles beyond DIRECT_OWNERS owners, OptCC alone, and the
     summary says so instead of failing on the missing R2CCL columns."""

@@ -278,11 +278,11 @@ def r2ccl(
 
     H = np.asarray(healthy, dtype=np.int64)
     D = np.asarray(degraded, dtype=np.int64)
-    # The tail in n_chunks = per * h chunks; chunk i's helper is H[i mod h], so the
-    # chunks of one helper are h apart and consecutive chunks have different helpers.
-    # Helper j's chunks lie side by side (section j of the tail), so that the healthy
-    # ranks' reduce-scatter moves each section in messages of the ring's size however
-    # many chunks the reduce and broadcast need.
+    # The tail in n_chunks = per * h chunks, numbered in the order the degraded ranks
+    # send them; chunk i's helper is H[i mod h], so consecutive chunks have different
+    # helpers. In the buffer helper j's chunks lie side by side (section j of the tail),
+    # so that the healthy ranks' reduce-scatter moves a section in messages of the ring's
+    # size however many chunks the reduce and broadcast need.
     n_chunks = per * h
     cb = split(main_hi, count, n_chunks)
     i = np.arange(n_chunks)

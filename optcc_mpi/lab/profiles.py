@@ -31,7 +31,7 @@ import numpy as np
 
 from optcc_mpi.links import Links
 
-__all__ = ["Profile", "families", "large_families", "measure", "markdown", "main"]
+__all__ = ["Profile", "families", "large_families", "drawn", "measure", "markdown", "main"]
 
 #: One profile: family name, ranks, link profile text, and a short description.
 Profile = tuple[str, int, str, str]
@@ -82,6 +82,37 @@ def large_families() -> list[Profile]:
             out.append(("server", p, f"0-7:{f:g}", f"ranks 0-7 at {f:g}"))
         for lo, seed in ((0.5, 7), (0.1, 4)):
             out.append(("random", p, _random(p, lo, seed), f"seed {seed}, f uniform in [{lo}, 1)"))
+    return out
+
+
+def drawn(n: int, seed: int = 0, max_p: int = 128) -> list[Profile]:
+    """``n`` profiles drawn at random (``seed``) from the families other than random
+    vectors, to check on profiles nobody tuned for: one server of 4 or 8 ranks at 10 to 60%
+    loss, two servers of 8 ranks at 10 to 60% each, or 2 to 5 stragglers at 0.2 to 0.95 of
+    the healthy rate, at p = 16, 24, 32, 48, 64, 96 or 128 (up to ``max_p``)."""
+    rng = np.random.default_rng(seed)
+    ps = [p for p in (16, 24, 32, 48, 64, 96, 128) if p <= max_p]
+    if not ps:
+        raise ValueError(f"--draw needs --max-p of at least 16, not {max_p}")
+    out: list[Profile] = []
+    for _ in range(n):
+        p = int(rng.choice(ps))
+        kind = int(rng.integers(3))
+        if kind == 0:
+            g = int(rng.choice([4, 8]))
+            s0 = int(rng.integers(0, p // g)) * g
+            f = 1 - rng.uniform(0.1, 0.6)
+            text = f"{s0}-{s0 + g - 1}:{f:.3f}"
+            out.append(("server", p, text, f"ranks {s0}-{s0 + g - 1} at {f:.3f}"))
+        elif kind == 1:
+            a, b = (int(v) * 8 for v in rng.choice(p // 8, 2, replace=False))
+            fa, fb = 1 - rng.uniform(0.1, 0.6, 2)
+            text = f"{a}-{a + 7}:{fa:.3f},{b}-{b + 7}:{fb:.3f}"
+            out.append(("two-servers", p, text, text))
+        else:
+            ranks = sorted(int(r) for r in rng.choice(p, int(rng.integers(2, 6)), replace=False))
+            text = ",".join(f"{r}:{rng.uniform(0.2, 0.95):.3f}" for r in ranks)
+            out.append(("stragglers", p, text, text))
     return out
 
 
@@ -286,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="examples:\n"
         "  python -m optcc_mpi.lab.profiles --out docs/profiles     # all (minutes)\n"
         "  python -m optcc_mpi.lab.profiles --family server --max-p 32 --no-verify\n"
-        "  python -m optcc_mpi.lab.profiles --large --out docs/profiles/large   # p = 256-1024\n",
+        "  python -m optcc_mpi.lab.profiles --large --out docs/profiles/large   # p = 256-1024\n"
+        "  python -m optcc_mpi.lab.profiles --draw 40 --seed 1 --no-verify   # unseen profiles\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--family", action="append", choices=FAMILIES, help="repeatable; default all")
@@ -301,10 +333,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verifier's cost grows as operations x p, and R2CCL's helper under a random "
         "vector carries every other rank's tail)",
     )
+    ap.add_argument(
+        "--draw",
+        type=int,
+        metavar="N",
+        help="N profiles drawn at random from the server, two-server and straggler "
+        "families (p = 16 to --max-p) instead of the fixed list",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of --draw (default 0)")
     ap.add_argument("--out", type=Path, help="write profiles.jsonl and profiles.md here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    pool = large_families() if args.large else families(args.max_p)
+    if args.draw is not None and (args.draw < 1 or args.large):
+        ap.error("--draw takes a positive count, and not with --large")
+    if args.large:
+        pool = large_families()
+    elif args.draw is not None:
+        try:
+            pool = drawn(args.draw, args.seed, args.max_p)
+        except ValueError as e:
+            ap.error(str(e))
+    else:
+        pool = families(args.max_p)
     chosen = [x for x in pool if not args.family or x[0] in args.family]
     rows = run(
         chosen,
