@@ -688,12 +688,7 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
     return True
 
 
-def _fold_function() -> Any:
-    mod = fastcall._module()
-    return mod[0].fold if mod is not None else None
-
-
-_FOLD = _fold_function()
+_FOLD = fastcall.fold_function()
 
 
 def _watch_of(st: CommState) -> Any:

@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from optcc_mpi import config
 
-__all__ = ["available", "context", "reduce_kind", "sum_rows"]
+__all__ = ["available", "context", "fold_function", "reduce_kind", "sum_rows"]
 
 #: fold()'s answers (``_fastcall.c``).
 FALLBACK, DONE, GATHERED, MISMATCH = -1, 0, 1, 2
@@ -137,6 +137,14 @@ def context(st: Any, header: tuple[int, ...], fold_min: int, limit: int) -> Any:
         header,
         _formats(),
     )
+
+
+def fold_function() -> Any:
+    """The compiled call, ``fold(context, sendbuf, recvbuf, op code, compare)`` answering
+    FALLBACK, DONE, GATHERED or MISMATCH (``_fastcall.c``), or None where the path is
+    off; the caller binds it once, so that a short call costs no lookup."""
+    mod = _module()
+    return mod[0].fold if mod is not None else None
 
 
 def reduce_kind(name: str) -> int:

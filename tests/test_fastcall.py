@@ -10,6 +10,19 @@ from optcc_mpi import backend, collectives, fastcall
 
 def test_the_install_built_it() -> None:
     assert fastcall.available(), "make install builds optcc_mpi/_fastcall.c"
+    assert callable(fastcall.fold_function()) and collectives._FOLD is fastcall.fold_function()
+
+
+def test_off_switch_declines_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OPTCC_FASTCALL=0``: no compiled call, and nothing for the caller to bind."""
+    monkeypatch.setenv("OPTCC_FASTCALL", "0")
+    fastcall._module.cache_clear()
+    try:
+        assert not fastcall.available() and fastcall.fold_function() is None
+    finally:
+        monkeypatch.undo()
+        fastcall._module.cache_clear()
+    assert fastcall.available()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64"])
