@@ -255,6 +255,7 @@ def r2ccl(
     # it allows fewer than half of them (beyond p = 1024), binomial trees: log2(h) hops
     # instead of h - 1, but they load the helpers the degraded ranks wait on.
     want = max(per, math.ceil(RING_ROUNDS * float(f.min() / f.max())))
+    # the most rounds with tail_ops(rounds) <= MAX_AUTO_OPS
     fit = (MAX_AUTO_OPS - h - 2 * h * h * rs_chunks) // (2 * h * h + 6 * m * h)
     ring = 2 * max(per, fit) >= want
     per = max(per, min(want, fit)) if ring else per
