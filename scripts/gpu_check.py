@@ -93,8 +93,9 @@ def algorithms_child(use_cpu: bool) -> int:
 
 
 def check_algorithms(ranks: int, use_cpu: bool, timeout: float) -> bool:
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    cmd = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, "--child"]
+    from optcc_mpi.lab.launch import find_mpiexec  # $OPTCC_MPIEXEC, beside python, PATH
+
+    cmd = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, "--child"]
     if use_cpu:
         cmd.append("--cpu")
     env = dict(os.environ, MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
