@@ -18,7 +18,6 @@ runs check 1 with NumPy arrays instead, to test this script itself on any machin
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -93,16 +92,25 @@ def algorithms_child(use_cpu: bool) -> int:
 
 
 def check_algorithms(ranks: int, use_cpu: bool, timeout: float) -> bool:
-    from optcc_mpi.lab.launch import find_mpiexec  # $OPTCC_MPIEXEC, beside python, PATH
+    from optcc_mpi.errors import MPIUnavailableError
+    from optcc_mpi.lab import launch
 
-    cmd = [find_mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, "--child"]
+    try:  # the project's launching rule: $OPTCC_MPIEXEC, the mpiexec beside python, PATH
+        chosen = launch.launcher()
+    except MPIUnavailableError as exc:
+        _line("FAIL", f"allreduce, {ranks} ranks", str(exc))
+        return False
+    cmd = [*chosen.argv(ranks), sys.executable, "-m", "mpi4py", __file__, "--child"]
     if use_cpu:
         cmd.append("--cpu")
-    env = dict(os.environ, MPIR_CVAR_CH4_PROGRESS_THROTTLE="1")
+    env = {**launch.clean_env(), **chosen.env(ranks)}
     try:
         res = subprocess.run(cmd, timeout=timeout, env=env, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
         _line("FAIL", f"allreduce, {ranks} ranks", f"timed out after {timeout:.0f}s")
+        return False
+    except OSError as exc:
+        _line("FAIL", f"allreduce, {ranks} ranks", f"cannot start {cmd[0]}: {exc}")
         return False
     sys.stdout.write(res.stdout)
     if res.returncode != 0:

@@ -110,6 +110,27 @@ def test_launched_ranks_form_one_job() -> None:
     assert done.stdout.strip() == repr([(r, 3, name) for r in range(3)])
 
 
+def test_gpu_check_script_runs_its_rank_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``scripts/gpu_check.py --cpu`` (what ``make gpu-check`` runs, with NumPy arrays):
+    it starts its ranks with the project's launcher, every algorithm passes at 1 and 4
+    ranks; with an mpiexec that does not exist it reports a failure instead of a traceback."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    argv = [sys.executable, str(script), "--cpu", "--timeout", "200"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=500, env=launch.clean_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    from optcc_mpi import algorithms
+
+    lines = [x for x in done.stdout.splitlines() if x.startswith("PASS")]
+    for name in algorithms.names():
+        for p in (1, 4):
+            want = (f"allreduce {name} (numpy)", f"p={p} ")
+            assert any(all(w in x for w in want) for x in lines), (name, p, done.stdout)
+    env = {**launch.clean_env(), "OPTCC_MPIEXEC": "/nonexistent/mpiexec"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "FAIL  allreduce, 1 ranks" in done.stdout and "/nonexistent/mpiexec" in done.stdout
+
+
 @pytest.mark.parametrize(
     ("version_text", "library", "flavour"),
     [(HYDRA_VERSION, OPENMPI, "hydra"), (OMPI_VERSION, MPICH, "openmpi")],
