@@ -325,6 +325,7 @@ def r2ccl(
     # Created round by round, each rank's sends come out in its step order; the first
     # contribution waits until the helper's healthy AllReduce is done with the tail.
     start = np.where(i > n_chunks - m, n_chunks - i, 0)
+    raw_mark = b.next_id
     raw_sends = []
     by_rank: list[list[np.ndarray]] = [[] for _ in range(m)]
     prev = np.full(n_chunks, -1, dtype=np.int64)
@@ -339,7 +340,10 @@ def r2ccl(
         prev = np.where(rids >= 0, rids, prev)
     final = prev  # per chunk: the helper holds the finished chunk
     if schedule == 2:
-        kind, rank = b.column("kind", 0, main_end), b.column("rank", 0, main_end)
+        # Released in step with each degraded rank's own main-ring sends (ours): all of
+        # them by RAW_SPREAD of the way (created round by round, a rank's raw sends are
+        # in its step order).
+        _pace(b, degraded, (0, main_end), (raw_mark, b.next_id), share=RAW_SPREAD)
     for v in range(m):
         # Each degraded rank's sends in its step order, two in flight, starting once its
         # part of the main AllReduce is done (R2CCL's overlap schedule 1: the healthy
@@ -350,15 +354,6 @@ def r2ccl(
         if schedule == 1:
             done = main_done.get(int(D[v]), np.zeros(0, np.int64))
             b.depend(mine[:window, None], done[None, :])
-        elif schedule == 2:
-            # Released in step with the rank's own main-ring sends (ours): the q-th of Q
-            # raw sends waits for the ceil((q+1) RAW_SPREAD M / Q)-th of its M.
-            lead = np.flatnonzero((kind == SEND) & (rank == D[v]))
-            if lead.size and mine.size:
-                q = np.arange(mine.size)
-                step = np.ceil((q + 1) * (RAW_SPREAD * lead.size / mine.size)).astype(np.int64)
-                step -= 1
-                b.depend(mine, lead[np.clip(step, 0, lead.size - 1)])
 
     # (c) Broadcast: each helper sends a finished chunk straight to every degraded rank,
     # which receives the chunks in the order they finish (0, 1, ...: a receive waiting
