@@ -50,6 +50,13 @@ _ALL = (
         "collectives",
     ),
     Variable(
+        "OPTCC_LINKS_LOG",
+        None,
+        'JSON-lines file to which `links="watch"` and `optcc-mpi doctor` append the '
+        "profiles they adopt or find (`optcc_mpi.linklog`; rank 0 writes).",
+        "collectives",
+    ),
+    Variable(
         "OPTCC_FASTCALL",
         "1",
         "`0` turns off the compiled call path of short `allreduce` calls "

@@ -79,6 +79,7 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi import linklog
 from optcc_mpi.comm import FOLD_TOTAL
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import SEND
@@ -273,6 +274,10 @@ class LinkWatch:
         that finds the profile right, up to ``explore_max``.
     explore_max : int
         The longest wait between explorations.
+    log : LinkLog, optional
+        Where the profiles adopted and the algorithms run are recorded
+        (:mod:`optcc_mpi.linklog`; rank 0 writes); default the file of
+        :func:`~optcc_mpi.linklog.recording` or ``$OPTCC_LINKS_LOG``, if any.
     """
 
     p: int
@@ -296,6 +301,9 @@ class LinkWatch:
     _steady: int = 0
     _gap: int = 0
     _exploring: bool = False
+    log: linklog.LinkLog | None = None
+    #: This process's rank, learnt from the first call it records (only rank 0 logs).
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
@@ -309,6 +317,8 @@ class LinkWatch:
             )
         self._mine = np.zeros(self.p)
         self._gap = self.explore
+        if self.log is None:
+            self.log = linklog.from_env()
 
     @property
     def length(self) -> int:
@@ -389,6 +399,8 @@ class LinkWatch:
         """Make ``fracs`` the profile from this call on."""
         self.profile = Links({r: float(f) for r, f in enumerate(fracs) if f < 1.0})
         self.changes.append((self.calls, self.profile))
+        if self.log is not None and self.rank in (None, 0):
+            self.log.adopted(self.calls, self.p, self.profile, self.measured)
         self._steady, self._gap = 0, self.explore
         return self.profile
 
@@ -439,11 +451,13 @@ class LinkWatch:
         frac = np.maximum(frac, 0.01)
         return Links({r: float(f) for r, f in enumerate(frac) if f < 1.0})
 
-    def record(self, rank: int, sends: Any) -> None:
+    def record(self, rank: int, sends: Any, schedule: Any = None) -> None:
         """Fold this rank's paced sends ``(peer, nbytes, from, until)`` of the call into
         the observation for the next call (emulation: ``v[rank]`` and ``v[peer]`` are at
-        least the rate of the link ``rank -> peer``)."""
+        least the rate of the link ``rank -> peer``). ``schedule``, what the call ran,
+        names its algorithm in the link log."""
         assert self._mine is not None
+        self._ran(rank, schedule)
         rates = send_rates(sends, self.p)
         if not rates.any():
             return
@@ -455,6 +469,7 @@ class LinkWatch:
     ) -> None:
         """Keep this rank's side of the call's timed messages for the next call (a real
         network: see the module's estimator). ``epoch``: when the check ended here."""
+        self._ran(rank, schedule)
         cache = schedule.__dict__.setdefault("_watch_layouts", {})
         key = (itemsize, self.length)
         lay = cache.get(key)
@@ -462,3 +477,16 @@ class LinkWatch:
             lay = cache[key] = MessageLayout(schedule, itemsize, self.length - self.p - _HEAD)
         self._layout = lay
         self._values = lay.values(rank, schedule, stats, epoch)
+
+    def _ran(self, rank: int, schedule: Any) -> None:
+        """Note this rank, and on rank 0 tell the link log what the call ran."""
+        self.rank = rank
+        if self.log is not None and rank == 0 and schedule is not None:
+            self.log.ran(
+                self.calls,
+                self.p,
+                str(schedule.name),
+                self.profile,
+                self.measured,
+                explore=self._exploring,
+            )

@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "bench_glm",
     "report",
     "sweep",
+    "doctor",
 )
 
 

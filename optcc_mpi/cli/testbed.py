@@ -25,6 +25,8 @@ EPILOG = """\
 examples:
   optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
       8 namespaces; every link 400 Mbit/s each way, rank 0 at 200 Mbit/s each way
+  optcc-mpi testbed up --ranks 8 --ranks-per-node 2 --rate 400mbit --degrade 1:0.5
+      4 nodes of 2 ranks sharing one link; node 1 (ranks 2 and 3) at 200 Mbit/s
   optcc-mpi testbed status
       namespaces, links, qdisc rates, byte counters; exit 1 if inconsistent
   optcc-mpi testbed run -- .venv/bin/python -m optcc_mpi bench
@@ -70,18 +72,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5\n"
         "  optcc-mpi testbed up --ranks 4 --rate 1gbit --degrade 1:0.25,2:0.5 --force\n"
-        "  optcc-mpi testbed up --ranks 4 --rate 50MB/s --burst 128KiB --latency 20ms\n\n"
+        "  optcc-mpi testbed up --ranks 4 --rate 50MB/s --burst 128KiB --latency 20ms\n"
+        "  optcc-mpi testbed up --ranks 8 --ranks-per-node 2 --rate 400mbit --degrade 0:0.5\n\n"
         "units (optcc_mpi.units): kbit, mbit, gbit are bits/s; KB/s, MB/s, GB/s bytes/s; "
         "KiB, MiB binary, KB, MB decimal",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p_up.add_argument("--ranks", "-n", type=int, required=True, help="number of ranks (1-250)")
+    p_up.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks sharing one namespace and its shaped link, as a server's GPUs share "
+        "its NIC (a divisor of --ranks; default 1). --degrade then names nodes",
+    )
     p_up.add_argument("--rate", required=True, help="healthy link rate, e.g. 400mbit, 1gbit")
     p_up.add_argument(
         "--degrade",
         default=None,
         metavar="RANK:FRACTION[,...]",
-        help="ranks whose link runs at FRACTION (0 < FRACTION <= 1) of --rate, both ways",
+        help="ranks (nodes, with --ranks-per-node) whose link runs at FRACTION "
+        "(0 < FRACTION <= 1) of --rate, both ways",
     )
     p_up.add_argument("--burst", default=None, help="tbf bucket, e.g. 64KiB (default: 2 ms)")
     p_up.add_argument("--latency", default=None, help="tbf queue latency (default: 50ms)")
@@ -194,13 +205,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             force=args.force,
             mtu=args.mtu,
             congestion=args.congestion,
+            ranks_per_node=args.ranks_per_node,
         )
     except tb.TestbedExists as exc:
         print(f"optcc-mpi testbed up: {exc}", file=sys.stderr)
         return 1
-    last = bed.ranks - 1
+    last = bed.nodes - 1
+    what = "ranks" if bed.ranks_per_node == 1 else "nodes"
     print(f"testbed {bed.name!r} is up: {bed.describe()} (each direction)")
-    print(f"  ranks      {bed.rank_ns(0)} .. {bed.rank_ns(last)}, eth0 = {bed.rank_addr(0)} ..")
+    print(f"  {what:<10} {bed.rank_ns(0)} .. {bed.rank_ns(last)}, eth0 = {bed.rank_addr(0)} ..")
     print(f"  hub        {bed.hub_ns} (bridge {tb.BRIDGE}, {tb.HUB_ADDR}/24, runs mpiexec)")
     print(f"  state      {bed.state_path}")
     print("  run a job  optcc-mpi testbed run -- .venv/bin/python prog.py")
@@ -260,7 +273,8 @@ def _format_status(info: dict[str, Any]) -> str:
         bed = tb.Testbed.from_dict(data)
         lines.append(f"testbed {name!r}: {bed.describe()}   state {info['state_file']}")
     if info["ranks"]:
-        header = f"  {'rank':>4}  {'namespace':<18} {'address':<12} {'expected':>9}  "
+        label = "node" if any(len(r.get("ranks", [0])) > 1 for r in info["ranks"]) else "rank"
+        header = f"  {label:>4}  {'namespace':<18} {'address':<12} {'expected':>9}  "
         header += f"{'egress (eth0)':<16} {'ingress (hub)':<16} {'tx bytes':>12} {'rx bytes':>12}"
         lines.append(header)
         for r in info["ranks"]:

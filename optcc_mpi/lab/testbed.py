@@ -7,6 +7,12 @@ on ``h<i>`` (the hub side, whose egress is the rank's ingress) limits what it re
 degraded rank is slow in both directions. This kernel has no ``netem`` and no ingress
 policing, hence two egress shapers rather than one policer.
 
+With ``ranks_per_node`` k > 1 a namespace is a simulated *node* holding k consecutive
+ranks (node i: ranks k i .. k i + k - 1) that share its one shaped ``eth0``, as the GPUs
+of a server share its NIC; what they send each other stays inside the namespace. Then
+every per-namespace name below (``r<i>``, ``h<i>``, the ``degrade`` keys, the rates)
+counts nodes, not ranks; with one rank per node (the default) the two are the same.
+
 Jobs start with the ``mpiexec`` of the MPI library in use (:mod:`optcc_mpi.lab.launch`),
 MPICH's hydra or Open MPI's PRRTE, inside the hub namespace; a generated launcher script
 stands in for ``ssh`` and enters the rank namespace named by the "host". The transport is
@@ -360,11 +366,12 @@ class Testbed:
     name : str
         Prefix of every namespace (``<name>-hub``, ``<name>-r<i>``).
     ranks : int
-        Number of rank namespaces.
+        Number of MPI ranks the testbed holds.
     rate_bit : int
         Healthy link rate in bits per second, each direction.
     degrade : dict of int to float
-        Degraded ranks and their fractions of ``rate_bit`` now in force.
+        Degraded nodes (ranks, with one rank per node) and their fractions of
+        ``rate_bit`` now in force.
     burst : int or None
         tbf bucket in bytes; None picks two milliseconds' worth per link (at least 64 KiB).
     latency_us : int
@@ -375,6 +382,8 @@ class Testbed:
         TCP congestion control inside the rank namespaces.
     complete : bool
         False while ``up`` is still building (or crashed while building).
+    ranks_per_node : int
+        Ranks sharing one namespace and its shaped link (module docstring).
     """
 
     name: str
@@ -388,8 +397,19 @@ class Testbed:
     complete: bool = False
     created: float = field(default_factory=time.time)
     created_etc_netns: bool = False
+    ranks_per_node: int = 1
 
     # ---- names and paths
+
+    @property
+    def nodes(self) -> int:
+        """Number of node namespaces (``ranks / ranks_per_node``)."""
+        return self.ranks // self.ranks_per_node
+
+    def ranks_of(self, node: int) -> list[int]:
+        """The ranks that node ``node`` holds."""
+        k = self.ranks_per_node
+        return list(range(node * k, node * k + k))
 
     @property
     def hub_ns(self) -> str:
@@ -418,7 +438,7 @@ class Testbed:
     @property
     def namespaces(self) -> list[str]:
         """All namespaces of this testbed, hub first."""
-        return [self.hub_ns, *(self.rank_ns(i) for i in range(self.ranks))]
+        return [self.hub_ns, *(self.rank_ns(i) for i in range(self.nodes))]
 
     @property
     def marker(self) -> str:
@@ -453,8 +473,8 @@ class Testbed:
         return int(round(self.rate_bit * degrade.get(rank, 1.0)))
 
     def rates(self) -> dict[int, int]:
-        """Return every rank's current link rate in bit/s (both directions)."""
-        return {i: self.rate_of(i) for i in range(self.ranks)}
+        """Return every node's (rank's) current link rate in bit/s (both directions)."""
+        return {i: self.rate_of(i) for i in range(self.nodes)}
 
     def _tbf_args(self, rate_bit: int) -> list[str]:
         burst = self.burst if self.burst is not None else _default_burst(rate_bit)
@@ -496,7 +516,7 @@ class Testbed:
             New healthy rate (tc-style or bit/s); default keeps the current one.
         """
         require_root("change link rates")
-        new_degrade = parse_degrade(degrade, self.ranks)
+        new_degrade = parse_degrade(degrade, self.nodes)
         new_rate = self.rate_bit if rate is None else parse_rate(rate)
         for r, fraction in new_degrade.items():
             if new_rate * fraction < MIN_RATE_BIT:
@@ -505,7 +525,7 @@ class Testbed:
             old_rate, old_degrade = self.rate_bit, self.degrade
             self.rate_bit, self.degrade = new_rate, new_degrade
             try:
-                for rank in range(self.ranks):
+                for rank in range(self.nodes):
                     self._apply_rank_shaping(rank, self.rate_of(rank))
             except BaseException:
                 self.rate_bit, self.degrade = old_rate, old_degrade
@@ -529,7 +549,8 @@ class Testbed:
         cmd : sequence of str
             The program and its arguments (``[sys.executable, "prog.py"]``).
         n : int, optional
-            Number of ranks; default all of the testbed's. Rank *i* runs in ``<name>-r<i>``.
+            Number of ranks; default all of the testbed's. Rank *i* runs in
+            ``<name>-r<j>``, ``j = i // ranks_per_node``.
         env : mapping, optional
             Extra variables for every rank; they override everything else, including the
             required transport settings (:data:`REQUIRED_ENV`, :data:`REQUIRED_ENV_OPENMPI`).
@@ -569,7 +590,12 @@ class Testbed:
         job_env["OPTCC_TESTBED_NAME"] = self.name
         job_env["OPTCC_TESTBED_STATE_DIR"] = str(_state_dir())
         job_env.update(env or {})
-        hosts = ",".join(self.rank_host(i) for i in range(n))
+        k = self.ranks_per_node
+        used = -(-n // k)
+        if k == 1:
+            hosts = ",".join(self.rank_host(i) for i in range(n))
+        else:  # k slots per node host, filled in order
+            hosts = ",".join(f"{self.rank_host(i)}:{k}" for i in range(used))
         argv = [shutil.which("ip") or "ip", "netns", "exec", self.hub_ns]
         if flavour == "hydra":
             argv += [path, "-launcher", "ssh", "-launcher-exec", str(self.nswrap)]
@@ -621,7 +647,7 @@ class Testbed:
         """
         require_root("read link counters")
         result = {}
-        for rank in range(self.ranks):
+        for rank in range(self.nodes):
             stats = _link_stats(self.rank_ns(rank), RANK_DEV)
             if stats is None:
                 raise TestbedError(f"{self.rank_ns(rank)} has no {RANK_DEV}; run `status`")
@@ -653,6 +679,7 @@ class Testbed:
             "complete": self.complete,
             "created": self.created,
             "created_etc_netns": self.created_etc_netns,
+            "ranks_per_node": self.ranks_per_node,
             "subnet": f"{SUBNET}.0/24",
             "namespaces": self.namespaces,
             "etc_netns": [str(p) for p in self.etc_netns],
@@ -676,6 +703,7 @@ class Testbed:
             complete=bool(data.get("complete", False)),
             created=float(data.get("created", 0.0)),
             created_etc_netns=bool(data.get("created_etc_netns", False)),
+            ranks_per_node=int(data.get("ranks_per_node", 1)),
         )
 
     def _write_state(self) -> None:
@@ -687,10 +715,17 @@ class Testbed:
 
     def describe(self) -> str:
         """Return a one-line summary (``4 ranks at 400mbit; rank 0 at 0.5 (200mbit)``)."""
+        k = self.ranks_per_node
         text = f"{self.ranks} ranks at {format_rate(self.rate_bit)}"
+        if k > 1:
+            text = (
+                f"{self.ranks} ranks, {k} per node on {self.nodes} nodes, at "
+                f"{format_rate(self.rate_bit)}"
+            )
+        what = "node" if k > 1 else "rank"
         if self.degrade:
             parts = [
-                f"rank {r} at {f:g} ({format_rate(self.rate_of(r))})"
+                f"{what} {r} at {f:g} ({format_rate(self.rate_of(r))})"
                 for r, f in self.degrade.items()
             ]
             text += "; " + ", ".join(parts)
@@ -760,19 +795,21 @@ def up(
     force: bool = False,
     mtu: int = DEFAULT_MTU,
     congestion: str = DEFAULT_CONGESTION,
+    ranks_per_node: int = 1,
 ) -> Testbed:
     """Build a testbed: one namespace per rank, veths into a bridge, tbf in both directions.
 
     Parameters
     ----------
     ranks : int
-        Number of rank namespaces (1..250).
+        Number of ranks (1..250 namespaces).
     rate : str or int
         Healthy rate of every link, each direction: ``"400mbit"``, ``"1gbit"``, ``"50MB/s"``
         or bit/s.
     degrade : mapping or str, optional
-        ``{rank: fraction}`` or ``"RANK:FRACTION,..."``: these ranks send and receive at
-        ``fraction * rate``. Change later with :meth:`Testbed.set_shaping`.
+        ``{rank: fraction}`` or ``"RANK:FRACTION,..."``: these ranks (nodes, with
+        ``ranks_per_node`` > 1) send and receive at ``fraction * rate``. Change later with
+        :meth:`Testbed.set_shaping`.
     burst : str or int, optional
         tbf bucket (``"64KiB"`` or bytes); default two milliseconds of each link's rate, at
         least 64 KiB.
@@ -788,6 +825,8 @@ def up(
     congestion : str
         TCP congestion control in the rank namespaces, ``"reno"`` (default: keeps a
         shaped link full) or ``"bbr"``; ``""`` keeps the kernel's default.
+    ranks_per_node : int
+        Ranks per namespace, sharing its shaped link (a divisor of ``ranks``; default 1).
 
     Returns
     -------
@@ -804,10 +843,17 @@ def up(
         On bad arguments.
     """
     name = resolve_name(name)
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
-        raise ValueError(f"ranks must be an integer in 1..{MAX_RANKS}, not {ranks!r}")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive integer, not {ranks!r}")
+    k = ranks_per_node
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or ranks % k:
+        raise ValueError(
+            f"ranks_per_node must be a positive divisor of ranks={ranks}, not {ranks_per_node!r}"
+        )
+    if not ranks // k <= MAX_RANKS:
+        raise ValueError(f"ranks must be an integer in 1..{MAX_RANKS * k}, not {ranks!r}")
     rate_bit = parse_rate(rate)
-    degrade_map = parse_degrade(degrade, ranks)
+    degrade_map = parse_degrade(degrade, ranks // k)
     for r, fraction in degrade_map.items():
         if rate_bit * fraction < MIN_RATE_BIT:
             raise ValueError(f"rank {r} at {fraction} of {format_rate(rate_bit)} is too slow")
@@ -824,6 +870,7 @@ def up(
         latency_us=DEFAULT_LATENCY_US if latency is None else parse_latency(latency),
         mtu=mtu,
         congestion=congestion,
+        ranks_per_node=k,
     )
     require_root()
     ensure_tools()
@@ -877,7 +924,7 @@ def _build(bed: Testbed) -> None:
     _cmd([*ip, "-n", hub, "link", "add", BRIDGE, "type", "bridge"])
     _cmd([*ip, "-n", hub, "addr", "add", f"{HUB_ADDR}/24", "dev", BRIDGE])
     _cmd([*ip, "-n", hub, "link", "set", "dev", BRIDGE, "up"])
-    for rank in range(bed.ranks):
+    for rank in range(bed.nodes):
         ns, peer = bed.rank_ns(rank), bed.hub_dev(rank)
         _cmd(
             [*ip, "link", "add", peer, "netns", hub, "type", "veth"]
@@ -896,7 +943,7 @@ def _build(bed: Testbed) -> None:
         f"# {bed.marker} (generated; removed by `optcc-mpi testbed down`)",
         "127.0.0.1 localhost",
     ]
-    hosts += [f"{bed.rank_addr(i)} {bed.rank_host(i)}" for i in range(bed.ranks)]
+    hosts += [f"{bed.rank_addr(i)} {bed.rank_host(i)}" for i in range(bed.nodes)]
     hosts.append(f"{HUB_ADDR} {HUB_HOST}")
     for folder in bed.etc_netns:
         folder.mkdir(parents=True, exist_ok=True)
@@ -1121,11 +1168,12 @@ def status(name: str | None = None) -> dict[str, Any]:
             if not (folder / "hosts").exists():
                 problems.append(f"{folder}/hosts is missing")
         hub_ok = marks.get(bed.hub_ns, False)
-        for rank in range(bed.ranks):
+        for rank in range(bed.nodes):
             ns = bed.rank_ns(rank)
             want = bed.rate_of(rank)
             entry: dict[str, Any] = {
                 "rank": rank,
+                "ranks": bed.ranks_of(rank),
                 "namespace": ns,
                 "addr": bed.rank_addr(rank),
                 "rate_bit": want,

@@ -1,0 +1,296 @@
+"""``optcc-mpi doctor``: which node's link is slow? (under mpiexec, srun or the testbed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from optcc_mpi.cli._common import (
+    duration_arg,
+    emulation_arg,
+    int_at_least,
+    positive_size_arg,
+    rate_arg,
+)
+
+DESCRIPTION = """\
+Measure the send and receive rate of every rank's and every node's link, repeatedly,
+and say which are degraded relative to the median link (or to --expect). Ranks with the
+same host name share a node: each rank's path is measured alone (one flow per node),
+each node's NIC with all its ranks at once, and what stays inside a node separately;
+a slow NIC is blamed on its node, not on a rank. Run it under mpiexec, srun or
+`optcc-mpi testbed run`; rank 0 prints the table (slowest first) and a one-line verdict.
+
+What it sends: SIZE-byte messages in rounds between barriers, every rank to a partner
+node (PARTNERS node shifts, spread round the ring), each round REPEATS times. With one
+rank per node every rank sends and receives SIZE x REPEATS x PARTNERS bytes (defaults:
+8 MiB x 5 x 3 = 120 MiB) in REPEATS x PARTNERS rounds; that takes about
+SIZE x REPEATS x PARTNERS / RATE, 0.1 s at 10 Gbit/s and 2.5 s at 400 Mbit/s, plus
+2 barriers a round. With L ranks per node add the all-ranks-at-once rounds (a node's L
+flows share its NIC) and the intra-node rounds: about 2 L times as long. At p = 64 on a
+10 Gbit/s network the default takes 0.1 s of transfers (--estimate shows the simulated
+time for any p, L and rate).
+"""
+
+EPILOG = """\
+verdicts:
+  healthy     every measurement of the link at or above the threshold (default 0.80)
+  degraded    this rank's own path is slow (one rail of a node whose others are fine)
+  node        this rank's node's link is slow (all of its ranks, or all at once)
+  intra       slow inside its node (shared memory), not on the network; --judge-intra
+  unresolved  slow, but every partner was as slow: cannot tell which end
+
+exit status:
+  0  healthy    3  a link is degraded    4  inconclusive (fewer than 3 nodes without
+  --expect, or a slow rank whose partners were all slow too)    2  an error
+
+examples:
+  # 16 nodes, one task each; the JSON for a health check, a plot for people
+  srun --mpi=pmi2 -N 16 --ntasks-per-node=1 optcc-mpi doctor --json doctor.json --plot doctor.png
+
+  # one task per GPU: the 8 ranks of a node share its NIC(s); nodes are named
+  srun --mpi=pmi2 -N 4 --ntasks-per-node=8 optcc-mpi doctor
+
+  # on the namespace testbed (root): rank 0's link at half rate
+  optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
+  optcc-mpi testbed run -- python -m optcc_mpi doctor
+
+  # software emulation (no root, one machine): rank 2 at 0.5 of 200 MB/s
+  mpiexec -n 4 optcc-mpi doctor --emulate bw=200MB/s,degrade=2:0.5
+
+  # how long would it take? (the simulator, no MPI)
+  optcc-mpi doctor --estimate --p 64 --bw 10gbit
+  optcc-mpi doctor --estimate --p 64 --ranks-per-node 8 --bw 100gbit --size 64M
+
+  # a node's own health check, from the last job's JSON (exit 3 if this host is flagged)
+  optcc-mpi doctor --check /shared/doctor.json
+
+See docs/doctor.md (Slurm health checks and prologs, what it cannot see).
+"""
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction must be in (0, 1]")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``doctor`` command."""
+    from optcc_mpi import doctor as dr
+
+    p = subparsers.add_parser(
+        "doctor",
+        help="find the slow link: every rank's and node's rates, and a verdict",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m = p.add_argument_group("measurement")
+    m.add_argument(
+        "--size",
+        type=positive_size_arg,
+        default=dr.DEFAULT_SIZE,
+        help="bytes per message (default 8M; at 100 Gbit/s and more use 64M, so that a "
+        "message lasts milliseconds)",
+    )
+    m.add_argument(
+        "--partners",
+        type=int_at_least(1, "partners"),
+        default=dr.DEFAULT_PARTNERS,
+        help="partner nodes per rank (node shifts; default %(default)s)",
+    )
+    m.add_argument(
+        "--repeats",
+        type=int_at_least(1, "repeats"),
+        default=dr.DEFAULT_REPEATS,
+        help="times every round runs; a link is flagged only when all its measurements are "
+        "below the threshold (default %(default)s)",
+    )
+    m.add_argument(
+        "--group",
+        choices=("host", "rank"),
+        default=None,
+        help="what shares a NIC: ranks on one host (default), or nothing (rank: every rank "
+        "its own NIC; the default under --emulate)",
+    )
+    m.add_argument(
+        "--emulate",
+        type=emulation_arg,
+        default=None,
+        metavar="SPEC",
+        help="software emulation, e.g. bw=200MB/s,degrade=2:0.5 (default $OPTCC_EMULATE)",
+    )
+    v = p.add_argument_group("verdict")
+    v.add_argument(
+        "--threshold",
+        type=_fraction,
+        default=dr.HEALTHY_ABOVE,
+        help="fraction of the reference below which a link is degraded (default %(default)s)",
+    )
+    v.add_argument(
+        "--expect",
+        type=rate_arg,
+        default=None,
+        metavar="RATE",
+        help="judge against this rate per rank (e.g. 10gbit) instead of the median link; "
+        "needed with fewer than 3 nodes",
+    )
+    v.add_argument(
+        "--judge-intra",
+        action="store_true",
+        help="also flag ranks slow inside their node (host memory copies, which follow the "
+        "CPU load; reported either way)",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write the full result as JSON (- for stdout)")
+    o.add_argument("--plot", metavar="FILE.png", help="draw the rates, threshold and verdicts")
+    o.add_argument(
+        "--links-log",
+        metavar="FILE",
+        help="append the verdict to this JSON-lines link log (default $OPTCC_LINKS_LOG)",
+    )
+    o.add_argument("--quiet", "-q", action="store_true", help="print the verdict line only")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e = p.add_argument_group("--estimate (the simulator, no MPI)")
+    e.add_argument(
+        "--estimate",
+        action="store_true",
+        help="print the plan and its simulated duration instead of measuring",
+    )
+    e.add_argument("--p", type=int_at_least(2, "ranks"), default=64, help="ranks (default 64)")
+    e.add_argument(
+        "--ranks-per-node",
+        type=int_at_least(1, "ranks per node"),
+        default=1,
+        help="ranks sharing a node's NIC (default 1)",
+    )
+    e.add_argument("--bw", type=rate_arg, default=10e9 / 8, help="link rate (default 10gbit)")
+    e.add_argument(
+        "--latency",
+        type=duration_arg,
+        default=5e-6,
+        help="per-message latency (default 5us)",
+    )
+    c = p.add_argument_group("--check (a node's own health check)")
+    c.add_argument(
+        "--check",
+        metavar="FILE.json",
+        help="read a doctor's --json and exit 3 if HOST was flagged, 0 if not (no MPI)",
+    )
+    c.add_argument(
+        "--host",
+        default=None,
+        help="the node to look up with --check (default: this machine's host name)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``optcc-mpi doctor``."""
+    if args.check:
+        return _check(args)
+    if args.estimate:
+        return _estimate(args)
+    from mpi4py import MPI
+
+    from optcc_mpi import doctor as dr
+    from optcc_mpi import linklog
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    with linklog.recording(args.links_log):
+        diag = dr.doctor(
+            comm,
+            size=args.size,
+            partners=args.partners,
+            repeats=args.repeats,
+            healthy_above=args.threshold,
+            expect=args.expect,
+            group=args.group,
+            emulate=args.emulate,
+            judge_intra=args.judge_intra,
+            progress=not args.no_progress and not args.quiet,
+        )
+    if rank == 0:
+        if args.quiet:
+            print(diag.summary)
+        else:
+            print(
+                f"# optcc-mpi doctor: {len(diag.ranks)} ranks on {len(diag.nodes)} nodes, "
+                f"{diag.rounds} rounds of {args.size / 2**20:g} MiB messages "
+                f"({args.partners} partners x {args.repeats} repeats), "
+                f"{max(diag.bytes_sent) / 2**20:.0f} MiB sent per rank, {diag.seconds:.1f} s"
+            )
+            print(diag.table())
+        if args.json:
+            text = json.dumps(diag.to_dict(), indent=1)
+            if args.json == "-":
+                print(text)
+            else:
+                Path(args.json).write_text(text + "\n")
+                if not args.quiet:
+                    print(f"wrote {args.json}")
+        if args.plot:
+            print(f"wrote {dr.plot(diag, args.plot)}")
+    sys.stdout.flush()
+    return diag.exit_status
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from optcc_mpi import doctor as dr
+
+    if args.p % args.ranks_per_node:
+        raise ValueError(
+            f"--p {args.p} is not a multiple of --ranks-per-node {args.ranks_per_node}"
+        )
+    layout = dr.Layout.uniform(args.p, args.ranks_per_node)
+    the_plan = dr.plan(layout, size=args.size, partners=args.partners, repeats=args.repeats)
+    est = dr.estimate(the_plan, args.bw, args.latency)
+    print(f"plan: {the_plan.describe()}")
+    print(
+        f"simulated at {dr._rate(args.bw)}, {args.latency * 1e6:g} us per message: "
+        f"{est['seconds']:.2f} s ({est['transfer_seconds']:.2f} s of transfers: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in est["per_phase"].items() if v)
+        + f"; {est['barrier_seconds'] * 1e3:.1f} ms of barriers)"
+    )
+    sent = the_plan.bytes_sent()
+    print(
+        f"per rank: {sent.max() / 2**20:.0f} MiB sent, "
+        f"{the_plan.bytes_received().max() / 2**20:.0f} MiB received (at most)"
+    )
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from optcc_mpi import doctor as dr
+
+    path = Path(args.check)
+    if not path.is_file():
+        raise FileNotFoundError(f"no doctor result {path}")
+    try:
+        data = json.loads(path.read_text())
+        nodes = data["nodes"]
+        ranks = data["ranks"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not the --json of optcc-mpi doctor ({exc})") from None
+    host = args.host or socket.gethostname()
+    mine = [r for r in ranks if r.get("host") == host]
+    if not mine:
+        print(f"{host}: not in {path} (measured: {', '.join(n['name'] for n in nodes)})")
+        return dr.EXIT_INCONCLUSIVE
+    bad = [r for r in mine if r.get("verdict") not in ("healthy", "unresolved")]
+    if bad:
+        what = ", ".join(f"rank {r['rank']} {r['verdict']} at {r['fraction']}" for r in bad)
+        print(f"{host}: DEGRADED ({what}); {data.get('summary', '')}")
+        return dr.EXIT_DEGRADED
+    print(f"{host}: healthy in {path} ({len(mine)} ranks)")
+    return dr.EXIT_HEALTHY

@@ -1,0 +1,1207 @@
+"""Which node's link is slow? A bounded, repeated measurement of every link, and a verdict.
+
+:func:`doctor` measures the send (egress) and receive (ingress) rate of every rank's and
+every node's link and says which are degraded, relative to the median link (or to an
+expected rate). ``optcc-mpi doctor`` is its command-line face.
+
+What it sends
+-------------
+Ranks that report the same host name share a node (and its NICs); with
+``group="rank"`` (the default under emulation, whose virtual NICs are per rank) every
+rank is a node of its own. Nodes are numbered in the order of their first rank, and the
+ranks of a node by rank (their *local rank*). Every message is ``size`` bytes; a
+*round* is one set of simultaneous messages between two barriers, and every receiver
+times its messages from the end of the barrier. Three kinds of rounds:
+
+``inter``
+    Across nodes, one flow per node: for each local rank ``j``, each of ``partners``
+    node shifts ``s`` and each of ``repeats`` repeats, local rank ``j`` of every node
+    ``a`` sends to local rank ``j mod L(b)`` of node ``b = a + s``. Every NIC carries one
+    flow out and one in, so each rank's own path to the network is measured alone.
+``node``
+    Only where a node holds several ranks: the same shifts, every rank of a node at once,
+    so a node's NIC carries all of its ranks' traffic (what a collective sees).
+``intra``
+    Only where a node holds several ranks: within every node, local rank ``j`` sends to
+    local rank ``j + t`` (``t`` of up to ``partners`` local shifts); no byte crosses a NIC.
+
+The shifts are spread over the ring of nodes (``1``, about a third and two thirds of the
+way round for three partners), so that two degraded nodes next to each other in the
+numbering rarely limit each other's every partner. Repeats are the outer loop: a
+transient disturbance spoils one repeat of everything rather than every repeat of one
+link. With ``N`` nodes of at most ``L`` ranks, ``k = min(partners, N - 1)`` shifts and
+``R`` repeats, a rank sends (and receives about) ``size * R * k`` bytes when ``L = 1``,
+and ``size * R * (2 k + min(partners, L - 1))`` otherwise, in ``R * k * (2 L) + R *
+min(partners, L - 1)`` rounds (:attr:`Plan.rounds`; :meth:`Plan.bytes_sent` per rank).
+Over links of ``B`` bytes/s that takes about ``size * R * k * (2 L) / B`` plus two
+barriers per round (:func:`estimate` times the schedules with the simulator). The
+defaults (8 MiB, 3 partners, 5 repeats) send 120 MiB per rank at one rank per node:
+0.1 s at 10 Gbit/s, 2.5 s at 400 Mbit/s.
+
+Estimator
+---------
+A message moves at the pace of the slower of its two ends, so its rate is a lower bound
+on its sender's egress and its receiver's ingress, and noise (another job's traffic, a
+descheduled process) only ever makes a link look slower. A rank's egress is the fastest
+of its ``inter`` messages out, over every partner and repeat (``k * R`` measurements),
+its ingress the fastest in; a node's aggregate rates likewise from the ``node`` rounds,
+where a message pair ``a -> b`` moves ``L(a)`` messages. Fractions are relative to the
+median rank (node), which assumes fewer than half of them are degraded, or to
+``expect``. A link is flagged only when all of its ``k * R`` measurements fell below
+``healthy_above``, which is what separates a degraded link from noise; the spread of
+the per-repeat fractions is reported beside it. A rank whose low rate every one of its
+partners could explain (their own rates were no faster) is *unresolved*, not blamed.
+
+A node is degraded when its aggregate fraction is below the threshold, or when every one
+of its ranks is; its ranks then say ``node``, and the summary names the node, not a rank.
+A rank below the threshold on a healthy node is blamed alone (one rail of a multi-NIC
+node). Intra-node rates are reported beside the others; with ``judge_intra`` a rank
+whose intra-node rate is below the threshold of the median intra-node rate says
+``intra`` (host memory copies follow the load on the node's CPUs, so this is off by
+default).
+
+Communication
+-------------
+Everything the doctor says to other ranks goes through three functions, :func:`_barrier`,
+:func:`_allgather` and :func:`_run` (a schedule through
+:func:`optcc_mpi.executor.execute`), each taking the communicator, on the communicator's
+private duplicate (:mod:`optcc_mpi.comm`), so that a transport other than MPI can carry
+them by replacing those three.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from optcc_mpi.backend import NumpyBackend
+from optcc_mpi.emulation import Emulation
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.executor import ExecStats, execute
+from optcc_mpi.links import Links
+from optcc_mpi.schedule import RECV, Schedule, ScheduleBuilder
+from optcc_mpi.units import format_size
+
+__all__ = [
+    "DEFAULT_SIZE",
+    "DEFAULT_PARTNERS",
+    "DEFAULT_REPEATS",
+    "HEALTHY_ABOVE",
+    "EXIT_HEALTHY",
+    "EXIT_DEGRADED",
+    "EXIT_INCONCLUSIVE",
+    "Layout",
+    "Round",
+    "Plan",
+    "RankRow",
+    "NodeRow",
+    "Diagnosis",
+    "plan",
+    "estimate",
+    "diagnose",
+    "doctor",
+    "plot",
+]
+
+#: Bytes per message.
+DEFAULT_SIZE = 8 << 20
+#: Partners (node shifts) per rank and phase.
+DEFAULT_PARTNERS = 3
+#: Repeats of every round.
+DEFAULT_REPEATS = 5
+#: Fractions of the reference at or above this are healthy. A link at 0.7 is found with
+#: room for the testbed's measurement error; healthy links measure 0.9 or more there.
+HEALTHY_ABOVE = 0.8
+#: Exit statuses of ``optcc-mpi doctor`` (2: an error, as for every command).
+EXIT_HEALTHY = 0
+EXIT_DEGRADED = 3
+EXIT_INCONCLUSIVE = 4
+#: A partner whose own rate is within this factor of a rank's low rate may have been
+#: what limited it.
+_EXPLAIN = 1.15
+
+# ------------------------------------------------------------------------ who is where
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Which ranks share a node.
+
+    Parameters
+    ----------
+    hosts : sequence of str
+        Host name of every rank.
+    group : {"host", "rank"}
+        ``"host"``: ranks with the same host name share a node; ``"rank"``: every rank is
+        a node of its own (a per-rank NIC, or software emulation).
+    """
+
+    hosts: tuple[str, ...]
+    group: str = "host"
+    node: np.ndarray = field(init=False, repr=False)
+    """Per rank, its node's index."""
+    local: np.ndarray = field(init=False, repr=False)
+    """Per rank, its index among its node's ranks (its local rank)."""
+    names: tuple[str, ...] = field(init=False)
+    """Per node, its name."""
+    members: tuple[tuple[int, ...], ...] = field(init=False)
+    """Per node, its ranks, ascending."""
+
+    def __post_init__(self) -> None:
+        hosts = tuple(str(h) for h in self.hosts)
+        if not hosts:
+            raise ArgumentError("a layout needs at least one rank")
+        if self.group not in ("host", "rank"):
+            raise ArgumentError(f"group must be 'host' or 'rank', not {self.group!r}")
+        keys = hosts if self.group == "host" else tuple(f"{h}[r{r}]" for r, h in enumerate(hosts))
+        order: dict[str, list[int]] = {}
+        for r, key in enumerate(keys):
+            order.setdefault(key, []).append(r)
+        node = np.zeros(len(hosts), dtype=np.int64)
+        local = np.zeros(len(hosts), dtype=np.int64)
+        for i, ranks in enumerate(order.values()):
+            node[ranks] = i
+            local[ranks] = np.arange(len(ranks))
+        object.__setattr__(self, "hosts", hosts)
+        object.__setattr__(self, "node", node)
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "names", tuple(order))
+        object.__setattr__(self, "members", tuple(tuple(v) for v in order.values()))
+
+    @classmethod
+    def uniform(cls, p: int, per_node: int = 1) -> Layout:
+        """``p`` ranks, ``per_node`` consecutive ranks on each node (``n0``, ``n1``, ...);
+        for plans and estimates without a job."""
+        if p < 1 or per_node < 1:
+            raise ArgumentError(f"need p >= 1 and per_node >= 1, not p={p}, {per_node}")
+        return cls(tuple(f"n{r // per_node}" for r in range(p)))
+
+    @property
+    def p(self) -> int:
+        """Ranks."""
+        return len(self.hosts)
+
+    @property
+    def n_nodes(self) -> int:
+        """Nodes."""
+        return len(self.members)
+
+    @property
+    def per_node(self) -> int:
+        """Most ranks on one node."""
+        return max(len(m) for m in self.members)
+
+
+# ------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, eq=False)
+class Round:
+    """One set of simultaneous messages between two barriers."""
+
+    phase: str
+    """``"inter"``, ``"node"`` or ``"intra"`` (module docstring)."""
+    shift: int
+    """Node shift (``inter``, ``node``) or local shift (``intra``)."""
+    local: int
+    """Local rank of the senders of an ``inter`` round; -1 otherwise."""
+    repeat: int
+    src: np.ndarray
+    dst: np.ndarray
+    schedule: Schedule
+
+
+def _spread(n: int, k: int) -> list[int]:
+    """Up to ``k`` distinct shifts in ``1..n-1``, spread over the ring: 1, about a third
+    of the way round, about two thirds (for k = 3)."""
+    k = min(k, n - 1)
+    return sorted({1 + (i * (n - 1)) // k for i in range(k)}) if k > 0 else []
+
+
+def _schedule(p: int, size: int, src: np.ndarray, dst: np.ndarray, name: str) -> Schedule:
+    """Every ``src[i]`` sends ``size`` bytes to ``dst[i]`` at once. Each rank sends from
+    the first ``size`` bytes of its buffer and receives its k-th message into slot k + 1,
+    so that no message lands where another is read or written."""
+    slot = np.zeros(len(dst), dtype=np.int64)
+    seen: dict[int, int] = {}
+    for i, d in enumerate(dst.tolist()):
+        slot[i] = seen.get(d, 0)
+        seen[d] = slot[i] + 1
+    slots = 1 + (max(seen.values()) if seen else 0)
+    b = ScheduleBuilder(p, slots * size, name)
+    if len(src):
+        b.send(src, dst, 0, size)
+        b.recv(dst, src, (slot + 1) * size, (slot + 2) * size)
+    return b.build()
+
+
+@dataclass(eq=False)
+class Plan:
+    """Every round the doctor runs, the same on every rank (a pure function of the
+    layout and the parameters)."""
+
+    layout: Layout
+    size: int
+    partners: int
+    repeats: int
+    shifts: list[int]
+    """Node shifts of the ``inter`` and ``node`` rounds."""
+    local_shifts: list[int]
+    """Local shifts of the ``intra`` rounds (none when every node holds one rank)."""
+    rounds: list[Round]
+
+    @property
+    def count(self) -> int:
+        """Elements (bytes) of the buffer every rank needs: the largest schedule's."""
+        return max((r.schedule.count for r in self.rounds), default=self.size)
+
+    def bytes_sent(self) -> np.ndarray:
+        """Per rank, bytes it sends over the whole plan."""
+        out = np.zeros(self.layout.p, dtype=np.int64)
+        for r in self.rounds:
+            np.add.at(out, r.src, self.size)
+        return out
+
+    def bytes_received(self) -> np.ndarray:
+        """Per rank, bytes it receives over the whole plan."""
+        out = np.zeros(self.layout.p, dtype=np.int64)
+        for r in self.rounds:
+            np.add.at(out, r.dst, self.size)
+        return out
+
+    def describe(self) -> str:
+        """One line: rounds, bytes per rank."""
+        lay = self.layout
+        sent = self.bytes_sent()
+        phases = {ph: sum(r.phase == ph for r in self.rounds) for ph in ("inter", "node", "intra")}
+        text = ", ".join(f"{n} {ph}" for ph, n in phases.items() if n)
+        return (
+            f"{lay.p} ranks on {lay.n_nodes} nodes; {len(self.rounds)} rounds ({text}) of "
+            f"{format_size(self.size)} messages; at most {format_size(int(sent.max()))} sent "
+            f"per rank"
+        )
+
+
+def plan(
+    layout: Layout,
+    *,
+    size: int = DEFAULT_SIZE,
+    partners: int = DEFAULT_PARTNERS,
+    repeats: int = DEFAULT_REPEATS,
+) -> Plan:
+    """The rounds the doctor runs on ``layout`` (module docstring).
+
+    Parameters
+    ----------
+    layout : Layout
+        Which ranks share a node.
+    size : int
+        Bytes per message.
+    partners : int
+        Node shifts (and local shifts) per phase.
+    repeats : int
+        Times every round runs.
+    """
+    _check_params(size, partners, repeats)
+    lay = layout
+    p, n = lay.p, lay.n_nodes
+    per = [len(m) for m in lay.members]
+    shifts = _spread(n, partners)
+    lmax = lay.per_node
+    local_shifts = _spread(lmax, partners) if lmax > 1 else []
+    members = lay.members
+
+    built: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, Schedule]] = {}
+
+    def pairs(phase: str, shift: int, j: int) -> tuple[np.ndarray, np.ndarray, Schedule]:
+        key = (phase, shift, j)
+        if key not in built:
+            src: list[int] = []
+            dst: list[int] = []
+            for a in range(n):
+                b = (a + shift) % n
+                if phase == "inter":
+                    if per[a] > j:
+                        src.append(members[a][j])
+                        dst.append(members[b][j % per[b]])
+                elif phase == "node":
+                    for jj in range(per[a]):
+                        src.append(members[a][jj])
+                        dst.append(members[b][jj % per[b]])
+                else:  # intra: local shift within node a
+                    if per[a] > 1:
+                        for jj in range(per[a]):
+                            if shift % per[a]:
+                                src.append(members[a][jj])
+                                dst.append(members[a][(jj + shift) % per[a]])
+            s, d = np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+            built[key] = (s, d, _schedule(p, size, s, d, f"doctor-{phase}"))
+        return built[key]
+
+    rounds: list[Round] = []
+    for rep in range(repeats):
+        for j in range(lmax):
+            for s in shifts:
+                src, dst, sched = pairs("inter", s, j)
+                rounds.append(Round("inter", s, j, rep, src, dst, sched))
+        if lmax > 1:
+            for s in shifts:
+                src, dst, sched = pairs("node", s, -1)
+                rounds.append(Round("node", s, -1, rep, src, dst, sched))
+            for t in local_shifts:
+                src, dst, sched = pairs("intra", t, -1)
+                if len(src):
+                    rounds.append(Round("intra", t, -1, rep, src, dst, sched))
+    rounds = [r for r in rounds if len(r.src)]
+    return Plan(lay, int(size), int(partners), int(repeats), shifts, local_shifts, rounds)
+
+
+def _check_params(size: Any, partners: Any, repeats: Any) -> None:
+    for name, value, low in (("size", size, 1), ("partners", partners, 1), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ArgumentError(f"doctor: {name} must be a whole number >= {low}, not {value!r}")
+
+
+def estimate(
+    the_plan: Plan, bw: float, latency: float = 0.0, links: Links | str | None = None
+) -> dict[str, Any]:
+    """How long ``the_plan`` takes over links of ``bw`` bytes/s, by the simulator.
+
+    Every round's schedule is timed by :func:`optcc_mpi.simulate.simulate` (each rank its
+    own NIC); a ``node`` round's time is multiplied by the most ranks on a node, whose
+    flows share one NIC there, which the simulator does not model. Each round also pays
+    two barriers of ``2 ceil(log2 p)`` latencies each. ``links``: degraded ranks (all
+    healthy by default).
+
+    Returns
+    -------
+    dict
+        ``seconds`` (total), ``transfer_seconds``, ``barrier_seconds``, ``rounds``,
+        ``per_phase`` (seconds by phase), ``bytes_per_rank`` (most sent by one rank).
+    """
+    from optcc_mpi.simulate import simulate
+
+    if not bw > 0:
+        raise ArgumentError(f"estimate: bandwidth must be positive, not {bw!r}")
+    times: dict[int, float] = {}
+    per_phase = {"inter": 0.0, "node": 0.0, "intra": 0.0}
+    transfer = 0.0
+    lmax = the_plan.layout.per_node
+    for r in the_plan.rounds:
+        key = id(r.schedule)
+        if key not in times:
+            times[key] = simulate(r.schedule, links, bw=bw, latency=latency, itemsize=1).time
+        t = times[key] * (lmax if r.phase == "node" else 1)
+        per_phase[r.phase] += t
+        transfer += t
+    p = the_plan.layout.p
+    barrier = len(the_plan.rounds) * 2 * 2 * math.ceil(math.log2(max(p, 2))) * latency
+    return {
+        "seconds": transfer + barrier,
+        "transfer_seconds": transfer,
+        "barrier_seconds": barrier,
+        "rounds": len(the_plan.rounds),
+        "per_phase": per_phase,
+        "bytes_per_rank": int(the_plan.bytes_sent().max()) if the_plan.rounds else 0,
+    }
+
+
+# ------------------------------------------------------------ communication (only here)
+
+
+def _barrier(comm: Any) -> float:
+    """Wait for every rank; return ``perf_counter()`` at the end.
+
+    A nonblocking barrier polled with short sleeps first, so that ranks with nothing to
+    do in a round leave the CPU to those that move bytes (on a shared machine a spinning
+    rank slows the transfers it waits for); then a blocking one, whose end is nearly the
+    same instant on every rank: the receivers time their messages from it."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(2e-4)
+    comm.Barrier()
+    return time.perf_counter()
+
+
+def _allgather(comm: Any, value: Any) -> list[Any]:
+    """Every rank's small ``value`` (picklable), in rank order."""
+    return comm.allgather(value)
+
+
+def _run(comm: Any, schedule: Schedule, buf: np.ndarray, pacer: Any) -> ExecStats:
+    """This rank's part of ``schedule`` (per-operation times traced)."""
+    return execute(
+        schedule, buf, comm=comm, op="sum", backend=NumpyBackend(), pacer=pacer, trace=True
+    )
+
+
+def _private(comm: Any) -> Any:
+    """The communicator the doctor's messages travel on: ``comm``'s private duplicate."""
+    from optcc_mpi.comm import private_comm
+
+    return private_comm(comm)
+
+
+# ------------------------------------------------------------------------------ measure
+
+
+def _measure(
+    comm: Any, the_plan: Plan, emu: Emulation | None, rank: int, progress: Any
+) -> dict[str, Any]:
+    """Run every round; this rank's record: ``rows`` (round, sender, seconds from the
+    barrier to the message's completion) of the messages it received, and its own
+    accounting (bytes and messages sent and received, and under emulation the seconds
+    its virtual NIC was charged per round)."""
+    p = the_plan.layout.p
+    buf = np.zeros(the_plan.count, dtype=np.uint8)
+    buf[:] = 1  # touch every page before anything is timed
+    rows: list[tuple[int, int, float]] = []
+    sent = received = n_sent = n_received = 0
+    charged: list[float] = []
+    for i, rnd in enumerate(the_plan.rounds):
+        pacer = emu.pacer(rank, p, Links()) if emu is not None else None
+        sched = rnd.schedule
+        view = buf[: sched.count]
+        t0 = _barrier(comm)
+        stats = _run(comm, sched, view, pacer)
+        ops = sched.program(rank).ops
+        for op, kind, _posted, done in stats.trace:
+            if kind == RECV:
+                rows.append((i, int(ops[op][1]), stats.start + done - t0))
+        sent += stats.bytes_sent
+        received += stats.bytes_received
+        n_sent += stats.messages_sent
+        n_received += stats.messages_received
+        if pacer is not None:
+            charged.append(max(pacer.charged_seconds["send"], pacer.charged_seconds["recv"]))
+        if progress is not None:
+            progress.update(1, postfix=rnd.phase)
+    return {
+        "rows": np.array(rows, dtype=np.float64).reshape(-1, 3),
+        "bytes_sent": sent,
+        "bytes_received": received,
+        "messages_sent": n_sent,
+        "messages_received": n_received,
+        "charged": charged,
+    }
+
+
+# ------------------------------------------------------------------------------ diagnose
+
+
+@dataclass
+class RankRow:
+    """One rank's measurements and verdict (rates in bytes/s; NaN: not measured)."""
+
+    rank: int
+    host: str
+    node: str
+    local_rank: int
+    egress: float
+    ingress: float
+    fraction_egress: float
+    fraction_ingress: float
+    fraction: float
+    """The smaller of the two fractions."""
+    spread: tuple[float, float]
+    """Lowest and highest fraction over the repeats."""
+    intra_egress: float
+    intra_ingress: float
+    intra_fraction: float
+    verdict: str
+    """``healthy``, ``degraded`` (this rank's own path), ``node`` (its node's link is
+    degraded), ``intra`` (slow within its node) or ``unresolved``."""
+
+
+@dataclass
+class NodeRow:
+    """One node's measurements and verdict (rates in bytes/s; NaN: not measured)."""
+
+    name: str
+    ranks: list[int]
+    egress: float
+    """All of the node's ranks sending at once (one rank per node: that rank's)."""
+    ingress: float
+    fraction_egress: float
+    fraction_ingress: float
+    fraction: float
+    verdict: str
+    """``healthy``, ``degraded`` (its link), ``ranks`` (some of its ranks' paths),
+    ``intra`` (within the node) or ``unresolved``."""
+
+
+@dataclass
+class Diagnosis:
+    """What :func:`doctor` found (the same on every rank)."""
+
+    status: str
+    """``healthy``, ``degraded`` or ``inconclusive``."""
+    summary: str
+    ranks: list[RankRow]
+    nodes: list[NodeRow]
+    links: Links
+    """The degraded ranks as a link profile (a node's ranks get its fraction): what the
+    planner would be told (``allreduce(..., links=...)``)."""
+    healthy_above: float
+    reference: str
+    """``median`` or the expected rate."""
+    median_egress: float
+    median_ingress: float
+    size: int
+    partners: int
+    repeats: int
+    rounds: int
+    seconds: float = 0.0
+    bytes_sent: list[int] = field(default_factory=list)
+    bytes_received: list[int] = field(default_factory=list)
+    messages_sent: list[int] = field(default_factory=list)
+    messages_received: list[int] = field(default_factory=list)
+    charged_seconds: list[float] = field(default_factory=list)
+    """Under emulation: per rank, the seconds its virtual NIC was charged over all rounds
+    (the busier direction per round)."""
+    emulated_seconds: float | None = None
+    """Under emulation: the duration by the pacers' own accounting, the sum over rounds
+    of the most any rank's virtual NIC was charged (no clock involved)."""
+    group: str = "host"
+    emulate: str | None = None
+
+    @property
+    def exit_status(self) -> int:
+        """:data:`EXIT_HEALTHY`, :data:`EXIT_DEGRADED` or :data:`EXIT_INCONCLUSIVE`."""
+        return {
+            "healthy": EXIT_HEALTHY,
+            "degraded": EXIT_DEGRADED,
+        }.get(self.status, EXIT_INCONCLUSIVE)
+
+    @property
+    def flagged(self) -> list[int]:
+        """Ranks whose verdict is not ``healthy``, slowest first."""
+        rows = [r for r in self.ranks if r.verdict != "healthy"]
+        return [r.rank for r in sorted(rows, key=_rank_key)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (NaN becomes None)."""
+        out = {
+            "status": self.status,
+            "exit_status": self.exit_status,
+            "summary": self.summary,
+            "links": str(self.links),
+            "healthy_above": self.healthy_above,
+            "reference": self.reference,
+            "median_egress": self.median_egress,
+            "median_ingress": self.median_ingress,
+            "size": self.size,
+            "partners": self.partners,
+            "repeats": self.repeats,
+            "rounds": self.rounds,
+            "seconds": self.seconds,
+            "group": self.group,
+            "emulate": self.emulate,
+            "nodes": [vars(n) for n in self.nodes],
+            "ranks": [vars(r) for r in self.ranks],
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "messages_sent": self.messages_sent,
+            "messages_received": self.messages_received,
+            "charged_seconds": self.charged_seconds,
+            "emulated_seconds": self.emulated_seconds,
+        }
+        return _clean(out)
+
+    def table(self) -> str:
+        """The per-node, per-rank table, slowest first, and the summary line."""
+        multi = any(len(n.ranks) > 1 for n in self.nodes)
+        head = ["node", "rank", "local", "egress", "ingress", "fraction", "repeats"]
+        if multi:
+            head.append("intra-node")
+        head.append("verdict")
+        rows: list[list[str]] = []
+        by_rank = {r.rank: r for r in self.ranks}
+        for node in self.nodes:
+            members = sorted((by_rank[r] for r in node.ranks), key=_rank_key)
+            if len(node.ranks) > 1:
+                row = [node.name, "all", "-", _rate(node.egress), _rate(node.ingress)]
+                row += [_frac(node.fraction), "-"]
+                row += ["-", node.verdict.upper() if node.verdict != "healthy" else "healthy"]
+                rows.append(row)
+            for r in members:
+                name = "" if len(node.ranks) > 1 else node.name
+                row = [name, str(r.rank), str(r.local_rank), _rate(r.egress), _rate(r.ingress)]
+                row += [_frac(r.fraction), f"{_frac(r.spread[0])}-{_frac(r.spread[1])}"]
+                if multi:
+                    row.append(_frac(r.intra_fraction))
+                row.append(r.verdict.upper() if r.verdict != "healthy" else "healthy")
+                rows.append(row)
+        cells = [head, *rows]
+        widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+        lines = []
+        for k, row in enumerate(cells):
+            text = "  ".join(
+                c.ljust(w) if i in (0, len(head) - 1) else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths))
+            )
+            lines.append(text.rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines) + "\n" + self.summary
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        return None if not math.isfinite(float(obj)) else round(float(obj), 6)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def _rate(v: float) -> str:
+    """Bytes/s as people quote links: ``394 Mbit/s``, ``9.87 Gbit/s``."""
+    if not math.isfinite(v):
+        return "-"
+    bits = v * 8
+    if bits >= 1e9:
+        return f"{bits / 1e9:.3g} Gbit/s"
+    return f"{bits / 1e6:.3g} Mbit/s"
+
+
+def _frac(v: float) -> str:
+    return "-" if not math.isfinite(v) else f"{v:.2f}"
+
+
+def _rank_key(r: RankRow) -> tuple[float, int]:
+    return (r.fraction if math.isfinite(r.fraction) else 2.0, r.rank)
+
+
+def _fractions(values: np.ndarray, ref: float | None) -> tuple[np.ndarray, float]:
+    """``values`` over the reference (the median of the measured ones, or ``ref``),
+    at most 1; NaN where not measured."""
+    seen = np.isfinite(values) & (values > 0)
+    med = float(np.median(values[seen])) if seen.any() else math.nan
+    base = ref if ref is not None else med
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = np.where(seen, np.minimum(values / base, 1.0), math.nan)
+    return frac, med
+
+
+def diagnose(
+    the_plan: Plan,
+    records: Sequence[dict[str, Any]],
+    *,
+    healthy_above: float = HEALTHY_ABOVE,
+    expect: float | None = None,
+    judge_intra: bool = False,
+) -> Diagnosis:
+    """The verdicts from every rank's record of :func:`_measure` (a pure function: every
+    rank computes the same).
+
+    Parameters
+    ----------
+    the_plan : Plan
+        What ran.
+    records : sequence of dict
+        One per rank, in rank order: ``rows``, an array of (round, sender, seconds).
+    healthy_above : float
+        Fractions at or above this are healthy.
+    expect : float, optional
+        Reference rate (bytes/s) instead of the median.
+    judge_intra : bool
+        Flag ranks whose intra-node rate is below the threshold of the median one (off by
+        default: the intra-node messages are host memory copies, whose rate follows the
+        load on the node's CPUs; on the 2-core testbed it ranged over 0.16-1 of the
+        median from one run to the next).
+    """
+    if not 0 < healthy_above <= 1:
+        raise ArgumentError(f"healthy_above must be in (0, 1], not {healthy_above!r}")
+    lay = the_plan.layout
+    p, n = lay.p, lay.n_nodes
+    size = the_plan.size
+    # seconds[(round, src, dst)]
+    secs: dict[tuple[int, int, int], float] = {}
+    for dst, rec in enumerate(records):
+        for i, src, s in np.asarray(rec["rows"]).reshape(-1, 3):
+            secs[(int(i), int(src), dst)] = float(s)
+
+    def rate(i: int, s: int, d: int) -> float:
+        t = secs.get((i, s, d))
+        return size / t if t is not None and t > 0 else math.nan
+
+    reps = the_plan.repeats
+    # -- inter: per rank, per repeat, fastest message out and in
+    eg_r = np.full((reps, p), math.nan)
+    in_r = np.full((reps, p), math.nan)
+    pair: dict[tuple[int, int], float] = {}
+    for i, rnd in enumerate(the_plan.rounds):
+        if rnd.phase != "inter":
+            continue
+        for s, d in zip(rnd.src.tolist(), rnd.dst.tolist()):
+            v = rate(i, s, d)
+            if not math.isfinite(v):
+                continue
+            eg_r[rnd.repeat, s] = np.fmax(eg_r[rnd.repeat, s], v)
+            in_r[rnd.repeat, d] = np.fmax(in_r[rnd.repeat, d], v)
+            pair[(s, d)] = max(pair.get((s, d), 0.0), v)
+    with np.errstate(all="ignore"):
+        egress = np.nanmax(np.where(np.isfinite(eg_r), eg_r, -np.inf), axis=0)
+        ingress = np.nanmax(np.where(np.isfinite(in_r), in_r, -np.inf), axis=0)
+    egress = np.where(egress > 0, egress, math.nan)
+    ingress = np.where(ingress > 0, ingress, math.nan)
+    fe, med_e = _fractions(egress, expect)
+    fi, med_i = _fractions(ingress, expect)
+    frac = np.fmin(fe, fi)
+    # Per repeat, the same fractions against the same reference: the spread.
+    ref_e = expect if expect is not None else med_e
+    ref_i = expect if expect is not None else med_i
+    with np.errstate(invalid="ignore"):
+        per_rep = np.fmin(np.minimum(eg_r / ref_e, 1.0), np.minimum(in_r / ref_i, 1.0))
+
+    # A low rate every partner could explain is unresolved, not the rank's.
+    def explained(r: int) -> bool:
+        outs = [(d, v) for (s, d), v in pair.items() if s == r]
+        ins = [(s, v) for (s, d), v in pair.items() if d == r]
+        low_e = fe[r] < healthy_above
+        low_i = fi[r] < healthy_above
+        ok = True
+        if low_e and outs:
+            ok &= all(not (ingress[d] > egress[r] * _EXPLAIN) for d, _ in outs)
+        if low_i and ins:
+            ok &= all(not (egress[s] > ingress[r] * _EXPLAIN) for s, _ in ins)
+        return bool((low_e or low_i) and ok)
+
+    # -- node: aggregate rates, all ranks of a node at once
+    multi = lay.per_node > 1
+    if multi:
+        neg = np.full(n, math.nan)
+        nin = np.full(n, math.nan)
+        for i, rnd in enumerate(the_plan.rounds):
+            if rnd.phase != "node":
+                continue
+            flows: dict[tuple[int, int], list[float]] = {}
+            for s, d in zip(rnd.src.tolist(), rnd.dst.tolist()):
+                flows.setdefault((int(lay.node[s]), int(lay.node[d])), []).append(
+                    secs.get((i, s, d), math.nan)
+                )
+            for (a, b), ts in flows.items():
+                t = max(ts)
+                if not (math.isfinite(t) and t > 0):
+                    continue
+                v = size * len(ts) / t
+                neg[a] = np.fmax(neg[a], v)
+                nin[b] = np.fmax(nin[b], v)
+        nfe, _ = _fractions(neg, expect * lay.per_node if expect is not None else None)
+        nfi, _ = _fractions(nin, expect * lay.per_node if expect is not None else None)
+        nfrac = np.fmin(nfe, nfi)
+    else:
+        neg, nin, nfe, nfi, nfrac = egress, ingress, fe, fi, frac
+
+    # -- intra
+    ieg = np.full(p, math.nan)
+    iin = np.full(p, math.nan)
+    for i, rnd in enumerate(the_plan.rounds):
+        if rnd.phase != "intra":
+            continue
+        for s, d in zip(rnd.src.tolist(), rnd.dst.tolist()):
+            v = rate(i, s, d)
+            if math.isfinite(v):
+                ieg[s] = np.fmax(ieg[s], v)
+                iin[d] = np.fmax(iin[d], v)
+    ife, _ = _fractions(ieg, None)
+    ifi, _ = _fractions(iin, None)
+    ifrac = np.fmin(ife, ifi)
+
+    # -- verdicts
+    thr = healthy_above
+    node_deg = np.zeros(n, dtype=bool)
+    for a, members in enumerate(lay.members):
+        ranks_low = all(frac[r] < thr and not explained(r) for r in members)
+        node_deg[a] = bool((multi and nfrac[a] < thr) or ranks_low)
+    verdicts = []
+    for r in range(p):
+        if node_deg[lay.node[r]] and len(lay.members[lay.node[r]]) > 1:
+            v = "node"
+        elif node_deg[lay.node[r]]:
+            v = "degraded"
+        elif frac[r] < thr:
+            v = "unresolved" if explained(r) else "degraded"
+        elif judge_intra and ifrac[r] < thr:
+            v = "intra"
+        else:
+            v = "healthy"
+        verdicts.append(v)
+    rank_rows = []
+    for r in range(p):
+        rep = per_rep[:, r]
+        rep = rep[np.isfinite(rep)]
+        spread = (float(rep.min()), float(rep.max())) if rep.size else (math.nan, math.nan)
+        rank_rows.append(
+            RankRow(
+                rank=r,
+                host=lay.hosts[r],
+                node=lay.names[lay.node[r]],
+                local_rank=int(lay.local[r]),
+                egress=float(egress[r]),
+                ingress=float(ingress[r]),
+                fraction_egress=float(fe[r]),
+                fraction_ingress=float(fi[r]),
+                fraction=float(frac[r]),
+                spread=spread,
+                intra_egress=float(ieg[r]),
+                intra_ingress=float(iin[r]),
+                intra_fraction=float(ifrac[r]),
+                verdict=verdicts[r],
+            )
+        )
+    node_rows = []
+    for a, members in enumerate(lay.members):
+        vs = {verdicts[r] for r in members}
+        if node_deg[a]:
+            nv = "degraded"
+        elif vs & {"degraded"}:
+            nv = "ranks"
+        elif "intra" in vs:
+            nv = "intra"
+        elif "unresolved" in vs:
+            nv = "unresolved"
+        else:
+            nv = "healthy"
+        node_rows.append(
+            NodeRow(
+                name=lay.names[a],
+                ranks=list(members),
+                egress=float(neg[a]),
+                ingress=float(nin[a]),
+                fraction_egress=float(nfe[a]),
+                fraction_ingress=float(nfi[a]),
+                fraction=float(nfrac[a]),
+                verdict=nv,
+            )
+        )
+
+    def node_key(row: NodeRow) -> tuple[float, int]:
+        worst = min([row.fraction, *(frac[r] for r in row.ranks)], key=lambda x: (math.isnan(x), x))
+        return (worst if math.isfinite(worst) else 2.0, row.ranks[0])
+
+    node_rows.sort(key=node_key)
+    # The planner's profile: a degraded node's ranks at its fraction, others at their own.
+    prof: dict[int, float] = {}
+    for r, v in enumerate(verdicts):
+        if v == "node":
+            f = nfrac[lay.node[r]] if multi and math.isfinite(nfrac[lay.node[r]]) else frac[r]
+        elif v == "degraded":
+            f = frac[r]
+        else:
+            continue
+        if math.isfinite(f) and f < 1:
+            prof[r] = max(0.01, round(float(f), 2))
+    # An unresolved rank is still a slow link somewhere (at one of its ends).
+    degraded = bool(node_deg.any() or any(v != "healthy" for v in verdicts))
+    too_few = n < 3 and expect is None
+    unmeasured = not (np.isfinite(frac).all())
+    if degraded:
+        status = "degraded"
+    elif too_few or unmeasured:
+        status = "inconclusive"
+    else:
+        status = "healthy"
+    ref_text = "median" if expect is None else _rate(expect)
+    diag = Diagnosis(
+        status=status,
+        summary="",
+        ranks=rank_rows,
+        nodes=node_rows,
+        links=Links(prof),
+        healthy_above=thr,
+        reference=ref_text,
+        median_egress=med_e,
+        median_ingress=med_i,
+        size=size,
+        partners=the_plan.partners,
+        repeats=reps,
+        rounds=len(the_plan.rounds),
+        group=lay.group,
+    )
+    diag.summary = _summary(diag, too_few=too_few, unmeasured=unmeasured)
+    return diag
+
+
+def _summary(d: Diagnosis, *, too_few: bool, unmeasured: bool) -> str:
+    """The one-line verdict: what is slow, then the reference and the threshold."""
+    n_nodes, p = len(d.nodes), len(d.ranks)
+    if d.reference == "median":
+        ref = f"the median link ({_rate(d.median_egress)} out, {_rate(d.median_ingress)} in)"
+    else:
+        ref = f"the expected {d.reference}"
+    tail = f"threshold {d.healthy_above:.2f} of {ref}"
+    by_rank = {r.rank: r for r in d.ranks}
+    if d.status == "healthy":
+        worst = min(d.ranks, key=_rank_key)
+        return (
+            f"HEALTHY: {n_nodes} nodes ({p} ranks), every link at {worst.fraction:.2f} or "
+            f"more; {tail}"
+        )
+    parts = []
+    if all(r.verdict != "healthy" for r in d.ranks) and p > 1:
+        lo = min(r.fraction for r in d.ranks)
+        hi = max(r.fraction for r in d.ranks)
+        parts.append(f"every link is slow ({lo:.2f}-{hi:.2f})")
+    for node in d.nodes if not parts else ():
+        if node.verdict == "degraded":
+            if len(node.ranks) == 1:
+                r = by_rank[node.ranks[0]]
+                parts.append(
+                    f"node {node.name} (rank {r.rank}) at {r.fraction:.2f} (egress "
+                    f"{_frac(r.fraction_egress)}, ingress {_frac(r.fraction_ingress)})"
+                )
+            else:
+                parts.append(
+                    f"node {node.name} ({len(node.ranks)} ranks: {_ranklist(node.ranks)}) at "
+                    f"{node.fraction:.2f} (egress {_frac(node.fraction_egress)}, ingress "
+                    f"{_frac(node.fraction_ingress)})"
+                )
+            continue  # its ranks are named with it
+        for r in sorted((by_rank[x] for x in node.ranks), key=_rank_key):
+            if r.verdict == "degraded":
+                parts.append(
+                    f"rank {r.rank} (node {node.name}, local rank {r.local_rank}) at "
+                    f"{r.fraction:.2f}"
+                )
+            elif r.verdict == "intra":
+                parts.append(
+                    f"rank {r.rank} inside node {node.name} at {r.intra_fraction:.2f} of the "
+                    "median intra-node rate"
+                )
+            elif r.verdict == "unresolved":
+                parts.append(
+                    f"rank {r.rank} (node {node.name}) at {r.fraction:.2f}, but every partner "
+                    "was as slow"
+                )
+    if d.status == "degraded":
+        return f"DEGRADED: {'; '.join(parts)}; {tail}"
+    why = []
+    if too_few:
+        why.append(
+            f"{n_nodes} node{'s' if n_nodes != 1 else ''}: the median of fewer than 3 cannot "
+            "name the slow one (give --expect RATE)"
+        )
+    if unmeasured:
+        why.append("some ranks were not measured")
+    why.extend(parts)
+    return f"INCONCLUSIVE: {'; '.join(why)}; {tail}"
+
+
+def _ranklist(ranks: Sequence[int]) -> str:
+    r = list(ranks)
+    if r == list(range(r[0], r[-1] + 1)) and len(r) > 2:
+        return f"{r[0]}-{r[-1]}"
+    return ",".join(map(str, r))
+
+
+# -------------------------------------------------------------------------------- doctor
+
+
+def doctor(
+    comm: Any = None,
+    *,
+    size: int = DEFAULT_SIZE,
+    partners: int = DEFAULT_PARTNERS,
+    repeats: int = DEFAULT_REPEATS,
+    healthy_above: float = HEALTHY_ABOVE,
+    expect: float | None = None,
+    group: str | None = None,
+    emulate: Emulation | str | None = None,
+    judge_intra: bool = False,
+    log: str | Path | None = None,
+    progress: bool = False,
+) -> Diagnosis:
+    """Measure every link and say which are degraded (collective on ``comm``).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm, optional
+        Communicator (default ``COMM_WORLD``).
+    size : int
+        Bytes per message.
+    partners : int
+        Partners (node shifts) per rank and phase.
+    repeats : int
+        Times every round runs; a link is flagged only when every measurement of it is
+        below the threshold.
+    healthy_above : float
+        Fractions of the reference at or above this are healthy.
+    expect : float, optional
+        Reference rate in bytes/s per rank (default: the median link); needed to judge
+        fewer than 3 nodes.
+    group : {"host", "rank"}, optional
+        What shares a NIC: ranks on one host (default), or nothing (``"rank"``, the
+        default under emulation, whose virtual NICs are per rank).
+    emulate : Emulation or str, optional
+        Software emulation (its ``degrade`` is the emulated truth); default
+        ``$OPTCC_EMULATE``, if set.
+    judge_intra : bool
+        Also flag slow intra-node paths (:func:`diagnose`); they are measured and
+        reported either way.
+    log : str or Path, optional
+        Append the verdict to this JSON-lines link log (:mod:`optcc_mpi.linklog`);
+        default ``$OPTCC_LINKS_LOG``, if set.
+    progress : bool
+        Show a progress bar on rank 0.
+
+    Returns
+    -------
+    Diagnosis
+        The same on every rank.
+
+    Raises
+    ------
+    ArgumentError
+        On every rank, before any message, when a parameter is bad or differs between
+        ranks.
+    """
+    from optcc_mpi import linklog
+    from optcc_mpi.progress import Progress
+
+    wire = _private(comm)
+    rank, p = wire.Get_rank(), wire.Get_size()
+    err: str | None = None
+    try:
+        _check_params(size, partners, repeats)
+        if not 0 < healthy_above <= 1:
+            raise ArgumentError(f"healthy_above must be in (0, 1], not {healthy_above!r}")
+        if expect is not None and not (expect > 0 and math.isfinite(expect)):
+            raise ArgumentError(f"expect must be a positive rate in bytes/s, not {expect!r}")
+        emu = Emulation.coerce(emulate)
+        grp = group if group is not None else ("rank" if emu is not None else "host")
+        if grp not in ("host", "rank"):
+            raise ArgumentError(f"group must be 'host' or 'rank', not {grp!r}")
+        params = (int(size), int(partners), int(repeats), float(healthy_above), expect, grp,
+                  str(emu) if emu is not None else None, bool(judge_intra))  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        err, params, emu, grp = f"{type(exc).__name__}: {exc}", None, None, "host"
+    seen = _allgather(wire, (socket.gethostname(), params, err))
+    errors = [(r, e) for r, (_, _, e) in enumerate(seen) if e]
+    if errors:
+        r, e = errors[0]
+        raise ArgumentError(f"doctor: rank {r}: {e}")
+    if any(s[1] != params for s in seen):
+        r = next(r for r, s in enumerate(seen) if s[1] != seen[0][1])
+        raise ArgumentError(
+            f"doctor: rank {r} was called with {seen[r][1]}, rank 0 with {seen[0][1]}; every "
+            "rank must pass the same parameters"
+        )
+    layout = Layout(tuple(s[0] for s in seen), grp)
+    the_plan = plan(layout, size=size, partners=partners, repeats=repeats)
+    bar = Progress(len(the_plan.rounds), "doctor", enabled=progress and rank == 0, unit="round")
+    t0 = time.perf_counter()
+    try:
+        mine = _measure(wire, the_plan, emu, rank, bar)
+    finally:
+        bar.close()
+    records = _allgather(wire, mine)
+    seconds = time.perf_counter() - t0
+    diag = diagnose(
+        the_plan, records, healthy_above=healthy_above, expect=expect, judge_intra=judge_intra
+    )
+    diag.seconds = seconds
+    diag.bytes_sent = [int(r["bytes_sent"]) for r in records]
+    diag.bytes_received = [int(r["bytes_received"]) for r in records]
+    diag.messages_sent = [int(r["messages_sent"]) for r in records]
+    diag.messages_received = [int(r["messages_received"]) for r in records]
+    if emu is not None:
+        diag.charged_seconds = [float(sum(r["charged"])) for r in records]
+        per_round = np.array([r["charged"] for r in records], dtype=float).reshape(p, -1)
+        diag.emulated_seconds = float(per_round.max(axis=0).sum())
+        diag.emulate = str(emu)
+    if rank == 0:
+        writer = linklog.LinkLog(log) if log is not None else linklog.from_env()
+        if writer is not None:
+            writer.doctor(diag.to_dict(), p)
+    return diag
+
+
+# ---------------------------------------------------------------------------------- plot
+
+
+def plot(diag: Diagnosis, path: str | Path) -> Path:
+    """Draw ``diag``: every rank's egress and ingress fraction, the threshold and the
+    verdicts; nodes' aggregate fractions beside them where nodes hold several ranks.
+    Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    multi = any(len(n.ranks) > 1 for n in diag.nodes)
+    fig, axes = plt.subplots(
+        1, 2 if multi else 1, figsize=(11 if multi else 8, 4.2), squeeze=False,
+        gridspec_kw={"width_ratios": [3, 1]} if multi else None,
+    )  # fmt: skip
+    ax = axes[0][0]
+    order = [r for node in diag.nodes for r in sorted(node.ranks)]
+    by_rank = {r.rank: r for r in diag.ranks}
+    x = np.arange(len(order))
+    fe = [by_rank[r].fraction_egress for r in order]
+    fi = [by_rank[r].fraction_ingress for r in order]
+    colors = {
+        "healthy": "tab:green",
+        "degraded": "tab:red",
+        "node": "tab:red",
+        "intra": "tab:orange",
+        "unresolved": "tab:gray",
+    }
+    col = [colors.get(by_rank[r].verdict, "tab:gray") for r in order]
+    ax.bar(x - 0.2, np.nan_to_num(fe), 0.4, color=col, alpha=0.9, label="egress")
+    ax.bar(x + 0.2, np.nan_to_num(fi), 0.4, color=col, alpha=0.5, hatch="//", label="ingress")
+    ax.axhline(
+        diag.healthy_above, color="k", ls="--", lw=1, label=f"threshold {diag.healthy_above:.2f}"
+    )
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r}\n{by_rank[r].node}" for r in order], fontsize=7)
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel(f"fraction of the {diag.reference}")
+    ax.set_title(f"{diag.status.upper()}: rank links (one flow per NIC)")
+    for xi, r in zip(x, order):
+        v = by_rank[r].verdict
+        if v != "healthy":
+            ax.annotate(v, (xi, 0.02), ha="center", fontsize=7, rotation=90, color="w")
+    ax.legend(fontsize=7, loc="lower right")
+    if multi:
+        ax2 = axes[0][1]
+        names = [n.name for n in diag.nodes]
+        ncol = [
+            colors.get(n.verdict, "tab:gray") if n.verdict != "ranks" else "tab:orange"
+            for n in diag.nodes
+        ]
+        xn = np.arange(len(names))
+        ax2.bar(xn - 0.2, np.nan_to_num([n.fraction_egress for n in diag.nodes]), 0.4, color=ncol)
+        ax2.bar(
+            xn + 0.2,
+            np.nan_to_num([n.fraction_ingress for n in diag.nodes]),
+            0.4,
+            color=ncol,
+            alpha=0.5,
+            hatch="//",
+        )
+        ax2.axhline(diag.healthy_above, color="k", ls="--", lw=1)
+        ax2.set_xticks(xn)
+        ax2.set_xticklabels(names, fontsize=7, rotation=45)
+        ax2.set_ylim(0, 1.1)
+        ax2.set_title("nodes (all ranks at once)")
+    fig.suptitle(
+        diag.summary if len(diag.summary) < 140 else diag.summary[:137] + "...", fontsize=8
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

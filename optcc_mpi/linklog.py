@@ -1,0 +1,223 @@
+"""The link record of a run: what ``links="watch"`` adopted and what ``doctor`` found.
+
+A JSON-lines file, one object per line, appended to (several runs may share a file; the
+``run`` field tells them apart), written by rank 0 only (every rank holds the same
+profile at the same call). Which file: the one given with :func:`recording` (or
+:class:`LinkLog`), else ``$OPTCC_LINKS_LOG``; none, nothing is written.
+
+Records (every one has ``time``, Unix seconds, ``run`` and ``event``):
+
+``start``
+    First line of a run: ``source`` (``watch`` or ``doctor``), ``p``, ``host``, ``pid``
+    and ``job`` (``$SLURM_JOB_ID``, if set).
+``adopt``
+    ``links="watch"`` adopted a new profile at call ``call``: ``links`` (the profile's
+    string form), ``fractions`` (one per rank) and ``measured`` (the fractions the
+    call's observations gave, or None).
+``call``
+    What call ``call`` ran: ``algorithm``, the ``links`` in force and ``measured``;
+    written when the algorithm or the profile changes, and otherwise at most every
+    ``every`` seconds (a heartbeat, so that the timeline shows how long a state lasted
+    without a line per call).
+``doctor``
+    A verdict of :func:`optcc_mpi.doctor.doctor`: ``status``, ``links``, ``fractions``
+    (per rank), ``summary`` and ``call`` (the doctor runs of this process so far).
+
+:func:`read` reads a file back; ``optcc-mpi report --links FILE`` draws the timeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from optcc_mpi import config
+from optcc_mpi.links import Links
+
+__all__ = ["ENV_LINKS_LOG", "LinkLog", "from_env", "recording", "read"]
+
+#: Environment variable naming the file when no other is given.
+ENV_LINKS_LOG = "OPTCC_LINKS_LOG"
+#: The file :func:`recording` set for this process (None: use the environment).
+_DEFAULT: list[str | None] = [None]
+
+
+class LinkLog:
+    """Appends link records of one run to a JSON-lines file.
+
+    Parameters
+    ----------
+    path : str or Path
+        The file (created with its folder if missing; appended to).
+    every : float
+        Seconds between two ``call`` records that say nothing new (heartbeats).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, every: float = 10.0) -> None:
+        self.path = Path(path)
+        if not str(path).strip():
+            raise ValueError("link log: the file name is empty")
+        if self.path.is_dir():
+            raise ValueError(f"link log: {self.path} is a folder, not a file")
+        self.every = float(every)
+        self.run = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
+        self._started = False
+        self._last_state: tuple[Any, ...] | None = None
+        self._last_time = -1e300
+        self._doctor_runs = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (``time`` and ``run`` added), preceded by the run's
+        ``start`` record the first time."""
+        if not self._started:
+            self._started = True
+            start = {
+                "event": "start",
+                "source": record.get("source"),
+                "p": record.get("p"),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "job": os.environ.get("SLURM_JOB_ID"),
+            }
+            self._append(start)
+        self._append(record)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = json.dumps({"time": round(time.time(), 6), "run": self.run, **record})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One write of one line in append mode: lines of several writers never interleave.
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+    def adopted(self, call: int, p: int, profile: Links, measured: Links | None = None) -> None:
+        """``links="watch"`` adopted ``profile`` at call ``call``."""
+        self.write(
+            {
+                "event": "adopt",
+                "source": "watch",
+                "call": int(call),
+                "p": int(p),
+                "links": str(profile),
+                "fractions": _vector(profile, p),
+                "measured": None if measured is None else _vector(measured, p),
+            }
+        )
+
+    def ran(
+        self,
+        call: int,
+        p: int,
+        algorithm: str,
+        profile: Links,
+        measured: Links | None = None,
+        *,
+        explore: bool = False,
+    ) -> bool:
+        """Call ``call`` ran ``algorithm`` under ``profile`` (``explore``: on the healthy
+        profile, to measure every rank alike); written when any of them changed since the
+        last ``call`` record, or ``every`` seconds after it. Returns whether a record was
+        written."""
+        state = (algorithm, profile.key(), explore)
+        now = time.monotonic()
+        if state == self._last_state and now - self._last_time < self.every:
+            return False
+        self._last_state, self._last_time = state, now
+        self.write(
+            {
+                "event": "call",
+                "source": "watch",
+                "call": int(call),
+                "p": int(p),
+                "algorithm": algorithm,
+                "links": str(profile),
+                "fractions": _vector(profile, p),
+                "measured": None if measured is None else _vector(measured, p),
+                "explore": bool(explore),
+            }
+        )
+        return True
+
+    def doctor(self, verdict: dict[str, Any], p: int) -> None:
+        """A doctor's verdict (:meth:`optcc_mpi.doctor.Diagnosis.to_dict`)."""
+        self._doctor_runs += 1
+        fractions = [1.0] * p
+        for row in verdict.get("ranks", []):
+            f = row.get("fraction")
+            if f is not None:
+                fractions[int(row["rank"])] = float(f)
+        self.write(
+            {
+                "event": "doctor",
+                "source": "doctor",
+                "call": self._doctor_runs,
+                "p": int(p),
+                "status": verdict.get("status"),
+                "links": verdict.get("links"),
+                "fractions": fractions,
+                "summary": verdict.get("summary"),
+            }
+        )
+
+
+def _vector(links: Links, p: int) -> list[float]:
+    return [float(f) for f in links.vector(p)]
+
+
+def from_env() -> LinkLog | None:
+    """A log for the file :func:`recording` set, else ``$OPTCC_LINKS_LOG``; None if
+    neither names one."""
+    path = _DEFAULT[0] or config.get(ENV_LINKS_LOG)
+    return LinkLog(path) if path else None
+
+
+@contextlib.contextmanager
+def recording(path: str | os.PathLike[str] | None) -> Iterator[None]:
+    """Within the block, link watches made in this process (the first watched call on a
+    communicator makes one) and doctors log to ``path``; None changes nothing.
+
+    Examples
+    --------
+    >>> with recording("links.jsonl"):                           # doctest: +SKIP
+    ...     train(...)                      # allreduce(..., links="watch") inside
+    """
+    if path is None:
+        yield
+        return
+    LinkLog(path)  # a bad name fails here, before anything runs
+    before = _DEFAULT[0]
+    _DEFAULT[0] = str(path)
+    try:
+        yield
+    finally:
+        _DEFAULT[0] = before
+
+
+def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every record of a link log, in file order.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ValueError
+        A line is not a JSON object (its number is named).
+    """
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            if not isinstance(rec, dict) or "event" not in rec:
+                raise ValueError(f"{path}:{number}: not a link record (no 'event')")
+            out.append(rec)
+    return out
