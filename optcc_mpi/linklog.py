@@ -15,10 +15,11 @@ Records (every one has ``time``, Unix seconds, ``run`` and ``event``):
     string form), ``fractions`` (one per rank) and ``measured`` (the fractions the
     call's observations gave, or None).
 ``call``
-    What call ``call`` ran: ``algorithm``, the ``links`` in force and ``measured``;
-    written when the algorithm or the profile changes, and otherwise at most every
-    ``every`` seconds (a heartbeat, so that the timeline shows how long a state lasted
-    without a line per call).
+    What call ``call`` ran: ``algorithm``, the ``links`` in force, ``measured`` and
+    ``explore`` (the watch ran it on the healthy profile to measure every rank alike);
+    written when the algorithm or the profile changes, otherwise at most every ``every``
+    seconds (a heartbeat, so that the timeline shows how long a state lasted without a
+    line per call), and for the last call when the process exits.
 ``doctor``
     A verdict of :func:`optcc_mpi.doctor.doctor`: ``status``, ``links``, ``fractions``
     (per rank), ``summary`` and ``call`` (the doctor runs of this process so far).
@@ -28,6 +29,7 @@ Records (every one has ``time``, Unix seconds, ``run`` and ``event``):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -46,6 +48,8 @@ __all__ = ["ENV_LINKS_LOG", "LinkLog", "from_env", "recording", "read"]
 ENV_LINKS_LOG = "OPTCC_LINKS_LOG"
 #: The file :func:`recording` set for this process (None: use the environment).
 _DEFAULT: list[str | None] = [None]
+#: Logs this process has made (part of each run's name).
+_MADE = [0]
 
 
 class LinkLog:
@@ -66,15 +70,21 @@ class LinkLog:
         if self.path.is_dir():
             raise ValueError(f"link log: {self.path} is a folder, not a file")
         self.every = float(every)
-        self.run = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
+        # Unique per log: host, process, start time, and the logs this process made.
+        _MADE[0] += 1
+        self.run = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}-{_MADE[0]}"
         self._started = False
         self._last_state: tuple[Any, ...] | None = None
         self._last_time = -1e300
         self._doctor_runs = 0
+        #: The last ``call`` record not written (with its time), written at exit.
+        self._pending: tuple[float, dict[str, Any]] | None = None
+        atexit.register(self.flush)
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record (``time`` and ``run`` added), preceded by the run's
-        ``start`` record the first time."""
+    def write(self, record: dict[str, Any], when: float | None = None) -> None:
+        """Append one record (``time``, default now, and ``run`` added), preceded by the
+        run's ``start`` record the first time."""
+        when = time.time() if when is None else when
         if not self._started:
             self._started = True
             start = {
@@ -85,11 +95,18 @@ class LinkLog:
                 "pid": os.getpid(),
                 "job": os.environ.get("SLURM_JOB_ID"),
             }
-            self._append(start)
-        self._append(record)
+            self._append(start, when)
+        self._append(record, when)
 
-    def _append(self, record: dict[str, Any]) -> None:
-        line = json.dumps({"time": round(time.time(), 6), "run": self.run, **record})
+    def flush(self) -> None:
+        """Write the last ``call`` record if it was held back (at exit, so that the
+        timeline shows where the run ended)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.write(pending[1], pending[0])
+
+    def _append(self, record: dict[str, Any], when: float) -> None:
+        line = json.dumps({"time": round(when, 6), "run": self.run, **record})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One write of one line in append mode: lines of several writers never interleave.
         with open(self.path, "a", encoding="utf-8") as fh:
@@ -125,22 +142,22 @@ class LinkLog:
         written."""
         state = (algorithm, profile.key(), explore)
         now = time.monotonic()
+        record = {
+            "event": "call",
+            "source": "watch",
+            "call": int(call),
+            "p": int(p),
+            "algorithm": algorithm,
+            "links": str(profile),
+            "fractions": _vector(profile, p),
+            "measured": None if measured is None else _vector(measured, p),
+            "explore": bool(explore),
+        }
         if state == self._last_state and now - self._last_time < self.every:
+            self._pending = (time.time(), record)
             return False
-        self._last_state, self._last_time = state, now
-        self.write(
-            {
-                "event": "call",
-                "source": "watch",
-                "call": int(call),
-                "p": int(p),
-                "algorithm": algorithm,
-                "links": str(profile),
-                "fractions": _vector(profile, p),
-                "measured": None if measured is None else _vector(measured, p),
-                "explore": bool(explore),
-            }
-        )
+        self._last_state, self._last_time, self._pending = state, now, None
+        self.write(record)
         return True
 
     def doctor(self, verdict: dict[str, Any], p: int) -> None:

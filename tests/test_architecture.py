@@ -42,6 +42,9 @@ CORE = (
     "errors",
     "agreement",
     "config",
+    "doctor",
+    "linklog",
+    "watch",
 )
 
 

@@ -116,7 +116,7 @@ def test_sweep_subcommand_and_its_old_name() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["allreduce.sbatch", "allreduce-sweep.sbatch", "casgd-sweep.sbatch"]
+    "name", ["allreduce.sbatch", "allreduce-sweep.sbatch", "casgd-sweep.sbatch", "doctor.sbatch"]
 )
 def test_sbatch_site_settings(name: str) -> None:
     text = (JOBS / name).read_text()
@@ -280,6 +280,30 @@ def test_single_run_script_without_slurm(tmp_path: Path) -> None:
         assert head["extra_env"]["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "1"
     assert {x["algorithm"] for x in rows} >= {"ring", "optcc"}
     assert all(int(x["wrong"]) == 0 for x in rows)
+
+
+#: The doctor's options for the job-script tests: emulated links (one machine, so every
+#: rank is a node of its own), rank 1 at half rate, small and few messages.
+DOCTOR_ARGS = ["--emulate", "bw=50MB/s,degrade=1:0.5", "--size", "1M", "--repeats", "2"]
+
+
+def _doctor_result(out: Path, job: str) -> dict:
+    data = json.loads((out / f"doctor-{job}.json").read_text())
+    assert (out / f"doctor-{job}.png").stat().st_size > 10_000
+    assert json.loads((out / "latest.json").read_text()) == data
+    return data
+
+
+def test_doctor_script_without_slurm(tmp_path: Path) -> None:
+    """doctor.sbatch by hand: the library's own launcher, 3 ranks; the JSON, the plot and
+    latest.json, and the doctor's exit status (3: a link is degraded)."""
+    out = tmp_path / "doctor"
+    env = _env(OPTCC_RANKS="3", OPTCC_DOCTOR_DIR=str(out))
+    r = _run(["bash", str(JOBS / "doctor.sbatch"), *DOCTOR_ARGS], env)
+    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "DEGRADED: node" in r.stdout and "(rank 1)" in r.stdout
+    data = _doctor_result(out, "local")
+    assert [x["rank"] for x in data["ranks"] if x["verdict"] != "healthy"] == [1]
 
 
 def test_sweep_task_script_records_a_python_that_cannot_start(tmp_path: Path) -> None:
@@ -492,3 +516,22 @@ def test_failed_task_is_recorded_and_resubmitted(slurm: None, tmp_path: Path) ->
     assert {row["status"] for row in rows} == {"ok"}
     assert {row["array_task_id"] for row in rows} == {"0", "1"}
     assert {row["attempts"] for row in rows if row["array_task_id"] == "1"} == {"2"}
+
+
+@pytest.mark.root
+def test_doctor_script_on_slurm(slurm: None, tmp_path: Path) -> None:
+    """sbatch --wait jobs/doctor.sbatch on the local cluster: srun starts the ranks, and the
+    job's exit code is the doctor's (3: rank 1 degraded)."""
+    out = tmp_path / "doctor"
+    r = _run(
+        ["sbatch", "--wait", "-N", "1", "-n", "3", "--ntasks-per-node=3",
+         f"--output={tmp_path}/%x_%j.out", str(JOBS / "doctor.sbatch"), *DOCTOR_ARGS],
+        _env(OPTCC_DOCTOR_DIR=str(out), OPTCC_HOME=str(REPO)),
+        timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 3, r.stdout + r.stderr
+    job = r.stdout.split()[-1]
+    log = (tmp_path / f"optcc-doctor_{job}.out").read_text()
+    assert "DEGRADED: node" in log, log[-3000:]
+    data = _doctor_result(out, job)
+    assert [x["rank"] for x in data["ranks"] if x["verdict"] != "healthy"] == [1]

@@ -178,6 +178,25 @@ def test_launch_argv_shape() -> None:
         bed.launch_argv(["prog"], n=5)
 
 
+def test_launch_argv_with_several_ranks_per_node() -> None:
+    """Two ranks per namespace: hosts carry two slots each, one namespace per node, and
+    the degrade map names nodes."""
+    bed = tb.Testbed(name="optcctbargv", ranks=8, rate_bit=RATE, ranks_per_node=2)
+    assert bed.nodes == 4 and bed.ranks_of(1) == [2, 3]
+    assert bed.namespaces == ["optcctbargv-hub", *(f"optcctbargv-r{i}" for i in range(4))]
+    hydra = bed.launch_argv(["prog"], mpiexec=("/x/mpiexec", "hydra"))
+    assert hydra[hydra.index("-hosts") + 1] == "r0:2,r1:2,r2:2,r3:2"
+    assert hydra[hydra.index("-n") + 1] == "8"
+    ompi = bed.launch_argv(["prog"], n=3, mpiexec=("/o/mpiexec", "openmpi"))
+    assert ompi[ompi.index("--host") + 1] == "r0:2,r1:2" and ompi[ompi.index("-n") + 1] == "3"
+    assert "2 per node on 4 nodes" in bed.describe()
+    assert tb.Testbed.from_dict(bed.to_dict()).ranks_per_node == 2
+    with pytest.raises(ValueError, match="divisor"):
+        tb.up(8, "400mbit", ranks_per_node=3, name="optcctbnever")
+    with pytest.raises(ValueError, match="rank 4"):
+        tb.up(8, "400mbit", {4: 0.5}, ranks_per_node=2, name="optcctbnever")
+
+
 def test_launch_argv_shape_open_mpi() -> None:
     """Open MPI: PRRTE in the hub (own hostname), nswrap as its ssh agent, one slot per rank
     host in rank order, root allowed, and the ob1/TCP transport on eth0 only."""
@@ -700,3 +719,35 @@ def test_probe_finds_the_half_rate_rank(bed: tb.Testbed, tmp_path: Path) -> None
     print(f"probe ({launch.mpi_library()}): {found}")
     for profile in found:
         assert list(profile) == ["0"], profile
+
+
+@pytest.mark.root
+@needs_netns
+def test_doctor_finds_the_half_rate_rank_and_flags_nothing_when_healthy(
+    bed: tb.Testbed, tmp_path: Path
+) -> None:
+    """optcc-mpi doctor on real shaped links (4 ranks at 400mbit): rank 0 at half rate is
+    found, and only it (exit status 3); with every link healthy nothing is flagged (exit
+    status 0). The verdicts are asserted; the fractions measured are printed (the
+    emulated runs in tests/test_doctor_mpi.py assert them within 0.1, and
+    docs/doctor/testbed holds 10-run records of the 8-rank testbed)."""
+    found = {}
+    try:
+        for name, degrade in (("degraded", {0: 0.5}), ("healthy", None)):
+            tb.set_shaping(degrade, name=NAME)
+            out = tmp_path / f"{name}.json"
+            cmd = [sys.executable, "-m", "optcc_mpi", "doctor", "--no-progress"]
+            cmd += ["--size", "4M", "--json", str(out)]
+            done = subprocess.run(bed.launch_argv(cmd), capture_output=True, text=True, timeout=300)
+            data = json.loads(out.read_text())
+            print(done.stdout[-1500:])
+            found[name] = (done.returncode, data)
+    finally:
+        tb.set_shaping({0: 0.5}, name=NAME)  # what the fixture built, for the tests after
+    rc, data = found["degraded"]
+    assert rc == 3, data["summary"]
+    assert [r["rank"] for r in data["ranks"] if r["verdict"] != "healthy"] == [0]
+    assert data["nodes"][0]["ranks"] == [0] and data["links"].startswith("0:")
+    rc, data = found["healthy"]
+    assert rc == 0, data["summary"]
+    assert {r["verdict"] for r in data["ranks"]} == {"healthy"}

@@ -11,7 +11,7 @@ from typing import Any
 from optcc_mpi.cli._common import duration_arg, key_value_arg, rate_arg, size_arg
 
 EPILOG = """\
-Two modes.
+Three modes.
 
 1. RESULTS_DIR: the folder a sweep wrote (jobs/submit-sweep.sh; one
    <array job>_<task>.jsonl per task, plus manifest-<job>.json per submission).
@@ -33,6 +33,12 @@ Two modes.
    says which. Prints a Markdown table of worst-case overheads beside the paper's
    claims (OptCC within 2-6%, R2CCL up to 57%) with notes where ours differ.
 
+3. --links FILE: the link log of a run (OPTCC_LINKS_LOG, `optcc-mpi train --links-log`,
+   `optcc-mpi doctor --links-log`; docs/doctor.md). Prints every change (profile adopted,
+   algorithm run, doctor's verdict) with the time since the run started and the call
+   number, and draws links_timeline.png (into --plots DIR, else beside FILE): every
+   rank's bandwidth fraction over time and a strip of the algorithm each call ran.
+
 examples:
   optcc-mpi report results/                          # summary only
   optcc-mpi report results/ --csv all.csv --plots plots/
@@ -40,6 +46,7 @@ examples:
   optcc-mpi report --simulate --p 8,16,32 --loss 0.5 --gpus-per-server 1 --sim-max-p 32
   optcc-mpi report --simulate --sim-max-p 64                    # model beyond p = 64, faster
   optcc-mpi report --simulate --p 16,32,64 --param pattern=closer  # another OptCC pattern
+  optcc-mpi report --links links.jsonl --plots plots/   # a training run's link record
 """
 
 
@@ -78,6 +85,11 @@ def register(subparsers: Any) -> None:
         "--csv", metavar="OUT.csv", help="write the joined rows (or the reproduction table) as CSV"
     )
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument(
+        "--links",
+        metavar="FILE",
+        help="a link log (JSON lines): print its changes and draw the timeline",
+    )
     s = p.add_argument_group("--simulate (the paper's setting)")
     s.add_argument("--simulate", action="store_true", help="simulate instead of reading results")
     s.add_argument(
@@ -144,6 +156,10 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``optcc-mpi report``."""
+    if args.links:
+        if args.results or args.simulate:
+            raise ValueError("give --links FILE alone (not with RESULTS_DIR or --simulate)")
+        return _links(args)
     if args.simulate:
         if args.results:
             raise ValueError("give either RESULTS_DIR or --simulate, not both")
@@ -171,6 +187,25 @@ def _aggregate(args: argparse.Namespace) -> int:
         for path in report.plot_results(res, args.plots):
             print(f"wrote {path}")
     return 0 if res.ok else 1
+
+
+def _links(args: argparse.Namespace) -> int:
+    from optcc_mpi import linklog
+    from optcc_mpi.lab import report
+
+    path = Path(args.links)
+    if not path.is_file():
+        raise FileNotFoundError(f"no link log {path}")
+    records = linklog.read(path)
+    if not records:
+        print(f"{path}: no records", file=sys.stderr)
+        return 1
+    print(report.links_summary(records))
+    out = Path(args.plots) / "links_timeline.png" if args.plots else path.with_suffix(".png")
+    made = report.plot_links(records, out)
+    if made is not None:
+        print(f"wrote {made}")
+    return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:

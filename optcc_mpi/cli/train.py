@@ -28,6 +28,11 @@ examples:
   mpiexec -n 8 optcc-mpi train --data higgs.h5 --algorithm optcc --links 3:0.5 \\
       --emulate latency=50us
 
+  # follow the links while training (links=watch) and keep a record of what it adopted
+  # and ran; `optcc-mpi report --links links.jsonl` draws the timeline
+  mpiexec -n 8 optcc-mpi train --data higgs.h5 --algorithm auto --links watch \\
+      --links-log links.jsonl
+
   # checkpoint every 20 outer iterations; after a kill, the same command with --resume
   # continues exactly where it stopped (same final weights, bit for bit)
   srun --mpi=pmi2 -n 8 optcc-mpi train --data higgs.h5 --checkpoint ck.h5 \\
@@ -143,7 +148,17 @@ def register(subparsers: Any) -> None:
         "algorithm (ring, optcc, r2ccl, native, auto)",
     )
     c.add_argument(
-        "--links", metavar="SPEC", help="link profile for optcc_mpi algorithms, e.g. 3:0.5"
+        "--links",
+        metavar="SPEC",
+        help="link profile for optcc_mpi algorithms, e.g. 3:0.5, or watch (learn it from "
+        "the calls themselves)",
+    )
+    c.add_argument(
+        "--links-log",
+        metavar="FILE",
+        help="with --links watch: append the profiles adopted and the algorithm each call "
+        "ran to FILE (JSON lines, rank 0; default $OPTCC_LINKS_LOG); see `optcc-mpi report "
+        "--links`",
     )
     c.add_argument(
         "--emulate",
@@ -248,8 +263,14 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, comm: Any) -> int:
     from .. import glm
     from ..emulation import Emulation
+    from ..linklog import recording
 
     rank, size = comm.rank, comm.size
+    if args.links_log and str(args.links or "").strip().lower() != "watch":
+        raise ValueError(
+            "--links-log records what --links watch adopts; add --links watch (and an "
+            "optcc_mpi --algorithm)"
+        )
     recipe = glm.get_recipe(args.recipe, args.slot)  # same on every rank: fails everywhere
     emulate = Emulation.parse(args.emulate) if args.emulate else None
     data_dtype = "float64" if "fp64" in (recipe.data, recipe.update) else "float32"
@@ -273,26 +294,27 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
             f"AllReduce {args.algorithm}",
             flush=True,
         )
-    res = glm.fit(
-        part.X,
-        part.y,
-        cols=part.cols,
-        model=model,
-        solver=args.solver,
-        s=args.s,
-        recipe=recipe,
-        comm=comm,
-        emulate=emulate,
-        **common_fit_kwargs(args),
-        gram_layout=args.gram_layout,
-        eval_every=args.eval_every,
-        checkpoint=args.checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        progress=not args.no_progress,
-        on_record=show,
-        device=args.device,
-    )
+    with recording(args.links_log):
+        res = glm.fit(
+            part.X,
+            part.y,
+            cols=part.cols,
+            model=model,
+            solver=args.solver,
+            s=args.s,
+            recipe=recipe,
+            comm=comm,
+            emulate=emulate,
+            **common_fit_kwargs(args),
+            gram_layout=args.gram_layout,
+            eval_every=args.eval_every,
+            checkpoint=args.checkpoint,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            progress=not args.no_progress,
+            on_record=show,
+            device=args.device,
+        )
     st = res.stats
     if rank == 0:
         if res.resumed_from:

@@ -11,6 +11,9 @@ reproduction of the paper's setting is :mod:`optcc_mpi.lab.reproduce`):
 * :func:`plot_results`: the usual pictures (PNG, matplotlib's Agg backend): AllReduce
   overhead against bandwidth loss with the model and the lower bound, time against message
   size, CA-SGD loss against time, and CA-SGD speedup against s.
+* :func:`links_summary` / :func:`plot_links`: the timeline of a link log
+  (:mod:`optcc_mpi.linklog`): every rank's fraction over time, the algorithm each call
+  ran, and the doctor's verdicts.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ __all__ = [
     "load",
     "write_csv",
     "plot_results",
+    "link_runs",
+    "links_summary",
+    "plot_links",
 ]
 
 #: Columns that lead the joined CSV, in this order; the others follow as first seen.
@@ -663,3 +669,165 @@ def plot_results(res: Results, outdir: str | os.PathLike[str]) -> list[Path]:
         plot_casgd_speedup(res.rows, out / "casgd_speedup_vs_s.png"),
     ]
     return [m for m in made if m is not None]
+
+
+# ----------------------------------------------------------------------------- link logs
+
+
+def link_runs(records: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """The records of a link log grouped by run (in the order the runs start), each run's
+    in file order."""
+    runs: dict[str, list[Mapping[str, Any]]] = {}
+    for rec in records:
+        runs.setdefault(str(rec.get("run")), []).append(rec)
+    return list(runs.values())
+
+
+def _when(t: float) -> str:
+    import time as _time
+
+    return _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(t))
+
+
+def links_summary(records: Sequence[Mapping[str, Any]]) -> str:
+    """A text account of a link log: per run, where and when it ran, then one line per
+    change (profile adopted, algorithm run, doctor's verdict), with the time since the
+    run started and the call number."""
+    lines = []
+    for run in link_runs(records):
+        start = run[0]
+        t0 = float(start.get("time", 0.0))
+        head = run[0] if run[0].get("event") == "start" else {}
+        p = next((r.get("p") for r in run if r.get("p") is not None), "?")
+        where = f"{head.get('host', '?')} pid {head.get('pid', '?')}"
+        if head.get("job"):
+            where += f", job {head['job']}"
+        calls = [r for r in run if r.get("call") is not None and r.get("source") == "watch"]
+        last = max((int(r["call"]) for r in calls), default=0)
+        lines.append(
+            f"run {start.get('run')} ({where}): {p} ranks, started {_when(t0)}"
+            + (f", {last} calls recorded" if calls else "")
+        )
+        for rec in run:
+            ev = rec.get("event")
+            dt = f"+{float(rec.get('time', t0)) - t0:8.1f} s"
+            call = rec.get("call")
+            at = f"call {call:>6}" if call is not None else " " * 11
+            if ev == "adopt":
+                text = f"adopted {rec.get('links')}"
+            elif ev == "call":
+                text = f"ran {rec.get('algorithm')} under {rec.get('links')}"
+                if rec.get("explore"):
+                    text += " (exploring: the healthy profile)"
+            elif ev == "doctor":
+                text = f"doctor: {rec.get('summary') or rec.get('status')}"
+            else:
+                continue
+            lines.append(f"  {dt}  {at}  {text}")
+    return "\n".join(lines)
+
+
+def plot_links(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path | None:
+    """Draw a link log's timeline, one panel pair per run: every rank's fraction over
+    time (the profile in force as a step line, the measurements the watch made at its
+    records as dots, the doctor's verdicts as diamonds; ranks that were healthy
+    throughout as one grey line), and a strip of the algorithm each call ran. Returns the
+    file, or None when the log holds nothing to draw."""
+    runs = [r for r in link_runs(records) if any(x.get("fractions") for x in r)]
+    if not runs:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(
+        2 * len(runs), 1, figsize=(10, 4.2 * len(runs)), squeeze=False,
+        gridspec_kw={"height_ratios": [4, 1] * len(runs)},
+    )  # fmt: skip
+    colours = plt.get_cmap("tab10")
+    for k, run in enumerate(runs):
+        ax, strip = axes[2 * k][0], axes[2 * k + 1][0]
+        t0 = float(run[0].get("time", 0.0))
+        rows = [r for r in run if r.get("fractions")]
+        t_end = max(float(r.get("time", t0)) for r in run) - t0
+        t_end = t_end if t_end > 0 else 1.0
+        p = len(rows[0]["fractions"])
+        profile = [r for r in rows if r.get("event") in ("adopt", "call")]
+        doctor = [r for r in rows if r.get("event") == "doctor"]
+        slow = sorted(
+            {i for r in rows for i, f in enumerate(r["fractions"]) if f is not None and f < 1}
+            | {
+                i
+                for r in rows
+                for i, f in enumerate(r.get("measured") or [])
+                if f is not None and f < 1
+            }
+        )
+        for j, rank in enumerate(slow):
+            c = colours(j % 10)
+            # Ranks adopted together would hide each other: a small offset apiece.
+            dy = 0.008 * (j - (len(slow) - 1) / 2)
+            if profile:
+                ts = [float(r["time"]) - t0 for r in profile] + [t_end]
+                fs = [r["fractions"][rank] + dy for r in profile]
+                ax.step(ts, fs + fs[-1:], where="post", color=c, lw=2, label=f"rank {rank}")
+                meas = [
+                    (float(r["time"]) - t0, r["measured"][rank])
+                    for r in profile
+                    if r.get("measured")
+                ]
+                if meas:
+                    ax.plot(*zip(*meas), ".", color=c, alpha=0.5, ms=5)
+            if doctor:
+                ax.plot(
+                    [float(r["time"]) - t0 for r in doctor],
+                    [r["fractions"][rank] for r in doctor],
+                    "D", color=c, ms=7, mec="k",
+                    label=None if profile else f"rank {rank} (doctor)",
+                )  # fmt: skip
+        healthy = [i for i in range(p) if i not in slow]
+        if healthy:
+            ax.axhline(1.0, color="0.6", lw=1.5, label=f"{len(healthy)} ranks healthy throughout")
+        for r in run:
+            if r.get("event") == "adopt":
+                ax.axvline(float(r["time"]) - t0, color="0.85", lw=0.8, zorder=0)
+                ax.annotate(
+                    f"call {r.get('call')}", (float(r["time"]) - t0, 1.02),
+                    fontsize=7, rotation=90, va="bottom", ha="center",
+                )  # fmt: skip
+        ax.set_ylim(0, 1.15)
+        ax.set_xlim(0, t_end)
+        ax.set_ylabel("bandwidth fraction")
+        head = run[0] if run[0].get("event") == "start" else {}
+        ax.set_title(
+            f"run {run[0].get('run')}: {p} ranks on {head.get('host', '?')}, started {_when(t0)}",
+            fontsize=9,
+        )
+        ax.legend(fontsize=7, loc="lower left", ncol=2)
+        # The algorithm strip: a span per stretch of calls that ran the same algorithm.
+        # A call record is written when the call has run; the call began when its profile
+        # was adopted, if it was adopted then.
+        began = {r.get("call"): float(r["time"]) for r in run if r.get("event") == "adopt"}
+        calls = [r for r in run if r.get("event") == "call" and r.get("algorithm")]
+        starts = [began.get(r.get("call"), float(r["time"])) - t0 for r in calls]
+        seen: dict[str, Any] = {}
+        for i, r in enumerate(calls):
+            a = str(r["algorithm"]) + (" (explore)" if r.get("explore") else "")
+            x0 = starts[i]
+            x1 = starts[i + 1] if i + 1 < len(calls) else t_end
+            colour = _style(str(r["algorithm"]))[0]
+            strip.axvspan(x0, x1, color=colour, alpha=0.35 if r.get("explore") else 0.8,
+                          label=a if a not in seen else None)  # fmt: skip
+            seen[a] = True
+        strip.set_xlim(0, t_end)
+        strip.set_yticks([])
+        strip.set_xlabel("seconds since the run started")
+        strip.set_ylabel("algorithm", fontsize=8)
+        if seen:
+            strip.legend(fontsize=7, loc="upper left", ncol=min(4, len(seen)))
+        else:
+            strip.text(0.5, 0.5, "no algorithm recorded", ha="center", va="center",
+                       transform=strip.transAxes, fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
