@@ -62,11 +62,12 @@ default).
 
 Communication
 -------------
-Everything the doctor says to other ranks goes through three functions, :func:`_barrier`,
-:func:`_allgather` and :func:`_run` (a schedule through
-:func:`optcc_mpi.executor.execute`), each taking the communicator, on the communicator's
-private duplicate (:mod:`optcc_mpi.comm`), so that a transport other than MPI can carry
-them by replacing those three.
+Everything the doctor says to other ranks goes through a few functions of one section
+below, each taking the communicator: :func:`_barrier`, :func:`_allgather` (small per-rank
+records), :func:`_run` (a schedule through :func:`optcc_mpi.executor.execute`),
+:func:`_rank_size`, and :func:`_private` (the communicator's private duplicate,
+:mod:`optcc_mpi.comm`, on which all of it travels), so that a transport other than MPI
+can carry the doctor by replacing those.
 """
 
 from __future__ import annotations
@@ -449,6 +450,11 @@ def _private(comm: Any) -> Any:
     return private_comm(comm)
 
 
+def _rank_size(comm: Any) -> tuple[int, int]:
+    """This process's rank and the number of ranks."""
+    return comm.Get_rank(), comm.Get_size()
+
+
 # ------------------------------------------------------------------------------ measure
 
 
@@ -694,6 +700,57 @@ def _fractions(values: np.ndarray, ref: float | None) -> tuple[np.ndarray, float
     return frac, med
 
 
+#: Seconds of every message, by (round, sender, receiver).
+_Seconds = dict[tuple[int, int, int], float]
+
+
+def _seconds(records: Sequence[dict[str, Any]]) -> _Seconds:
+    """Every message's seconds from the receivers' records (one per rank, in rank
+    order; ``rows`` of (round, sender, seconds))."""
+    secs: _Seconds = {}
+    for dst, rec in enumerate(records):
+        for i, src, t in np.asarray(rec["rows"]).reshape(-1, 3):
+            secs[(int(i), int(src), dst)] = float(t)
+    return secs
+
+
+def _message_rates(
+    the_plan: Plan, secs: _Seconds, phase: str
+) -> list[tuple[Round, int, int, float]]:
+    """(round, sender, receiver, bytes/s) of every timed message of ``phase``."""
+    out = []
+    for i, rnd in enumerate(the_plan.rounds):
+        if rnd.phase != phase:
+            continue
+        for s, d in zip(rnd.src.tolist(), rnd.dst.tolist()):
+            t = secs.get((i, s, d))
+            if t is not None and t > 0:
+                out.append((rnd, s, d, the_plan.size / t))
+    return out
+
+
+def _node_rates(the_plan: Plan, secs: _Seconds) -> tuple[np.ndarray, np.ndarray]:
+    """Per node, the fastest aggregate egress and ingress of the ``node`` rounds: all the
+    messages from node a to node b of a round, over the time the last of them took."""
+    lay = the_plan.layout
+    neg = np.full(lay.n_nodes, math.nan)
+    nin = np.full(lay.n_nodes, math.nan)
+    for i, rnd in enumerate(the_plan.rounds):
+        if rnd.phase != "node":
+            continue
+        flows: dict[tuple[int, int], list[float]] = {}
+        for s, d in zip(rnd.src.tolist(), rnd.dst.tolist()):
+            key = (int(lay.node[s]), int(lay.node[d]))
+            flows.setdefault(key, []).append(secs.get((i, s, d), math.nan))
+        for (a, b), ts in flows.items():
+            t = max(ts)
+            if math.isfinite(t) and t > 0:
+                v = the_plan.size * len(ts) / t
+                neg[a] = np.fmax(neg[a], v)
+                nin[b] = np.fmax(nin[b], v)
+    return neg, nin
+
+
 def diagnose(
     the_plan: Plan,
     records: Sequence[dict[str, Any]],
@@ -725,37 +782,19 @@ def diagnose(
         raise ArgumentError(f"healthy_above must be in (0, 1], not {healthy_above!r}")
     lay = the_plan.layout
     p, n = lay.p, lay.n_nodes
-    size = the_plan.size
-    # seconds[(round, src, dst)]
-    secs: dict[tuple[int, int, int], float] = {}
-    for dst, rec in enumerate(records):
-        for i, src, s in np.asarray(rec["rows"]).reshape(-1, 3):
-            secs[(int(i), int(src), dst)] = float(s)
-
-    def rate(i: int, s: int, d: int) -> float:
-        t = secs.get((i, s, d))
-        return size / t if t is not None and t > 0 else math.nan
-
+    secs = _seconds(records)
     reps = the_plan.repeats
-    # -- inter: per rank, per repeat, fastest message out and in
+    # -- each rank alone: per repeat, its fastest message out and in
     eg_r = np.full((reps, p), math.nan)
     in_r = np.full((reps, p), math.nan)
     pair: dict[tuple[int, int], float] = {}
-    for i, rnd in enumerate(the_plan.rounds):
-        if rnd.phase != "inter":
-            continue
-        for s, d in zip(rnd.src.tolist(), rnd.dst.tolist()):
-            v = rate(i, s, d)
-            if not math.isfinite(v):
-                continue
-            eg_r[rnd.repeat, s] = np.fmax(eg_r[rnd.repeat, s], v)
-            in_r[rnd.repeat, d] = np.fmax(in_r[rnd.repeat, d], v)
-            pair[(s, d)] = max(pair.get((s, d), 0.0), v)
+    for rnd, s, d, v in _message_rates(the_plan, secs, "inter"):
+        eg_r[rnd.repeat, s] = np.fmax(eg_r[rnd.repeat, s], v)
+        in_r[rnd.repeat, d] = np.fmax(in_r[rnd.repeat, d], v)
+        pair[(s, d)] = max(pair.get((s, d), 0.0), v)
     with np.errstate(all="ignore"):
-        egress = np.nanmax(np.where(np.isfinite(eg_r), eg_r, -np.inf), axis=0)
-        ingress = np.nanmax(np.where(np.isfinite(in_r), in_r, -np.inf), axis=0)
-    egress = np.where(egress > 0, egress, math.nan)
-    ingress = np.where(ingress > 0, ingress, math.nan)
+        egress = np.fmax.reduce(eg_r, axis=0)  # NaN only where never measured
+        ingress = np.fmax.reduce(in_r, axis=0)
     fe, med_e = _fractions(egress, expect)
     fi, med_i = _fractions(ingress, expect)
     frac = np.fmin(fe, fi)
@@ -765,56 +804,36 @@ def diagnose(
     with np.errstate(invalid="ignore"):
         per_rep = np.fmin(np.minimum(eg_r / ref_e, 1.0), np.minimum(in_r / ref_i, 1.0))
 
-    # A low rate every partner could explain is unresolved, not the rank's.
     def explained(r: int) -> bool:
-        outs = [(d, v) for (s, d), v in pair.items() if s == r]
-        ins = [(s, v) for (s, d), v in pair.items() if d == r]
+        """Whether rank r's low rates could all be its partners': every partner of a
+        low direction was itself no faster than r (then either end may be slow)."""
         low_e = fe[r] < healthy_above
         low_i = fi[r] < healthy_above
         ok = True
-        if low_e and outs:
-            ok &= all(not (ingress[d] > egress[r] * _EXPLAIN) for d, _ in outs)
-        if low_i and ins:
-            ok &= all(not (egress[s] > ingress[r] * _EXPLAIN) for s, _ in ins)
+        if low_e:
+            outs = [d for (s, d) in pair if s == r]
+            ok &= all(not (ingress[d] > egress[r] * _EXPLAIN) for d in outs)
+        if low_i:
+            ins = [s for (s, d) in pair if d == r]
+            ok &= all(not (egress[s] > ingress[r] * _EXPLAIN) for s in ins)
         return bool((low_e or low_i) and ok)
 
-    # -- node: aggregate rates, all ranks of a node at once
+    # -- each node's NIC with all its ranks at once (the reference: one link's rate)
     multi = lay.per_node > 1
     if multi:
-        neg = np.full(n, math.nan)
-        nin = np.full(n, math.nan)
-        for i, rnd in enumerate(the_plan.rounds):
-            if rnd.phase != "node":
-                continue
-            flows: dict[tuple[int, int], list[float]] = {}
-            for s, d in zip(rnd.src.tolist(), rnd.dst.tolist()):
-                flows.setdefault((int(lay.node[s]), int(lay.node[d])), []).append(
-                    secs.get((i, s, d), math.nan)
-                )
-            for (a, b), ts in flows.items():
-                t = max(ts)
-                if not (math.isfinite(t) and t > 0):
-                    continue
-                v = size * len(ts) / t
-                neg[a] = np.fmax(neg[a], v)
-                nin[b] = np.fmax(nin[b], v)
-        nfe, _ = _fractions(neg, expect * lay.per_node if expect is not None else None)
-        nfi, _ = _fractions(nin, expect * lay.per_node if expect is not None else None)
+        neg, nin = _node_rates(the_plan, secs)
+        nfe, _ = _fractions(neg, expect)
+        nfi, _ = _fractions(nin, expect)
         nfrac = np.fmin(nfe, nfi)
     else:
         neg, nin, nfe, nfi, nfrac = egress, ingress, fe, fi, frac
 
-    # -- intra
+    # -- inside each node
     ieg = np.full(p, math.nan)
     iin = np.full(p, math.nan)
-    for i, rnd in enumerate(the_plan.rounds):
-        if rnd.phase != "intra":
-            continue
-        for s, d in zip(rnd.src.tolist(), rnd.dst.tolist()):
-            v = rate(i, s, d)
-            if math.isfinite(v):
-                ieg[s] = np.fmax(ieg[s], v)
-                iin[d] = np.fmax(iin[d], v)
+    for _rnd, s, d, v in _message_rates(the_plan, secs, "intra"):
+        ieg[s] = np.fmax(ieg[s], v)
+        iin[d] = np.fmax(iin[d], v)
     ife, _ = _fractions(ieg, None)
     ifi, _ = _fractions(iin, None)
     ifrac = np.fmin(ife, ifi)
@@ -924,7 +943,7 @@ def diagnose(
         reference=ref_text,
         median_egress=med_e,
         median_ingress=med_i,
-        size=size,
+        size=the_plan.size,
         partners=the_plan.partners,
         repeats=reps,
         rounds=len(the_plan.rounds),
@@ -1039,8 +1058,8 @@ def doctor(
     healthy_above : float
         Fractions of the reference at or above this are healthy.
     expect : float, optional
-        Reference rate in bytes/s per rank (default: the median link); needed to judge
-        fewer than 3 nodes.
+        The rate in bytes/s one link should carry (a node's NIC, or a rank's own rail),
+        instead of the median link; needed to judge fewer than 3 nodes.
     group : {"host", "rank"}, optional
         What shares a NIC: ranks on one host (default), or nothing (``"rank"``, the
         default under emulation, whose virtual NICs are per rank).
@@ -1071,7 +1090,7 @@ def doctor(
     from optcc_mpi.progress import Progress
 
     wire = _private(comm)
-    rank, p = wire.Get_rank(), wire.Get_size()
+    rank, p = _rank_size(wire)
     err: str | None = None
     try:
         _check_params(size, partners, repeats)
@@ -1162,9 +1181,7 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
     col = [colors.get(by_rank[r].verdict, "tab:gray") for r in order]
     ax.bar(x - 0.2, np.nan_to_num(fe), 0.4, color=col, alpha=0.9, label="egress")
     ax.bar(x + 0.2, np.nan_to_num(fi), 0.4, color=col, alpha=0.5, hatch="//", label="ingress")
-    ax.axhline(
-        diag.healthy_above, color="k", ls="--", lw=1, label=f"threshold {diag.healthy_above:.2f}"
-    )
+    ax.axhline(diag.healthy_above, color="k", ls="--", lw=1)
     ax.set_xticks(x)
     ax.set_xticklabels([f"{r}\n{by_rank[r].node}" for r in order], fontsize=7)
     ax.set_ylim(0, 1.1)
@@ -1174,12 +1191,21 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
         v = by_rank[r].verdict
         if v != "healthy":
             ax.annotate(v, (xi, 0.02), ha="center", fontsize=7, rotation=90, color="w")
-    ax.legend(fontsize=7, loc="lower right")
+    from matplotlib.patches import Patch
+
+    handles = [
+        Patch(facecolor="0.5", label="egress"),
+        Patch(facecolor="0.8", hatch="//", label="ingress"),
+        *(Patch(facecolor=c, label=v) for v, c in colors.items() if v != "node"),
+        plt.Line2D([], [], color="k", ls="--", label=f"threshold {diag.healthy_above:.2f}"),
+    ]
+    ax.legend(handles=handles, fontsize=7, loc="lower right", ncol=2)
     if multi:
         ax2 = axes[0][1]
         names = [n.name for n in diag.nodes]
+        # A node whose link is fine but some of whose ranks' own paths are not: purple.
         ncol = [
-            colors.get(n.verdict, "tab:gray") if n.verdict != "ranks" else "tab:orange"
+            colors.get(n.verdict, "tab:gray") if n.verdict != "ranks" else "tab:purple"
             for n in diag.nodes
         ]
         xn = np.arange(len(names))
@@ -1197,6 +1223,12 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
         ax2.set_xticklabels(names, fontsize=7, rotation=45)
         ax2.set_ylim(0, 1.1)
         ax2.set_title("nodes (all ranks at once)")
+        if any(n.verdict == "ranks" for n in diag.nodes):
+            ax2.legend(
+                handles=[Patch(facecolor="tab:purple", label="some ranks degraded")],
+                fontsize=7,
+                loc="lower right",
+            )
     fig.suptitle(
         diag.summary if len(diag.summary) < 140 else diag.summary[:137] + "...", fontsize=8
     )

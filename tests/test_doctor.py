@@ -304,6 +304,12 @@ def test_an_expected_rate_finds_a_cluster_that_is_slow_everywhere() -> None:
     assert diag.status == "degraded"
     assert all(r.fraction == pytest.approx(0.6) for r in diag.ranks)
     assert "every link is slow (0.60-0.60)" in diag.summary
+    # Nodes of two ranks sharing a NIC: a node's aggregate is judged against the same
+    # rate (the NIC's), so healthy nodes are at 1 and the slow one at its fraction.
+    the_plan = dr.plan(dr.Layout.uniform(8, 2), size=MiB)
+    diag = dr.diagnose(the_plan, synthetic(the_plan, {}, node_truth={3: 0.5}), expect=BW)
+    assert [n.fraction for n in diag.nodes] == pytest.approx([0.5, 1, 1, 1])
+    assert diag.flagged == [6, 7] and diag.nodes[0].name == "n3"
 
 
 def test_intra_node_rates_are_reported_and_judged_on_request() -> None:

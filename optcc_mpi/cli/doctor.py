@@ -141,8 +141,8 @@ def register(subparsers: Any) -> None:
         type=rate_arg,
         default=None,
         metavar="RATE",
-        help="judge against this rate per rank (e.g. 10gbit) instead of the median link; "
-        "needed with fewer than 3 nodes",
+        help="judge against the rate one link should carry (e.g. 10gbit: a node's NIC, or "
+        "a rank's own rail) instead of the median link; needed with fewer than 3 nodes",
     )
     v.add_argument(
         "--judge-intra",
