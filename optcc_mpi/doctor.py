@@ -30,11 +30,13 @@ way round for three partners), so that two degraded nodes next to each other in 
 numbering rarely limit each other's every partner. Repeats are the outer loop: a
 transient disturbance spoils one repeat of everything rather than every repeat of one
 link. With ``N`` nodes of at most ``L`` ranks, ``k = min(partners, N - 1)`` shifts and
-``R`` repeats, a rank sends (and receives about) ``size * R * k`` bytes when ``L = 1``,
-and ``size * R * (2 k + min(partners, L - 1))`` otherwise, in ``R * k * (2 L) + R *
-min(partners, L - 1)`` rounds (:attr:`Plan.rounds`; :meth:`Plan.bytes_sent` per rank).
-Over links of ``B`` bytes/s that takes about ``size * R * k * (2 L) / B`` plus two
-barriers per round (:func:`estimate` times the schedules with the simulator). The
+``R`` repeats, a rank sends (and receives about) ``size * R * k`` bytes in ``R * k``
+rounds when ``L = 1``, and ``size * R * (2 k + min(partners, L - 1))`` bytes in
+``R * (k (L + 1) + min(partners, L - 1))`` rounds otherwise (:attr:`Plan.rounds`;
+:meth:`Plan.bytes_sent` per rank). Over links of ``B`` bytes/s that takes about
+``size * R * k / B`` at one rank per node and ``size * R * k * 2 L / B`` otherwise
+(a node round moves ``L`` messages through one NIC), plus two barriers per round
+(:func:`estimate` times the schedules with the simulator). The
 defaults (8 MiB, 3 partners, 5 repeats) send 120 MiB per rank at one rank per node:
 0.1 s at 10 Gbit/s, 2.5 s at 400 Mbit/s.
 

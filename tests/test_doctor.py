@@ -382,3 +382,25 @@ def test_check_reads_a_verdict_for_one_host(tmp_path: Path, capsys) -> None:
     path.write_text("{}")
     assert cli_main(["doctor", "--check", str(path)]) == 2
     assert "not the --json of optcc-mpi doctor" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_command_under_mpiexec_prints_json_alone_and_exits_degraded(tmp_path: Path) -> None:
+    """The command as a job: 3 ranks under the library's own launcher, emulated links
+    with rank 1 at half rate; `--json -` puts the JSON alone on standard output, the
+    plot is drawn, and the exit status says degraded."""
+    import subprocess
+    import sys
+
+    from optcc_mpi.lab import launch
+
+    png = tmp_path / "d.png"
+    cmd = [*launch.launcher_argv(3), sys.executable, "-m", "optcc_mpi", "doctor"]
+    cmd += ["--emulate", "bw=50MB/s,degrade=1:0.5", "--size", "1M", "--repeats", "2"]
+    cmd += ["--json", "-", "--plot", str(png), "--no-progress"]
+    env = {**launch.clean_env(), "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == dr.EXIT_DEGRADED, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert data["status"] == "degraded" and data["links"].startswith("1:")
+    assert "DEGRADED: node" in done.stderr and png.stat().st_size > 10_000

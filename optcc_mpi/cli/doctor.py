@@ -221,16 +221,19 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress and not args.quiet,
         )
     if rank == 0:
+        # With --json - the JSON alone goes to standard output; the table to standard error.
+        out = sys.stderr if args.json == "-" else sys.stdout
         if args.quiet:
-            print(diag.summary)
+            print(diag.summary, file=out)
         else:
             print(
                 f"# optcc-mpi doctor: {len(diag.ranks)} ranks on {len(diag.nodes)} nodes, "
                 f"{diag.rounds} rounds of {args.size / 2**20:g} MiB messages "
                 f"({args.partners} partners x {args.repeats} repeats), "
-                f"{max(diag.bytes_sent) / 2**20:.0f} MiB sent per rank, {diag.seconds:.1f} s"
+                f"{max(diag.bytes_sent) / 2**20:.0f} MiB sent per rank, {diag.seconds:.1f} s",
+                file=out,
             )
-            print(diag.table())
+            print(diag.table(), file=out)
         if args.json:
             text = json.dumps(diag.to_dict(), indent=1)
             if args.json == "-":
@@ -238,9 +241,9 @@ def run(args: argparse.Namespace) -> int:
             else:
                 Path(args.json).write_text(text + "\n")
                 if not args.quiet:
-                    print(f"wrote {args.json}")
+                    print(f"wrote {args.json}", file=out)
         if args.plot:
-            print(f"wrote {dr.plot(diag, args.plot)}")
+            print(f"wrote {dr.plot(diag, args.plot)}", file=out)
     sys.stdout.flush()
     return diag.exit_status
 
@@ -270,6 +273,11 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _frac(row: dict[str, Any]) -> str:
+    f = row.get("fraction")
+    return "?" if f is None else f"{f:.2f}"
+
+
 def _check(args: argparse.Namespace) -> int:
     from optcc_mpi import doctor as dr
 
@@ -289,7 +297,7 @@ def _check(args: argparse.Namespace) -> int:
         return dr.EXIT_INCONCLUSIVE
     bad = [r for r in mine if r.get("verdict") not in ("healthy", "unresolved")]
     if bad:
-        what = ", ".join(f"rank {r['rank']} {r['verdict']} at {r['fraction']}" for r in bad)
+        what = ", ".join(f"rank {r['rank']} {r['verdict']} at {_frac(r)}" for r in bad)
         print(f"{host}: DEGRADED ({what}); {data.get('summary', '')}")
         return dr.EXIT_DEGRADED
     print(f"{host}: healthy in {path} ({len(mine)} ranks)")
