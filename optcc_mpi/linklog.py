@@ -78,7 +78,7 @@ class LinkLog:
         self._last_time = -1e300
         self._doctor_runs = 0
         #: The last ``call`` record not written (with its time), written at exit.
-        self._pending: tuple[float, dict[str, Any]] | None = None
+        self._pending: tuple[float, tuple[Any, ...]] | None = None
         atexit.register(self.flush)
 
     def write(self, record: dict[str, Any], when: float | None = None) -> None:
@@ -103,7 +103,7 @@ class LinkLog:
         timeline shows where the run ended)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            self.write(pending[1], pending[0])
+            self.write(_call_record(*pending[1]), pending[0])
 
     def _append(self, record: dict[str, Any], when: float) -> None:
         line = json.dumps({"time": round(when, 6), "run": self.run, **record})
@@ -142,22 +142,14 @@ class LinkLog:
         written."""
         state = (algorithm, profile.key(), explore)
         now = time.monotonic()
-        record = {
-            "event": "call",
-            "source": "watch",
-            "call": int(call),
-            "p": int(p),
-            "algorithm": algorithm,
-            "links": str(profile),
-            "fractions": _vector(profile, p),
-            "measured": None if measured is None else _vector(measured, p),
-            "explore": bool(explore),
-        }
+        # Every watched call comes here: a call that says nothing new only keeps its
+        # arguments (the record is built if it is ever written).
+        args = (call, p, algorithm, profile, measured, explore)
         if state == self._last_state and now - self._last_time < self.every:
-            self._pending = (time.time(), record)
+            self._pending = (time.time(), args)
             return False
         self._last_state, self._last_time, self._pending = state, now, None
-        self.write(record)
+        self.write(_call_record(*args))
         return True
 
     def doctor(self, verdict: dict[str, Any], p: int) -> None:
@@ -180,6 +172,22 @@ class LinkLog:
                 "summary": verdict.get("summary"),
             }
         )
+
+
+def _call_record(
+    call: int, p: int, algorithm: str, profile: Links, measured: Links | None, explore: bool
+) -> dict[str, Any]:
+    return {
+        "event": "call",
+        "source": "watch",
+        "call": int(call),
+        "p": int(p),
+        "algorithm": algorithm,
+        "links": str(profile),
+        "fractions": _vector(profile, p),
+        "measured": None if measured is None else _vector(measured, p),
+        "explore": bool(explore),
+    }
 
 
 def _vector(links: Links, p: int) -> list[float]:
