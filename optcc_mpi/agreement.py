@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from optcc_mpi import transports
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["agree", "agree_fields", "describe_ranks", "run_everywhere"]
@@ -69,8 +70,9 @@ def agree(
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Comm
-        The ranks that must agree (all of them call this).
+    comm : mpi4py.MPI.Comm or optcc_mpi.transports.Transport
+        The ranks that must agree (all of them call this): anything with mpi4py's
+        ``allgather(obj)`` and ``size``.
     error : BaseException, str or None
         This rank's failure: an exception (re-raised unchanged on this rank), a message
         (raised as ``cls`` on every rank, this one included), or None.
@@ -132,16 +134,15 @@ def run_everywhere(
     return result  # type: ignore[return-value]
 
 
-def agree_fields(comm: Any, fields: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Minimum and maximum over the ranks of each integer field, in one ``Allreduce``.
+def agree_fields(transport: Any, fields: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Minimum and maximum over the ranks of each integer field, in one collective.
 
-    The vector ``(fields, -fields)`` is reduced with MAX, so a single tiny collective
+    The vector ``(fields, -fields)`` is reduced with MAX
+    (:meth:`optcc_mpi.transports.Transport.allreduce_max`), so a single tiny collective
     of fixed shape tells every rank whether all ranks hold the same values (``lo == hi``)
     and which field differs. Every rank must pass the same number of fields.
     """
-    from mpi4py import MPI
-
     f = np.asarray(fields, dtype=np.int64)
     vec = np.concatenate([f, -f])
-    comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    transports.of(transport).allreduce_max(vec)
     return -vec[f.size :], vec[: f.size]

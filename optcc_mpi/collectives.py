@@ -1,159 +1,132 @@
-"""The public AllReduce, in the style of mpi4py.
+"""The public AllReduce, in the style of mpi4py, over any transport.
 
 ``allreduce(sendbuf, recvbuf=None, *, op="sum", comm=None, algorithm="auto", links=None)``
-reduces arrays, buffers and tensors over a communicator with the chosen algorithm; see
-:mod:`optcc_mpi.backend` for the element types, the reductions and their NaN and
+reduces arrays, buffers and tensors over an mpi4py communicator or a ``torch.distributed``
+process group with the chosen algorithm; see :mod:`optcc_mpi.dtypes` and
+:mod:`optcc_mpi.reductions` for the element types, the reductions and their NaN and
 signed-zero rules, and ``docs/api.md`` for the whole interface.
 
-The argument check
-------------------
-A collective whose ranks disagree (counts, types, ops, algorithms, link profiles) would
-hang or produce garbage, and a per-rank error (a bad buffer, a bad environment variable on
-one node) raised on one rank alone leaves the others waiting in the next collective. So
-every call first *agrees*: each rank checks its own arguments, environment variables
-included, then one collective of fixed shape tells every rank what every other rank has,
-and every rank takes the same decision: go on, or raise the same clear error before any
-buffer is modified.
+A call in five phases
+---------------------
+Each phase is a function of a few named arguments, shared by every transport:
 
-The agreement is one ``MPI_Allgather`` of a fixed-size block per rank on the private
-duplicate of the communicator (:mod:`optcc_mpi.comm`): a 96-byte header (error flag,
-element count, type, op, and checksums of the algorithm, link profile, emulation, array
-backend and parameters) followed by ``C`` bytes of room for data. ``C`` is the same on
-every rank because every rank derives it from the headers of the previous call on that
-communicator (the largest message then, rounded up to a power of two, between 256 bytes
-and ``256 KiB / p``); the block's shape therefore never depends on the arguments of the
-current call, and the agreement can never mismatch, whatever the ranks pass.
+1. **check** (:class:`_Call`): this rank's arguments as flat arrays of one backend, the
+   reduction, the link profile and the emulation; any error is kept, not raised;
+2. **agree** (:func:`_agree`): one collective of fixed shape (:mod:`optcc_mpi.protocol`),
+   after which every rank goes on, or raises the same error before any buffer changed;
+3. **plan** (:func:`_plan_call`): the link profile (given, probed or watched) and the
+   schedule of the algorithm (``auto``: the fastest by the model), cached per
+   communicator;
+4. **run** (:func:`_run`): the data already reduced in the check, the library's own
+   AllReduce, every rank's data gathered and reduced in rank order, or the schedule on
+   the executor over the communicator's transport (:mod:`optcc_mpi.transports`);
+5. **finish** (:func:`_finish`): keys back to floats, canonical NaNs, the record of the
+   call (:func:`last_stats`).
 
-When the MPI library's collective is what ``auto`` would run (short messages) and the
-data fits in ``C``, the data travels in the agreement itself: every rank then holds every
-rank's contribution and reduces them locally in rank order, so the result is bit-identical
-on every rank by construction and the call costs one collective, about what
-``MPI_Allreduce`` costs. In a loop over the same sizes this is every call after the first.
-Otherwise the data phase follows (the library's ``MPI_Allreduce`` or a point-to-point
-schedule). Nothing else travels with the data: a checksum riding in the reduced buffer
-would change what the reduction sees.
+Short calls
+-----------
+When the library's collective is what ``auto`` would run (short messages) and the data
+fits in the check's room, the data travels in the check itself and every rank reduces
+every rank's contribution in rank order: bit-identical on every rank by construction, one
+collective in all. The commonest short call over MPI (NumPy arrays, default arguments, a
+size that already travelled in the check) runs all of this in C (:mod:`optcc_mpi.fastcall`):
+the same header, the same collective, the same rank-order sums, at about the library's own
+latency.
 
-Above 32 ranks the gathered headers would grow with p, so the agreement is instead one
-``MPI_Allreduce`` (max) of the header and its negation: still one small collective of
-fixed shape, without the data fold. On an error the ranks exchange their messages in one
-more collective, so that every rank's exception names the rank and value at fault.
-
-With ``check=False`` the agreement is skipped (then the ranks must pass the same
-arguments, and ``check`` itself must be the same on every rank).
-
-The commonest short call (NumPy arrays, default arguments, a size that already travelled
-in the check) runs all of the above in C (:mod:`optcc_mpi.fastcall`): the same header,
-the same collective, the same rank-order sums, at about the library's own latency.
+With ``check=False`` the check is skipped (then the ranks must pass the same arguments,
+and ``check`` itself must be the same on every rank).
 """
 
 from __future__ import annotations
 
-import os
-import struct
-import zlib
-from functools import lru_cache
 from time import perf_counter
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-from optcc_mpi import agreement, algorithms, config, fastcall
+from optcc_mpi import algorithms, config, fastcall, protocol
 from optcc_mpi.algorithms._policy import SMALL_BYTES
-from optcc_mpi.backend import (
-    _CATEGORY,
-    _LOW_PRECISION,
-    _NAME_OF,
-    _NUMPY,
-    DTYPES,
-    OPS,
-    _reduce_with,
-    as_array,
-    canonical_nans,
-    check_op_dtype,
-    dtype_name,
-    from_keys,
-    key_dtype,
-    mpi_datatype_and_op,
-    op_name,
-    result_like,
-    to_keys,
-)
-from optcc_mpi.comm import _BY_HANDLE, FOLD_MIN, FOLD_TOTAL, CommState, state_of
-from optcc_mpi.emulation import ENV_EMULATE, Emulation, forced_fraction
+from optcc_mpi.backend import NUMPY, as_array, result_like
+from optcc_mpi.dtypes import CATEGORY, NAME_OF, OPS, VALID_PAIRS, dtype_name, op_name
+from optcc_mpi.dtypes import check_op_dtype as _check_op_dtype
+from optcc_mpi.emulation import Emulation, forced_fraction
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.executor import ExecStats, execute
-from optcc_mpi.links import ENV_LINKS, Links
+from optcc_mpi.links import Links
+from optcc_mpi.probe import cached_probe
+from optcc_mpi.protocol import GATHER_MAX_P, HEADER_BYTES, Mismatch, capacity, code
+from optcc_mpi.reductions import reduce_with
 from optcc_mpi.schedule import COLL
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CommState, state_of
+from optcc_mpi.transports import BY_HANDLE, WORLD
+from optcc_mpi.watch import LinkWatch
 
 __all__ = [
     "allreduce",
-    "IN_PLACE",
     "choose_algorithm",
     "last_stats",
     "SMALL_BYTES",
     "GATHER_MAX_P",
-]  # and ALGORITHMS
+]  # and IN_PLACE, ALGORITHMS (module __getattr__)
 
-IN_PLACE: Any = MPI.IN_PLACE
 #: Marker for ``links="probe"``: measure the profile (once per communicator).
 PROBE = Links({})
 #: Marker for ``links="watch"``: learn the profile from the calls' own messages
 #: (:mod:`optcc_mpi.watch`).
 WATCH = Links({})
-#: Largest communicator whose agreement gathers the headers (and can carry data).
-GATHER_MAX_P = 32
-
-_HEADER = struct.Struct("<12q")
-HEADER_BYTES = _HEADER.size
-#: Identifies this version of the agreement protocol (first header field).
-_PROTOCOL = 0x0C7CC0002
-_FIELDS = (
-    "protocol",
-    "error",
-    "element count",
-    "dtype",
-    "op",
-    "algorithm",
-    "link profile",
-    "emulation",
-    "backend",
-    "params",
-    "bytes",
-    "capacity",
-)
-_DTYPE_NAMES = tuple(DTYPES)
-_DTYPE_CODE = {name: i for i, name in enumerate(_DTYPE_NAMES)}
-_OP_CODE = {name: i for i, name in enumerate(OPS)}
+_HEALTHY = Links()
 _OPSET = frozenset(OPS)
-_VALID: frozenset[tuple[str, str]] = frozenset()
+_NDARRAY = np.ndarray
+_PROBE_CODE = code("probe")
+_WATCH_CODE = code("watch")
+_AUTO_CODE = code("auto")
+_NUMPY_CODE = code("numpy")
+#: The header of a short call on the compiled path, with the call's own fields zero.
+_COMPILED_HEADER = (
+    protocol.PROTOCOL, 0, 0, 0, 0, _AUTO_CODE, 0, 0, _NUMPY_CODE, 0, 0, 0
+)  # fmt: skip
 _last: list[Any] = [None]
 
 
-def _valid_pairs() -> frozenset[tuple[str, str]]:
-    pairs = set()
-    for op in OPS:
-        for name in DTYPES:
-            try:
-                check_op_dtype(op, name)
-            except ArgumentError:
-                continue
-            pairs.add((op, name))
-    return frozenset(pairs)
+class InPlaceType:
+    """The type of :data:`IN_PLACE` where mpi4py is not installed (a torch-only job)."""
+
+    def __repr__(self) -> str:
+        return "IN_PLACE"
 
 
-_VALID = _valid_pairs()
+def __getattr__(name: str) -> Any:
+    if name == "ALGORITHMS":
+        # "auto" and every registered algorithm; computed on use, so that algorithms
+        # registered later (entry points, tests) are included.
+        return ("auto", *algorithms.names())
+    if name == "IN_PLACE":
+        # mpi4py's own marker where mpi4py loads (so MPI.IN_PLACE and optcc_mpi.IN_PLACE
+        # are one object), else ours: both are recognised by their type's name.
+        try:
+            from mpi4py import MPI
+        except (ImportError, RuntimeError):
+            value: Any = InPlaceType()
+        else:
+            value = MPI.IN_PLACE
+        globals()["IN_PLACE"] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_in_place(sendbuf: Any) -> bool:
+    return sendbuf is None or type(sendbuf).__name__ == "InPlaceType"
 
 
 def last_stats() -> dict[str, Any]:
     """What the last :func:`allreduce` on this process did: ``algorithm`` (the one that
     ran), ``schedule``, ``stats`` (:class:`~optcc_mpi.executor.ExecStats`), ``links``,
-    ``emulate``, ``params``, and ``inline`` (True when the data travelled with the
-    argument agreement)."""
+    ``emulate``, ``params``, ``inline`` (True when the data travelled with the argument
+    check) and ``transport`` (its library: ``mpi``, ``gloo``, ``nccl``)."""
     rec = _last[0]
     if rec is None:
         return {}
-    name, sched, stats, links, emu, params, inline = rec
+    name, sched, stats, links, emu, params, inline, transport = rec
     return {
         "algorithm": name,
         "schedule": sched,
@@ -162,22 +135,15 @@ def last_stats() -> dict[str, Any]:
         "emulate": emu,
         "params": dict(params or {}),
         "inline": inline,
+        "transport": transport,
     }
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ALGORITHMS":
-        # "auto" and every registered algorithm; computed on use, so that algorithms
-        # registered later (entry points, tests) are included.
-        return ("auto", *algorithms.names())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def choose_algorithm(p: int, nbytes: int, links: Links) -> str:
     """What ``algorithm="auto"`` runs: of the registered algorithms that declare
-    themselves eligible for this call (the MPI library's AllReduce for short messages,
-    the point-to-point schedules for long ones), the one with the smallest modelled
-    time; ties go to the one listed first (the ring before OptCC on healthy links)."""
+    themselves eligible for this call (the library's AllReduce for short messages, the
+    point-to-point schedules for long ones), the one with the smallest modelled time;
+    ties go to the one listed first (the ring before OptCC on healthy links)."""
     best, best_t = None, float("inf")
     for alg in algorithms.all_algorithms():
         if not alg.eligible(p, nbytes, links):
@@ -189,110 +155,6 @@ def choose_algorithm(p: int, nbytes: int, links: Links) -> str:
     if best is None:
         raise ArgumentError(f"no registered algorithm is eligible for p={p}, {nbytes} bytes")
     return best
-
-
-@lru_cache(maxsize=512)
-def _code(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
-_PROBE_CODE = _code("probe")
-_WATCH_CODE = _code("watch")
-_AUTO_CODE = _code("auto")
-_NUMPY_CODE = _code("numpy")
-
-
-_ENV_DATA: Any = getattr(os.environ, "_data", None)
-_ENV_CACHE: dict[str, tuple[Any, str | None]] = {}
-
-
-def _env(name: str) -> str | None:
-    """``config.get(name)``, asked again only when the process environment's entry for
-    ``name`` changed: reading ``os.environ`` costs a microsecond or two per variable,
-    a large share of a short AllReduce."""
-    if _ENV_DATA is None:  # pragma: no cover - an os.environ without its mapping
-        return config.get(name)
-    hit = _ENV_CACHE.get(name)
-    if hit is None:
-        key = os.environ.encodekey(name)
-        _ENV_CACHE[name] = hit = (_ENV_DATA.get(key), config.get(name))
-        _ENV_KEYS[name] = key
-        return hit[1]
-    raw = _ENV_DATA.get(_ENV_KEYS[name])
-    if raw is hit[0] or raw == hit[0]:
-        return hit[1]
-    _ENV_CACHE[name] = hit = (raw, config.get(name))
-    return hit[1]
-
-
-_ENV_KEYS: dict[str, Any] = {}
-_HEALTHY = Links()
-
-
-@lru_cache(maxsize=64)
-def _emulation_from_env(text: str | None) -> Emulation | None:
-    text = (text or "").strip()
-    return Emulation.parse(text) if text else None
-
-
-def _links_of(st: CommState, links: Any) -> Links:
-    """This rank's link profile (PROBE for "probe"), in the communicator's ranks."""
-    if links is None:
-        text = _env(ENV_LINKS)
-        if text is None:
-            return _HEALTHY
-        if text.strip().lower() == "probe":
-            return PROBE
-        if text.strip().lower() == "watch":
-            return WATCH
-        return st.links_from_env(text)
-    if isinstance(links, str) and links.strip().lower() == "probe":
-        return PROBE
-    if isinstance(links, str) and links.strip().lower() == "watch":
-        return WATCH
-    link_obj = Links.coerce(links)
-    link_obj.check(st.size)
-    return link_obj
-
-
-def _plan(
-    st: CommState,
-    algorithm: str,
-    count: int,
-    itemsize: int,
-    links: Links,
-    params: Any,
-    emulated: bool = False,
-) -> tuple[str, Any, bool]:
-    """(algorithm that runs, its schedule, whether the schedule is only the MPI library's
-    collective); cached per communicator.
-
-    A builder that declares a ``transport`` parameter (and was not given one) is told the
-    communicator's: ``"network"`` under emulation, else what MPI reports
-    (:class:`~optcc_mpi.comm.CommState`)."""
-    pkey = repr(sorted(params.items())) if params else ""
-    key = (algorithm, count, itemsize, links.key(), pkey, emulated)
-    hit = st.plans.get(key)
-    if hit is not None:
-        return hit
-    p = st.size
-    name = choose_algorithm(p, count * itemsize, links) if algorithm == "auto" else algorithm
-    given = dict(params or {})
-    if "transport" in algorithms.get(name).params and "transport" not in given:
-        given["transport"] = "network" if emulated else st.transport
-    sched = algorithms.build(name, p, count, links, itemsize=itemsize, **given)
-    coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
-    return st.remember(st.plans, key, (name, sched, coll_only))
-
-
-def _capacity(p: int, nbytes: int) -> int:
-    """Data room of the check for a message of ``nbytes``: the power of two from FOLD_MIN
-    up that holds it, or FOLD_MIN if none up to FOLD_TOTAL / p does."""
-    limit = max(FOLD_MIN, FOLD_TOTAL // max(p, 1))
-    cap = FOLD_MIN
-    while cap < nbytes and cap * 2 <= limit:
-        cap *= 2
-    return cap if nbytes <= cap else FOLD_MIN
 
 
 def allreduce(
@@ -314,10 +176,10 @@ def allreduce(
     sendbuf : array, buffer, tensor, IN_PLACE or None
         This rank's contribution: a NumPy or CuPy array (any shape, C or Fortran order,
         contiguous), a PyTorch tensor (CPU or CUDA), any object with the buffer protocol
-        (``array.array``, ``bytearray``, ``memoryview``), or an mpi4py buffer
-        specification (``[buf, MPI.DOUBLE]``, ``[buf, count, MPI.DOUBLE]``, ...).
-        ``MPI.IN_PLACE`` or None reduces ``recvbuf`` in place, as does passing the same
-        object (or the same memory) as ``recvbuf``.
+        (``array.array``, ``bytearray``, ``memoryview``) or the CUDA array interface, or
+        an mpi4py buffer specification (``[buf, MPI.DOUBLE]``, ``[buf, count,
+        MPI.DOUBLE]``, ...). ``IN_PLACE`` or None reduces ``recvbuf`` in place, as does
+        passing the same object (or the same memory) as ``recvbuf``.
     recvbuf : same kinds, optional
         Where the result goes: same element type and count as ``sendbuf``, writable. A
         new array (tensor for a tensor, NumPy array for other buffers) is returned when
@@ -326,19 +188,21 @@ def allreduce(
         ``"sum"``, ``"prod"``, ``"max"``, ``"min"``, ``"land"``, ``"lor"``, ``"lxor"``,
         ``"band"``, ``"bor"``, ``"bxor"`` or the ``MPI.Op`` of the same name; each on the
         element types MPI defines it for. User-defined ops are refused.
-    comm : mpi4py.MPI.Intracomm, optional
+    comm : mpi4py.MPI.Intracomm or torch.distributed.ProcessGroup, optional
         Communicator (default ``COMM_WORLD``); not an intercommunicator, not COMM_NULL.
+        A process group runs the schedule over torch.distributed (gloo: CPU tensors and
+        NumPy arrays; NCCL: CUDA tensors), with no MPI library needed.
     algorithm : str
         ``"auto"`` or a registered algorithm (``optcc_mpi.ALGORITHMS``). ``auto`` picks
-        the fastest by the model for this size and link profile, and the MPI library's
+        the fastest by the model for this size and link profile, and the library's
         collective for short messages.
     links : Links or str, optional
         Degraded ranks, ``"RANK:FRACTION,..."`` in ranks of ``comm``, ``"probe"`` to
         measure them (once per communicator, :mod:`optcc_mpi.probe`), or ``"watch"`` to
         learn them from the calls' own messages and follow them as they change
-        (:mod:`optcc_mpi.watch`). Default
-        ``$OPTCC_LINKS``, in ranks of COMM_WORLD (translated to ``comm``), else healthy.
-        Must be the same on every rank.
+        (:mod:`optcc_mpi.watch`). Default ``$OPTCC_LINKS``, in the job's ranks (MPI's
+        COMM_WORLD, torch's global ranks; translated to ``comm``), else healthy. Must be
+        the same on every rank.
     emulate : Emulation or str, optional
         Pace every rank's messages like a NIC of this rate and latency (the profile's
         fractions apply); default ``$OPTCC_EMULATE``, else none.
@@ -363,7 +227,7 @@ def allreduce(
     Notes
     -----
     Results are deterministic and bit-identical on every rank: every schedule fixes the
-    order of every reduction. See :mod:`optcc_mpi.backend` for NaN and signed zeros.
+    order of every reduction. See :mod:`optcc_mpi.reductions` for NaN and signed zeros.
     """
     if (
         (check is True or check is False)
@@ -371,45 +235,81 @@ def allreduce(
         and links is None
         and emulate is None
         and params is None
+        and _FOLD is not None
     ):
-        # The compiled path (optcc_mpi.fastcall) for NumPy arrays: it takes the call, or
-        # declines having touched nothing.
-        if type(sendbuf) is _NDARRAY:
-            if type(recvbuf) is _NDARRAY:
-                if _compiled(sendbuf, recvbuf, op, comm, check):
-                    return recvbuf
-            elif recvbuf is None:
-                out = np.empty_like(sendbuf)
-                if _compiled(sendbuf, out, op, comm, check):
-                    return out
-        elif (sendbuf is IN_PLACE or sendbuf is None) and type(recvbuf) is _NDARRAY:
-            if _compiled(recvbuf, recvbuf, op, comm, check):
-                return recvbuf
+        done = _try_compiled(sendbuf, recvbuf, op, comm, check)
+        if done is not None:
+            return done
     st = state_of(comm)
-    p = st.size
-    err: BaseException | None = None
-    fields: tuple[int, ...] = ()
-    seen: np.ndarray | None = None  # the watch's observations, when they ride the check
-    try:
-        # -- this rank's arguments -----------------------------------------------------
-        if type(op) is str and op in _OPSET:
-            opn = op
-        else:
-            opn = op_name(op)
-        in_place = sendbuf is IN_PLACE or sendbuf is None or sendbuf is recvbuf
-        result = recvbuf
-        if type(sendbuf) is np.ndarray and not in_place:
+    call = _Call(st, sendbuf, recvbuf, op, algorithm, links, emulate, params, check)
+    if _agree(st, call):
+        return _finish_inline(st, call)
+    _plan_call(st, call)
+    _run(st, call)
+    return _finish(st, call)
+
+
+# -- phase 1: this rank's arguments --------------------------------------------------------------
+class _Call:
+    """One call's arguments, checked on this rank (an error is kept in ``err``: every
+    rank must hear of it in the agreement before anyone raises)."""
+
+    __slots__ = (
+        "sendbuf", "result", "flat_in", "flat_out", "backend", "in_place", "opn", "name",
+        "count", "nbytes", "algorithm", "link_obj", "emu", "params", "check", "plan",
+        "fold", "fields", "seen", "err", "epoch", "stats", "work", "keyed", "watched",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        st: CommState,
+        sendbuf: Any,
+        recvbuf: Any,
+        op: Any,
+        algorithm: str,
+        links: Any,
+        emulate: Any,
+        params: Any,
+        check: bool,
+    ) -> None:
+        self.sendbuf, self.result = sendbuf, recvbuf
+        self.algorithm, self.params, self.check = algorithm, params, check
+        self.plan: Any = None
+        self.fold = False
+        self.fields: tuple[int, ...] = ()
+        self.seen: np.ndarray | None = None  # the watch's observations, riding the check
+        self.err: BaseException | None = None
+        self.epoch = 0.0
+        self.stats: ExecStats | None = None
+        self.work: Any = None
+        self.keyed = self.watched = False
+        self.link_obj = _HEALTHY
+        self.emu: Emulation | None = None
+        self.opn = op if type(op) is str and op in _OPSET else ""
+        self.flat_in = self.flat_out = self.backend = None
+        self.name = ""
+        self.count = self.nbytes = 0
+        try:
+            self._buffers(st.transport, sendbuf, recvbuf)
+            self._settings(st, op, links, emulate)
+        except Exception as exc:  # anything at all: the other ranks must hear of it
+            self.err = exc
+            self.fold = False
+
+    def _buffers(self, transport: Any, sendbuf: Any, recvbuf: Any) -> None:
+        """The send and receive buffers as flat arrays of one backend."""
+        in_place = _is_in_place(sendbuf) or sendbuf is recvbuf
+        if type(sendbuf) is _NDARRAY and not in_place:
             # The commonest calls, checked inline (as_array does the same, slower).
-            flat_in = _numpy_flat(sendbuf, "sendbuf")
-            backend = _NUMPY
+            flat_in, backend = _numpy_flat(sendbuf, "sendbuf"), NUMPY
             if recvbuf is None:
                 flat_out = None
-            elif type(recvbuf) is np.ndarray:
+            elif type(recvbuf) is _NDARRAY:
                 flat_out = _numpy_flat(recvbuf, "recvbuf")
                 if flat_out.dtype != flat_in.dtype or flat_out.size != flat_in.size:
                     _same_shape(flat_in, flat_out)
                 if np.may_share_memory(flat_in, flat_out):
-                    in_place = _overlap(flat_in, flat_out, backend) == "same"
+                    in_place = _overlap(flat_in, flat_out) == "same"
                     if not in_place:
                         raise ArgumentError(
                             "sendbuf and recvbuf overlap; use IN_PLACE to reduce in place"
@@ -417,287 +317,281 @@ def allreduce(
                 if not flat_out.flags.writeable:
                     raise ArgumentError("recvbuf is read-only")
             else:
-                flat_out, in_place = _recvbuf_for(flat_in, recvbuf, backend)
+                flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
         elif in_place:
             if recvbuf is None:
                 raise ArgumentError(
                     "sendbuf is IN_PLACE (or None) but no recvbuf was given: pass the "
                     "buffer to reduce in place as recvbuf"
                 )
-            flat_out, backend = as_array(recvbuf, what="recvbuf")
+            flat_out, backend = as_array(recvbuf, what="recvbuf", tensors=transport.tensors)
             flat_in = flat_out
         else:
-            flat_in, backend = as_array(sendbuf, what="sendbuf")
-            if recvbuf is None:
-                flat_out = None
-            else:
-                flat_out, in_place = _recvbuf_for(flat_in, recvbuf, backend)
+            flat_in, backend = as_array(sendbuf, what="sendbuf", tensors=transport.tensors)
+            flat_out = None
+            if recvbuf is not None:
+                flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
         if in_place and not backend.writable(flat_out):
             raise ArgumentError("recvbuf is read-only")
-        dtype = flat_in.dtype
-        name = _NAME_OF.get(dtype) or dtype_name(dtype)
-        if (opn, name) not in _VALID:
-            check_op_dtype(opn, name)
-        if algorithm != "auto":
-            algorithms.get(algorithm).check_params(params or {})  # errors name the choices
-        link_obj = _links_of(st, links)
+        transport.check_backend(backend)
+        self.flat_in, self.flat_out, self.backend = flat_in, flat_out, backend
+        self.in_place = in_place
+        self.name = backend.dtype_name(flat_in) or dtype_name(flat_in.dtype)
+        self.count = int(flat_in.shape[0])
+        self.nbytes = self.count * flat_in.dtype.itemsize
+
+    def _settings(self, st: CommState, op: Any, links: Any, emulate: Any) -> None:
+        """The reduction, the algorithm's parameters, the link profile, the emulation,
+        the plan where it is known already, and the header this rank sends."""
+        if not self.opn:
+            self.opn = op_name(op)
+        if (self.opn, self.name) not in VALID_PAIRS:
+            _check_op_dtype(self.opn, self.name)
+        if self.algorithm != "auto":
+            algorithms.get(self.algorithm).check_params(self.params or {})
+        self.link_obj = _links_of(st, links)
         if emulate is None:
-            emu = _emulation_from_env(_env(ENV_EMULATE))
+            self.emu = _emulation_from_env(config.rc.emulate)
         else:
-            emu = Emulation.coerce(emulate)
-        if emu is not None:
+            self.emu = Emulation.coerce(emulate)
+        if self.emu is not None:
             forced_fraction()  # a bad per-rank fraction fails here, before the agreement
-        count = flat_in.size
-        nbytes = count * dtype.itemsize
         # The plan is a pure function of arguments that must agree, so computing it
-        # before the agreement cannot make ranks diverge; "probe" has to wait for it.
-        plan = None
-        if link_obj is WATCH:
-            pass  # the profile is agreed below, after the check
-        elif link_obj is not PROBE:
-            plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
-        elif st.probe is not None:
-            plan = _plan(
-                st, algorithm, count, dtype.itemsize, st.probe.links, params, emu is not None
-            )
-        fold = (
-            check
-            and algorithm == "auto"
-            and plan is not None
-            and plan[2]
-            and backend is _NUMPY
-            and emu is None
+        # before the agreement cannot make ranks diverge; "probe" and "watch" wait.
+        if self.link_obj is not WATCH:
+            known = st.probe.links if st.probe is not None else None
+            profile = known if self.link_obj is PROBE else self.link_obj
+            if profile is not None:
+                self.plan = _plan(st, self, profile)
+        p = st.size
+        self.fold = (
+            self.check
+            and self.algorithm == "auto"
+            and self.plan is not None
+            and self.plan[2]
+            and self.backend is NUMPY
+            and self.emu is None
             and 1 < p <= GATHER_MAX_P
         )
-        if check and p > 1:
-            if link_obj is WATCH:
-                # What the last call measured rides in the check's data room (the data of
-                # a watched call never does: its plan waits for the agreed profile).
-                seen = _watch_of(st).contribution()
-            if link_obj is PROBE:
-                lcode = _PROBE_CODE
-            elif link_obj is WATCH:
-                lcode = _WATCH_CODE
-            elif link_obj.fractions:
-                lcode = _code(repr(link_obj.key()))
-            else:
-                lcode = 0
-            fields = (
-                _PROTOCOL,
-                0,
-                count,
-                _DTYPE_CODE[name],
-                _OP_CODE[opn],
-                _AUTO_CODE if algorithm == "auto" else _code(algorithm),
-                lcode,
-                0 if emu is None else _code(str(emu)),
-                _NUMPY_CODE if backend is _NUMPY else _code(backend.name),
-                _code(repr(sorted(params.items()))) if params else 0,
-                nbytes,
-                0,
-            )
-    except Exception as exc:  # anything at all: the other ranks must hear of it
-        err = exc
-        fold = False
-    if check and p > 1:
-        try:
-            inline = _agree(st, fields, err, fold, flat_in if fold else None, seen)
-        except _Mismatch as mismatch:
-            _disagreement(st, err, mismatch.table, mismatch.bounds, locals())
-        epoch = perf_counter()  # a collective just ended: nearly the same instant everywhere
-    elif err is not None:
-        raise err
-    else:
-        inline = False
+        if self.check and p > 1:
+            self.fields = self._header(st)
 
-    # -- every rank agreed: the data phase ------------------------------------------------
-    if inline:
-        if flat_out is None:
-            result, flat_out = result_like(sendbuf, flat_in, backend)
-        _reduce_gathered(st, opn, dtype, nbytes, flat_out)
-        _last[0] = (plan[0], plan[1], None, link_obj, emu, params, True)
-        if link_obj is _HEALTHY and emu is None and not params and backend is _NUMPY:
-            _enable_compiled(st, dtype, nbytes, plan)
-        return result
-    watch = None
-    if link_obj is PROBE:
-        # Every rank agreed on "probe" above, so all of them take part in it.
-        link_obj = _probe(st, emu).links
-        plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
-    elif link_obj is WATCH:
-        # Every rank agreed on "watch": each brings its side of what its last call
-        # measured, and every rank reads the same gathered rows, hence decides the same
-        # profile at the same call (optcc_mpi.watch).
-        watch = _watch_of(st)
-        if seen is not None and _extra_fits(st, seen.size):
-            rows = _gathered_extra(st, seen.size)
-        else:  # no check ran, or its room was too small: one small collective more
-            seen = watch.contribution()
-            rows = np.empty((p, seen.size), dtype=np.int64)
-            st.private.Allgather(seen, rows)
-            epoch = perf_counter()
-        link_obj = watch.agree(rows)
-        plan = _plan(st, algorithm, count, dtype.itemsize, link_obj, params, emu is not None)
-    name_run, sched, coll_only = plan
-    if flat_out is None:
-        result, flat_out = result_like(sendbuf, flat_in, backend)
-    if (
-        algorithm == "auto"
-        and coll_only
-        and emu is None
-        and 1 < p <= GATHER_MAX_P
-        and 0 < nbytes <= _capacity(p, nbytes)
-    ):
-        # A short message that did not fit the check's room (the first call of a size,
-        # a device array): gathered and reduced in rank order all the same, so that
-        # what auto returns never depends on which calls came before.
-        _gather_reduce(st, opn, flat_in, flat_out, backend)
-        _last[0] = (name_run, sched, None, link_obj, emu, params, False)
-        if link_obj is _HEALTHY and not params and backend is _NUMPY:
-            _enable_compiled(st, dtype, nbytes, plan)
-        return result
-    if not in_place:
-        backend.copyto(flat_out, flat_in)
-    xp = backend.xp
-    work = flat_out
-    keyed = p > 1 and opn in ("max", "min") and xp is not None and key_dtype(dtype) is not None
-    if keyed:
-        # max/min on floats reduce order-preserving integer keys (optcc_mpi.backend).
-        work = to_keys(xp, flat_out, opn)
-    pacer = emu.pacer(st.rank, p, link_obj) if emu is not None else None
-    stats = None
-    if p > 1:
-        if coll_only and pacer is None and backend is _NUMPY:
-            # A schedule that is only the library's collective: call it directly.
-            datatype, mpi_op = mpi_datatype_and_op(_NAME_OF[work.dtype], opn)
-            arg = work.view(np.uint16) if work.dtype in _LOW_PRECISION else work
-            st.private.Allreduce(IN_PLACE, [arg, datatype], mpi_op)
-        else:
-            # Each rank reduces different parts: a floating-point warning or exception
-            # (np.seterr) on one rank alone would leave the others waiting.
-            with np.errstate(all="ignore"):
-                stats = execute(
-                    sched,
-                    work,
-                    comm=st.private,
-                    op=opn,
-                    backend=backend,
-                    staging=backend.staging(),
-                    pacer=pacer,
-                )
-            if watch is not None:
-                if pacer is None:
-                    watch.record_messages(st.rank, sched, work.dtype.itemsize, stats, epoch)
-                else:
-                    watch.record(st.rank, _timed_sends(stats, pacer))
-                # Room for what the next check carries (the same on every rank: it
-                # depends on the schedule all of them ran).
-                room = 8 * watch.contribution_size()
-                if p <= GATHER_MAX_P and room <= FOLD_TOTAL // p:
-                    st.next_capacity = max(FOLD_MIN, 1 << (room - 1).bit_length())
-    if keyed:
-        from_keys(xp, work, dtype, opn)
-    elif coll_only and p > 1 and xp is not None and opn in ("sum", "prod"):
-        if _CATEGORY[name] in ("float", "complex"):
-            # Which NaN an addition returns depends on operand order, which the library
-            # may vary by rank: make every NaN the canonical one.
-            canonical_nans(xp, flat_out)
-    _last[0] = (name_run, sched, stats, link_obj, emu, params, False)
-    return result
+    def _header(self, st: CommState) -> tuple[int, ...]:
+        link, emu, params = self.link_obj, self.emu, self.params
+        if link is WATCH:
+            # What the last call measured rides in the check's data room (the data of a
+            # watched call never does: its plan waits for the agreed profile).
+            self.seen = _watch_of(st).contribution()
+        lcode = (
+            _PROBE_CODE
+            if link is PROBE
+            else _WATCH_CODE
+            if link is WATCH
+            else code(repr(link.key()))
+            if link.fractions
+            else 0
+        )
+        return (
+            protocol.PROTOCOL,
+            0,
+            self.count,
+            protocol.DTYPE_CODE[self.name],
+            protocol.OP_CODE[self.opn],
+            _AUTO_CODE if self.algorithm == "auto" else code(self.algorithm),
+            lcode,
+            0 if emu is None else code(str(emu)),
+            _NUMPY_CODE if self.backend is NUMPY else code(self.backend.name),
+            code(repr(sorted(params.items()))) if params else 0,
+            self.nbytes,
+            0,
+        )
 
-
-# -- the compiled call path ----------------------------------------------------------------------
-_NDARRAY = np.ndarray
-_MPI_COMM = MPI.Comm
-_WORLD_HANDLE = MPI.COMM_WORLD.handle
-_ENV_KEY_LINKS = os.environ.encodekey(ENV_LINKS)
-_ENV_KEY_EMULATE = os.environ.encodekey(ENV_EMULATE)
-#: The header of a short call on the compiled path, with the call's own fields zero.
-_COMPILED_HEADER = (_PROTOCOL, 0, 0, 0, 0, _AUTO_CODE, 0, 0, _NUMPY_CODE, 0, 0, 0)
-
-
-def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Any) -> None:
-    """After a short call whose data travelled in the check with default arguments:
-    let the next such calls of this size and type take the compiled path."""
-    if _ENV_DATA is None or not fastcall.available():
-        return
-    key = (nbytes, dtype)
-    if key not in st.folds:
-        st.remember(st.folds, key, plan)
-    if st.fast is None:
-        limit = max(FOLD_MIN, FOLD_TOTAL // st.size)
-        st.fast = fastcall.context(st, _COMPILED_HEADER, FOLD_MIN, limit)
-
-
-def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, check: bool) -> bool:
-    """Run the call on the compiled path (:mod:`optcc_mpi.fastcall`) if it can take it;
-    False when it declined, having touched nothing (the Python path then runs the call).
-
-    The caller checked the arguments that must be at their defaults. Here: the
-    communicator's state exists with a context for its current check room, which the
-    ranks agreed for this call (every rank derives it from the previous call's headers),
-    no environment variable changes the call, and an earlier call of this size and type
-    was one whose data travels in that room (``auto`` hands it to the MPI library). With
-    ``check=False`` the same gather runs without comparing the headers: the room is the
-    one the Python path's gather uses for this size (``_capacity``), so ranks on either
-    path move blocks of one shape."""
-    if comm is None:
-        st = _BY_HANDLE.get(_WORLD_HANDLE)
-    elif isinstance(comm, _MPI_COMM):
-        st = _BY_HANDLE.get(comm.handle)
-    else:
-        return False
-    if st is None or st.fast is None or (check and st.next_capacity != st.capacity):
-        return False  # (without the check, the room is _capacity's: the C side checks it)
-    opc = _OP_CODE.get(op) if type(op) is str else None
-    if (
-        opc is None
-        or _ENV_DATA.get(_ENV_KEY_LINKS) is not None
-        or _ENV_DATA.get(_ENV_KEY_EMULATE) is not None
-    ):
-        return False
-    dtype = sendbuf.dtype
-    nbytes = sendbuf.nbytes
-    plan = st.folds.get((nbytes, dtype))
-    if plan is None:
-        return False
-    answer = _FOLD(st.fast, sendbuf, recvbuf, opc, check)
-    if answer == fastcall.FALLBACK:
-        return False
-    if answer == fastcall.GATHERED:  # agreed; a reduction the C path leaves to NumPy
-        _reduce_gathered(st, op, dtype, nbytes, _numpy_flat(recvbuf, "recvbuf"))
-    elif answer == fastcall.MISMATCH:
-        # As the Python path: every rank saw the same headers, so the same next room and
-        # the same error (the ranks on the Python path raise it from _agree).
-        table = st.heads.copy().view("<i8")
-        st.next_capacity = FOLD_MIN
-        scope = {
-            "count": sendbuf.size,
-            "name": _NAME_OF[dtype],
-            "opn": op,
-            "algorithm": "auto",
-            "link_obj": _HEALTHY,
-            "emu": None,
-            "backend": _NUMPY,
-            "params": None,
+    def shown(self) -> dict[str, str]:
+        """What this rank passed, in words, for error messages on other ranks."""
+        link = self.link_obj
+        return {
+            "element count": str(self.count),
+            "dtype": self.name or "?",
+            "op": self.opn or "?",
+            "algorithm": repr(self.algorithm),
+            "link profile": "probe" if link is PROBE else "watch" if link is WATCH else str(link),
+            "emulation": str(self.emu or "none"),
+            "backend": self.backend.name if self.backend is not None else "?",
+            "params": repr(self.params or {}),
         }
-        _disagreement(st, None, table, None, scope)
-    elif answer != fastcall.DONE:
-        raise MPI.Exception(-1000 - answer)
-    _last[0] = (plan[0], plan[1], None, _HEALTHY, None, None, bool(check))
-    return True
 
 
-_FOLD = fastcall.fold_function()
+# -- phase 2: agree -----------------------------------------------------------------------------
+def _agree(st: CommState, call: _Call) -> bool:
+    """The check (:mod:`optcc_mpi.protocol`); True when the data travelled in it. Raises
+    the same error on every rank if any rank failed or the ranks disagree."""
+    if call.check and st.size > 1:
+        data = call.flat_in if call.fold else None
+        try:
+            inline = protocol.agree(st, call.fields, call.err, call.fold, data, call.seen)
+        except Mismatch as mismatch:
+            protocol.disagreement(st, call.err, mismatch, call.shown())
+        call.epoch = perf_counter()  # a collective just ended: about the same instant everywhere
+        return inline
+    if call.err is not None:
+        raise call.err
+    return False
 
 
-def _watch_of(st: CommState) -> Any:
+# -- phase 3: plan ------------------------------------------------------------------------------
+def _links_of(st: CommState, links: Any) -> Links:
+    """This rank's link profile (PROBE for "probe", WATCH for "watch"), in the
+    communicator's ranks."""
+    if links is None:
+        text = config.rc.links
+        if text is None:
+            return _HEALTHY
+        links = text
+        marker = text.strip().lower()
+        if marker not in ("probe", "watch"):
+            return st.links_from_env(text)
+    if isinstance(links, str):
+        marker = links.strip().lower()
+        if marker == "probe":
+            return PROBE
+        if marker == "watch":
+            return WATCH
+    link_obj = Links.coerce(links)
+    link_obj.check(st.size)
+    return link_obj
+
+
+def _emulation_from_env(text: str | None) -> Emulation | None:
+    text = (text or "").strip()
+    if not text:
+        return None
+    hit = _EMULATIONS.get(text)
+    if hit is None:
+        hit = _EMULATIONS[text] = Emulation.parse(text)
+    return hit
+
+
+_EMULATIONS: dict[str, Emulation] = {}
+
+
+def _plan(st: CommState, call: _Call, links: Links) -> tuple[str, Any, bool]:
+    """(algorithm that runs, its schedule, whether the schedule is only the library's
+    collective); cached per communicator.
+
+    A builder that declares a ``transport`` parameter (and was not given one) is told the
+    communicator's: ``"network"`` under emulation, else what the transport reports."""
+    emulated = call.emu is not None
+    itemsize = call.flat_in.dtype.itemsize
+    params = call.params
+    pkey = repr(sorted(params.items())) if params else ""
+    key = (call.algorithm, call.count, itemsize, links.key(), pkey, emulated)
+    hit = st.plans.get(key)
+    if hit is not None:
+        return hit
+    p = st.size
+    algorithm = call.algorithm
+    name = choose_algorithm(p, call.nbytes, links) if algorithm == "auto" else algorithm
+    given = dict(params or {})
+    if "transport" in algorithms.get(name).params and "transport" not in given:
+        given["transport"] = "network" if emulated else st.transport.kind
+    sched = algorithms.build(name, p, call.count, links, itemsize=itemsize, **given)
+    coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
+    return st.remember(st.plans, key, (name, sched, coll_only))
+
+
+def _plan_call(st: CommState, call: _Call) -> None:
+    """Settle the profile every rank agreed on ("probe": measured now; "watch": from the
+    observations every rank gathered) and plan for it."""
+    if call.link_obj is PROBE:
+        # Every rank agreed on "probe" above, so all of them take part in it.
+        call.link_obj = cached_probe(st.transport, emulate=call.emu).links
+        call.plan = _plan(st, call, call.link_obj)
+    elif call.link_obj is WATCH:
+        # Each rank brings its side of what its last call measured, and every rank reads
+        # the same gathered rows, hence decides the same profile at the same call.
+        watch = _watch_of(st)
+        call.watched = True
+        seen = call.seen
+        if seen is not None and protocol.extra_fits(st, seen.size):
+            rows = protocol.gathered_extra(st, seen.size)
+        else:  # no check ran, or its room was too small: one small collective more
+            rows = np.array(st.transport.allgather(watch.contribution()), dtype=np.int64)
+            call.epoch = perf_counter()
+        call.link_obj = watch.agree(rows)
+        call.plan = _plan(st, call, call.link_obj)
+    if call.flat_out is None:
+        call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
+
+
+def _watch_of(st: CommState) -> LinkWatch:
     """The communicator's :class:`~optcc_mpi.watch.LinkWatch`, made on first use."""
     if st.watch is None:
-        from optcc_mpi.watch import LinkWatch
-
         st.watch = LinkWatch(st.size)
     return st.watch
+
+
+# -- phase 4: run -------------------------------------------------------------------------------
+def _run(st: CommState, call: _Call) -> None:
+    """The data phase: gathered and reduced in rank order, the library's AllReduce, or
+    the schedule on the executor."""
+    p, backend, flat_out = st.size, call.backend, call.flat_out
+    name_run, sched, coll_only = call.plan
+    if (
+        call.algorithm == "auto"
+        and coll_only
+        and call.emu is None
+        and 1 < p <= GATHER_MAX_P
+        and 0 < call.nbytes <= capacity(p, call.nbytes)
+    ):
+        # A short message that did not travel in the check (the first call of a size, a
+        # device array, a tensor): gathered and reduced in rank order all the same, so
+        # that what auto returns never depends on which calls came before.
+        _gather_reduce(st, call.opn, call.flat_in, flat_out, backend)
+        return
+    if not call.in_place:
+        backend.copyto(flat_out, call.flat_in)
+    work = flat_out
+    call.keyed = p > 1 and call.opn in ("max", "min") and backend.has_keys(flat_out.dtype)
+    if call.keyed:
+        # max/min on floats reduce order-preserving integer keys (optcc_mpi.reductions).
+        work = backend.to_keys(flat_out, call.opn)
+    call.work = work
+    if p == 1:
+        return
+    pacer = call.emu.pacer(st.rank, p, call.link_obj) if call.emu is not None else None
+    transport = st.transport
+    wname = backend.dtype_name(work) or NAME_OF[work.dtype]
+    if coll_only and pacer is None and not transport.native(backend, wname, call.opn):
+        # A library that cannot reduce this type as we do: every rank's data, reduced in
+        # rank order on every rank.
+        _gather_reduce(st, call.opn, work, work, backend)
+        return
+    if coll_only and pacer is None and not (backend.device and transport.sync_device):
+        # A schedule that is only the library's collective: call it directly.
+        transport.allreduce_now(backend, work, wname, call.opn)
+        return
+    # Each rank reduces different parts: a floating-point warning or exception
+    # (np.seterr) on one rank alone would leave the others waiting.
+    with np.errstate(all="ignore"):
+        call.stats = execute(sched, work, comm=transport, op=call.opn, backend=backend, pacer=pacer)
+    if call.watched:
+        _record_watch(st, call, sched, pacer)
+
+
+def _record_watch(st: CommState, call: _Call, sched: Any, pacer: Any) -> None:
+    """What this watched call measured, for the next call's check."""
+    watch = st.watch
+    stats = call.stats
+    if pacer is None:
+        watch.record_messages(st.rank, sched, call.work.dtype.itemsize, stats, call.epoch)
+    else:
+        watch.record(st.rank, _timed_sends(stats, pacer), schedule=sched)
+    # Room for what the next check carries (the same on every rank: it depends on the
+    # schedule all of them ran).
+    room = 8 * watch.contribution_size()
+    p = st.size
+    if p <= GATHER_MAX_P and room <= FOLD_TOTAL // p:
+        st.next_capacity = max(FOLD_MIN, 1 << (room - 1).bit_length())
 
 
 def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, float]]:
@@ -705,8 +599,8 @@ def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, fl
 
     Under emulation the virtual NIC is what is slow, and its service time is what the pacer
     charged: per peer, all bytes sent over the seconds charged for them (the pacing wait
-    happens before a paced send is handed to MPI, so the records alone would not show it).
-    A pacer that charged nothing leaves the executor's records (handed to MPI, completed).
+    happens before a paced send is handed to the library, so the records alone would not
+    show it). A pacer that charged nothing leaves the executor's records.
     """
     if pacer is None or not pacer.charged_to:
         return [r[1:] for r in stats.sends]
@@ -716,17 +610,104 @@ def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, fl
     return [(q, sent[q], 0.0, secs) for q, secs in pacer.charged_to.items() if q in sent]
 
 
-def _recvbuf_for(flat_in: Any, recvbuf: Any, backend: Any) -> tuple[Any, bool]:
+def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any) -> None:
+    """Every rank's data gathered (through host memory) and reduced in rank order.
+
+    ``out`` may be ``flat_in`` itself (the call is then in place)."""
+    host = flat_in if backend is NUMPY else backend.to_host(flat_in)
+    if backend.device and st.transport.sync_device:
+        backend.synchronize()
+    dtype = host.dtype
+    nbytes = host.size * dtype.itemsize
+    if st.size <= GATHER_MAX_P:
+        # The check's buffers, with the room for this call only: the next check restores
+        # the one every rank agreed on (CommState.next_capacity).
+        cap = capacity(st.size, nbytes)
+        if cap != st.capacity or st.block is None:
+            st.ensure_capacity(cap, HEADER_BYTES)
+        if nbytes <= cap:
+            views = st.views.get((dtype, nbytes)) or protocol.fold_views(st, dtype, nbytes)
+            np.copyto(views[0], host)
+            st.transport.allgather_block(st.block, st.gathered)
+            _reduce_into(st, opn, dtype, nbytes, out, backend)
+            return
+    rows = np.empty((st.size, nbytes), dtype=np.uint8)
+    st.transport.allgather_block(np.ascontiguousarray(host).view(np.uint8), rows)
+    total = np.array(rows[0].view(dtype))
+    for r in range(1, st.size):
+        reduce_with(np, opn, total, rows[r].view(dtype))
+    _put(out, total, backend)
+
+
+def _reduce_into(st: CommState, opn: str, dtype: Any, nbytes: int, out: Any, backend: Any) -> None:
+    if backend is NUMPY:
+        protocol.reduce_gathered(st, opn, dtype, nbytes, out)
+        return
+    host = np.empty(nbytes // dtype.itemsize, dtype=dtype)
+    protocol.reduce_gathered(st, opn, dtype, nbytes, host)
+    _put(out, host, backend)
+
+
+def _put(out: Any, host: np.ndarray, backend: Any) -> None:
+    if backend is NUMPY:
+        np.copyto(out, host)
+    else:
+        backend.from_host(out, host)
+        if backend.device and backend.name != "torch":
+            backend.synchronize()
+
+
+# -- phase 5: finish ----------------------------------------------------------------------------
+def _finish(st: CommState, call: _Call) -> Any:
+    backend, work = call.backend, call.work
+    name_run, sched, coll_only = call.plan
+    if call.keyed:
+        backend.from_keys(work, call.flat_out.dtype, call.opn)
+    elif (
+        coll_only
+        and work is not None
+        and st.size > 1
+        and call.opn in ("sum", "prod")
+        and CATEGORY[call.name] in ("float", "complex")
+    ):
+        # Which NaN an addition returns depends on operand order, which the library may
+        # vary by rank: make every NaN the canonical one.
+        backend.canonical_nans(call.flat_out)
+    _last[0] = (
+        name_run, sched, call.stats, call.link_obj, call.emu, call.params, False,
+        st.transport.name,
+    )  # fmt: skip
+    if work is None and call.link_obj is _HEALTHY and not call.params and backend is NUMPY:
+        _enable_compiled(st, call.flat_in.dtype, call.nbytes, call.plan)
+    return call.result if call.result is not None else call.flat_out
+
+
+def _finish_inline(st: CommState, call: _Call) -> Any:
+    """The data travelled in the check: reduce every rank's rows in rank order."""
+    if call.flat_out is None:
+        call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
+    protocol.reduce_gathered(st, call.opn, call.flat_in.dtype, call.nbytes, call.flat_out)
+    plan = call.plan
+    _last[0] = (
+        plan[0], plan[1], None, call.link_obj, call.emu, call.params, True, st.transport.name
+    )  # fmt: skip
+    if call.link_obj is _HEALTHY and call.emu is None and not call.params:
+        _enable_compiled(st, call.flat_in.dtype, call.nbytes, plan)
+    return call.result
+
+
+# -- buffers ------------------------------------------------------------------------------------
+def _recvbuf_for(transport: Any, flat_in: Any, recvbuf: Any, backend: Any) -> tuple[Any, bool]:
     """``recvbuf`` as a flat array of ``sendbuf``'s kind, checked, and whether it is
     ``sendbuf``'s very memory (then the call is in place, as in mpi4py)."""
-    flat_out, out_backend = as_array(recvbuf, what="recvbuf")
+    flat_out, out_backend = as_array(recvbuf, what="recvbuf", tensors=transport.tensors)
     if out_backend is not backend:
         raise ArgumentTypeError(
             f"sendbuf is a {backend.name} buffer but recvbuf a "
             f"{out_backend.name} one; pass two of the same kind"
         )
     _same_shape(flat_in, flat_out)
-    overlap = _overlap(flat_in, flat_out, backend)
+    overlap = _overlap(flat_in, flat_out)
     if overlap and overlap != "same":
         raise ArgumentError("sendbuf and recvbuf overlap; use IN_PLACE to reduce in place")
     if not backend.writable(flat_out):
@@ -740,8 +721,8 @@ def _same_shape(flat_in: Any, flat_out: Any) -> None:
         raise ArgumentError(
             f"recvbuf dtype {flat_out.dtype} differs from sendbuf dtype {flat_in.dtype}"
         )
-    if flat_out.size != flat_in.size:
-        raise ArgumentError(f"recvbuf has {flat_out.size} elements, sendbuf {flat_in.size}")
+    if flat_out.shape[0] != flat_in.shape[0]:
+        raise ArgumentError(f"recvbuf has {flat_out.shape[0]} elements, sendbuf {flat_in.shape[0]}")
 
 
 def _numpy_flat(arr: np.ndarray, what: str) -> np.ndarray:
@@ -757,222 +738,110 @@ def _numpy_flat(arr: np.ndarray, what: str) -> np.ndarray:
     return flat  # pragma: no cover
 
 
-def _overlap(a: Any, b: Any, backend: Any) -> str | bool:
+def _overlap(a: Any, b: Any) -> str | bool:
     """ "same" if ``a`` and ``b`` (1-D, same size and type) are the same memory, True if
     they overlap otherwise, else False."""
-    if backend is _NUMPY:
+    if isinstance(a, np.ndarray):
         if not np.may_share_memory(a, b):
             return False
         pa = a.__array_interface__["data"][0]
         pb = b.__array_interface__["data"][0]
         return "same" if pa == pb else True
-    ptr = getattr(getattr(a, "data", None), "ptr", None)  # CuPy
-    if ptr is not None:
+    if hasattr(a, "data_ptr"):  # torch
+        pa, pb = a.data_ptr(), b.data_ptr()
+    else:
+        pa = getattr(getattr(a, "data", None), "ptr", None)  # CuPy
+        if pa is None:
+            return False
         pb = b.data.ptr
-        if ptr == pb:
-            return "same"
-        n = a.size * a.dtype.itemsize
-        return bool(ptr < pb + n and pb < ptr + n)
-    return False
+    if pa == pb:
+        return "same"
+    n = a.shape[0] * a.dtype.itemsize
+    return bool(pa < pb + n and pb < pa + n)
 
 
-def _fold_views(st: CommState, dtype: np.dtype, nbytes: int) -> tuple[Any, list[Any]]:
-    """Typed views of the data room: this rank's block, and every rank's gathered row
-    (cached until the room changes)."""
-    lo, hi = HEADER_BYTES, HEADER_BYTES + nbytes
-    views = (
-        st.block[lo:hi].view(dtype),
-        [st.gathered[r, lo:hi].view(dtype) for r in range(st.size)],
-    )
-    if len(st.views) > 16:
-        st.views.clear()
-    st.views[(dtype, nbytes)] = views
-    return views
+# -- the compiled call path ----------------------------------------------------------------------
+_FOLD = fastcall.fold_function()
 
 
-def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any) -> None:
-    """Allgather every rank's data (through host memory) and reduce it in rank order."""
-    dtype = flat_in.dtype
-    nbytes = flat_in.size * dtype.itemsize
-    # The room of the check's buffers, for this call only: the next check restores the
-    # one every rank agreed on (CommState.next_capacity).
-    cap = _capacity(st.size, nbytes)
-    if cap != st.capacity or st.block is None:
-        st.ensure_capacity(cap, HEADER_BYTES)
-    views = st.views.get((dtype, nbytes)) or _fold_views(st, dtype, nbytes)
-    if backend is _NUMPY:
-        np.copyto(views[0], flat_in)
-    else:
-        backend.synchronize()
-        np.copyto(views[0], backend.to_host(flat_in))
-    st.private.Allgather(st.block, st.gathered)
-    if backend is _NUMPY:
-        _reduce_gathered(st, opn, dtype, nbytes, out)
-    else:
-        host = np.empty(flat_in.size, dtype=dtype)
-        _reduce_gathered(st, opn, dtype, nbytes, host)
-        backend.from_host(out, host)
-        backend.synchronize()
-
-
-def _reduce_gathered(st: CommState, opn: str, dtype: np.dtype, nbytes: int, out: Any) -> None:
-    """Reduce every rank's data from the agreement's gather into ``out``, in rank order."""
-    kind = fastcall.reduce_kind(_NAME_OF.get(dtype, "")) if opn == "sum" else 0
-    if kind and st.size > 1:
-        # The loop of the compiled path, so that both paths give the same bits.
-        fastcall.sum_rows(kind, out, st.gathered, HEADER_BYTES)
+def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Any) -> None:
+    """After a short call whose data travelled in the check with default arguments:
+    let the next such calls of this size and type take the compiled path."""
+    if _FOLD is None or st.transport.name != "mpi":
         return
-    views = st.views.get((dtype, nbytes))
-    rows = views[1] if views is not None else _fold_views(st, dtype, nbytes)[1]
-    if opn == "sum" and dtype not in _LOW_PRECISION:
-        np.add(rows[0], rows[1], out=out)
-        for row in rows[2:]:
-            np.add(out, row, out=out)
-        return
-    np.copyto(out, rows[0])
-    for row in rows[1:]:
-        _reduce_with(np, opn, out, row)
+    key = (nbytes, dtype)
+    if key not in st.folds:
+        st.remember(st.folds, key, plan)
+    if st.fast is None:
+        limit = max(FOLD_MIN, FOLD_TOTAL // st.size)
+        st.fast = fastcall.context(st, _COMPILED_HEADER, FOLD_MIN, limit)
 
 
-def _probe(st: CommState, emu: Emulation | None) -> Any:
-    """The probe's result for this communicator (measured once, on the private duplicate)."""
-    from optcc_mpi.probe import cached_probe
-
-    return cached_probe(st.comm, emulate=emu)
-
-
-# -- the agreement --------------------------------------------------------------------------------
-class _Mismatch(Exception):
-    """Some rank failed or the ranks disagree (every rank raises it: all saw the same)."""
-
-    def __init__(self, table: Any = None, bounds: Any = None) -> None:
-        super().__init__()
-        self.table, self.bounds = table, bounds
+def _try_compiled(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, check: bool) -> Any:
+    """The result if the compiled path took the call, else None (it declined, having
+    touched nothing, and the Python path runs the call)."""
+    if type(sendbuf) is _NDARRAY:
+        if type(recvbuf) is _NDARRAY:
+            return recvbuf if _compiled(sendbuf, recvbuf, op, comm, check) else None
+        if recvbuf is None:
+            out = np.empty_like(sendbuf)
+            return out if _compiled(sendbuf, out, op, comm, check) else None
+    elif _is_in_place(sendbuf) and type(recvbuf) is _NDARRAY:
+        return recvbuf if _compiled(recvbuf, recvbuf, op, comm, check) else None
+    return None
 
 
-def _agree(
-    st: CommState,
-    fields: tuple[int, ...],
-    err: BaseException | None,
-    foldable: bool,
-    data: Any,
-    extra: np.ndarray | None = None,
-) -> bool:
-    """One collective of fixed shape; returns True if the data travelled with it (then
-    the gathered blocks hold every rank's data). ``foldable``: the call is one whose data
-    may travel with it, room permitting (then ``data`` is the 1-D input). ``extra``: a
-    small int64 vector to carry in the data room of a call whose data does not travel
-    (the watch's observations); read back with :func:`_gathered_extra`. Raises
-    :class:`_Mismatch` on every rank if any rank failed or the ranks disagree."""
-    p = st.size
-    if not fields:
-        fields = (_PROTOCOL, 1) + (0,) * (len(_FIELDS) - 2)
-    if p > GATHER_MAX_P:
-        lo, hi = agreement.agree_fields(st.private, fields)
-        if err is not None or hi[1] or not np.array_equal(hi, lo):
-            raise _Mismatch(bounds=(lo, hi))
+def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, check: bool) -> bool:
+    """Run the call on the compiled path (:mod:`optcc_mpi.fastcall`) if it can take it;
+    False when it declined, having touched nothing.
+
+    The caller checked the arguments that must be at their defaults. Here: the
+    communicator's state exists with a context for its current check room, which the
+    ranks agreed for this call (every rank derives it from the previous call's headers),
+    no setting changes the call, and an earlier call of this size and type was one whose
+    data travels in that room (``auto`` hands it to the library). With ``check=False`` the
+    same gather runs without comparing the headers: the room is the one the Python path's
+    gather uses for this size (:func:`~optcc_mpi.protocol.capacity`), so ranks on either
+    path move blocks of one shape."""
+    if comm is None:
+        t = BY_HANDLE.get(WORLD[0]) if WORLD else None
+    else:
+        handle = getattr(comm, "handle", None)
+        t = BY_HANDLE.get(handle) if type(handle) is int else None
+    st = t.state if t is not None else None
+    if st is None or st.fast is None or (check and st.next_capacity != st.capacity):
+        return False  # (without the check, the room is capacity()'s: the C side checks it)
+    opc = protocol.OP_CODE.get(op) if type(op) is str else None
+    rc = config.rc
+    if opc is None or rc.links is not None or rc.emulate is not None:
         return False
-    # The data room agreed at the previous call (the gathered blocks of that call were
-    # read before it changed).
-    if st.next_capacity != st.capacity or st.block is None:
-        st.ensure_capacity(st.next_capacity, HEADER_BYTES)
-    cap = st.capacity
-    nbytes = fields[10]
-    fold = foldable and nbytes <= cap
-    fields = fields[:11] + (cap * 4 + 2 * int(foldable) + int(fold),)
-    hb = _HEADER.pack(*fields)
-    st.block_mv[:HEADER_BYTES] = hb
-    if fold and nbytes:
-        views = st.views.get((data.dtype, nbytes))
-        if views is None:
-            views = _fold_views(st, data.dtype, nbytes)
-        np.copyto(views[0], data)
-    elif extra is not None and _extra_fits(st, extra.size):
-        st.block[HEADER_BYTES : HEADER_BYTES + 8 * extra.size].view("<i8")[:] = extra
-    st.private.Allgather(st.block, st.gathered)
-    heads = st.heads
-    if err is None and heads.tobytes() == hb * p:
-        # Room for the next call: this call's size if its data could travel with the
-        # check, else the least (a large room would only slow the checks of calls whose
-        # data never travels with them; a watched call sets its own after running).
-        room = _capacity(p, nbytes) if foldable else FOLD_MIN
-        if room != cap:
-            st.next_capacity = room
-        return fold
-    table = heads.copy().view("<i8")  # (p, fields)
-    # Every rank saw the same table: the same next room, then the same error.
-    st.next_capacity = FOLD_MIN
-    raise _Mismatch(table=table)
-
-
-def _extra_fits(st: CommState, n: int) -> bool:
-    """Whether ``n`` int64 travel in the check's data room (the same answer on every
-    rank: the room and the size of the communicator are agreed)."""
-    return st.size <= GATHER_MAX_P and st.block is not None and 8 * n <= st.capacity
-
-
-def _gathered_extra(st: CommState, n: int) -> np.ndarray:
-    """Every rank's ``extra`` of the last check, one row per rank."""
-    return st.gathered[:, HEADER_BYTES : HEADER_BYTES + 8 * n].view("<i8")
-
-
-def _describe(scope: dict[str, Any]) -> dict[str, str]:
-    """What this rank passed, in words, for error messages on other ranks."""
-    shown: dict[str, str] = {}
-    if "count" in scope:
-        shown["element count"] = str(scope["count"])
-    if "name" in scope:
-        shown["dtype"] = scope["name"]
-    if "opn" in scope:
-        shown["op"] = scope["opn"]
-    shown["algorithm"] = repr(scope.get("algorithm"))
-    link = scope.get("link_obj")
-    if link is not None:
-        shown["link profile"] = (
-            "probe" if link is PROBE else "watch" if link is WATCH else str(link)
-        )
-    if "emu" in scope:
-        shown["emulation"] = str(scope["emu"] or "none")
-    backend = scope.get("backend")
-    if backend is not None:
-        shown["backend"] = backend.name
-    shown["params"] = repr(scope.get("params") or {})
-    return shown
-
-
-def _disagreement(
-    st: CommState,
-    err: BaseException | None,
-    table: Any,
-    bounds: Any,
-    scope: dict[str, Any],
-) -> None:
-    """Raise the same error on every rank (they all call this: every rank saw the same
-    headers). One more collective carries each rank's own words."""
-    # Each rank's own words and its view of the arguments, in one collective; a rank
-    # that failed re-raises its own error, the others name it.
-    shown = agreement.agree(st.private, err, _describe(scope), what="allreduce: arguments rejected")
-    if table is not None:
-        if len(set(int(x) for x in table[:, 0])) > 1:
-            raise ArgumentError(
-                "allreduce: ranks run different versions of optcc_mpi's agreement protocol"
-            )
-        columns = [table[:, i] for i in range(table.shape[1])]
-    else:
-        lo, hi = bounds
-        columns = [np.array([lo[i], hi[i]]) for i in range(len(lo))]
-    for i in range(2, len(_FIELDS) - 2):
-        col = columns[i]
-        if col.min() == col.max():
-            continue
-        field = _FIELDS[i]
-        groups: dict[str, list[int]] = {}
-        for r, view in enumerate(shown):
-            groups.setdefault(view.get(field, "?"), []).append(r)
-        detail = "; ".join(
-            f"{value} on {agreement.describe_ranks(rs)}" for value, rs in groups.items()
-        )
-        raise ArgumentError(f"allreduce: {field} differs across ranks: {detail}")
-    raise ArgumentError(  # pragma: no cover - a difference in a field not listed above
-        "allreduce: the ranks' arguments differ"
-    )
+    dtype = sendbuf.dtype
+    nbytes = sendbuf.nbytes
+    plan = st.folds.get((nbytes, dtype))
+    if plan is None:
+        return False
+    answer = _FOLD(st.fast, sendbuf, recvbuf, opc, check)
+    if answer == fastcall.FALLBACK:
+        return False
+    if answer == fastcall.GATHERED:  # agreed; a reduction the C path leaves to NumPy
+        protocol.reduce_gathered(st, op, dtype, nbytes, _numpy_flat(recvbuf, "recvbuf"))
+    elif answer == fastcall.MISMATCH:
+        # As the Python path: every rank saw the same headers, so the same next room and
+        # the same error (the ranks on the Python path raise it from the check).
+        table = st.heads.copy().view("<i8")
+        st.next_capacity = FOLD_MIN
+        shown = {
+            "element count": str(sendbuf.size),
+            "dtype": NAME_OF[dtype],
+            "op": op,
+            "algorithm": "'auto'",
+            "link profile": str(_HEALTHY),
+            "emulation": "none",
+            "backend": NUMPY.name,
+            "params": "{}",
+        }
+        protocol.disagreement(st, None, Mismatch(table=table), shown)
+    elif answer != fastcall.DONE:
+        raise RuntimeError(f"the compiled call path failed (code {answer})")
+    _last[0] = (plan[0], plan[1], None, _HEALTHY, None, None, bool(check), "mpi")
+    return True

@@ -1,8 +1,19 @@
-"""Every ``OPTCC_*`` environment variable the package reads, in one table.
+"""Every ``OPTCC_*`` environment variable the package reads: one table, read once.
 
-Code reads them only through :func:`get`, so this table is complete by construction:
-asking for a name that is not in it is a programming error. ``optcc-mpi info`` prints the
-values in force; ``docs/config.md`` is generated from :func:`markdown`.
+Like mpi4py's ``rc``, the settings are one object, :data:`rc`, whose attributes are the
+variables of the table (``OPTCC_LINKS`` is ``rc.links``, ``OPTCC_FASTCALL`` is
+``rc.fastcall``). It reads the process environment at its first use and keeps what it
+read: a call on the hot path costs an attribute lookup, not an environment lookup.
+Assigning an attribute sets that variable for this process (``rc.links = "1:0.5"``);
+assigning or reading a name that is not in the table raises ``AttributeError`` naming
+the ones that are.
+
+A process (a test, say) that changes ``os.environ`` after the first use calls
+:func:`reload`, which reads the environment again and drops assignments.
+
+:func:`get` and :func:`is_set` read a variable's text by its full name, from the same
+settings. ``optcc-mpi info`` prints the values in force; ``docs/config.md`` is generated
+from :func:`markdown`.
 
 Variables that only the shell scripts under ``jobs/`` read (``OPTCC_HOME``,
 ``OPTCC_VENV``, ``OPTCC_TC_*``, ...) are documented in ``docs/slurm.md`` beside them.
@@ -12,18 +23,28 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Variable", "VARIABLES", "get", "is_set", "markdown"]
+__all__ = ["Variable", "VARIABLES", "Settings", "rc", "get", "is_set", "reload", "markdown"]
 
 
 @dataclass(frozen=True)
 class Variable:
-    """One environment variable: its name, default (None: unset) and meaning."""
+    """One environment variable: its name, default (None: unset), meaning and kind.
+
+    ``kind`` is ``"text"`` (the value as given) or ``"flag"`` (``0``/``1``, read as a
+    bool: anything but ``0`` is on)."""
 
     name: str
     default: str | None
     meaning: str
     topic: str
+    kind: str = "text"
+
+    @property
+    def attr(self) -> str:
+        """The attribute of :data:`rc` that holds this variable."""
+        return self.name.removeprefix("OPTCC_").lower()
 
 
 _ALL = (
@@ -62,6 +83,7 @@ _ALL = (
         "`0` turns off the compiled call path of short `allreduce` calls "
         "(`optcc_mpi.fastcall`; the Python path gives the same results).",
         "collectives",
+        "flag",
     ),
     Variable(
         "OPTCC_CUDA_AWARE",
@@ -153,13 +175,87 @@ _ALL = (
 
 #: Every variable by name.
 VARIABLES: dict[str, Variable] = {v.name: v for v in _ALL}
+_BY_ATTR: dict[str, Variable] = {v.attr: v for v in _ALL}
+
+
+def _text(var: Variable, raw: str | None) -> str | None:
+    """The variable's text: ``raw`` unless unset or blank, else its default."""
+    return raw if raw is not None and raw.strip() else var.default
+
+
+def _typed(var: Variable, text: str | None) -> Any:
+    if var.kind == "flag":
+        return None if text is None else text.strip() != "0"
+    return text
+
+
+class Settings:
+    """The ``OPTCC_*`` variables as attributes, read from the environment at first use
+    (module docstring). The one instance is :data:`rc`."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_text", None)
+
+    def _values(self) -> dict[str, str | None]:
+        text = self._text
+        if text is None:
+            text = {v.name: _text(v, os.environ.get(v.name)) for v in _ALL}
+            object.__setattr__(self, "_text", text)
+        return text
+
+    def __getattr__(self, attr: str) -> Any:
+        var = _BY_ATTR.get(attr)
+        if var is None:
+            raise AttributeError(_unknown(attr))
+        return _typed(var, self._values()[var.name])
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        var = _BY_ATTR.get(attr)
+        if var is None:
+            raise AttributeError(_unknown(attr))
+        if value is None or value is False or value is True:
+            text = None if value is None else ("1" if value else "0")
+        elif isinstance(value, str):
+            text = value
+        else:
+            raise TypeError(f"rc.{attr} takes a string (or None), not {type(value).__name__}")
+        self._values()[var.name] = _text(var, text)
+
+    def text(self, name: str) -> str | None:
+        """The text of variable ``name`` (its full name, ``OPTCC_...``); KeyError for a
+        name that is not in the table (a programming error)."""
+        if name not in VARIABLES:
+            raise KeyError(f"{name} is not an OPTCC_* variable of optcc_mpi.config")
+        return self._values()[name]
+
+    def reload(self) -> None:
+        """Read the environment again at the next use (assignments are dropped)."""
+        object.__setattr__(self, "_text", None)
+
+    def __dir__(self) -> list[str]:
+        return sorted(_BY_ATTR)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{v.attr}={getattr(self, v.attr)!r}" for v in _ALL if self.text(v.name) is not None
+        )
+        return f"optcc_mpi.config.rc({shown})"
+
+
+def _unknown(attr: str) -> str:
+    return f"optcc_mpi.config.rc has no setting {attr!r}; settings: {', '.join(sorted(_BY_ATTR))}"
+
+
+#: The settings in force (module docstring).
+rc = Settings()
 
 
 def get(name: str) -> str | None:
-    """The value of variable ``name`` (its default when unset or empty)."""
-    var = VARIABLES[name]  # KeyError: read a variable that is not in the table
-    value = os.environ.get(name, "")
-    return value if value.strip() else var.default
+    """The text of variable ``name`` (its default when unset or empty), as read at the
+    settings' first use (:func:`reload` reads again)."""
+    return rc.text(name)
 
 
 def is_set(name: str) -> bool:
@@ -167,9 +263,16 @@ def is_set(name: str) -> bool:
     return get(name) is not None
 
 
+def reload() -> None:
+    """Read the environment again at the next use: for a process that changed
+    ``os.environ`` after the first use (tests, mostly). Assignments to :data:`rc` are
+    dropped."""
+    rc.reload()
+
+
 def markdown() -> str:
     """The table of variables, as Markdown (``docs/config.md``)."""
-    lines = ["| variable | topic | meaning |", "|---|---|---|"]
+    lines = ["| variable | `rc.` | topic | meaning |", "|---|---|---|---|"]
     for v in _ALL:
-        lines.append(f"| `{v.name}` | {v.topic} | {v.meaning} |")
+        lines.append(f"| `{v.name}` | `{v.attr}` | {v.topic} | {v.meaning} |")
     return "\n".join(lines) + "\n"

@@ -84,7 +84,8 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi.backend import NumpyBackend
+from optcc_mpi import transports
+from optcc_mpi.backend import NUMPY
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats, execute
@@ -426,10 +427,7 @@ def _barrier(comm: Any) -> float:
     do in a round leave the CPU to those that move bytes (on a shared machine a spinning
     rank slows the transfers it waits for); then a blocking one, whose end is nearly the
     same instant on every rank: the receivers time their messages from it."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(2e-4)
-    comm.Barrier()
+    comm.quiet_barrier()
     return time.perf_counter()
 
 
@@ -440,21 +438,18 @@ def _allgather(comm: Any, value: Any) -> list[Any]:
 
 def _run(comm: Any, schedule: Schedule, buf: np.ndarray, pacer: Any) -> ExecStats:
     """This rank's part of ``schedule`` (per-operation times traced)."""
-    return execute(
-        schedule, buf, comm=comm, op="sum", backend=NumpyBackend(), pacer=pacer, trace=True
-    )
+    return execute(schedule, buf, comm=comm, op="sum", backend=NUMPY, pacer=pacer, trace=True)
 
 
 def _private(comm: Any) -> Any:
-    """The communicator the doctor's messages travel on: ``comm``'s private duplicate."""
-    from optcc_mpi.comm import private_comm
-
-    return private_comm(comm)
+    """What the doctor's messages travel on: ``comm``'s transport (an MPI communicator's
+    private duplicate, a torch.distributed group's private group)."""
+    return transports.of(comm)
 
 
 def _rank_size(comm: Any) -> tuple[int, int]:
     """This process's rank and the number of ranks."""
-    return comm.Get_rank(), comm.Get_size()
+    return comm.rank, comm.size
 
 
 # ------------------------------------------------------------------------------ measure

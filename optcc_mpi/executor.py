@@ -1,17 +1,34 @@
-"""Run one rank's program of a schedule with nonblocking mpi4py calls.
+"""Run one rank's program of a schedule over a transport.
 
-The executor knows nothing about algorithms. It keeps every operation whose dependencies
-have completed in flight at once (``Isend``/``Irecv``/``Iallreduce``), so pipelined stages
-really overlap, and reacts to completions with ``Waitsome``:
+The executor knows nothing about algorithms, and nothing about the library that moves the
+bytes: it talks to a :class:`~optcc_mpi.transports.Transport` (MPI, torch.distributed).
+It keeps every operation whose dependencies have completed in flight at once, so
+pipelined stages really overlap, and reacts to completions:
 
 * a point-to-point operation is posted once its dependencies completed and the earlier
   operations of its queue (peer, channel, direction) were posted: the order of posting
   per queue is program order on both sides, which makes message matching deterministic;
-* a received message is reduced into place (on the GPU for CuPy) when it arrives;
+* a received message is reduced into place (on the device for device arrays) when it
+  arrives;
 * local copies and reductions run as soon as they are ready.
 
-With a device backend the current stream is synchronised before every MPI call; with an
-MPI library that is not CUDA-aware, messages are staged through host copies.
+How completions are seen is the transport's (``Transport.observe``):
+
+``"any"`` (MPI)
+    ``Waitsome`` names whatever completed.
+``"ordered"`` (gloo)
+    A completion is seen only by waiting for that request, so the executor always waits
+    for the outstanding operation of lowest *level* (:func:`levels`). Every operation
+    below that level has completed on this rank, hence on every rank the partners of the
+    lowest outstanding operations anywhere have been posted: the wait ends, whatever the
+    schedule, if the verifier accepts it.
+``"grouped"`` (NCCL)
+    The host waits for nothing: the operations of each level are posted as one group,
+    local work follows on the device stream, and the stream orders everything after it.
+
+With a device backend and a transport that does not order itself after the current
+stream (MPI), the stream is synchronised before every library call; where the library
+cannot take device memory, messages are staged through host copies.
 
 An optional *pacer* (:mod:`optcc_mpi.emulation`) delays posting sends and completing
 receives so each rank behaves like a NIC of a given rate and latency.
@@ -42,10 +59,11 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi.backend import Backend, mpi_datatype_and_op
+from optcc_mpi import transports
+from optcc_mpi.backend import Backend
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
 
-__all__ = ["ExecStats", "execute", "TAG_BASE"]
+__all__ = ["ExecStats", "execute", "levels", "TAG_BASE"]
 
 #: Tags of our messages are TAG_BASE + channel, on a communicator of our own.
 TAG_BASE = 1000
@@ -58,9 +76,10 @@ class ExecStats:
     ``sends`` and ``recvs`` hold one tuple ``(op, peer, nbytes, posted, completed)`` per
     message, in completion order; times are seconds since ``start`` (a
     ``time.perf_counter()`` value, so on one host the records of all ranks share a
-    clock). ``posted`` is when the ``Isend``/``Irecv`` was handed to MPI (for a paced send,
-    when the virtual NIC released it), ``completed`` when MPI reported the request done
-    (for a receive, before any pacing delay of its completion).
+    clock). ``posted`` is when the send or receive was handed to the library (for a paced
+    send, when the virtual NIC released it), ``completed`` when the library reported it
+    done (for a receive, before any pacing delay of its completion; on a transport that
+    reports completions only when asked, when the executor asked).
     """
 
     seconds: float = 0.0
@@ -74,6 +93,85 @@ class ExecStats:
     recvs: list[tuple[int, int, int, float, float]] = field(default_factory=list)
     trace: list[tuple[int, int, float, float]] = field(default_factory=list)
     """With tracing: (op index, kind, post time, completion time) relative to the start."""
+
+
+# -- levels -------------------------------------------------------------------------------------
+def levels(schedule: Schedule) -> np.ndarray:
+    """Each operation's *level*: the round in which it completes when every rank posts
+    each operation as soon as it may and a message completes one round after both its
+    ends were posted (the verifier's rules, in lock step). Cached on the schedule.
+
+    A message's two ends share a level, as do the k-th ``COLL`` of every rank; every
+    operation's level exceeds its dependencies'. So waiting always for the lowest level
+    outstanding, or posting level by level, cannot deadlock (module docstring).
+    """
+    cached = schedule.__dict__.get("_levels")
+    if cached is not None:
+        return cached
+    n = schedule.n_ops
+    kind = schedule.kind.tolist()
+    partner = schedule.partner.tolist()
+    qprev = schedule.queue_prev.tolist()
+    waiting = np.diff(schedule.dep_ptr).tolist()
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for op, d in zip(
+        np.repeat(np.arange(n), np.diff(schedule.dep_ptr)).tolist(), schedule.dep_idx.tolist()
+    ):
+        dependents[d].append(op)
+    qnext = [-1] * n
+    for i, j in enumerate(qprev):
+        if j >= 0:
+            qnext[j] = i
+    # The k-th COLL of every rank meet: group them.
+    colls: dict[int, list[int]] = {}
+    seen: dict[int, int] = {}
+    for op in np.flatnonzero(schedule.kind == COLL).tolist():
+        r = int(schedule.rank[op])
+        k = seen.get(r, 0)
+        seen[r] = k + 1
+        colls.setdefault(k, []).append(op)
+    coll_of = {op: k for k, ops in colls.items() for op in ops}
+    ready_at = [0] * n  # the round its dependencies completed by
+    posted_at = [-1] * n
+    level = [-1] * n
+    work = deque(op for op in range(n) if waiting[op] == 0 and qprev[op] < 0)
+    while work:
+        op = work.popleft()
+        if posted_at[op] >= 0:
+            continue
+        q = qprev[op]
+        posted_at[op] = max(ready_at[op], posted_at[q] if q >= 0 else 0)
+        nxt = qnext[op]
+        if nxt >= 0 and waiting[nxt] == 0:
+            work.append(nxt)
+        k = kind[op]
+        if k == COPY or k == REDUCE:
+            done = [op]
+            at = posted_at[op] + 1
+        elif k == COLL:
+            group = colls[coll_of[op]]
+            if any(posted_at[g] < 0 for g in group):
+                continue
+            done = group
+            at = max(posted_at[g] for g in group) + 1
+        else:
+            other = partner[op]
+            if posted_at[other] < 0:
+                continue
+            done = [op, other]
+            at = max(posted_at[op], posted_at[other]) + 1
+        for d in done:
+            level[d] = at
+            for x in dependents[d]:
+                ready_at[x] = max(ready_at[x], at)
+                waiting[x] -= 1
+                if waiting[x] == 0 and (qprev[x] < 0 or posted_at[qprev[x]] >= 0):
+                    work.append(x)
+    out = np.asarray(level, dtype=np.int64)
+    if n and out.min() < 0:
+        raise RuntimeError(f"{schedule.name}: deadlocks (the verifier would reject it)")
+    schedule.__dict__["_levels"] = out
+    return out
 
 
 class _Plan:
@@ -102,6 +200,8 @@ class _Plan:
         "qprev",
         "qnext",
         "temp_pool",
+        "level",
+        "rounds",
     )
 
     def __init__(self, schedule: Schedule, rank: int, itemsize: int) -> None:
@@ -121,7 +221,23 @@ class _Plan:
         self.dependents = prog.dependents
         self.ready = [i for i in range(self.n) if self.waiting[i] == 0 and self.qprev[i] < 0]
         #: Free temporary receive buffers by (backend, dtype, elements), reused by calls.
-        self.temp_pool: dict[tuple[str, str, int], list[Any]] = {}
+        self.temp_pool: dict[Any, dict[int, list[Any]]] = {}
+        #: Levels of this rank's operations and the operations of each level, in an order
+        #: both ends of every pair agree on: made on first use by a transport that needs
+        #: them (``observe`` "ordered" or "grouped").
+        self.level: list[int] | None = None
+        self.rounds: list[list[int]] | None = None
+
+    def leveled(self, schedule: Schedule, rank: int) -> None:
+        if self.level is not None:
+            return
+        self.level = levels(schedule)[schedule.op_ids(rank)].tolist()
+        by: dict[int, list[int]] = {}
+        for i, lv in enumerate(self.level):
+            by.setdefault(lv, []).append(i)
+        # Within a level, messages between two ranks are posted in (channel, position in
+        # queue) order on both ends: libraries without tags (NCCL) match them by order.
+        self.rounds = [by[lv] for lv in sorted(by)]
 
 
 def _plan(schedule: Schedule, rank: int, itemsize: int) -> _Plan:
@@ -137,270 +253,400 @@ def execute(
     schedule: Schedule,
     buf: Any,
     *,
-    comm: Any,
+    comm: Any = None,
     op: str,
     backend: Backend,
-    staging: bool = False,
+    staging: bool | None = None,
     pacer: Any = None,
     trace: bool = False,
 ) -> ExecStats:
-    """Execute ``comm.rank``'s program of ``schedule`` on ``buf``.
+    """Execute this rank's program of ``schedule`` on ``buf``.
 
     Parameters
     ----------
     schedule : Schedule
-        Built for ``comm.size`` ranks and ``buf.size`` elements.
+        Built for the communicator's size and ``buf.size`` elements.
     buf : array
-        1-D contiguous array holding this rank's input; holds the result on return.
-    comm : mpi4py.MPI.Comm
-        Communicator the messages travel on (use a private duplicate).
-    op : {"sum", "max", "min"}
-        The reduction.
+        1-D contiguous array of ``backend`` holding this rank's input; holds the result
+        on return.
+    comm : Transport, mpi4py communicator or torch.distributed process group
+        Where the messages travel (:func:`optcc_mpi.transports.of`: on a communicator,
+        its private duplicate).
+    op : str
+        The reduction, one of :data:`optcc_mpi.dtypes.OPS` (ten reductions; ``max`` and
+        ``min`` on floats are expected on the keys, :mod:`optcc_mpi.reductions`).
     backend : Backend
         Array backend of ``buf``.
-    staging : bool
-        Stage device buffers through host memory (MPI library not CUDA-aware).
+    staging : bool, optional
+        Stage device buffers through host memory; default: the transport's answer.
     pacer : optional
         Link emulation (:class:`optcc_mpi.emulation.Pacer`).
     trace : bool
         Record per-operation times in ``ExecStats.trace`` (the per-message records in
         ``sends``/``recvs`` are always kept).
     """
-    from mpi4py import MPI
-
-    rank = comm.Get_rank()
-    itemsize = buf.dtype.itemsize
-    plan = _plan(schedule, rank, itemsize)
-    n = plan.n
+    transport = transports.of(comm)
+    plan = _plan(schedule, transport.rank, buf.dtype.itemsize)
     stats = ExecStats()
-    if n == 0:
+    if plan.n == 0:
         return stats
-    dtype = buf.dtype
-    buffers = [buf]
-    if schedule.scratch:
-        buffers.append(backend.empty(schedule.scratch, dtype))
-    device = backend.device
-    # Byte views of the buffers, made once per call: a message is one slice of these.
-    # (A device buffer goes to mpi_buffer only after synchronising, once per message.)
-    raw = None if staging or device else [backend.mpi_buffer(b) for b in buffers]
-    pool = plan.temp_pool.setdefault((backend.name, dtype.str), {})  # type: ignore[arg-type]
+    if staging is None:
+        staging = transport.staging(backend)
+    run = _Run(schedule, plan, buf, transport, op, backend, staging, pacer, trace, stats)
+    if transport.observe == "grouped":
+        if pacer is not None:
+            raise ValueError(f"a {transport.name} transport cannot be paced (emulation)")
+        run.grouped()
+    else:
+        run.loop()
+    return stats
 
-    kinds, peers, tags = plan.kind, plan.peer, plan.tag
-    bufs, los, his, blos, bhis, sizes = plan.buf, plan.lo, plan.hi, plan.blo, plan.bhi, plan.nbytes
-    qprev, qnext, dependents = plan.qprev, plan.qnext, plan.dependents
-    waiting = plan.waiting.copy()
-    posted = [False] * n
-    ready: deque[int] = deque(plan.ready)
-    reqs: list[Any] = []
-    req_op: list[int] = []  # op index of each request in reqs
-    temps: dict[int, Any] = {}  # op -> temporary receive buffer (RECV_REDUCE)
-    hosts: dict[int, Any] = {}  # op -> host staging copy
-    timers: list[tuple[float, int, int, int]] = []  # (when, seq, action, op)
-    sends, recvs = stats.sends, stats.recvs
-    perf = time.perf_counter
-    t0 = stats.start = perf()
-    post_time = [0.0] * n
-    seq = 0
-    completed = 0
-    ACT_SEND, ACT_DONE = 0, 1
 
-    def finish(i: int) -> None:
-        nonlocal completed
-        completed += 1
-        if trace:
-            stats.trace.append((i, kinds[i], post_time[i] - t0, perf() - t0))
-        for d in dependents[i]:
+class _Run:
+    """One execution: the state the loop shares (a class, so that each step is a method
+    of a few lines rather than one function of several hundred)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        plan: _Plan,
+        buf: Any,
+        transport: Any,
+        op: str,
+        backend: Backend,
+        staging: bool,
+        pacer: Any,
+        trace: bool,
+        stats: ExecStats,
+    ) -> None:
+        self.schedule, self.plan, self.t, self.op = schedule, plan, transport, op
+        self.backend, self.staging, self.pacer, self.tracing = backend, staging, pacer, trace
+        self.stats = stats
+        n = plan.n
+        self.dtype = buf.dtype
+        self.buffers = [buf]
+        if schedule.scratch:
+            self.buffers.append(backend.empty(schedule.scratch, buf.dtype))
+        self.sync = backend.device and transport.sync_device
+        # Byte views of the buffers, made once per call: a message is one slice of these.
+        # (A device buffer bound for MPI is viewed only after synchronising, per message.)
+        self.raw = (
+            None if staging or self.sync else [transport.message(backend, b) for b in self.buffers]
+        )
+        self.pool = plan.temp_pool.setdefault((backend.name, getattr(buf.dtype, "str", str(buf.dtype))), {})
+        self.waiting = plan.waiting.copy()
+        self.posted = [False] * n
+        self.ready: deque[int] = deque(plan.ready)
+        self.reqs: list[Any] = []
+        self.req_op: list[int] = []  # op index of each request in reqs
+        self.temps: dict[int, Any] = {}  # op -> temporary receive buffer (RECV_REDUCE)
+        self.hosts: dict[int, Any] = {}  # op -> host staging copy
+        self.timers: list[tuple[float, int, int, int]] = []  # (when, seq, action, op)
+        self.seq = 0
+        self.completed = 0
+        self.post_time = [0.0] * n
+        self.t0 = stats.start = time.perf_counter()
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def finish(self, i: int) -> None:
+        """Op ``i`` completed: its dependents may become ready."""
+        self.completed += 1
+        if self.tracing:
+            now = time.perf_counter() - self.t0
+            self.stats.trace.append((i, self.plan.kind[i], self.post_time[i] - self.t0, now))
+        waiting, qprev, posted, ready = self.waiting, self.plan.qprev, self.posted, self.ready
+        for d in self.plan.dependents[i]:
             waiting[d] -= 1
             if waiting[d] == 0 and (qprev[d] < 0 or posted[qprev[d]]):
                 ready.append(d)
 
-    def start_send(i: int) -> None:
-        if device:
-            backend.synchronize()
-        if staging:
-            host = backend.to_host(buffers[bufs[i]][los[i] : his[i]])
-            hosts[i] = host
-            req = comm.Isend(host.view(np.uint8), peers[i], tags[i])
-        elif raw is None:
-            data = backend.mpi_buffer(buffers[bufs[i]][los[i] : his[i]])
-            req = comm.Isend(data, peers[i], tags[i])
+    def slice(self, i: int) -> Any:
+        plan = self.plan
+        return self.buffers[plan.buf[i]][plan.lo[i] : plan.hi[i]]
+
+    def data(self, i: int) -> Any:
+        """What the transport moves for op ``i``, in place in its buffer."""
+        if self.raw is not None:
+            return self.raw[self.plan.buf[i]][self.plan.blo[i] : self.plan.bhi[i]]
+        return self.t.message(self.backend, self.slice(i))
+
+    def take_temp(self, m: int) -> Any:
+        free = self.pool.get(m)
+        return free.pop() if free else self.backend.empty(m, self.dtype)
+
+    def track(self, i: int, req: Any) -> None:
+        self.post_time[i] = time.perf_counter()
+        self.reqs.append(req)
+        self.req_op.append(i)
+
+    # -- posting --------------------------------------------------------------------------
+    def send_message(self, i: int) -> Any:
+        if self.sync:
+            self.backend.synchronize()
+        if self.staging:
+            host = self.hosts[i] = self.backend.to_host(self.slice(i))
+            return host.view(np.uint8)
+        return self.data(i)
+
+    def recv_message(self, i: int) -> Any:
+        plan = self.plan
+        if self.sync:
+            self.backend.synchronize()
+        if self.staging:
+            host = self.hosts[i] = np.empty(plan.hi[i] - plan.lo[i], dtype=self.dtype)
+            return host.view(np.uint8)
+        if plan.kind[i] == RECV:
+            return self.data(i)
+        temp = self.temps[i] = self.take_temp(plan.hi[i] - plan.lo[i])
+        return self.t.message(self.backend, temp)
+
+    def start_send(self, i: int) -> None:
+        self.track(i, self.t.isend(self.send_message(i), self.plan.peer[i], self.plan.tag[i]))
+
+    def local(self, i: int) -> None:
+        """A local copy or reduction, done at once."""
+        plan = self.plan
+        self.post_time[i] = time.perf_counter()
+        lo, hi, slo = plan.lo[i], plan.hi[i], plan.slo[i]
+        dst = self.buffers[plan.buf[i]][lo:hi]
+        src = self.buffers[plan.sbuf[i]][slo : slo + (hi - lo)]
+        if plan.kind[i] == COPY:
+            self.backend.copyto(dst, src)
         else:
-            req = comm.Isend(raw[bufs[i]][blos[i] : bhis[i]], peers[i], tags[i])
-        post_time[i] = perf()
-        reqs.append(req)
-        req_op.append(i)
+            self.backend.reduce(self.op, dst, src)
 
-    def take_temp(m: int) -> Any:
-        free = pool.get(m)
-        return free.pop() if free else backend.empty(m, dtype)
+    def start_coll(self, i: int) -> None:
+        target = self.slice(i)
+        if self.sync:
+            self.backend.synchronize()
+        data = target
+        if self.staging:
+            data = self.hosts[i] = self.backend.to_host(target)
+        name = self.backend.dtype_name(target)
+        self.track(i, self.t.allreduce(self.backend, data, name, self.op))
 
-    def post(i: int) -> None:
-        nonlocal seq
-        posted[i] = True
-        j = qnext[i]
-        if j >= 0 and waiting[j] == 0:
-            ready.append(j)
-        kind = kinds[i]
+    def post(self, i: int) -> None:
+        plan = self.plan
+        self.posted[i] = True
+        j = plan.qnext[i]
+        if j >= 0 and self.waiting[j] == 0:
+            self.ready.append(j)
+        kind = plan.kind[i]
         if kind == SEND:
-            if pacer is not None:
-                now = perf()
-                when = pacer.send_release(now, sizes[i], peers[i])
+            if self.pacer is not None:
+                now = time.perf_counter()
+                when = self.pacer.send_release(now, plan.nbytes[i], plan.peer[i])
                 if when > now:
-                    heapq.heappush(timers, (when, seq, ACT_SEND, i))
-                    seq += 1
+                    self.defer(i, when, _ACT_SEND)
                     return
-            start_send(i)
+            self.start_send(i)
         elif kind == RECV or kind == RECV_REDUCE:
-            if device:
-                backend.synchronize()
-            if staging:
-                host = np.empty(his[i] - los[i], dtype=dtype)
-                hosts[i] = host
-                req = comm.Irecv(host.view(np.uint8), peers[i], tags[i])
-            elif kind == RECV:
-                if raw is None:
-                    data = backend.mpi_buffer(buffers[bufs[i]][los[i] : his[i]])
-                else:
-                    data = raw[bufs[i]][blos[i] : bhis[i]]
-                req = comm.Irecv(data, peers[i], tags[i])
-            else:
-                temp = temps[i] = take_temp(his[i] - los[i])
-                req = comm.Irecv(backend.mpi_buffer(temp), peers[i], tags[i])
-            post_time[i] = perf()
-            reqs.append(req)
-            req_op.append(i)
+            self.track(i, self.t.irecv(self.recv_message(i), plan.peer[i], plan.tag[i]))
         elif kind == COPY or kind == REDUCE:
-            post_time[i] = perf()
-            lo, hi, slo = los[i], his[i], plan.slo[i]
-            dst = buffers[bufs[i]][lo:hi]
-            src = buffers[plan.sbuf[i]][slo : slo + (hi - lo)]
-            if kind == COPY:
-                backend.copyto(dst, src)
-            else:
-                backend.reduce(op, dst, src)
-            finish(i)
+            self.local(i)
+            self.finish(i)
         elif kind == COLL:
-            target = buffers[bufs[i]][los[i] : his[i]]
-            datatype, mpi_op = mpi_datatype_and_op(dtype.name, op)
-            if device:
-                backend.synchronize()
-            host = backend.to_host(target) if staging else None
-            data = host if staging else target
-            if host is not None:
-                hosts[i] = host
-            arg = data.view(np.uint16) if datatype == MPI.UINT16_T else data
-            post_time[i] = perf()
-            reqs.append(comm.Iallreduce(MPI.IN_PLACE, [arg, datatype], mpi_op))
-            req_op.append(i)
+            self.start_coll(i)
         else:  # pragma: no cover - the builder rejects unknown kinds
             raise ValueError(f"unknown operation kind {kind}")
 
-    def arrived(i: int, now: float) -> None:
-        """MPI completed op i's request: move data into place and finish it."""
-        kind = kinds[i]
+    def defer(self, i: int, when: float, action: int) -> None:
+        heapq.heappush(self.timers, (when, self.seq, action, i))
+        self.seq += 1
+
+    # -- completions ----------------------------------------------------------------------
+    def arrived(self, i: int, now: float) -> None:
+        """The library completed op i's request: move data into place and finish it."""
+        plan, stats = self.plan, self.stats
+        kind = plan.kind[i]
         if kind == SEND:
-            sends.append((i, peers[i], sizes[i], post_time[i] - t0, now - t0))
+            stats.sends.append(
+                (i, plan.peer[i], plan.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
+            )
             stats.messages_sent += 1
-            stats.bytes_sent += sizes[i]
-            if staging:
-                del hosts[i]
-            finish(i)
+            stats.bytes_sent += plan.nbytes[i]
+            self.hosts.pop(i, None)
+            self.finish(i)
             return
-        lo, hi = los[i], his[i]
         if kind == COLL:
-            host = hosts.pop(i, None)
+            host = self.hosts.pop(i, None)
             if host is not None:
-                backend.from_host(buffers[bufs[i]][lo:hi], host)
-            if pacer is not None:
-                when = pacer.coll_done(post_time[i], sizes[i])
-                if when > perf():
-                    _defer(i, when)
+                self.backend.from_host(self.slice(i), host)
+            if self.pacer is not None:
+                when = self.pacer.coll_done(self.post_time[i], plan.nbytes[i])
+                if when > time.perf_counter():
+                    self.defer(i, when, _ACT_DONE)
                     return
-            finish(i)
+            self.finish(i)
             return
-        recvs.append((i, peers[i], sizes[i], post_time[i] - t0, now - t0))
+        stats.recvs.append(
+            (i, plan.peer[i], plan.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
+        )
         stats.messages_received += 1
-        stats.bytes_received += sizes[i]
-        target = buffers[bufs[i]][lo:hi]
-        host = hosts.pop(i, None) if staging else None
-        if kind == RECV:
+        stats.bytes_received += plan.nbytes[i]
+        self.land(i)
+        if self.pacer is not None:
+            when = self.pacer.recv_done(self.post_time[i], time.perf_counter(), plan.nbytes[i])
+            if when > time.perf_counter():
+                self.defer(i, when, _ACT_DONE)
+                return
+        self.finish(i)
+
+    def land(self, i: int) -> None:
+        """A received message into its place: copied (staged) or reduced."""
+        backend, plan = self.backend, self.plan
+        target = self.slice(i)
+        m = plan.hi[i] - plan.lo[i]
+        host = self.hosts.pop(i, None) if self.staging else None
+        if plan.kind[i] == RECV:
             if host is not None:
                 backend.from_host(target, host)
         elif host is not None:
-            if device:
-                temp = take_temp(hi - lo)
+            if backend.device:
+                temp = self.take_temp(m)
                 backend.from_host(temp, host)
-                backend.reduce(op, target, temp)
-                pool.setdefault(hi - lo, []).append(temp)
+                backend.reduce(self.op, target, temp)
+                self.pool.setdefault(m, []).append(temp)
             else:
-                backend.reduce(op, target, host)
+                backend.reduce(self.op, target, host)
         else:
-            temp = temps.pop(i)
-            backend.reduce(op, target, temp)
-            pool.setdefault(hi - lo, []).append(temp)
-        if pacer is not None:
-            when = pacer.recv_done(post_time[i], perf(), sizes[i])
-            if when > perf():
-                _defer(i, when)
-                return
-        finish(i)
+            temp = self.temps.pop(i)
+            backend.reduce(self.op, target, temp)
+            self.pool.setdefault(m, []).append(temp)
 
-    def _defer(i: int, when: float) -> None:
-        nonlocal seq
-        heapq.heappush(timers, (when, seq, ACT_DONE, i))
-        seq += 1
-
-    waitsome, testsome = MPI.Request.Waitsome, MPI.Request.Testsome
-    while completed < n:
-        while ready:
-            post(ready.popleft())
-        if timers:
-            now = perf()
-            while timers and timers[0][0] <= now:
-                _, _, action, i = heapq.heappop(timers)
-                if action == ACT_SEND:
-                    start_send(i)
-                else:
-                    finish(i)
-            if ready:
-                continue
-        if completed >= n:
-            break
-        if len(reqs) > stats.max_in_flight:
-            stats.max_in_flight = len(reqs)
-        if not reqs:
-            if timers:
-                time.sleep(max(0.0, timers[0][0] - perf()))
-                continue
-            raise RuntimeError(
-                f"rank {rank}: {schedule.name} stalled with {n - completed} operations left "
-                "(the schedule should have failed verification)"
-            )
-        if timers:
-            # Poll so that timers fire on time; sleep a little between polls so that
-            # oversubscribed ranks leave the CPU to the others.
-            idx = testsome(reqs)
-            if not idx:
-                delay = timers[0][0] - perf()
-                if delay > 0:
-                    time.sleep(min(delay, 50e-6))
-                continue
-        else:
-            idx = waitsome(reqs)
-            if not idx:  # pragma: no cover - only inactive requests would return none
-                continue
-        now = perf()
+    def remove(self, idx: list[int]) -> list[int]:
+        """Drop completed requests by index (swapping in the last one); their ops."""
+        reqs, req_op = self.reqs, self.req_op
         done: list[int] = []
-        # Remove completed requests by swapping in the last one (Waitsome does not care
-        # about order); descending indices keep the swapped-in entries valid.
+        # Descending indices keep the swapped-in entries valid.
         for j in sorted(idx, reverse=True):
             done.append(req_op[j])
             last_req, last_op = reqs.pop(), req_op.pop()
             if j < len(reqs):
                 reqs[j], req_op[j] = last_req, last_op
-        for i in reversed(done):
-            arrived(i, now)
-    if device:
-        backend.synchronize()
-    stats.seconds = perf() - t0
-    return stats
+        done.reverse()
+        return done
+
+    def fire_timers(self) -> None:
+        now = time.perf_counter()
+        while self.timers and self.timers[0][0] <= now:
+            _, _, action, i = heapq.heappop(self.timers)
+            if action == _ACT_SEND:
+                self.start_send(i)
+            else:
+                self.finish(i)
+
+    # -- the drivers ----------------------------------------------------------------------
+    def loop(self) -> None:
+        """Post what is ready, then see completions as the transport allows."""
+        n, stats = self.plan.n, self.stats
+        ordered = self.t.observe == "ordered"
+        if ordered:
+            self.plan.leveled(self.schedule, self.t.rank)
+        while self.completed < n:
+            while self.ready:
+                self.post(self.ready.popleft())
+            if self.timers:
+                self.fire_timers()
+                if self.ready:
+                    continue
+            if self.completed >= n:
+                break
+            if len(self.reqs) > stats.max_in_flight:
+                stats.max_in_flight = len(self.reqs)
+            if not self.reqs and not self.timers:
+                raise RuntimeError(
+                    f"rank {self.t.rank}: {self.schedule.name} stalled with "
+                    f"{n - self.completed} operations left (the schedule should have "
+                    "failed verification)"
+                )
+            done = self.wait_ordered() if ordered else self.wait_any()
+            now = time.perf_counter()
+            for i in done:
+                self.arrived(i, now)
+        if self.backend.device and self.sync:
+            self.backend.synchronize()
+        stats.seconds = time.perf_counter() - self.t0
+
+    def wait_any(self) -> list[int]:
+        """``Waitsome``, or with timers pending a poll and a short sleep."""
+        if not self.reqs:
+            time.sleep(max(0.0, self.timers[0][0] - time.perf_counter()))
+            return []
+        if self.timers:
+            # Poll so that timers fire on time; sleep a little between polls so that
+            # oversubscribed ranks leave the CPU to the others.
+            idx = self.t.testsome(self.reqs)
+            if not idx:
+                delay = self.timers[0][0] - time.perf_counter()
+                if delay > 0:
+                    time.sleep(min(delay, 50e-6))
+                return []
+        else:
+            idx = self.t.waitsome(self.reqs)
+            if not idx:  # pragma: no cover - only inactive requests would return none
+                return []
+        return self.remove(idx)
+
+    def wait_ordered(self) -> list[int]:
+        """The lowest-level pending thing: a timer (slept for) or a request (waited for).
+        A timer holds a paced send or a deferred completion, which lower levels may need
+        before a request of a higher level can complete."""
+        level = self.plan.level
+        best, j_best = None, -1
+        for j, i in enumerate(self.req_op):
+            if best is None or level[i] < best:
+                best, j_best = level[i], j
+        if self.timers:
+            t_level = min(level[i] for _, _, _, i in self.timers)
+            if best is None or t_level <= best:
+                when = min(w for w, _, _, i in self.timers if level[i] == t_level)
+                time.sleep(max(0.0, when - time.perf_counter()))
+                return []
+        self.t.wait(self.reqs[j_best])
+        return self.remove([j_best])
+
+    def grouped(self) -> None:
+        """Level by level: each level's messages posted as one group, then the local work
+        of that level, ordered after them by the device stream; nothing waits on the host
+        (module docstring). The reductions of received data follow their group."""
+        plan, stats = self.plan, self.stats
+        plan.leveled(self.schedule, self.t.rank)
+        kinds = plan.kind
+        for ops in plan.rounds:
+            posts, landing = [], []
+            for i in ops:
+                k = kinds[i]
+                if k == SEND:
+                    posts.append((True, self.send_message(i), plan.peer[i], plan.tag[i]))
+                elif k == RECV or k == RECV_REDUCE:
+                    posts.append((False, self.recv_message(i), plan.peer[i], plan.tag[i]))
+                    landing.append(i)
+            if posts:
+                for req in self.t.batch(posts):
+                    if req is not None:
+                        self.t.wait(req)  # NCCL: the current stream waits, not the host
+            now = time.perf_counter()
+            for i in ops:
+                k = kinds[i]
+                self.post_time[i] = now
+                if k == COPY or k == REDUCE:
+                    self.local(i)
+                elif k == COLL:
+                    self.start_coll(i)
+                    self.t.wait(self.reqs.pop())
+                    self.req_op.pop()
+                    self.arrived(i, now)
+                    continue
+                elif k == SEND:
+                    self.arrived(i, now)
+                    continue
+                else:
+                    self.arrived(i, now)
+                    continue
+                self.finish(i)
+            stats.max_in_flight = max(stats.max_in_flight, len(posts))
+        stats.seconds = time.perf_counter() - self.t0
+
+
+_ACT_SEND, _ACT_DONE = 0, 1

@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from optcc_mpi import config
+from optcc_mpi.dtypes import DTYPES, OPS, check_op_dtype
+from optcc_mpi.errors import ArgumentError
 
 __all__ = ["available", "context", "fold_function", "reduce_kind", "sum_rows"]
 
@@ -62,12 +63,22 @@ def _built(here: Path) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
+def _extension() -> Any:
+    """The extension module (its rank-order sums need no MPI), or None where off."""
+    if not config.rc.fastcall or sys.byteorder != "little":
+        return None
+    return _built(Path(__file__).parent)
+
+
+@functools.lru_cache(maxsize=1)
 def _module() -> Any:
     """The extension and the address of mpi4py's MPI_Allgather, or None."""
-    if (config.get("OPTCC_FASTCALL") or "1").strip() == "0" or sys.byteorder != "little":
-        return None
-    ext = _built(Path(__file__).parent)
+    ext = _extension()
     if ext is None:
+        return None
+    try:
+        from mpi4py import MPI  # the MPI transport's library: absent from torch-only jobs
+    except (ImportError, RuntimeError):
         return None
     try:
         mode = getattr(os, "RTLD_NOLOAD", 0) | getattr(os, "RTLD_LAZY", 1)
@@ -92,8 +103,6 @@ def _formats() -> tuple[tuple[str, int, int, int, int], ...]:
     """Per element type the C path handles: (buffer format, dtype code of the header,
     itemsize, mask of the ops defined on it, sum kind). A format two of our types share
     is left out (the Python path tells them apart)."""
-    from optcc_mpi.backend import DTYPES, OPS, check_op_dtype
-    from optcc_mpi.errors import ArgumentError
 
     rows: dict[str, tuple[str, int, int, int, int]] = {}
     clash: set[str] = set()
@@ -120,13 +129,16 @@ def context(st: Any, header: tuple[int, ...], fold_min: int, limit: int) -> Any:
     None without the extension. ``header``: the 12 header fields, those of the call
     zero."""
     mod = _module()
-    if mod is None or st.block is None or not 1 < st.size:
+    private = getattr(st.transport, "private", None)
+    if mod is None or private is None or st.block is None or not 1 < st.size:
         return None
+    from mpi4py import MPI  # loaded already: _module() found it
+
     ext, address, size = mod
     return ext.make(
         address,
         size,
-        MPI._handleof(st.private),
+        MPI._handleof(private),
         MPI._handleof(MPI.BYTE),
         st.size,
         st.capacity,
@@ -149,10 +161,10 @@ def fold_function() -> Any:
 
 def reduce_kind(name: str) -> int:
     """The C sum for dtype ``name`` (0: none)."""
-    return _SUM_KINDS.get(name, 0) if _module() is not None else 0
+    return _SUM_KINDS.get(name, 0) if _extension() is not None else 0
 
 
 def sum_rows(kind: int, out: np.ndarray, gathered: np.ndarray, offset: int) -> None:
     """``out`` = the rank-order sum of ``gathered[:, offset:offset + out.nbytes]``, by the
     same C loop as the compiled call path (so that both give the same bits)."""
-    _module()[0].reduce(kind, out, gathered, offset, gathered.shape[1], gathered.shape[0])
+    _extension().reduce(kind, out, gathered, offset, gathered.shape[1], gathered.shape[0])

@@ -11,11 +11,11 @@ assumes fewer than half of the ranks are degraded: the fastest measurement is a 
 reference, since socket buffers can make a short transfer look faster than the link.
 
 The probe runs through the executor (as tiny schedules), so software emulation paces it
-like any collective. Its cost is ``shifts * repeats`` exchanges of ``nbytes`` plus a
-barrier each; the result is cached on the communicator. All its messages, barriers and
-gathers travel on the communicator's private duplicate (:mod:`optcc_mpi.comm`), so a
-receive the user has posted, even with ``MPI.ANY_SOURCE`` and ``MPI.ANY_TAG``, never
-matches one of them.
+like any collective, over whatever transport the communicator has (MPI, torch.distributed).
+Its cost is ``shifts * repeats`` exchanges of ``nbytes`` plus a barrier each; the result is
+cached on the communicator. All its messages, barriers and gathers travel on the
+transport's private channel (:mod:`optcc_mpi.transports`), so a receive the user has
+posted, even with ``MPI.ANY_SOURCE`` and ``MPI.ANY_TAG``, never matches one of them.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi.backend import NumpyBackend
+from optcc_mpi.backend import NUMPY
+from optcc_mpi.emulation import Emulation
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import RECV, ScheduleBuilder
+from optcc_mpi.state import state_of
 
 __all__ = ["ProbeResult", "probe", "cached_probe", "HEALTHY_ABOVE"]
 
@@ -81,7 +83,7 @@ def probe(
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Comm
+    comm : mpi4py.MPI.Comm, torch.distributed.ProcessGroup or Transport
         Communicator to probe.
     nbytes : int
         Bytes per probe message (bounded cost: ``shifts * repeats`` messages per rank).
@@ -92,31 +94,27 @@ def probe(
     healthy_above : float
         Fractions of the median rank's bandwidth at or above this count as healthy.
     """
-    from optcc_mpi.comm import state_of
-    from optcc_mpi.emulation import Emulation
-
     st = state_of(comm)
     p, rank = st.size, st.rank
     t_start = time.perf_counter()
     if p < 2:
         return ProbeResult(Links(), np.full(1, np.inf), np.full(1, np.inf), 0.0, nbytes)
-    comm = st.private
+    wire = st.transport
     emu = Emulation.coerce(emulate)
     shifts = [1] if p == 2 else [1, 2]
     buf = np.zeros(nbytes, dtype=np.uint8)
-    be = NumpyBackend()
     rates: dict[int, np.ndarray] = {}
     for s in shifts:
         sched = _shift_schedule(p, nbytes, s)
         best = 0.0
         for _ in range(repeats):
             pacer = emu.pacer(rank, p, Links()) if emu is not None else None
-            comm.Barrier()
-            stats = execute(sched, buf, comm=comm, op="sum", backend=be, pacer=pacer, trace=True)
+            wire.barrier()
+            stats = execute(sched, buf, comm=wire, op="sum", backend=NUMPY, pacer=pacer, trace=True)
             for _op, kind, posted, done in stats.trace:
                 if kind == RECV and done > posted:
                     best = max(best, nbytes / (done - posted))
-        rates[s] = np.array(comm.allgather(best))
+        rates[s] = np.array(wire.allgather(best))
     send = np.zeros(p)
     recv = np.zeros(p)
     for s, rate in rates.items():
@@ -131,8 +129,6 @@ def probe(
 
 def cached_probe(comm: Any, *, emulate: Any = None, refresh: bool = False) -> ProbeResult:
     """:func:`probe` once per communicator (cached with the communicator's state)."""
-    from optcc_mpi.comm import state_of
-
     st = state_of(comm)
     if refresh or st.probe is None:
         st.probe = probe(comm, emulate=emulate)

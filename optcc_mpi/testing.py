@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi.backend import Backend, _reduce_with, register_backend
+from optcc_mpi.backend import Backend, register_backend
+from optcc_mpi.reductions import reduce_with
 
 __all__ = ["HostDeviceArray", "FakeDeviceBackend", "UnsynchronizedError", "device_array"]
 
@@ -115,7 +116,7 @@ class FakeDeviceBackend(Backend):
         self.queued += 1
 
     def reduce(self, op: str, dst: HostDeviceArray, src: HostDeviceArray) -> None:
-        _reduce_with(np, op, dst.host, src.host)
+        reduce_with(np, op, dst.host, src.host)
         self.queued += 1
 
     def synchronize(self) -> None:
@@ -129,7 +130,7 @@ class FakeDeviceBackend(Backend):
                 f"device buffer handed to MPI with {self.queued} operation(s) still queued"
             )
 
-    def mpi_buffer(self, arr: HostDeviceArray) -> HostDeviceArray:
+    def byte_view(self, arr: HostDeviceArray) -> HostDeviceArray:
         self._check()
         return arr.view(np.uint8)
 

@@ -191,7 +191,7 @@ def _check_local(
     """This rank's checks. Returns the array view of ``tensor``, the signature every rank
     must share (element count, dtype, op, algorithm, link profile, average) and its
     readable form."""
-    from optcc_mpi.backend import check_dtype, check_op
+    from optcc_mpi.dtypes import check_dtype, check_op
 
     opname = check_op(op)
     _check_average(tensor, opname, average)

@@ -80,9 +80,9 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi import linklog
-from optcc_mpi.comm import FOLD_TOTAL
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import SEND
+from optcc_mpi.state import FOLD_TOTAL
 
 __all__ = ["WATCH", "MIN_BYTES", "LinkWatch", "MessageLayout", "send_rates", "watch_length"]
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi import testing
-from optcc_mpi.backend import _instance, cupy_status
+from optcc_mpi.backend import cupy_status
+from optcc_mpi.backend import instance as _instance
 
 
 @dataclass(frozen=True)

@@ -44,3 +44,14 @@ def rng() -> np.random.Generator:
     """A generator seeded per test, the same on every rank."""
     seed = int(os.environ.get("OPTCC_TEST_SEED", "20261202"))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings():
+    """Every test starts from the environment as it is (``optcc_mpi.config.rc`` reads it
+    once; a test that changes ``OPTCC_*`` variables calls ``config.reload()``)."""
+    from optcc_mpi import config
+
+    config.reload()
+    yield
+    config.reload()

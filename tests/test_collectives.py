@@ -13,9 +13,10 @@ import pytest
 from array_kinds import KIND_IDS, KINDS
 
 import optcc_mpi
-from optcc_mpi import testing
-from optcc_mpi.backend import DTYPES, _instance, check_op_dtype
+from optcc_mpi import config, testing
+from optcc_mpi.backend import instance as _instance
 from optcc_mpi.collectives import last_stats
+from optcc_mpi.dtypes import DTYPES, check_op_dtype
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi
@@ -312,9 +313,9 @@ def test_forgotten_sync_is_caught() -> None:
     be.queued = 0
     be.copyto(a, a)
     with pytest.raises(testing.UnsynchronizedError):
-        be.mpi_buffer(a)
+        be.byte_view(a)
     be.synchronize()
-    be.mpi_buffer(a)
+    be.byte_view(a)
 
 
 # -- bad input: a clear error on every rank, nothing modified, nothing hangs ---------------------
@@ -444,7 +445,7 @@ def test_native_integer_ops_wrap(dtype: str, op: str) -> None:
     """The op native hands MPI wraps modulo 2**bits on overflow, as NumPy and every
     other algorithm do, whichever MPI library this is (Open MPI's vectorised 8- and
     16-bit sums saturate; the library is asked, and a NumPy op replaces its op if so)."""
-    from optcc_mpi.backend import mpi_datatype_and_op
+    from optcc_mpi.transports.mpi import mpi_datatype_and_op
 
     datatype, mpi_op = mpi_datatype_and_op(dtype, op)
     dt = np.dtype(dtype)
@@ -462,7 +463,7 @@ def test_saturating_library_op_is_replaced(monkeypatch: pytest.MonkeyPatch) -> N
     """Told that the library saturates, native gets a user-defined op that wraps."""
     from mpi4py import MPI
 
-    from optcc_mpi import backend
+    from optcc_mpi.transports import mpi as backend
 
     backend.mpi_datatype_and_op.cache_clear()
     monkeypatch.setattr(backend, "_library_wraps", lambda *args: False)
@@ -484,6 +485,7 @@ def test_bfloat16_type_is_ml_dtypes() -> None:
 def test_links_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     comm, rank, p = world()
     monkeypatch.setenv("OPTCC_LINKS", links_for(p))
+    config.reload()
     x = np.arange(1009, dtype=np.float64)
     y = optcc_mpi.allreduce(x, algorithm="optcc")
     np.testing.assert_array_equal(y, x * p)
@@ -596,6 +598,7 @@ def test_bad_emulate_fraction_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> No
     for bad in ("2.5", "half", "0"):
         if rank == p - 1:
             monkeypatch.setenv("OPTCC_EMULATE_FRACTION", bad)
+            config.reload()
         x = np.arange(1009, dtype=np.float64)
         _expect_everywhere(
             lambda x=x: optcc_mpi.allreduce(x, algorithm="ring", emulate="bw=1GB/s"),
@@ -603,9 +606,11 @@ def test_bad_emulate_fraction_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> No
         )
         np.testing.assert_array_equal(x, np.arange(1009))
         monkeypatch.delenv("OPTCC_EMULATE_FRACTION", raising=False)
+        config.reload()
     # A good value on one rank is that rank's own business.
     if rank == 0:
         monkeypatch.setenv("OPTCC_EMULATE_FRACTION", "0.5")
+        config.reload()
     y = optcc_mpi.allreduce(np.ones(1009), algorithm="ring", emulate="bw=10GB/s")
     np.testing.assert_array_equal(y, np.full(1009, float(p)))
 
@@ -620,9 +625,11 @@ def test_bad_environment_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     ):
         if rank == p - 1:
             monkeypatch.setenv(name, value)
+            config.reload()
         with pytest.raises(ValueError, match=match):
             optcc_mpi.allreduce(np.ones(8))
         monkeypatch.delenv(name, raising=False)
+        config.reload()
         y = optcc_mpi.allreduce(np.ones(5), algorithm="ring")
         np.testing.assert_array_equal(y, np.full(5, float(p)))
 
@@ -680,6 +687,7 @@ def test_env_links_are_world_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     that communicator's ranks, and ranks that are not members drop out."""
     comm, rank, p = world()
     monkeypatch.setenv("OPTCC_LINKS", f"{p - 1}:0.5")
+    config.reload()
     x = np.arange(1009, dtype=np.float64)
     # Reversed order: COMM_WORLD rank p-1 is rank 0 here.
     rev = comm.Split(0, p - 1 - rank)
@@ -700,10 +708,12 @@ def test_env_links_are_world_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
         sub.Free()
     # A rank beyond COMM_WORLD is an error on every rank.
     monkeypatch.setenv("OPTCC_LINKS", f"{p}:0.5")
+    config.reload()
     with pytest.raises(ValueError, match="outside COMM_WORLD"):
         optcc_mpi.allreduce(np.ones(4))
     # An explicit profile stays in the given communicator's ranks.
     monkeypatch.delenv("OPTCC_LINKS")
+    config.reload()
     y = optcc_mpi.allreduce(x, algorithm="optcc", links=links_for(p))
     assert str(last_stats()["links"]) == (links_for(p) or "healthy")
 
@@ -728,7 +738,7 @@ def test_agreement_carries_small_messages() -> None:
         # travels with the agreement when the room agreed then holds it (an empty
         # message has nothing to carry).
         nbytes = n * 8
-        room = optcc_mpi.collectives._capacity(p, n * 4)
+        room = optcc_mpi.protocol.capacity(p, n * 4)
         if n * 4 > room:
             room = 0  # the call before could not travel with the check: no room kept
         expect = 0 < nbytes <= room and p <= optcc_mpi.collectives.GATHER_MAX_P

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from optcc_mpi import data
+from optcc_mpi import config, data
 from optcc_mpi.cli import data as cli_data
 from optcc_mpi.data import DatasetError
 
@@ -471,6 +471,7 @@ def test_synth_rejects_bad_arguments(tmp_path: Path) -> None:
 
 def test_default_dataset_is_made_once_in_the_cache(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("OPTCC_DATA_HOME", str(tmp_path / "cache"))
+    config.reload()
     monkeypatch.setitem(data.DEFAULT_SYNTH, "rows", 1500)
     monkeypatch.setitem(data.DEFAULT_SYNTH, "cols", 12)
     path = data.default_dataset()
@@ -905,6 +906,7 @@ def test_mpi_default_dataset_made_once(shared_dir: Path, monkeypatch) -> None:
 
     comm = MPI.COMM_WORLD
     monkeypatch.setenv("OPTCC_DATA_HOME", str(shared_dir / "cache"))
+    config.reload()
     monkeypatch.setitem(data.DEFAULT_SYNTH, "rows", 2000)
     monkeypatch.setitem(data.DEFAULT_SYNTH, "cols", 16)
     path = data.default_dataset(comm)

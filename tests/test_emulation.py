@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi import algorithms, model
+from optcc_mpi import algorithms, config, model
 from optcc_mpi.backend import NumpyBackend
 from optcc_mpi.emulation import ENV_FRACTION, Emulation, Pacer
 from optcc_mpi.executor import execute
@@ -55,11 +55,13 @@ def test_slow_sender_is_slow_to_everybody() -> None:
 
 def test_forced_fraction_replaces_only_this_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_FRACTION, "0.5")
+    config.reload()
     pacer = Emulation(bw=100.0).pacer(1, 3, Links({2: 0.25}))
     assert pacer.fraction == 0.5
     assert pacer.fractions == [1.0, 0.5, 0.25]
     assert [pacer.send_rate(q) for q in (0, 2)] == [50.0, 25.0]
     monkeypatch.setenv(ENV_FRACTION, "1.5")
+    config.reload()
     with pytest.raises(ValueError, match=ENV_FRACTION):
         Emulation(bw=100.0).pacer(1, 3, Links())
 

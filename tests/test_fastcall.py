@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optcc_mpi import backend, collectives, fastcall
+from optcc_mpi import collectives, config, dtypes, fastcall, protocol
 
 
 def test_the_install_built_it() -> None:
@@ -16,11 +16,15 @@ def test_the_install_built_it() -> None:
 def test_off_switch_declines_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     """``OPTCC_FASTCALL=0``: no compiled call, and nothing for the caller to bind."""
     monkeypatch.setenv("OPTCC_FASTCALL", "0")
+    config.reload()
+    fastcall._extension.cache_clear()
     fastcall._module.cache_clear()
     try:
         assert not fastcall.available() and fastcall.fold_function() is None
     finally:
         monkeypatch.undo()
+        config.reload()
+        fastcall._extension.cache_clear()
         fastcall._module.cache_clear()
     assert fastcall.available()
 
@@ -65,9 +69,9 @@ def test_format_table_matches_the_header_codes() -> None:
     table = fastcall._formats()
     assert {"f", "d"} <= {row[0] for row in table}
     for fmt, code, itemsize, mask, _ in table:
-        name = list(backend.DTYPES)[code]
-        dt = backend.DTYPES[name]
+        name = list(dtypes.DTYPES)[code]
+        dt = dtypes.DTYPES[name]
         assert memoryview(np.empty(1, dt)).format == fmt and dt.itemsize == itemsize
-        assert collectives._DTYPE_CODE[name] == code
-        for i, op in enumerate(backend.OPS):
-            assert bool(mask >> i & 1) == ((op, name) in collectives._VALID)
+        assert protocol.DTYPE_CODE[name] == code
+        for i, op in enumerate(dtypes.OPS):
+            assert bool(mask >> i & 1) == ((op, name) in dtypes.VALID_PAIRS)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi import collectives, fastcall
+from optcc_mpi import collectives, config, fastcall
 from optcc_mpi.collectives import last_stats
-from optcc_mpi.comm import FOLD_MIN, FOLD_TOTAL
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
@@ -40,7 +40,9 @@ def answers(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
     monkeypatch.setattr(collectives, "_FOLD", counted)
     monkeypatch.delenv("OPTCC_LINKS", raising=False)
+    config.reload()
     monkeypatch.delenv("OPTCC_EMULATE", raising=False)
+    config.reload()
     return seen
 
 
@@ -198,6 +200,7 @@ def test_it_declines_what_it_does_not_handle(
         optcc_mpi.allreduce(be, np.empty_like(be))
     assert answers["done"] == taken
     monkeypatch.setenv("OPTCC_LINKS", f"{p - 1}:0.5")
+    config.reload()
     calls = sum(answers.values())
     y = optcc_mpi.allreduce(x, np.empty_like(x))
     np.testing.assert_array_equal(y, float(p))

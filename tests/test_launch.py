@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from optcc_mpi import config
 from optcc_mpi.errors import MPIUnavailableError
 from optcc_mpi.lab import launch
 
@@ -144,6 +145,7 @@ def test_mismatched_mpiexec_is_refused(
 ) -> None:
     fake = _fake(tmp_path, "mpiexec", version_text)
     monkeypatch.setenv("OPTCC_MPIEXEC", fake)
+    config.reload()
     assert launch.mpiexec_flavour(fake) == flavour
     with pytest.raises(MPIUnavailableError, match="every rank would start alone") as err:
         launch.launcher(library=library)
@@ -153,6 +155,7 @@ def test_mismatched_mpiexec_is_refused(
 def test_open_mpi_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _fake(tmp_path, "mpiexec", OMPI_VERSION)
     monkeypatch.setenv("OPTCC_MPIEXEC", fake)
+    config.reload()
     monkeypatch.setattr(launch, "_is_root", lambda: True)
     argv = launch.launcher(library=OPENMPI).argv(4)
     assert argv == [fake, "-n", "4", "--oversubscribe", "--allow-run-as-root"]
@@ -182,12 +185,14 @@ def test_srun_inside_slurm_picks_the_plugin_of_the_library(
     assert env["PMIX_MCA_psec"] == "native"
     assert "Slurm job 77" in ompi.describe()
     monkeypatch.setenv("OPTCC_SRUN_MPI", "pmix_v4")
+    config.reload()
     assert launch.launcher(library=MPICH).argv(2)[1] == "--mpi=pmix_v4"
 
 
 def test_custom_launcher_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("OPTCC_LAUNCHER", "env OPTCC_FAKE_RANKS={ranks} --")
+    config.reload()
     chosen = launch.launcher(library=MPICH)
     assert chosen.kind == "custom"
     assert chosen.argv(5) == ["env", "OPTCC_FAKE_RANKS=5", "--"]
@@ -198,8 +203,10 @@ def test_custom_launcher_wins(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_find_mpiexec_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert launch.find_mpiexec() == str(Path(sys.executable).parent / "mpiexec")
     monkeypatch.setenv("OPTCC_MPIEXEC", "/opt/site/bin/mpiexec")
+    config.reload()
     assert launch.find_mpiexec() == "/opt/site/bin/mpiexec"
     monkeypatch.delenv("OPTCC_MPIEXEC")
+    config.reload()
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(MPIUnavailableError, match="pip install mpich"):

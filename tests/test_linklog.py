@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optcc_mpi import linklog
+from optcc_mpi import config, linklog
 from optcc_mpi.cli import main as cli_main
 from optcc_mpi.lab import report
 from optcc_mpi.links import Links
@@ -75,8 +75,10 @@ def test_calls_are_written_when_something_changes(tmp_path: Path) -> None:
 
 def test_which_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(linklog.ENV_LINKS_LOG, raising=False)
+    config.reload()
     assert linklog.from_env() is None
     monkeypatch.setenv(linklog.ENV_LINKS_LOG, str(tmp_path / "env.jsonl"))
+    config.reload()
     assert linklog.from_env().path == tmp_path / "env.jsonl"
     with linklog.recording(tmp_path / "given.jsonl"):
         assert linklog.from_env().path == tmp_path / "given.jsonl"
@@ -136,8 +138,10 @@ def test_other_ranks_and_unwatched_runs_write_nothing(
         w.record(1, [], schedule=sched("optcc"))
     assert w.changes and not path.exists()
     monkeypatch.delenv(linklog.ENV_LINKS_LOG, raising=False)
+    config.reload()
     assert LinkWatch(4).log is None  # no file named: no log at all
     monkeypatch.setenv(linklog.ENV_LINKS_LOG, str(path))
+    config.reload()
     assert LinkWatch(4).log.path == path
 
 

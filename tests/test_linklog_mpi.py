@@ -13,9 +13,9 @@ import pytest
 import optcc_mpi
 from optcc_mpi import linklog
 from optcc_mpi.collectives import _watch_of
-from optcc_mpi.comm import state_of
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
+from optcc_mpi.state import state_of
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi

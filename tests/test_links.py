@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from optcc_mpi import config
 from optcc_mpi.links import Links, parse_duration, parse_rate, parse_size
 
 
@@ -50,8 +51,10 @@ def test_from_vector_normalises() -> None:
 
 def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPTCC_LINKS", "1:0.25")
+    config.reload()
     assert Links.coerce(None).degraded == (1,)
     monkeypatch.delenv("OPTCC_LINKS")
+    config.reload()
     assert Links.coerce(None).healthy
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from optcc_mpi import model
+from optcc_mpi import config, model
 from optcc_mpi.cli import main as cli_main
 from optcc_mpi.lab import report, reproduce, sweep
 
@@ -47,7 +47,9 @@ def fake_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     prog = tmp_path / "fake_bench.py"
     prog.write_text(FAKE_BENCH)
     monkeypatch.setenv("OPTCC_LAUNCHER", "env OPTCC_FAKE_RANKS={ranks}")
+    config.reload()
     monkeypatch.setenv("OPTCC_PROGRAM", f"{sys.executable} {prog}")
+    config.reload()
     for var in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(var, raising=False)
     return tmp_path
@@ -251,6 +253,7 @@ def test_run_task_without_rows_is_a_failure(
     fake_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OPTCC_PROGRAM", f"{sys.executable} -c pass")
+    config.reload()
     table = _table(fake_env, "kind,algorithm\nallreduce,ring\n")
     assert sweep.run_task(table, 0, fake_env / "res", job="79") == 1
     (head,) = _records(fake_env / "res" / "79_0.jsonl")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optcc_mpi import algorithms, model, simulate
+from optcc_mpi import algorithms, config, model, simulate
 from optcc_mpi.algorithms import native as native_alg
 from optcc_mpi.algorithms import optcc as optcc_alg
 from optcc_mpi.algorithms import r2ccl as r2ccl_alg
@@ -198,8 +198,10 @@ def test_engines_agree(monkeypatch: pytest.MonkeyPatch) -> None:
         kw = dict(bw=1e9, latency=3e-6, reduce_bw=5e9, trace=True)
         fast = simulate.simulate(s, links, **kw)
         monkeypatch.setenv("OPTCC_SIM", "python")
+        config.reload()
         slow = simulate.simulate(s, links, **kw)
         monkeypatch.delenv("OPTCC_SIM")
+        config.reload()
         assert fast.params["engine"] == "c" and slow.params["engine"] == "python"
         assert fast.time == slow.time
         np.testing.assert_array_equal(fast.trace, slow.trace)

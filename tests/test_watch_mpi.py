@@ -11,16 +11,12 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi.collectives import (
-    _extra_fits,
-    _gathered_extra,
-    _watch_of,
-    choose_algorithm,
-    last_stats,
-)
-from optcc_mpi.comm import state_of
+from optcc_mpi.collectives import _watch_of, choose_algorithm, last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
+from optcc_mpi.protocol import extra_fits as _extra_fits
+from optcc_mpi.protocol import gathered_extra as _gathered_extra
+from optcc_mpi.state import state_of
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi

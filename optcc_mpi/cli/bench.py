@@ -48,7 +48,7 @@ examples:
 def check_args(args: argparse.Namespace) -> None:
     """Checks that involve several arguments (each alone was checked by its type);
     ValueError naming what the user typed. Runs before MPI is touched."""
-    from optcc_mpi.backend import DTYPES
+    from optcc_mpi.dtypes import DTYPES
 
     itemsize = DTYPES[args.dtype].itemsize
     for flag, value in (("-b/--begin", args.begin), ("-e/--end", args.end)):

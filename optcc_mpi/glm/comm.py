@@ -3,7 +3,7 @@
 :class:`Reducer` wraps whichever AllReduce the user chose:
 
 * ``"mpi"``: the MPI library's ``MPI_Allreduce``. 16-bit payloads travel as 2-byte words
-  reduced by the user-defined operation of :func:`optcc_mpi.backend.mpi_datatype_and_op`,
+  reduced by the user-defined operation of :func:`optcc_mpi.transports.mpi.mpi_datatype_and_op`,
   which adds in float32 and rounds each partial sum back to the payload format, as NCCL
   does for a bf16 AllReduce;
 * an :func:`optcc_mpi.allreduce` algorithm (``ring``, ``optcc``, ``r2ccl``, ``native``,
@@ -45,9 +45,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import agreement
-from ..backend import mpi_datatype_and_op
 from ..emulation import Emulation
 from ..errors import ArgumentError
+from ..transports.mpi import mpi_datatype_and_op
 
 __all__ = [
     "PATHS",

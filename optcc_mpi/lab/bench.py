@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi import config
-from optcc_mpi.backend import DTYPES
+from optcc_mpi.dtypes import DTYPES
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
 

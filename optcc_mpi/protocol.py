@@ -1,0 +1,254 @@
+"""The argument check's wire protocol: one collective of fixed shape, the same outcome
+everywhere.
+
+A collective whose ranks disagree (counts, types, ops, algorithms, link profiles) would
+hang or produce garbage, and a per-rank error (a bad buffer, a bad environment variable on
+one node) raised on one rank alone leaves the others waiting in the next collective. So
+every call first *agrees*: each rank checks its own arguments, environment variables
+included, then one collective of fixed shape tells every rank what every other rank has,
+and every rank takes the same decision: go on, or raise the same clear error before any
+buffer is modified.
+
+The block
+---------
+Each rank contributes a 96-byte header (:data:`FIELDS`: protocol version, error flag,
+element count, type, op, and checksums of the algorithm, link profile, emulation, array
+backend and parameters, the message's bytes and the room) followed by ``C`` bytes of room
+for data, and the blocks are gathered (:meth:`~optcc_mpi.transports.Transport.allgather_block`).
+``C`` is the same on every rank because every rank derives it from the headers of the
+previous call on that communicator (the largest message then, rounded up to a power of
+two, between :data:`~optcc_mpi.state.FOLD_MIN` and ``FOLD_TOTAL / p``): the block's shape
+never depends on the arguments of the current call, so the check can never mismatch,
+whatever the ranks pass.
+
+When the library's collective is what ``auto`` would run (short messages) and the data
+fits in ``C``, the data travels in the check itself: every rank then holds every rank's
+contribution and reduces them locally in rank order (:func:`reduce_gathered`), so the
+result is bit-identical on every rank by construction and the call costs one collective.
+Nothing else travels with the data: a checksum riding in the reduced buffer would change
+what the reduction sees.
+
+Above :data:`GATHER_MAX_P` ranks the gathered headers would grow with p, so the check is
+instead one element-wise maximum of the header and its negation
+(:func:`optcc_mpi.agreement.agree_fields`): still one small collective of fixed shape,
+without the data. On an error the ranks exchange their words in one more collective, so
+that every rank's exception names the rank and value at fault (:func:`disagreement`).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from optcc_mpi import agreement, fastcall
+from optcc_mpi.dtypes import DTYPES, LOW_PRECISION, NAME_OF, OPS
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.reductions import reduce_with
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CommState
+
+__all__ = [
+    "HEADER",
+    "HEADER_BYTES",
+    "PROTOCOL",
+    "FIELDS",
+    "GATHER_MAX_P",
+    "DTYPE_CODE",
+    "OP_CODE",
+    "Mismatch",
+    "code",
+    "capacity",
+    "agree",
+    "extra_fits",
+    "gathered_extra",
+    "fold_views",
+    "reduce_gathered",
+    "disagreement",
+]
+
+HEADER = struct.Struct("<12q")
+HEADER_BYTES = HEADER.size
+#: Identifies this version of the protocol (first header field).
+PROTOCOL = 0x0C7CC0002
+#: The header's fields, in order.
+FIELDS = (
+    "protocol",
+    "error",
+    "element count",
+    "dtype",
+    "op",
+    "algorithm",
+    "link profile",
+    "emulation",
+    "backend",
+    "params",
+    "bytes",
+    "capacity",
+)
+#: Largest communicator whose check gathers the headers (and can carry data).
+GATHER_MAX_P = 32
+DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
+OP_CODE = {name: i for i, name in enumerate(OPS)}
+
+
+@lru_cache(maxsize=512)
+def code(text: str) -> int:
+    """A header field's checksum of ``text``."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+class Mismatch(Exception):
+    """Some rank failed or the ranks disagree (every rank raises it: all saw the same)."""
+
+    def __init__(self, table: Any = None, bounds: Any = None) -> None:
+        super().__init__()
+        self.table, self.bounds = table, bounds
+
+
+def capacity(p: int, nbytes: int) -> int:
+    """Data room of the check for a message of ``nbytes``: the power of two from FOLD_MIN
+    up that holds it, or FOLD_MIN if none up to FOLD_TOTAL / p does."""
+    limit = max(FOLD_MIN, FOLD_TOTAL // max(p, 1))
+    cap = FOLD_MIN
+    while cap < nbytes and cap * 2 <= limit:
+        cap *= 2
+    return cap if nbytes <= cap else FOLD_MIN
+
+
+def fold_views(st: CommState, dtype: Any, nbytes: int) -> tuple[Any, list[Any]]:
+    """Typed views of the data room: this rank's block, and every rank's gathered row
+    (cached until the room changes)."""
+    lo, hi = HEADER_BYTES, HEADER_BYTES + nbytes
+    views = (
+        st.block[lo:hi].view(dtype),
+        [st.gathered[r, lo:hi].view(dtype) for r in range(st.size)],
+    )
+    if len(st.views) > 16:
+        st.views.clear()
+    st.views[(dtype, nbytes)] = views
+    return views
+
+
+def agree(
+    st: CommState,
+    fields: tuple[int, ...],
+    err: BaseException | None,
+    foldable: bool,
+    data: Any,
+    extra: np.ndarray | None = None,
+) -> bool:
+    """One collective of fixed shape; returns True if the data travelled with it (then
+    the gathered blocks hold every rank's data). ``foldable``: the call is one whose data
+    may travel with it, room permitting (then ``data`` is the 1-D NumPy input).
+    ``extra``: a small int64 vector to carry in the data room of a call whose data does
+    not travel (the watch's observations); read back with :func:`gathered_extra`. Raises
+    :class:`Mismatch` on every rank if any rank failed or the ranks disagree."""
+    p = st.size
+    if not fields:
+        fields = (PROTOCOL, 1) + (0,) * (len(FIELDS) - 2)
+    if p > GATHER_MAX_P:
+        lo, hi = agreement.agree_fields(st.transport, fields)
+        if err is not None or hi[1] or not np.array_equal(hi, lo):
+            raise Mismatch(bounds=(lo, hi))
+        return False
+    # The data room agreed at the previous call (the gathered blocks of that call were
+    # read before it changed).
+    if st.next_capacity != st.capacity or st.block is None:
+        st.ensure_capacity(st.next_capacity, HEADER_BYTES)
+    cap = st.capacity
+    nbytes = fields[10]
+    fold = foldable and nbytes <= cap
+    fields = fields[:11] + (cap * 4 + 2 * int(foldable) + int(fold),)
+    hb = HEADER.pack(*fields)
+    st.block_mv[:HEADER_BYTES] = hb
+    if fold and nbytes:
+        views = st.views.get((data.dtype, nbytes))
+        if views is None:
+            views = fold_views(st, data.dtype, nbytes)
+        np.copyto(views[0], data)
+    elif extra is not None and extra_fits(st, extra.size):
+        st.block[HEADER_BYTES : HEADER_BYTES + 8 * extra.size].view("<i8")[:] = extra
+    st.transport.allgather_block(st.block, st.gathered)
+    heads = st.heads
+    if err is None and heads.tobytes() == hb * p:
+        # Room for the next call: this call's size if its data could travel with the
+        # check, else the least (a large room would only slow the checks of calls whose
+        # data never travels with them; a watched call sets its own after running).
+        room = capacity(p, nbytes) if foldable else FOLD_MIN
+        if room != cap:
+            st.next_capacity = room
+        return fold
+    table = heads.copy().view("<i8")  # (p, fields)
+    # Every rank saw the same table: the same next room, then the same error.
+    st.next_capacity = FOLD_MIN
+    raise Mismatch(table=table)
+
+
+def extra_fits(st: CommState, n: int) -> bool:
+    """Whether ``n`` int64 travel in the check's data room (the same answer on every
+    rank: the room and the size of the communicator are agreed)."""
+    return st.size <= GATHER_MAX_P and st.block is not None and 8 * n <= st.capacity
+
+
+def gathered_extra(st: CommState, n: int) -> np.ndarray:
+    """Every rank's ``extra`` of the last check, one row per rank."""
+    return st.gathered[:, HEADER_BYTES : HEADER_BYTES + 8 * n].view("<i8")
+
+
+def reduce_gathered(st: CommState, opn: str, dtype: Any, nbytes: int, out: Any) -> None:
+    """Reduce every rank's data from the check's gather into ``out``, in rank order."""
+    kind = fastcall.reduce_kind(NAME_OF.get(dtype, "")) if opn == "sum" else 0
+    if kind and st.size > 1:
+        # The loop of the compiled path, so that both paths give the same bits.
+        fastcall.sum_rows(kind, out, st.gathered, HEADER_BYTES)
+        return
+    views = st.views.get((dtype, nbytes))
+    rows = views[1] if views is not None else fold_views(st, dtype, nbytes)[1]
+    if opn == "sum" and dtype not in LOW_PRECISION:
+        np.add(rows[0], rows[1], out=out)
+        for row in rows[2:]:
+            np.add(out, row, out=out)
+        return
+    np.copyto(out, rows[0])
+    for row in rows[1:]:
+        reduce_with(np, opn, out, row)
+
+
+def disagreement(
+    st: CommState,
+    err: BaseException | None,
+    mismatch: Mismatch,
+    shown: dict[str, str],
+    what: str = "allreduce",
+) -> None:
+    """Raise the same error on every rank (they all call this: every rank saw the same
+    headers). One more collective carries each rank's own words: a rank that failed
+    re-raises its own error, the others name it. ``shown``: what this rank passed, in
+    words, by field name."""
+    views = agreement.agree(st.transport, err, shown, what=f"{what}: arguments rejected")
+    if mismatch.table is not None:
+        table = mismatch.table
+        if len(set(int(x) for x in table[:, 0])) > 1:
+            raise ArgumentError(
+                f"{what}: ranks run different versions of optcc_mpi's agreement protocol"
+            )
+        columns = [table[:, i] for i in range(table.shape[1])]
+    else:
+        lo, hi = mismatch.bounds
+        columns = [np.array([lo[i], hi[i]]) for i in range(len(lo))]
+    for i in range(2, len(FIELDS) - 2):
+        col = columns[i]
+        if col.min() == col.max():
+            continue
+        field = FIELDS[i]
+        groups: dict[str, list[int]] = {}
+        for r, view in enumerate(views):
+            groups.setdefault(view.get(field, "?"), []).append(r)
+        detail = "; ".join(
+            f"{value} on {agreement.describe_ranks(rs)}" for value, rs in groups.items()
+        )
+        raise ArgumentError(f"{what}: {field} differs across ranks: {detail}")
+    raise ArgumentError(f"{what}: the ranks' arguments differ")  # pragma: no cover
