@@ -333,7 +333,9 @@ class _Run:
         self.raw = (
             None if staging or self.sync else [transport.message(backend, b) for b in self.buffers]
         )
-        self.pool = plan.temp_pool.setdefault((backend.name, getattr(buf.dtype, "str", str(buf.dtype))), {})
+        self.pool = plan.temp_pool.setdefault(
+            (backend.name, getattr(buf.dtype, "str", str(buf.dtype))), {}
+        )
         self.waiting = plan.waiting.copy()
         self.posted = [False] * n
         self.ready: deque[int] = deque(plan.ready)
