@@ -1,8 +1,9 @@
 """The file layout: format constants and versions, element types, blocks and chunks.
 
 What a dataset file holds is specified in ``docs/data.md``; this module holds the names and
-numbers that specification fixes (the layout version, the tasks a file may declare, the
-element types, the CSC copy's name) and the small pure helpers every other module of
+numbers that specification fixes (the layout version, the element types, the CSC copy's
+name; the tasks a file may declare, :data:`TASKS`, come with their label rules from
+:mod:`optcc_mpi.labels`) and the small pure helpers every other module of
 :mod:`optcc_mpi.data` shares: dtype names and casts, the 1D block-column split
 (:func:`column_block`) and the chunk policy (:func:`chunk_shape`).
 """
@@ -15,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import TASKS
 
 __all__ = [
     "LAYOUT_VERSION",
@@ -33,9 +35,6 @@ LAYOUT_VERSION = 1
 #: A minor version only adds what older readers of the same major version may ignore:
 #: 1 adds the column-compressed copy ``X_csc`` of a CSR ``X`` and HDF5 fletcher32 checksums.
 LAYOUT_MINOR = 1
-#: Tasks a dataset can declare (file attribute ``task``); their label domains are the GLM's,
-#: in :mod:`optcc_mpi.glm.labels`.
-TASKS = ("binary", "regression", "counts")
 #: Logical element types of ``X``.
 DTYPES = ("float64", "float32", "bfloat16")
 #: Name of the group holding the column-compressed (CSC) copy of a CSR ``X`` (layout 1.1).

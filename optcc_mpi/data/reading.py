@@ -30,6 +30,7 @@ import scipy.sparse as sp
 
 from optcc_mpi import agreement
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import binary_to_01, check_labels, infer_task
 
 from .layout import (
     _BF16,
@@ -54,18 +55,6 @@ from .validation import (
 )
 
 __all__ = ["Partition", "load_dense", "load_partition", "validate"]
-
-
-def _labels() -> Any:
-    """:mod:`optcc_mpi.glm.labels`, imported on first use.
-
-    Label domains are the GLM's. Importing them lazily keeps ``import optcc_mpi.data`` free
-    of the ``glm`` package, whose ``__init__`` imports the trainer and with it mpi4py (and
-    ``glm.models`` imports this package: a top-level import would be circular).
-    """
-    from optcc_mpi.glm import labels
-
-    return labels
 
 
 def validate(
@@ -128,8 +117,8 @@ def validate(
                 for p in range(pieces):
                     cols = column_block(n, pieces, p)
                     _read_dense_block(f["X"], info["dtype"], info["dtype"], 0, m, cols, p, path)
-            task = info["task"] or _labels().infer_task(y)
-            _labels().check_labels(y, task)
+            task = info["task"] or infer_task(y)
+            check_labels(y, task)
     if size is not None:
         column_block(info["n_features"], int(size), 0)
     return info
@@ -514,11 +503,11 @@ def load_partition(
                     X = sp.hstack([X, col], format="csr")
             else:
                 X = _read_dense_block(f["X"], stored, target, r0, r1, fcols, rank, path, ones)
-        task = info["task"] or _labels().infer_task(y)
+        task = info["task"] or infer_task(y)
         if task == "binary":
             # Files from other tools may hold {-1, +1}; the trainer expects {0, 1}. Any other
             # domain problem is left to the trainer's check_labels().
-            y = _labels().binary_to_01(y)
+            y = binary_to_01(y)
         attrs = dict(info["attrs"])
         if intercept:
             attrs["intercept_column"] = n_file

@@ -6,7 +6,7 @@
 1. **scan**: parse and check every line, including that every value fits the stored dtype
    (``1e39`` does not fit float32 or bfloat16: the error names the file and line); count
    rows, nonzeros and nonzeros per column; record the label domains
-   (:class:`optcc_mpi.glm.labels.LabelScan`);
+   (:class:`optcc_mpi.labels.LabelScan`);
 2. **write**: parse again and write ``X`` (dense, one row of chunks at a time; or CSR,
    appended block by block) and ``y`` into a temporary file renamed over the output at the
    end. For CSR output the entries are also spilled, by column band, to temporary files
@@ -35,6 +35,7 @@ from typing import IO, Any
 import numpy as np
 
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import LabelScan
 from optcc_mpi.progress import Progress
 
 from .layout import (
@@ -279,7 +280,7 @@ def _parse_block(block: bytes, first_line: int, src: Path, dtype: str) -> _Block
 class _Scan:
     """What the first pass learns: sizes, index range, labels, nonzeros per column."""
 
-    labels: Any  # optcc_mpi.glm.labels.LabelScan
+    labels: LabelScan
     rows: int = 0
     nnz: int = 0
     min_idx: int | None = None
@@ -415,8 +416,6 @@ def convert_svmlight(
         number and text are in the message), a corrupt compressed input, labels that do not
         fit a forced task, an ``n_features`` smaller than the indices, unknown options.
     """
-    from optcc_mpi.glm.labels import LabelScan  # the GLM's label domains, imported on use
-
     t0 = time.perf_counter()
     name = _dtype_name(dtype)
     if layout not in ("auto", "dense", "csr"):

@@ -23,6 +23,8 @@ import numpy as np
 import scipy.sparse as sp
 
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import check_labels
+from optcc_mpi.progress import Progress
 
 from .layout import (
     _OPAQUE2,
@@ -36,6 +38,7 @@ from .layout import (
     _to_storage,
     chunk_shape,
 )
+from .validation import _SPARSE_SLAB, _header, _open, check_indptr, check_minor_indices, guard
 
 __all__ = ["add_csc", "write_dataset"]
 
@@ -225,7 +228,7 @@ def write_dataset(
         Dense arrays are stored dense, sparse matrices as CSR (duplicates summed, indices
         sorted).
     y : array_like of shape (m,)
-        Labels, checked with :func:`optcc_mpi.glm.labels.check_labels` (binary {-1, +1} are
+        Labels, checked with :func:`optcc_mpi.labels.check_labels` (binary {-1, +1} are
         stored as {0, 1}).
     task : {'binary', 'regression', 'counts'}
     origin : str
@@ -301,8 +304,6 @@ def write_dataset(
         source = np.asarray(values)[k]
         note = f" (overflow: {source} does not fit {name})" if np.isfinite(source) else ""
         raise DatasetError(f"non-finite value {stored[k]} in X at {where}{note}")
-    from optcc_mpi.glm.labels import check_labels  # the GLM's label domains; see reading
-
     y = check_labels(y, task)
     path = Path(path)
     with _atomic_h5(path) as f:
@@ -442,10 +443,6 @@ def add_csc(path: str | os.PathLike, *, checksum: bool = True, progress: bool = 
     DatasetError
         ``X`` is dense, or its CSR arrays are malformed (the message names the position).
     """
-    from optcc_mpi.progress import Progress
-
-    from .validation import _SPARSE_SLAB, _header, _open, check_indptr, check_minor_indices, guard
-
     path = Path(path)
     with _open(path) as f:
         info = _header(f, path)

@@ -19,11 +19,13 @@ import scipy.sparse as sp
 from mpi4py import MPI
 
 from .. import config as _config
+from ..backend import get_cupy
+from ..data import column_block
 from ..progress import Progress
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Reducer, agree, checksum
 from .kernels import GRAM_LAYOUTS, LocalData
-from .models import get_model
+from .models import get_model, model_for_task
 from .precision import Recipe, get_recipe, rounded
 from .solvers import (
     DIVERGENCE_FACTOR,
@@ -35,14 +37,6 @@ from .solvers import (
 )
 
 __all__ = ["FitResult", "column_block", "fit", "fit_partition", "resolve_device"]
-
-
-def column_block(n_features: int, size: int, rank: int) -> slice:
-    """Columns of rank ``rank`` in the 1D block-column layout (as :mod:`optcc_mpi.data`
-    splits files, so arrays split here and files loaded there agree)."""
-    from optcc_mpi import data
-
-    return data.column_block(n_features, size, rank)
 
 
 def resolve_device(device: Any) -> Any:
@@ -60,8 +54,6 @@ def resolve_device(device: Any) -> Any:
         return np
     if name not in ("gpu", "auto"):
         raise ValueError(f"unknown device {device!r}; choose cpu, gpu or auto")
-    from optcc_mpi.backend import get_cupy
-
     cp = get_cupy()
     if cp is not None:
         return cp
@@ -521,7 +513,5 @@ def fit_partition(partition: Any, **kwargs: Any) -> FitResult:
 
     The model defaults to the one matching the partition's ``task``.
     """
-    from .models import model_for_task
-
     kwargs.setdefault("model", model_for_task(partition.task))
     return fit(partition.X, partition.y, cols=partition.cols, **kwargs)
