@@ -11,7 +11,7 @@
    appended block by block) and ``y`` into a temporary file renamed over the output at the
    end. For CSR output the entries are also spilled, by column band, to temporary files
    beside the output and then sorted band by band into the CSC copy ``X_csc``
-   (:class:`~optcc_mpi.data.writing._CSCBuilder`).
+   (:class:`~optcc_mpi.data.writing.CSCBuilder`).
 
 Memory does not grow with the number of rows; ``docs/data.md`` gives the measured peaks.
 """
@@ -40,22 +40,22 @@ from optcc_mpi.progress import Progress
 
 from .layout import (
     TASKS,
-    _cast,
-    _dtype_name,
-    _first_bad,
-    _largest,
-    _np_dtype,
-    _to_storage,
+    cast_to,
+    dtype_name,
+    first_true,
+    largest_finite,
+    numpy_dtype,
+    storage_view,
 )
 from .writing import (
-    _atomic_h5,
-    _create_csc,
-    _create_csr,
-    _create_dense,
-    _create_y,
-    _CSCBuilder,
-    _filters,
-    _write_common_attrs,
+    CSCBuilder,
+    atomic_h5,
+    create_csc,
+    create_csr,
+    create_dense,
+    create_y,
+    h5_filters,
+    write_common_attrs,
 )
 
 __all__ = ["convert_svmlight"]
@@ -243,31 +243,32 @@ def _parse_block(block: bytes, first_line: int, src: Path, dtype: str) -> _Block
 
     badlab = ~np.isfinite(labels)
     if badlab.any():
-        r = _first_bad(badlab)
+        r = first_true(badlab)
         raise fail(None, f"label {labels[r]} is not finite", row=r)
     badidx = (idx < 0) | (idx != np.floor(idx)) | (idx >= 2**62)
     if badidx.any():
-        k = _first_bad(badidx)
+        k = first_true(badidx)
         raise fail(k, f"feature index {idx[k]:g} is not a non-negative integer")
     badval = ~np.isfinite(val)
     if badval.any():
-        k = _first_bad(badval)
+        k = first_true(badval)
         raise fail(k, f"feature value {val[k]} is not finite")
-    stored = _cast(val, dtype)
+    stored = cast_to(val, dtype)
     over = ~np.isfinite(stored)
     if over.any():
-        k = _first_bad(over)
+        k = first_true(over)
         raise fail(
             k,
             f"feature value {val[k]:g} overflows {dtype} (largest finite value "
-            f"{_largest(dtype):g}); store as float64 (--dtype float64) or rescale the feature",
+            f"{largest_finite(dtype):g}); store as float64 (--dtype float64) or rescale the "
+            "feature",
         )
     if idx.size > 1:
         unsorted = idx[1:] <= idx[:-1]
         first = row_start[(row_start > 0) & (counts > 0)]
         unsorted[first - 1] = False  # a row's first index is not compared with the last row
         if unsorted.any():
-            k = _first_bad(unsorted) + 1
+            k = first_true(unsorted) + 1
             raise fail(
                 k,
                 f"feature indices must be strictly increasing (index {idx[k]:g} follows "
@@ -299,7 +300,7 @@ class _Scan:
             lo, hi = int(blk.idx.min()), int(blk.idx.max())
             row_of = np.repeat(np.arange(blk.counts.size), blk.counts)
             if lo == 0 and self.zero_line is None:
-                self.zero_line = int(blk.lines[row_of[_first_bad(blk.idx == 0)]])
+                self.zero_line = int(blk.lines[row_of[first_true(blk.idx == 0)]])
             if self.max_idx is None or hi > self.max_idx:
                 self.max_idx = hi
                 self.max_line = int(blk.lines[row_of[int(np.argmax(blk.idx))]])
@@ -417,14 +418,14 @@ def convert_svmlight(
         fit a forced task, an ``n_features`` smaller than the indices, unknown options.
     """
     t0 = time.perf_counter()
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     if layout not in ("auto", "dense", "csr"):
         raise DatasetError(f"unknown layout {layout!r}; expected auto, dense or csr")
     if zero_based not in ("auto", True, False):
         raise DatasetError(f"zero_based must be 'auto', True or False, got {zero_based!r}")
     if task is not None and task not in TASKS:
         raise DatasetError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
-    _filters(compression)
+    h5_filters(compression)
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise FileNotFoundError(f"svmlight file not found: {src}")
@@ -487,15 +488,15 @@ def convert_svmlight(
     spill = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".spill", dir=dst.parent))
     try:
         with (
-            _atomic_h5(dst, rdcc_nbytes=16 << 20) as f,
+            atomic_h5(dst, rdcc_nbytes=16 << 20) as f,
             Progress(m, "convert 2/2 write", enabled=progress, unit="rows") as bar,
         ):
-            ydset = _create_y(f, m, compression, checksum)
+            ydset = create_y(f, m, compression, checksum)
             r = 0
             if layout == "dense":
-                ds = _create_dense(f, m, n, name, chunk_cols, compression, checksum)
+                ds = create_dense(f, m, n, name, chunk_cols, compression, checksum)
                 ch = ds.chunks[0]
-                buf = np.zeros((min(ch, m), n), dtype=_np_dtype(name))
+                buf = np.zeros((min(ch, m), n), dtype=numpy_dtype(name))
                 filled = 0  # rows of buf in use; buf holds global rows r - filled .. r
                 for block, line, _ in _text_blocks(src):
                     blk = _parse_block(block, line, src, name)
@@ -514,13 +515,13 @@ def convert_svmlight(
                         i += take
                         r += take
                         if filled == buf.shape[0] or r == m:
-                            ds[r - filled : r] = _to_storage(buf[:filled])
+                            ds[r - filled : r] = storage_view(buf[:filled])
                             buf[:filled] = 0
                             filled = 0
                     bar.update(blk.labels.size)
             else:
-                g = _create_csr(f, m, n, nnz, name, compression, checksum)
-                builder = _CSCBuilder(counts, m, name, spill) if write_csc else None
+                g = create_csr(f, m, n, nnz, name, compression, checksum)
+                builder = CSCBuilder(counts, m, name, spill) if write_csc else None
                 k = 0
                 g["indptr"][0] = 0
                 for block, line, _ in _text_blocks(src):
@@ -535,7 +536,7 @@ def convert_svmlight(
                     ydset[r : r + size] = labels(blk)
                     g["indptr"][r + 1 : r + 1 + size] = k + np.cumsum(blk.counts)
                     g["indices"][k : k + blk.idx.size] = blk.idx - shift
-                    g["data"][k : k + blk.idx.size] = _to_storage(blk.val)
+                    g["data"][k : k + blk.idx.size] = storage_view(blk.val)
                     if builder is not None:
                         rows = np.repeat(np.arange(r, r + size, dtype=np.int64), blk.counts)
                         builder.add(rows, blk.idx - shift, blk.val)
@@ -544,10 +545,10 @@ def convert_svmlight(
                     bar.update(size)
                 if builder is not None:
                     _check_unchanged(src, r, m, final=True)
-                    c = _create_csc(f, m, n, nnz, name, compression, checksum)
+                    c = create_csc(f, m, n, nnz, name, compression, checksum)
                     builder.finish(c, src)
             _check_unchanged(src, r, m, final=True)
-            _write_common_attrs(
+            write_common_attrs(
                 f,
                 task=task,
                 origin=origin or f"converted from svmlight file {src.name}",
