@@ -39,7 +39,6 @@ the MPI library reduces. Only the ``native`` algorithm asks MPI to reduce
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -71,9 +70,6 @@ __all__ = [
     "cupy_status",
     "cuda_aware_mpi",
     "get_cupy",
-    "gram_bf16",
-    "gemm_nt_plan",
-    "apply_plan",
 ]
 
 
@@ -881,144 +877,3 @@ def _library_wraps(datatype: Any, mpi_op: Any, dtype: np.dtype, prod: bool) -> b
         expected = a * b if prod else a + b
     mpi_op.Reduce_local([a, datatype], [b, datatype])
     return bool(np.array_equal(b, expected))
-
-
-# -- bf16 Gram on the GPU (CA-SGD's recipe C) --------------------------------------------------
-# CuPy's public dot/matmul on bf16 operands returns bf16 (the fp32 accumulator is rounded on
-# store) and ``out=`` must match the operand dtype, so "bf16 inputs, fp32 result" is reached
-# by calling cublasGemmEx directly. The argument bookkeeping is a pure function the CPU test
-# suite checks against NumPy.
-# cuBLAS / CUDA enum values (cublas_api.h, library_types.h); used when the Python binding
-# does not export a name.
-CUBLAS_OP_N = 0
-CUBLAS_OP_T = 1
-CUDA_R_32F = 0
-CUDA_R_16BF = 14
-CUBLAS_COMPUTE_32F = 68
-CUBLAS_GEMM_DEFAULT = -1
-
-
-def gemm_nt_plan(m: int, n: int, k: int) -> dict[str, int]:
-    """cuBLAS arguments computing row-major ``C = A @ B.T``.
-
-    ``A`` is ``m x k``, ``B`` is ``n x k`` and ``C`` is ``m x n``, all C-contiguous. A
-    row-major matrix is its transpose in column-major storage, so cuBLAS is asked for
-    ``C^T = B @ A^T``: its first operand is ``B`` read transposed (stored as the
-    column-major ``k x n`` matrix ``B^T``, leading dimension ``k``), its second is ``A``
-    as stored (column-major ``k x m``, leading dimension ``k``), and the column-major
-    ``n x m`` result with leading dimension ``n`` is ``C`` row-major.
-
-    Returns
-    -------
-    dict
-        ``transa, transb, m, n, k, lda, ldb, ldc`` for ``gemmEx``, and ``first``/``second``
-        naming which row-major operand (``"A"`` or ``"B"``) goes in each pointer slot.
-    """
-    if min(m, n, k) < 1:
-        raise ValueError(f"GEMM sizes must be positive, got m={m}, n={n}, k={k}")
-    return {
-        "transa": CUBLAS_OP_T,
-        "transb": CUBLAS_OP_N,
-        "m": n,
-        "n": m,
-        "k": k,
-        "lda": k,
-        "ldb": k,
-        "ldc": n,
-        "first": "B",
-        "second": "A",
-    }
-
-
-def apply_plan(plan: dict[str, int], A: np.ndarray, B: np.ndarray) -> np.ndarray:
-    """Execute a :func:`gemm_nt_plan` the way cuBLAS would, with NumPy (for tests).
-
-    Each pointer is read as a column-major matrix with the plan's leading dimension, the
-    operations are applied, and the column-major result is returned as the row-major
-    ``C`` that the caller would see.
-    """
-    ops = {"A": np.ascontiguousarray(A), "B": np.ascontiguousarray(B)}
-
-    def colmajor(flat: np.ndarray, rows: int, cols: int, ld: int) -> np.ndarray:
-        # Element (i, j) of a column-major matrix with leading dimension ld is flat[i + j*ld].
-        return flat.reshape(-1)[: ld * cols].reshape(cols, ld).T[:rows, :]
-
-    M, N, K = plan["m"], plan["n"], plan["k"]
-    a_rows, a_cols = (K, M) if plan["transa"] == CUBLAS_OP_T else (M, K)
-    b_rows, b_cols = (N, K) if plan["transb"] == CUBLAS_OP_T else (K, N)
-    a = colmajor(ops[plan["first"]].astype(np.float64), a_rows, a_cols, plan["lda"])
-    b = colmajor(ops[plan["second"]].astype(np.float64), b_rows, b_cols, plan["ldb"])
-    op_a = a.T if plan["transa"] == CUBLAS_OP_T else a
-    op_b = b.T if plan["transb"] == CUBLAS_OP_T else b
-    c = op_a @ op_b  # column-major M x N result, leading dimension ldc == M
-    flat = np.asfortranarray(c).ravel(order="F")
-    return flat.reshape(N, plan["ldc"])[:, :M]
-
-
-def _cublas(cp: Any) -> Any:
-    lib = getattr(getattr(cp, "cuda", None), "cublas", None)
-    if lib is not None and hasattr(lib, "gemmEx"):
-        return lib
-    return importlib.import_module("cupy_backends.cuda.libs.cublas")  # CuPy's own binding
-
-
-def gram_bf16(cp: Any, Y: Any, *, cublas: Any = None) -> Any:
-    """Return ``Y @ Y.T`` in float32 from a bf16 device matrix, accumulating in fp32.
-
-    Parameters
-    ----------
-    cp : module
-        The ``cupy`` module (passed in so that this module never imports it).
-    Y : cupy.ndarray
-        C-contiguous ``(rows, k)`` bfloat16 array on the current device.
-    cublas : module, optional
-        The low-level cuBLAS binding; defaults to CuPy's.
-
-    Returns
-    -------
-    cupy.ndarray
-        ``(rows, rows)`` float32 Gram matrix.
-
-    Notes
-    -----
-    Devices before compute capability 8.0 have no bf16 tensor-core GEMM; there the inputs
-    are widened to float32 and multiplied with CuPy's fp32 GEMM (same values, since bf16 is
-    exact in fp32).
-    """
-    if not cp.is_available():
-        raise RuntimeError("gram_bf16 needs a CUDA device (cupy.is_available() is False)")
-    Y = cp.ascontiguousarray(Y)
-    rows, k = Y.shape
-    major = int(cp.cuda.Device().compute_capability) // 10
-    if major < 8:
-        Yf = Y.astype(cp.float32)
-        return Yf @ Yf.T
-    lib = cublas if cublas is not None else _cublas(cp)
-    plan = gemm_nt_plan(rows, rows, k)
-    out = cp.empty((rows, rows), dtype=cp.float32)
-    one = np.array(1.0, dtype=np.float32)
-    zero = np.array(0.0, dtype=np.float32)
-    bf16 = getattr(cp.cuda.runtime, "CUDA_R_16BF", CUDA_R_16BF)
-    f32 = getattr(cp.cuda.runtime, "CUDA_R_32F", CUDA_R_32F)
-    lib.gemmEx(
-        cp.cuda.device.get_cublas_handle(),
-        plan["transa"],
-        plan["transb"],
-        plan["m"],
-        plan["n"],
-        plan["k"],
-        one.ctypes.data,  # alpha/beta are host scalars (default pointer mode)
-        Y.data.ptr,
-        bf16,
-        plan["lda"],
-        Y.data.ptr,
-        bf16,
-        plan["ldb"],
-        zero.ctypes.data,
-        out.data.ptr,
-        f32,
-        plan["ldc"],
-        getattr(lib, "CUBLAS_COMPUTE_32F", CUBLAS_COMPUTE_32F),
-        getattr(lib, "CUBLAS_GEMM_DEFAULT", CUBLAS_GEMM_DEFAULT),
-    )
-    return out
