@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import h5py
 import numpy as np
 
 from optcc_mpi.errors import DatasetError
@@ -429,10 +430,72 @@ def convert_svmlight(
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise FileNotFoundError(f"svmlight file not found: {src}")
-    total = src.stat().st_size
 
+    scan = _scan_pass(src, name, progress)
+    plan = _plan(
+        scan,
+        src,
+        task=task,
+        zero_based=zero_based,
+        n_features=n_features,
+        layout=layout,
+        csc=csc,
+        storage=_Storage(name, compression, bool(checksum), chunk_cols),
+    )
+    attrs = {
+        "source_file": src.name,
+        "zero_based": plan.zero_based,
+        "label_encoding": plan.encoding,
+    }
+    # The CSC copy's spill files go beside the output: same file system, which must hold
+    # the output anyway, and not a /tmp that may be small or in memory.
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    spill = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".spill", dir=dst.parent))
+    try:
+        with (
+            atomic_h5(dst, rdcc_nbytes=16 << 20) as f,
+            Progress(plan.m, "convert 2/2 write", enabled=progress, unit="rows") as bar,
+        ):
+            if plan.layout == "dense":
+                rows = _write_dense(f, src, plan, bar)
+            else:
+                rows = _write_csr(f, src, plan, spill, bar)
+            _check_unchanged(src, rows, plan.m, final=True)
+            write_common_attrs(
+                f,
+                task=plan.task,
+                origin=origin or f"converted from svmlight file {src.name}",
+                licence=licence or "unknown (not recorded at conversion)",
+                m=plan.m,
+                n=plan.n,
+                attrs=attrs,
+            )
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    return {
+        "path": str(dst),
+        "rows": plan.m,
+        "n_features": plan.n,
+        "nnz": plan.nnz,
+        "density": plan.density,
+        "layout": plan.layout,
+        "csc": plan.csc_counts is not None,
+        "dtype": name,
+        "task": plan.task,
+        "zero_based": plan.zero_based,
+        "label_encoding": plan.encoding,
+        "checksum": bool(checksum),
+        "seconds": seconds,
+        "text_bytes": scan.bytes_text,
+        "rows_per_second": plan.m / seconds if seconds > 0 else float("inf"),
+    }
+
+
+def _scan_pass(src: Path, name: str, progress: bool) -> _Scan:
+    """Pass 1: parse and check every line; count rows, nonzeros, columns; see the labels."""
     scan = _Scan(labels=LabelScan())
-    with Progress(total, "convert 1/2 scan", enabled=progress, unit="B") as bar:
+    with Progress(src.stat().st_size, "convert 1/2 scan", enabled=progress, unit="B") as bar:
         done = 0
         for block, line, pos in _text_blocks(src):
             scan.add(_parse_block(block, line, src, name))
@@ -441,6 +504,62 @@ def convert_svmlight(
             done = pos
     if scan.rows == 0:
         raise DatasetError(f"{src}: no data lines")
+    return scan
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """How ``X`` is stored: dtype name, compression, checksums, dense chunk width."""
+
+    dtype: str
+    compression: str | None
+    checksum: bool
+    chunk_cols: int | None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the second pass writes, decided from the first pass and the options."""
+
+    task: str
+    #: ``"{-1,+1} -> {0,1}"`` when binary labels are rewritten, else None.
+    encoding: str | None
+    zero_based: bool
+    m: int
+    n: int
+    nnz: int
+    #: ``dense`` or ``csr``.
+    layout: str
+    #: Nonzeros per column when the CSC copy is written, else None.
+    csc_counts: np.ndarray | None
+    storage: _Storage
+
+    @property
+    def shift(self) -> int:
+        """Subtracted from a file's feature index to give the column."""
+        return 0 if self.zero_based else 1
+
+    @property
+    def density(self) -> float:
+        return self.nnz / (self.m * self.n)
+
+    def labels(self, blk: _Block) -> np.ndarray:
+        """A block's labels as stored (binary {-1, +1} as {0, 1})."""
+        return (blk.labels > 0).astype(np.float64) if self.encoding else blk.labels
+
+
+def _plan(
+    scan: _Scan,
+    src: Path,
+    *,
+    task: str | None,
+    zero_based: bool | str,
+    n_features: int | None,
+    layout: str,
+    csc: bool,
+    storage: _Storage,
+) -> _Plan:
+    """Check the options against what the first pass saw, and settle the output's shape."""
     task = task or scan.labels.task()
     encoding = scan.labels.encoding(task, str(src))
     if zero_based == "auto":
@@ -464,116 +583,79 @@ def convert_svmlight(
     if n < 1:
         raise DatasetError(f"{src}: no features (every line has only a label)")
     m, nnz = scan.rows, scan.nnz
-    density = nnz / (m * n)
     if layout == "auto":
-        layout = "dense" if density >= _DENSE_MIN_DENSITY else "csr"
-    write_csc = bool(csc) and layout == "csr" and scan.col_counts is not None
-    if write_csc:
+        layout = "dense" if nnz / (m * n) >= _DENSE_MIN_DENSITY else "csr"
+    counts = None
+    if csc and layout == "csr" and scan.col_counts is not None:
         counts = np.zeros(n, np.int64)
         raw = scan.col_counts[shift : shift + n]
         counts[: raw.size] = raw
-    scan.col_counts = None
+    scan.col_counts = None  # the first pass's largest array: free it before the second
+    return _Plan(task, encoding, bool(zero_based), m, n, nnz, layout, counts, storage)
 
-    def labels(blk: _Block) -> np.ndarray:
-        return (blk.labels > 0).astype(np.float64) if encoding else blk.labels
 
-    attrs = {
-        "source_file": src.name,
-        "zero_based": bool(zero_based),
-        "label_encoding": encoding,
-    }
-    # The CSC copy's spill files go beside the output: same file system, which must hold
-    # the output anyway, and not a /tmp that may be small or in memory.
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    spill = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".spill", dir=dst.parent))
-    try:
-        with (
-            atomic_h5(dst, rdcc_nbytes=16 << 20) as f,
-            Progress(m, "convert 2/2 write", enabled=progress, unit="rows") as bar,
-        ):
-            ydset = create_y(f, m, compression, checksum)
-            r = 0
-            if layout == "dense":
-                ds = create_dense(f, m, n, name, chunk_cols, compression, checksum)
-                ch = ds.chunks[0]
-                buf = np.zeros((min(ch, m), n), dtype=numpy_dtype(name))
-                filled = 0  # rows of buf in use; buf holds global rows r - filled .. r
-                for block, line, _ in _text_blocks(src):
-                    blk = _parse_block(block, line, src, name)
-                    _check_unchanged(src, r + blk.labels.size, m)
-                    ydset[r : r + blk.labels.size] = labels(blk)
-                    offsets = np.concatenate(([0], np.cumsum(blk.counts)))
-                    i = 0
-                    while i < blk.labels.size:
-                        take = min(blk.labels.size - i, buf.shape[0] - filled)
-                        a, b = offsets[i], offsets[i + take]
-                        local = np.repeat(
-                            np.arange(filled, filled + take), blk.counts[i : i + take]
-                        )
-                        buf[local, blk.idx[a:b] - shift] = blk.val[a:b]
-                        filled += take
-                        i += take
-                        r += take
-                        if filled == buf.shape[0] or r == m:
-                            ds[r - filled : r] = storage_view(buf[:filled])
-                            buf[:filled] = 0
-                            filled = 0
-                    bar.update(blk.labels.size)
-            else:
-                g = create_csr(f, m, n, nnz, name, compression, checksum)
-                builder = CSCBuilder(counts, m, name, spill) if write_csc else None
-                k = 0
-                g["indptr"][0] = 0
-                for block, line, _ in _text_blocks(src):
-                    blk = _parse_block(block, line, src, name)
-                    size = blk.labels.size
-                    _check_unchanged(src, r + size, m)
-                    if k + blk.idx.size > nnz:
-                        raise DatasetError(
-                            f"{src}: the file changed during conversion (more than the {nnz} "
-                            "nonzeros of the first pass)"
-                        )
-                    ydset[r : r + size] = labels(blk)
-                    g["indptr"][r + 1 : r + 1 + size] = k + np.cumsum(blk.counts)
-                    g["indices"][k : k + blk.idx.size] = blk.idx - shift
-                    g["data"][k : k + blk.idx.size] = storage_view(blk.val)
-                    if builder is not None:
-                        rows = np.repeat(np.arange(r, r + size, dtype=np.int64), blk.counts)
-                        builder.add(rows, blk.idx - shift, blk.val)
-                    k += blk.idx.size
-                    r += size
-                    bar.update(size)
-                if builder is not None:
-                    _check_unchanged(src, r, m, final=True)
-                    c = create_csc(f, m, n, nnz, name, compression, checksum)
-                    builder.finish(c, src)
-            _check_unchanged(src, r, m, final=True)
-            write_common_attrs(
-                f,
-                task=task,
-                origin=origin or f"converted from svmlight file {src.name}",
-                licence=licence or "unknown (not recorded at conversion)",
-                m=m,
-                n=n,
-                attrs=attrs,
+def _write_dense(f: h5py.File, src: Path, plan: _Plan, bar: Progress) -> int:
+    """Pass 2, dense ``X``: parse again and write whole chunk rows; returns the rows."""
+    st, m, shift = plan.storage, plan.m, plan.shift
+    ydset = create_y(f, m, st.compression, st.checksum)
+    ds = create_dense(f, m, plan.n, st.dtype, st.chunk_cols, st.compression, st.checksum)
+    buf = np.zeros((min(ds.chunks[0], m), plan.n), dtype=numpy_dtype(st.dtype))
+    filled = 0  # rows of buf in use; buf holds global rows r - filled .. r
+    r = 0
+    for block, line, _ in _text_blocks(src):
+        blk = _parse_block(block, line, src, st.dtype)
+        _check_unchanged(src, r + blk.labels.size, m)
+        ydset[r : r + blk.labels.size] = plan.labels(blk)
+        offsets = np.concatenate(([0], np.cumsum(blk.counts)))
+        i = 0
+        while i < blk.labels.size:
+            take = min(blk.labels.size - i, buf.shape[0] - filled)
+            a, b = offsets[i], offsets[i + take]
+            local = np.repeat(np.arange(filled, filled + take), blk.counts[i : i + take])
+            buf[local, blk.idx[a:b] - shift] = blk.val[a:b]
+            filled += take
+            i += take
+            r += take
+            if filled == buf.shape[0] or r == m:
+                ds[r - filled : r] = storage_view(buf[:filled])
+                buf[:filled] = 0
+                filled = 0
+        bar.update(blk.labels.size)
+    return r
+
+
+def _write_csr(f: h5py.File, src: Path, plan: _Plan, spill: Path, bar: Progress) -> int:
+    """Pass 2, CSR ``X``: parse again and append each block's rows; spill the entries by
+    column band for the CSC copy and build it at the end. Returns the rows."""
+    st, m, nnz, shift = plan.storage, plan.m, plan.nnz, plan.shift
+    ydset = create_y(f, m, st.compression, st.checksum)
+    g = create_csr(f, m, plan.n, nnz, st.dtype, st.compression, st.checksum)
+    builder = None
+    if plan.csc_counts is not None:
+        builder = CSCBuilder(plan.csc_counts, m, st.dtype, spill)
+    r = k = 0
+    g["indptr"][0] = 0
+    for block, line, _ in _text_blocks(src):
+        blk = _parse_block(block, line, src, st.dtype)
+        size = blk.labels.size
+        _check_unchanged(src, r + size, m)
+        if k + blk.idx.size > nnz:
+            raise DatasetError(
+                f"{src}: the file changed during conversion (more than the {nnz} "
+                "nonzeros of the first pass)"
             )
-    finally:
-        shutil.rmtree(spill, ignore_errors=True)
-    seconds = time.perf_counter() - t0
-    return {
-        "path": str(dst),
-        "rows": m,
-        "n_features": n,
-        "nnz": nnz,
-        "density": density,
-        "layout": layout,
-        "csc": write_csc,
-        "dtype": name,
-        "task": task,
-        "zero_based": bool(zero_based),
-        "label_encoding": encoding,
-        "checksum": bool(checksum),
-        "seconds": seconds,
-        "text_bytes": scan.bytes_text,
-        "rows_per_second": m / seconds if seconds > 0 else float("inf"),
-    }
+        ydset[r : r + size] = plan.labels(blk)
+        g["indptr"][r + 1 : r + 1 + size] = k + np.cumsum(blk.counts)
+        g["indices"][k : k + blk.idx.size] = blk.idx - shift
+        g["data"][k : k + blk.idx.size] = storage_view(blk.val)
+        if builder is not None:
+            rows = np.repeat(np.arange(r, r + size, dtype=np.int64), blk.counts)
+            builder.add(rows, blk.idx - shift, blk.val)
+        k += blk.idx.size
+        r += size
+        bar.update(size)
+    if builder is not None:
+        _check_unchanged(src, r, m, final=True)
+        c = create_csc(f, m, plan.n, nnz, st.dtype, st.compression, st.checksum)
+        builder.finish(c, src)
+    return r
