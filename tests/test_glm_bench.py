@@ -178,11 +178,11 @@ def test_reducer_charges_the_formula_under_mpi():
     assert st["net_wire_bytes"] == messages * 4 * sum(sizes)
 
 
-# -- the benchmark's arithmetic (optcc_mpi.lab.glm_bench) ---------------------------------
+# -- the benchmark's arithmetic (optcc_mpi.lab.glm_projection, glm_measure) ---------------
 
 
 def test_projection_follows_the_formula_for_synthetic_timings():
-    from optcc_mpi.lab.glm_bench import project
+    from optcc_mpi.lab.glm_projection import project
 
     p_values = [8, 16, 1024]
     compute = {"sgd": {8: 1e-5, 16: 6e-6, 1024: 2e-6}, "ca": {8: 4e-4, 16: 2e-4, 1024: 5e-6}}
@@ -200,7 +200,7 @@ def test_projection_follows_the_formula_for_synthetic_timings():
 
 
 def test_critical_path_takes_the_slowest_rank_per_call_plus_the_charge():
-    from optcc_mpi.lab.glm_bench import critical_path_times
+    from optcc_mpi.lab.glm_measure import critical_path_times
 
     segments = np.array([[1.0, 0.1, 0.5, 0.2], [0.2, 0.3, 0.1, 0.4]])
     costs = [0.01, 0.01, 0.02, 0.02]
@@ -211,7 +211,7 @@ def test_critical_path_takes_the_slowest_rank_per_call_plus_the_charge():
 def test_call_recorder_charges_each_call_and_excludes_evaluations():
     from mpi4py import MPI
 
-    from optcc_mpi.lab.glm_bench import CallRecorder
+    from optcc_mpi.lab.glm_measure import CallRecorder
 
     rec = CallRecorder(8, 5e-6, 1e9)
     rec.mark({})
