@@ -223,3 +223,18 @@ def test_call_recorder_charges_each_call_and_excludes_evaluations():
     assert rec.costs == pytest.approx([3 * (5e-6 + 1000 / 1e9)] * 2)
     assert all(s >= 0 for s in rec.segments)
     np.testing.assert_array_equal(buf, 1.0)  # one rank: the sum is the input
+
+
+@pytest.mark.parametrize("model", ["logistic", "linear", "poisson"])
+def test_sklearn_baselines_reach_a_loose_target_for_every_model(model):
+    pytest.importorskip("sklearn")
+    from optcc_mpi.glm import get_model, make_glm_data
+    from optcc_mpi.lab.glm_baselines import sklearn_baselines
+
+    X, y = make_glm_data(model, 512, 6, seed=2, dtype="float64")
+    start = float(np.mean(get_model(model).loss(np.zeros(512), y)))  # the loss at w = 0
+    rows = sklearn_baselines(model, X, y, 0.0, 0.5, 16, start, 0, max_epochs=5, budget_s=30)
+    names = {"logistic": 2, "linear": 1, "poisson": 1}
+    assert len(rows) == names[model] and all("error" not in r for r in rows), rows
+    for r in rows:
+        assert r["time_to_target_s"] is not None and r["final_loss"] <= start, r

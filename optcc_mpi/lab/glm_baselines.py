@@ -55,9 +55,12 @@ def sklearn_baselines(
         return float(np.mean(loss_fn(X.astype(np.float64) @ w, y)) + 0.5 * lam * (w @ w))
 
     if model == "poisson":
+        # Stop on max_iter, not on convergence: the smallest tolerance PoissonRegressor
+        # accepts (it refuses 0, which LogisticRegression below takes).
+        tol = float(np.finfo(np.float64).tiny)
         return [
             _doubling(
-                lambda k: PoissonRegressor(alpha=lam, fit_intercept=False, max_iter=k, tol=0.0),
+                lambda k: PoissonRegressor(alpha=lam, fit_intercept=False, max_iter=k, tol=tol),
                 "PoissonRegressor(lbfgs)",
                 X,
                 y,
