@@ -343,7 +343,7 @@ def fit(
     except (ValueError, TypeError, OverflowError) as exc:
         error = str(exc)
     shared = agree(comm, error, payload)  # raises on every rank if any rank failed
-    assert opts is not None and inputs is not None and reducer is not None
+    assert opts is not None and inputs is not None and reducer is not None  # agree() passed
     opts, n_features = _check_across(comm.size, shared, opts, inputs)
 
     # 2. This rank's block of columns, and the trainer over it.
