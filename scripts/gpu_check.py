@@ -5,7 +5,7 @@ On a machine with one NVIDIA GPU and CuPy (>= 14, bf16 through ml_dtypes) it run
 1. every registered AllReduce algorithm on CuPy arrays at 1 and 4 ranks (``mpiexec``; with
    the MPICH wheel, which is not CUDA-aware, messages are staged through host memory),
    float32 and bfloat16, each result checked against a float64 reference and across ranks;
-2. the bf16-in, fp32-out GemmEx Gram (``optcc_mpi.backend.gram_bf16``) against a float64
+2. the bf16-in, fp32-out GemmEx Gram (``optcc_mpi.glm.gram.gram_bf16``) against a float64
    reference;
 3. recipe C training (``optcc_mpi.glm.fit(..., recipe="C", device="gpu")``) against the
    same run on the CPU.
@@ -124,7 +124,7 @@ def check_gram() -> bool:
     import cupy as cp
     import ml_dtypes
 
-    from optcc_mpi.backend import gram_bf16
+    from optcc_mpi.glm.gram import gram_bf16
 
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()

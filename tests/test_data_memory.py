@@ -64,7 +64,7 @@ def test_converter_peak_memory_is_flat_in_input_size(
     monkeypatch.setattr(writing, "_CSC_BAND_BYTES", 64 << 10)
     # The dense writer buffers one row of chunks (at most 64 MiB); make it 1 MiB, so both
     # inputs have many chunk rows.
-    monkeypatch.setattr(data.layout, "_WRITE_BUFFER_BYTES", 1 << 20)
+    monkeypatch.setattr(data.layout, "WRITE_BUFFER_BYTES", 1 << 20)
     small, large, size = inputs
     # Import everything the converter imports before measuring, so both runs start equal.
     _peak(small, tmp_path / "warm.h5", layout)

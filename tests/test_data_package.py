@@ -1,17 +1,19 @@
 """The data package: every public name where the docs put it, one topic per module, and
-label semantics in ``optcc_mpi.glm.labels``."""
+label semantics in ``optcc_mpi.labels``, below both the data package and the trainer."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import optcc_mpi.data as data
+from optcc_mpi import labels
 from optcc_mpi.errors import DatasetError
-from optcc_mpi.glm import labels
 
 # Every optcc_mpi.data name the docs, the CLI, the trainer and the tests use.
 PUBLIC = [
@@ -41,6 +43,42 @@ def test_importing_data_does_not_import_the_trainer_or_mpi() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def _imported(path: Path, package: str) -> set[str]:
+    """Absolute names of the modules ``path`` imports, anywhere in the file."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return names
+
+
+def test_data_never_imports_glm_and_labels_sit_below_both() -> None:
+    root = Path(data.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        names = _imported(path, "optcc_mpi.data")
+        assert not any(n == "optcc_mpi.glm" or n.startswith("optcc_mpi.glm.") for n in names), (
+            path.name
+        )
+        assert "importlib" not in names, path.name  # no import resolved at run time
+    below = {n for n in _imported(Path(labels.__file__), "optcc_mpi") if n.startswith("optcc_")}
+    assert below <= {"optcc_mpi.errors", "optcc_mpi.errors.DatasetError"}, below
+    # Where the names were importable before, they still are, as the same objects.
+    from optcc_mpi.glm import labels as glm_labels
+    from optcc_mpi.glm import models
+
+    for name in labels.__all__:
+        assert getattr(glm_labels, name) is getattr(labels, name), name
+    assert data.TASKS is labels.TASKS and data.layout.TASKS is labels.TASKS
+    assert models.check_labels is labels.check_labels
 
 
 def test_label_scan_matches_check_labels_and_infer_task() -> None:

@@ -19,7 +19,7 @@ import pytest
 import scipy.sparse as sp
 from mpi4py import MPI
 
-from optcc_mpi.backend import apply_plan, gemm_nt_plan, mpi_datatype_and_op
+from optcc_mpi.transports.mpi import mpi_datatype_and_op
 from optcc_mpi.glm import (
     RECIPES,
     SLOTS,
@@ -35,6 +35,7 @@ from optcc_mpi.glm import (
     make_glm_data,
 )
 from optcc_mpi.glm.comm import agree
+from optcc_mpi.glm.gram import CUBLAS_OP_T, gemm_nt_plan
 from optcc_mpi.glm.kernels import LocalData, lower_block_index, packed_size
 from optcc_mpi.glm.sampler import Sampler
 from optcc_mpi.glm.solvers import (
@@ -398,6 +399,31 @@ def test_optcc_allreduce_algorithms_plug_in():
         assert res.stats["allreduce"] == name
 
 
+def apply_plan(plan: dict[str, int], A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """Execute a ``gemm_nt_plan`` the way cuBLAS would, with NumPy.
+
+    Each pointer is read as a column-major matrix with the plan's leading dimension, the
+    operations are applied, and the column-major result is returned as the row-major
+    ``C`` that the caller would see.
+    """
+    ops = {"A": np.ascontiguousarray(A), "B": np.ascontiguousarray(B)}
+
+    def colmajor(flat: np.ndarray, rows: int, cols: int, ld: int) -> np.ndarray:
+        # Element (i, j) of a column-major matrix with leading dimension ld is flat[i + j*ld].
+        return flat.reshape(-1)[: ld * cols].reshape(cols, ld).T[:rows, :]
+
+    M, N, K = plan["m"], plan["n"], plan["k"]
+    a_rows, a_cols = (K, M) if plan["transa"] == CUBLAS_OP_T else (M, K)
+    b_rows, b_cols = (N, K) if plan["transb"] == CUBLAS_OP_T else (K, N)
+    a = colmajor(ops[plan["first"]].astype(np.float64), a_rows, a_cols, plan["lda"])
+    b = colmajor(ops[plan["second"]].astype(np.float64), b_rows, b_cols, plan["ldb"])
+    op_a = a.T if plan["transa"] == CUBLAS_OP_T else a
+    op_b = b.T if plan["transb"] == CUBLAS_OP_T else b
+    c = op_a @ op_b  # column-major M x N result, leading dimension ldc == M
+    flat = np.asfortranarray(c).ravel(order="F")
+    return flat.reshape(N, plan["ldc"])[:, :M]
+
+
 @pytest.mark.parametrize("shape", [(5, 5, 3), (4, 7, 9), (1, 2, 1)])
 def test_gemm_ex_plan_computes_a_times_b_transposed(shape):
     m, n, k = shape
@@ -457,7 +483,7 @@ def test_gram_bf16_drives_gemm_ex_correctly():
     # or plan shows up as a wrong Gram matrix.
     import types
 
-    from optcc_mpi.backend import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, gram_bf16
+    from optcc_mpi.glm.gram import CUBLAS_COMPUTE_32F, CUDA_R_16BF, CUDA_R_32F, gram_bf16
 
     memory = {}
 
@@ -511,8 +537,6 @@ def _fake_cupy_with_cublas(calls, version="14.0.0"):
     """A fake CuPy whose cuBLAS binding executes gemmEx on the arrays behind the pointers
     and records every setStream and gemmEx call."""
     import types
-
-    from optcc_mpi.backend import apply_plan
 
     memory = {}
 

@@ -178,11 +178,11 @@ def test_reducer_charges_the_formula_under_mpi():
     assert st["net_wire_bytes"] == messages * 4 * sum(sizes)
 
 
-# -- the benchmark's arithmetic (optcc_mpi.lab.glm_bench) ---------------------------------
+# -- the benchmark's arithmetic (optcc_mpi.lab.glm_projection, glm_measure) ---------------
 
 
 def test_projection_follows_the_formula_for_synthetic_timings():
-    from optcc_mpi.lab.glm_bench import project
+    from optcc_mpi.lab.glm_projection import project
 
     p_values = [8, 16, 1024]
     compute = {"sgd": {8: 1e-5, 16: 6e-6, 1024: 2e-6}, "ca": {8: 4e-4, 16: 2e-4, 1024: 5e-6}}
@@ -200,7 +200,7 @@ def test_projection_follows_the_formula_for_synthetic_timings():
 
 
 def test_critical_path_takes_the_slowest_rank_per_call_plus_the_charge():
-    from optcc_mpi.lab.glm_bench import critical_path_times
+    from optcc_mpi.lab.glm_measure import critical_path_times
 
     segments = np.array([[1.0, 0.1, 0.5, 0.2], [0.2, 0.3, 0.1, 0.4]])
     costs = [0.01, 0.01, 0.02, 0.02]
@@ -211,7 +211,7 @@ def test_critical_path_takes_the_slowest_rank_per_call_plus_the_charge():
 def test_call_recorder_charges_each_call_and_excludes_evaluations():
     from mpi4py import MPI
 
-    from optcc_mpi.lab.glm_bench import CallRecorder
+    from optcc_mpi.lab.glm_measure import CallRecorder
 
     rec = CallRecorder(8, 5e-6, 1e9)
     rec.mark({})
@@ -223,3 +223,18 @@ def test_call_recorder_charges_each_call_and_excludes_evaluations():
     assert rec.costs == pytest.approx([3 * (5e-6 + 1000 / 1e9)] * 2)
     assert all(s >= 0 for s in rec.segments)
     np.testing.assert_array_equal(buf, 1.0)  # one rank: the sum is the input
+
+
+@pytest.mark.parametrize("model", ["logistic", "linear", "poisson"])
+def test_sklearn_baselines_reach_a_loose_target_for_every_model(model):
+    pytest.importorskip("sklearn")
+    from optcc_mpi.glm import get_model, make_glm_data
+    from optcc_mpi.lab.glm_baselines import sklearn_baselines
+
+    X, y = make_glm_data(model, 512, 6, seed=2, dtype="float64")
+    start = float(np.mean(get_model(model).loss(np.zeros(512), y)))  # the loss at w = 0
+    rows = sklearn_baselines(model, X, y, 0.0, 0.5, 16, start, 0, max_epochs=5, budget_s=30)
+    names = {"logistic": 2, "linear": 1, "poisson": 1}
+    assert len(rows) == names[model] and all("error" not in r for r in rows), rows
+    for r in rows:
+        assert r["time_to_target_s"] is not None and r["final_loss"] <= start, r

@@ -222,13 +222,13 @@ def _bench(args: argparse.Namespace, comm: Any) -> int:
 
 
 def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
-    from ..lab import glm_bench
+    from ..lab import glm_measure, glm_plots, glm_projection
 
     if comm.rank:
         return 0  # one process measures; the others have nothing to do
     networks = [(lat, bw) for lat in args.latencies for bw in args.bws]
     recipe = args.recipes[-1]
-    projections, inputs = glm_bench.run_projection(
+    projections, inputs = glm_projection.run_projection(
         args.model,
         args.n,
         args.b,
@@ -242,13 +242,13 @@ def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
     )
     print(f"PROJECTION (measured compute + modelled AllReduce), n = {args.n}, b = {args.b}")
     for proj in projections:
-        print(f"latency {proj.latency * 1e6:g} us, bw {glm_bench._bw_text(proj.bw)}:")
+        print(f"latency {proj.latency * 1e6:g} us, bw {glm_measure.bw_text(proj.bw)}:")
         print(f"  {'P':>6} " + " ".join(f"{k:>18}" for k in proj.speedup))
         for i, p in enumerate(proj.p_values):
             cells = " ".join(f"{proj.speedup[k][i]:17.2f}x" for k in proj.speedup)
             print(f"  {p:>6} {cells}")
     if args.plot:
-        glm_bench.plot_projection(
+        glm_plots.plot_projection(
             projections,
             args.plot,
             f"PROJECTION: {args.model}, n = {args.n}, b = {args.b}, recipe {recipe}\n"

@@ -17,9 +17,9 @@ Modules
 ``synthetic``   :func:`synth`, :func:`synth_arrays`
 ``shipped``     :func:`default_dataset`, :func:`shipped`, :func:`data_home`
 
-Label domains (:func:`check_labels`, :func:`infer_task`) are the GLM's and live in
-:mod:`optcc_mpi.glm.labels`; they are importable from here too, loaded on first use so that
-``import optcc_mpi.data`` does not import the trainer (and mpi4py).
+Label domains (:func:`check_labels`, :func:`infer_task`) live in :mod:`optcc_mpi.labels`,
+below this package and :mod:`optcc_mpi.glm`, which both apply them; they are importable from
+here too. This package never imports the trainer (nor mpi4py).
 
 Public API
 ----------
@@ -41,10 +41,8 @@ Public API
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import check_labels, infer_task
 
 from .layout import (
     CSC_COPY,
@@ -89,17 +87,3 @@ __all__ = [
     "check_labels",
     "infer_task",
 ]
-
-# Names defined in optcc_mpi.glm.labels, resolved on first access: importing the glm package
-# here would import the trainer and mpi4py, and glm.models imports this package.
-_LABEL_NAMES = ("check_labels", "infer_task")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LABEL_NAMES:
-        return getattr(importlib.import_module("optcc_mpi.glm.labels"), name)
-    raise AttributeError(f"module 'optcc_mpi.data' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LABEL_NAMES))

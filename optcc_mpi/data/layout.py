@@ -1,10 +1,16 @@
 """The file layout: format constants and versions, element types, blocks and chunks.
 
 What a dataset file holds is specified in ``docs/data.md``; this module holds the names and
-numbers that specification fixes (the layout version, the tasks a file may declare, the
-element types, the CSC copy's name) and the small pure helpers every other module of
+numbers that specification fixes (the layout version, the element types, the CSC copy's
+name; the tasks a file may declare, :data:`TASKS`, come with their label rules from
+:mod:`optcc_mpi.labels`) and the small pure helpers every other module of
 :mod:`optcc_mpi.data` shares: dtype names and casts, the 1D block-column split
 (:func:`column_block`) and the chunk policy (:func:`chunk_shape`).
+
+Only ``__all__`` is re-exported by :mod:`optcc_mpi.data`. The other names without a leading
+underscore (:func:`dtype_name`, :func:`numpy_dtype`, :func:`cast_to`, :func:`storage_view`,
+:func:`first_true` ...) are the helpers the package's modules share: public to them, not part
+of the package's API.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import TASKS
 
 __all__ = [
     "LAYOUT_VERSION",
@@ -33,9 +40,6 @@ LAYOUT_VERSION = 1
 #: A minor version only adds what older readers of the same major version may ignore:
 #: 1 adds the column-compressed copy ``X_csc`` of a CSR ``X`` and HDF5 fletcher32 checksums.
 LAYOUT_MINOR = 1
-#: Tasks a dataset can declare (file attribute ``task``); their label domains are the GLM's,
-#: in :mod:`optcc_mpi.glm.labels`.
-TASKS = ("binary", "regression", "counts")
 #: Logical element types of ``X``.
 DTYPES = ("float64", "float32", "bfloat16")
 #: Name of the group holding the column-compressed (CSC) copy of a CSR ``X`` (layout 1.1).
@@ -44,17 +48,17 @@ CSC_COPY = "X_csc"
 # Chunk policy (see chunk_shape): target bytes of one chunk, and the most bytes a writer
 # buffers for one full row of chunks.
 _CHUNK_BYTES = 1 << 20
-_WRITE_BUFFER_BYTES = 64 << 20
+WRITE_BUFFER_BYTES = 64 << 20
 # Widest chunk, in columns. Measured on 200,000 x 256 float32 (docs/data.md): 8-column chunks
 # read column blocks 2-5x faster than 1-column chunks, and wider ones waste I/O at block edges.
 _MAX_CHUNK_COLS = 8
 # Elements per chunk of the one-dimensional sparse arrays (indptr, indices, data). A rank
 # reading a contiguous range reads at most two partly-used chunks per array, 256 KiB each for
 # 4-byte elements: small against any block worth distributing.
-_SPARSE_CHUNK = 1 << 16
+SPARSE_CHUNK = 1 << 16
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-_OPAQUE2 = np.dtype("V2")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+OPAQUE2 = np.dtype("V2")
 _DTYPE_ALIASES = {
     "float64": "float64",
     "f8": "float64",
@@ -67,7 +71,7 @@ _DTYPE_ALIASES = {
 }
 
 
-def _dtype_name(dtype: Any) -> str | None:
+def dtype_name(dtype: Any) -> str | None:
     """Return the canonical name (``DTYPES``) of ``dtype``, or None for None."""
     if dtype is None:
         return None
@@ -82,34 +86,35 @@ def _dtype_name(dtype: Any) -> str | None:
         raise DatasetError(
             f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}"
         ) from None
-    if dt == _BF16:
+    if dt == BF16:
         return "bfloat16"
     if dt in (np.dtype(np.float64), np.dtype(np.float32)):
         return dt.name
     raise DatasetError(f"unknown dtype {dt.name!r}; expected one of {', '.join(DTYPES)}")
 
 
-def _np_dtype(name: str) -> np.dtype:
+def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype of a canonical dtype name (bfloat16 from ml_dtypes)."""
-    return _BF16 if name == "bfloat16" else np.dtype(name)
+    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
-def _itemsize(name: str) -> int:
-    return _np_dtype(name).itemsize
+def itemsize_of(name: str) -> int:
+    """Bytes per element of a canonical dtype name."""
+    return numpy_dtype(name).itemsize
 
 
-def _to_storage(a: np.ndarray) -> np.ndarray:
+def storage_view(a: np.ndarray) -> np.ndarray:
     """View a bf16 array as the opaque 2-byte type h5py writes; other arrays unchanged."""
-    return a.view(_OPAQUE2) if a.dtype == _BF16 else a
+    return a.view(OPAQUE2) if a.dtype == BF16 else a
 
 
-def _cast(a: np.ndarray, name: str) -> np.ndarray:
+def cast_to(a: np.ndarray, name: str) -> np.ndarray:
     """Cast to dtype ``name``. float64 -> bfloat16 rounds once, to nearest even (ml_dtypes).
 
     Overflow gives infinities without a warning: callers check finiteness and report it.
     """
     with np.errstate(over="ignore"):
-        return a.astype(_np_dtype(name), copy=False)
+        return a.astype(numpy_dtype(name), copy=False)
 
 
 def column_block(n_features: int, size: int, rank: int) -> slice:
@@ -190,7 +195,7 @@ def chunk_shape(
     tuple of int
         ``(chunk_rows, chunk_cols)``.
     """
-    item = _itemsize(_dtype_name(dtype) or "float32")
+    item = itemsize_of(dtype_name(dtype) or "float32")
     m, n = max(1, int(n_rows)), max(1, int(n_cols))
     if chunk_cols is None:
         cw = min(_MAX_CHUNK_COLS, _pow2_floor(n // 64))
@@ -199,28 +204,28 @@ def chunk_shape(
         if cw < 1:
             raise DatasetError(f"chunk_cols must be at least 1, got {chunk_cols}")
     cw = min(cw, n)
-    ch = _pow2_floor(min(_CHUNK_BYTES // (cw * item), _WRITE_BUFFER_BYTES // (n * item)))
+    ch = _pow2_floor(min(_CHUNK_BYTES // (cw * item), WRITE_BUFFER_BYTES // (n * item)))
     return min(ch, m), cw
 
 
-def _first_bad(mask: np.ndarray) -> int:
+def first_true(mask: np.ndarray) -> int:
     """Index of the first True in a boolean array (the caller knows there is one)."""
     return int(np.flatnonzero(mask)[0])
 
 
-def _attr_value(v: Any) -> Any:
+def attr_value(v: Any) -> Any:
     """Decode an HDF5 attribute into a plain Python value."""
     if isinstance(v, bytes):
         return v.decode("utf-8", "replace")
     if isinstance(v, np.ndarray):
         if v.dtype.kind in "OSU":
-            return [_attr_value(x) for x in v.tolist()]
+            return [attr_value(x) for x in v.tolist()]
         return v
     if isinstance(v, np.generic):
         return v.item()
     return v
 
 
-def _largest(name: str) -> float:
+def largest_finite(name: str) -> float:
     """Largest finite value of dtype ``name``: values beyond it round to infinity."""
-    return float(ml_dtypes.finfo(_np_dtype(name)).max)
+    return float(ml_dtypes.finfo(numpy_dtype(name)).max)

@@ -30,42 +30,31 @@ import scipy.sparse as sp
 
 from optcc_mpi import agreement
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import binary_to_01, check_labels, infer_task
 
 from .layout import (
-    _BF16,
-    _WRITE_BUFFER_BYTES,
+    BF16,
     CSC_COPY,
-    _cast,
-    _dtype_name,
-    _first_bad,
-    _np_dtype,
-    _to_storage,
+    WRITE_BUFFER_BYTES,
+    cast_to,
     column_block,
+    dtype_name,
+    first_true,
+    numpy_dtype,
+    storage_view,
 )
 from .validation import (
-    _SPARSE_SLAB,
-    _header,
-    _nonfinite_message,
-    _open,
+    SPARSE_SLAB,
     check_indptr,
     check_minor_indices,
     guard,
+    nonfinite_message,
+    open_dataset,
+    read_header,
     scan_sparse,
 )
 
 __all__ = ["Partition", "load_dense", "load_partition", "validate"]
-
-
-def _labels() -> Any:
-    """:mod:`optcc_mpi.glm.labels`, imported on first use.
-
-    Label domains are the GLM's. Importing them lazily keeps ``import optcc_mpi.data`` free
-    of the ``glm`` package, whose ``__init__`` imports the trainer and with it mpi4py (and
-    ``glm.models`` imports this package: a top-level import would be circular).
-    """
-    from optcc_mpi.glm import labels
-
-    return labels
 
 
 def validate(
@@ -112,10 +101,10 @@ def validate(
     DatasetError
         Anything else wrong, with the file, dataset and offending position named.
     """
-    _dtype_name(dtype)
+    dtype_name(dtype)
     path = Path(path)
-    with _open(path) as f:
-        info = _header(f, path)
+    with open_dataset(path) as f:
+        info = read_header(f, path)
         if scan:
             m, n = info["n_samples"], info["n_features"]
             y = _read_y(f, path, 0, m, 0, slice(0, n))
@@ -128,8 +117,8 @@ def validate(
                 for p in range(pieces):
                     cols = column_block(n, pieces, p)
                     _read_dense_block(f["X"], info["dtype"], info["dtype"], 0, m, cols, p, path)
-            task = info["task"] or _labels().infer_task(y)
-            _labels().check_labels(y, task)
+            task = info["task"] or infer_task(y)
+            check_labels(y, task)
     if size is not None:
         column_block(info["n_features"], int(size), 0)
     return info
@@ -236,7 +225,7 @@ def _read_dense_block(
     """
     c0, c1 = cols.start, cols.stop
     width = c1 - c0
-    out = np.empty((r1 - r0, width + int(ones)), dtype=_np_dtype(target))
+    out = np.empty((r1 - r0, width + int(ones)), dtype=numpy_dtype(target))
     if ones:
         out[:, width] = 1
     if width == 0:
@@ -245,7 +234,7 @@ def _read_dense_block(
     # Slabs of whole chunk rows, about 64 MiB of output each: bounded transient memory when
     # converting, and every chunk is read exactly once.
     per_row = max(1, (c1 - c0) * out.itemsize)
-    slab = max(ch, (_WRITE_BUFFER_BYTES // per_row) // ch * ch)
+    slab = max(ch, (WRITE_BUFFER_BYTES // per_row) // ch * ch)
     a = r0
     while a < r1:
         b = min(r1, (a // ch) * ch + slab)
@@ -254,18 +243,18 @@ def _read_dense_block(
             if stored == target or {stored, target} == {"float32", "float64"}:
                 # Same type, or float64 <-> float32 which HDF5 converts while reading.
                 dsel, osel = np.s_[a:b, c0:c1], np.s_[a - r0 : b - r0, :width]
-                ds.read_direct(_to_storage(out), dsel, osel)
+                ds.read_direct(storage_view(out), dsel, osel)
             elif stored == "bfloat16":
-                dest[...] = ds[a:b, c0:c1].view(_BF16).astype(out.dtype)
+                dest[...] = ds[a:b, c0:c1].view(BF16).astype(out.dtype)
             else:
-                dest[...] = _cast(ds[a:b, c0:c1], target)
+                dest[...] = cast_to(ds[a:b, c0:c1], target)
         finite = np.isfinite(dest)
         if not finite.all():
             i, j = np.argwhere(~finite)[0]
             src = ds[a + i, c0 + j]
-            src_val = src.view(_BF16) if stored == "bfloat16" else src
+            src_val = src.view(BF16) if stored == "bfloat16" else src
             raise DatasetError(
-                _nonfinite_message(
+                nonfinite_message(
                     path,
                     "X",
                     dest[i, j],
@@ -291,8 +280,8 @@ def _values(vals: np.ndarray, stored: str, target: str) -> np.ndarray:
     float32 (exactly representable).
     """
     if stored == "bfloat16":
-        vals = vals.view(_BF16)
-    vals = _cast(vals, target)
+        vals = vals.view(BF16)
+    vals = cast_to(vals, target)
     return vals.astype(np.float32) if target == "bfloat16" else vals
 
 
@@ -326,8 +315,8 @@ def _read_csr_block(
     idx_parts, val_parts = [], []
     hold = "float32" if target == "bfloat16" else target
     prev = None
-    for a in range(0, total, _SPARSE_SLAB):
-        b = min(total, a + _SPARSE_SLAB)
+    for a in range(0, total, SPARSE_SLAB):
+        b = min(total, a + SPARSE_SLAB)
         where = f"[{base + a}:{base + b}]"
         with guard(path, "X/indices", where):
             idx = g["indices"][base + a : base + b].astype(np.int64)
@@ -339,18 +328,18 @@ def _read_csr_block(
         row = row[keep]
         finite = np.isfinite(vals)
         if not finite.all():
-            k = _first_bad(~finite)
+            k = first_true(~finite)
             col = int(idx[keep][k])
             raise DatasetError(
-                _nonfinite_message(path, "X", vals[k], r0 + int(row[k]), col, rank, cols)
+                nonfinite_message(path, "X", vals[k], r0 + int(row[k]), col, rank, cols)
             )
         counts += np.bincount(row, minlength=r1 - r0)
         idx_parts.append((idx[keep] - c0).astype(np.int32 if c1 - c0 < 2**31 else np.int64))
-        val_parts.append(vals.astype(_np_dtype(hold), copy=False))
+        val_parts.append(vals.astype(numpy_dtype(hold), copy=False))
     local_ptr = np.zeros(r1 - r0 + 1, dtype=np.int64)
     np.cumsum(counts, out=local_ptr[1:])
     indices = np.concatenate(idx_parts) if idx_parts else np.zeros(0, np.int32)
-    data = np.concatenate(val_parts) if val_parts else np.zeros(0, _np_dtype(hold))
+    data = np.concatenate(val_parts) if val_parts else np.zeros(0, numpy_dtype(hold))
     return sp.csr_matrix((data, indices, local_ptr), shape=(r1 - r0, c1 - c0))
 
 
@@ -388,8 +377,8 @@ def _read_csc_block(
     hold = "float32" if target == "bfloat16" else target
     all_rows = r0 == 0 and r1 == m
     prev = None
-    for a in range(0, total, _SPARSE_SLAB):
-        b = min(total, a + _SPARSE_SLAB)
+    for a in range(0, total, SPARSE_SLAB):
+        b = min(total, a + SPARSE_SLAB)
         where = f"[{base + a}:{base + b}]"
         with guard(path, f"{name}/indices", where):
             rows = g["indices"][base + a : base + b].astype(np.int64)
@@ -401,20 +390,20 @@ def _read_csc_block(
             vals = _values(g["data"][base + a : base + b], stored, target)
         finite = np.isfinite(vals)
         if not finite.all():
-            k = _first_bad(~finite)
+            k = first_true(~finite)
             raise DatasetError(
-                _nonfinite_message(path, "X", vals[k], int(rows[k]), c0 + int(col[k]), rank, cols)
+                nonfinite_message(path, "X", vals[k], int(rows[k]), c0 + int(col[k]), rank, cols)
             )
         if not all_rows:
             keep = (rows >= r0) & (rows < r1)
             rows, col, vals = rows[keep] - r0, col[keep], vals[keep]
         counts += np.bincount(col, minlength=width)
         row_parts.append(rows.astype(np.int32 if r1 - r0 < 2**31 else np.int64))
-        val_parts.append(vals.astype(_np_dtype(hold), copy=False))
+        val_parts.append(vals.astype(numpy_dtype(hold), copy=False))
     colptr = np.zeros(width + 1, dtype=np.int64)
     np.cumsum(counts, out=colptr[1:])
     indices = np.concatenate(row_parts) if row_parts else np.zeros(0, np.int32)
-    data = np.concatenate(val_parts) if val_parts else np.zeros(0, _np_dtype(hold))
+    data = np.concatenate(val_parts) if val_parts else np.zeros(0, numpy_dtype(hold))
     return sp.csc_matrix((data, indices, colptr), shape=(r1 - r0, width)).tocsr()
 
 
@@ -424,8 +413,8 @@ def _read_y(f: h5py.File, path: Path, r0: int, r1: int, rank: int, cols: slice) 
         f["y"].read_direct(y, np.s_[r0:r1])
     bad = ~np.isfinite(y)
     if bad.any():
-        i = _first_bad(bad)
-        raise DatasetError(_nonfinite_message(path, "y", y[i], r0 + i, None, rank, cols))
+        i = first_true(bad)
+        raise DatasetError(nonfinite_message(path, "y", y[i], r0 + i, None, rank, cols))
     return y
 
 
@@ -484,7 +473,7 @@ def load_partition(
         names the dataset and position), or a chunk that fails its checksum or does not
         decompress (the message names the dataset).
     """
-    target = _dtype_name(dtype)
+    target = dtype_name(dtype)
     rank, size = _rank_size(comm, rank, size)
     path = Path(path)
     part: Partition | None = None
@@ -514,11 +503,11 @@ def load_partition(
                     X = sp.hstack([X, col], format="csr")
             else:
                 X = _read_dense_block(f["X"], stored, target, r0, r1, fcols, rank, path, ones)
-        task = info["task"] or _labels().infer_task(y)
+        task = info["task"] or infer_task(y)
         if task == "binary":
             # Files from other tools may hold {-1, +1}; the trainer expects {0, 1}. Any other
             # domain problem is left to the trainer's check_labels().
-            y = _labels().binary_to_01(y)
+            y = binary_to_01(y)
         attrs = dict(info["attrs"])
         if intercept:
             attrs["intercept_column"] = n_file
@@ -572,5 +561,5 @@ def load_dense(
     if sp.issparse(X):
         X = X.toarray()
         if part.dtype == "bfloat16":
-            X = X.astype(_BF16)
+            X = X.astype(BF16)
     return X, part.y

@@ -6,12 +6,12 @@
 1. **scan**: parse and check every line, including that every value fits the stored dtype
    (``1e39`` does not fit float32 or bfloat16: the error names the file and line); count
    rows, nonzeros and nonzeros per column; record the label domains
-   (:class:`optcc_mpi.glm.labels.LabelScan`);
+   (:class:`optcc_mpi.labels.LabelScan`);
 2. **write**: parse again and write ``X`` (dense, one row of chunks at a time; or CSR,
    appended block by block) and ``y`` into a temporary file renamed over the output at the
    end. For CSR output the entries are also spilled, by column band, to temporary files
    beside the output and then sorted band by band into the CSC copy ``X_csc``
-   (:class:`~optcc_mpi.data.writing._CSCBuilder`).
+   (:class:`~optcc_mpi.data.writing.CSCBuilder`).
 
 Memory does not grow with the number of rows; ``docs/data.md`` gives the measured peaks.
 """
@@ -32,29 +32,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import h5py
 import numpy as np
 
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import LabelScan
 from optcc_mpi.progress import Progress
 
 from .layout import (
     TASKS,
-    _cast,
-    _dtype_name,
-    _first_bad,
-    _largest,
-    _np_dtype,
-    _to_storage,
+    cast_to,
+    dtype_name,
+    first_true,
+    largest_finite,
+    numpy_dtype,
+    storage_view,
 )
 from .writing import (
-    _atomic_h5,
-    _create_csc,
-    _create_csr,
-    _create_dense,
-    _create_y,
-    _CSCBuilder,
-    _filters,
-    _write_common_attrs,
+    CSCBuilder,
+    atomic_h5,
+    create_csc,
+    create_csr,
+    create_dense,
+    create_y,
+    h5_filters,
+    write_common_attrs,
 )
 
 __all__ = ["convert_svmlight"]
@@ -242,31 +244,32 @@ def _parse_block(block: bytes, first_line: int, src: Path, dtype: str) -> _Block
 
     badlab = ~np.isfinite(labels)
     if badlab.any():
-        r = _first_bad(badlab)
+        r = first_true(badlab)
         raise fail(None, f"label {labels[r]} is not finite", row=r)
     badidx = (idx < 0) | (idx != np.floor(idx)) | (idx >= 2**62)
     if badidx.any():
-        k = _first_bad(badidx)
+        k = first_true(badidx)
         raise fail(k, f"feature index {idx[k]:g} is not a non-negative integer")
     badval = ~np.isfinite(val)
     if badval.any():
-        k = _first_bad(badval)
+        k = first_true(badval)
         raise fail(k, f"feature value {val[k]} is not finite")
-    stored = _cast(val, dtype)
+    stored = cast_to(val, dtype)
     over = ~np.isfinite(stored)
     if over.any():
-        k = _first_bad(over)
+        k = first_true(over)
         raise fail(
             k,
             f"feature value {val[k]:g} overflows {dtype} (largest finite value "
-            f"{_largest(dtype):g}); store as float64 (--dtype float64) or rescale the feature",
+            f"{largest_finite(dtype):g}); store as float64 (--dtype float64) or rescale the "
+            "feature",
         )
     if idx.size > 1:
         unsorted = idx[1:] <= idx[:-1]
         first = row_start[(row_start > 0) & (counts > 0)]
         unsorted[first - 1] = False  # a row's first index is not compared with the last row
         if unsorted.any():
-            k = _first_bad(unsorted) + 1
+            k = first_true(unsorted) + 1
             raise fail(
                 k,
                 f"feature indices must be strictly increasing (index {idx[k]:g} follows "
@@ -279,7 +282,7 @@ def _parse_block(block: bytes, first_line: int, src: Path, dtype: str) -> _Block
 class _Scan:
     """What the first pass learns: sizes, index range, labels, nonzeros per column."""
 
-    labels: Any  # optcc_mpi.glm.labels.LabelScan
+    labels: LabelScan
     rows: int = 0
     nnz: int = 0
     min_idx: int | None = None
@@ -298,7 +301,7 @@ class _Scan:
             lo, hi = int(blk.idx.min()), int(blk.idx.max())
             row_of = np.repeat(np.arange(blk.counts.size), blk.counts)
             if lo == 0 and self.zero_line is None:
-                self.zero_line = int(blk.lines[row_of[_first_bad(blk.idx == 0)]])
+                self.zero_line = int(blk.lines[row_of[first_true(blk.idx == 0)]])
             if self.max_idx is None or hi > self.max_idx:
                 self.max_idx = hi
                 self.max_line = int(blk.lines[row_of[int(np.argmax(blk.idx))]])
@@ -415,24 +418,84 @@ def convert_svmlight(
         number and text are in the message), a corrupt compressed input, labels that do not
         fit a forced task, an ``n_features`` smaller than the indices, unknown options.
     """
-    from optcc_mpi.glm.labels import LabelScan  # the GLM's label domains, imported on use
-
     t0 = time.perf_counter()
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     if layout not in ("auto", "dense", "csr"):
         raise DatasetError(f"unknown layout {layout!r}; expected auto, dense or csr")
     if zero_based not in ("auto", True, False):
         raise DatasetError(f"zero_based must be 'auto', True or False, got {zero_based!r}")
     if task is not None and task not in TASKS:
         raise DatasetError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
-    _filters(compression)
+    h5_filters(compression)
     src, dst = Path(src), Path(dst)
     if not src.is_file():
         raise FileNotFoundError(f"svmlight file not found: {src}")
-    total = src.stat().st_size
 
+    scan = _scan_pass(src, name, progress)
+    plan = _plan(
+        scan,
+        src,
+        task=task,
+        zero_based=zero_based,
+        n_features=n_features,
+        layout=layout,
+        csc=csc,
+        storage=_Storage(name, compression, bool(checksum), chunk_cols),
+    )
+    attrs = {
+        "source_file": src.name,
+        "zero_based": plan.zero_based,
+        "label_encoding": plan.encoding,
+    }
+    # The CSC copy's spill files go beside the output: same file system, which must hold
+    # the output anyway, and not a /tmp that may be small or in memory.
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    spill = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".spill", dir=dst.parent))
+    try:
+        with (
+            atomic_h5(dst, rdcc_nbytes=16 << 20) as f,
+            Progress(plan.m, "convert 2/2 write", enabled=progress, unit="rows") as bar,
+        ):
+            if plan.layout == "dense":
+                rows = _write_dense(f, src, plan, bar)
+            else:
+                rows = _write_csr(f, src, plan, spill, bar)
+            _check_unchanged(src, rows, plan.m, final=True)
+            write_common_attrs(
+                f,
+                task=plan.task,
+                origin=origin or f"converted from svmlight file {src.name}",
+                licence=licence or "unknown (not recorded at conversion)",
+                m=plan.m,
+                n=plan.n,
+                attrs=attrs,
+            )
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    return {
+        "path": str(dst),
+        "rows": plan.m,
+        "n_features": plan.n,
+        "nnz": plan.nnz,
+        "density": plan.density,
+        "layout": plan.layout,
+        "csc": plan.csc_counts is not None,
+        "dtype": name,
+        "task": plan.task,
+        "zero_based": plan.zero_based,
+        "label_encoding": plan.encoding,
+        "checksum": bool(checksum),
+        "seconds": seconds,
+        "text_bytes": scan.bytes_text,
+        "rows_per_second": plan.m / seconds if seconds > 0 else float("inf"),
+    }
+
+
+def _scan_pass(src: Path, name: str, progress: bool) -> _Scan:
+    """Pass 1: parse and check every line; count rows, nonzeros, columns; see the labels."""
     scan = _Scan(labels=LabelScan())
-    with Progress(total, "convert 1/2 scan", enabled=progress, unit="B") as bar:
+    with Progress(src.stat().st_size, "convert 1/2 scan", enabled=progress, unit="B") as bar:
         done = 0
         for block, line, pos in _text_blocks(src):
             scan.add(_parse_block(block, line, src, name))
@@ -441,6 +504,62 @@ def convert_svmlight(
             done = pos
     if scan.rows == 0:
         raise DatasetError(f"{src}: no data lines")
+    return scan
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """How ``X`` is stored: dtype name, compression, checksums, dense chunk width."""
+
+    dtype: str
+    compression: str | None
+    checksum: bool
+    chunk_cols: int | None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the second pass writes, decided from the first pass and the options."""
+
+    task: str
+    #: ``"{-1,+1} -> {0,1}"`` when binary labels are rewritten, else None.
+    encoding: str | None
+    zero_based: bool
+    m: int
+    n: int
+    nnz: int
+    #: ``dense`` or ``csr``.
+    layout: str
+    #: Nonzeros per column when the CSC copy is written, else None.
+    csc_counts: np.ndarray | None
+    storage: _Storage
+
+    @property
+    def shift(self) -> int:
+        """Subtracted from a file's feature index to give the column."""
+        return 0 if self.zero_based else 1
+
+    @property
+    def density(self) -> float:
+        return self.nnz / (self.m * self.n)
+
+    def labels(self, blk: _Block) -> np.ndarray:
+        """A block's labels as stored (binary {-1, +1} as {0, 1})."""
+        return (blk.labels > 0).astype(np.float64) if self.encoding else blk.labels
+
+
+def _plan(
+    scan: _Scan,
+    src: Path,
+    *,
+    task: str | None,
+    zero_based: bool | str,
+    n_features: int | None,
+    layout: str,
+    csc: bool,
+    storage: _Storage,
+) -> _Plan:
+    """Check the options against what the first pass saw, and settle the output's shape."""
     task = task or scan.labels.task()
     encoding = scan.labels.encoding(task, str(src))
     if zero_based == "auto":
@@ -464,116 +583,79 @@ def convert_svmlight(
     if n < 1:
         raise DatasetError(f"{src}: no features (every line has only a label)")
     m, nnz = scan.rows, scan.nnz
-    density = nnz / (m * n)
     if layout == "auto":
-        layout = "dense" if density >= _DENSE_MIN_DENSITY else "csr"
-    write_csc = bool(csc) and layout == "csr" and scan.col_counts is not None
-    if write_csc:
+        layout = "dense" if nnz / (m * n) >= _DENSE_MIN_DENSITY else "csr"
+    counts = None
+    if csc and layout == "csr" and scan.col_counts is not None:
         counts = np.zeros(n, np.int64)
         raw = scan.col_counts[shift : shift + n]
         counts[: raw.size] = raw
-    scan.col_counts = None
+    scan.col_counts = None  # the first pass's largest array: free it before the second
+    return _Plan(task, encoding, bool(zero_based), m, n, nnz, layout, counts, storage)
 
-    def labels(blk: _Block) -> np.ndarray:
-        return (blk.labels > 0).astype(np.float64) if encoding else blk.labels
 
-    attrs = {
-        "source_file": src.name,
-        "zero_based": bool(zero_based),
-        "label_encoding": encoding,
-    }
-    # The CSC copy's spill files go beside the output: same file system, which must hold
-    # the output anyway, and not a /tmp that may be small or in memory.
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    spill = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".spill", dir=dst.parent))
-    try:
-        with (
-            _atomic_h5(dst, rdcc_nbytes=16 << 20) as f,
-            Progress(m, "convert 2/2 write", enabled=progress, unit="rows") as bar,
-        ):
-            ydset = _create_y(f, m, compression, checksum)
-            r = 0
-            if layout == "dense":
-                ds = _create_dense(f, m, n, name, chunk_cols, compression, checksum)
-                ch = ds.chunks[0]
-                buf = np.zeros((min(ch, m), n), dtype=_np_dtype(name))
-                filled = 0  # rows of buf in use; buf holds global rows r - filled .. r
-                for block, line, _ in _text_blocks(src):
-                    blk = _parse_block(block, line, src, name)
-                    _check_unchanged(src, r + blk.labels.size, m)
-                    ydset[r : r + blk.labels.size] = labels(blk)
-                    offsets = np.concatenate(([0], np.cumsum(blk.counts)))
-                    i = 0
-                    while i < blk.labels.size:
-                        take = min(blk.labels.size - i, buf.shape[0] - filled)
-                        a, b = offsets[i], offsets[i + take]
-                        local = np.repeat(
-                            np.arange(filled, filled + take), blk.counts[i : i + take]
-                        )
-                        buf[local, blk.idx[a:b] - shift] = blk.val[a:b]
-                        filled += take
-                        i += take
-                        r += take
-                        if filled == buf.shape[0] or r == m:
-                            ds[r - filled : r] = _to_storage(buf[:filled])
-                            buf[:filled] = 0
-                            filled = 0
-                    bar.update(blk.labels.size)
-            else:
-                g = _create_csr(f, m, n, nnz, name, compression, checksum)
-                builder = _CSCBuilder(counts, m, name, spill) if write_csc else None
-                k = 0
-                g["indptr"][0] = 0
-                for block, line, _ in _text_blocks(src):
-                    blk = _parse_block(block, line, src, name)
-                    size = blk.labels.size
-                    _check_unchanged(src, r + size, m)
-                    if k + blk.idx.size > nnz:
-                        raise DatasetError(
-                            f"{src}: the file changed during conversion (more than the {nnz} "
-                            "nonzeros of the first pass)"
-                        )
-                    ydset[r : r + size] = labels(blk)
-                    g["indptr"][r + 1 : r + 1 + size] = k + np.cumsum(blk.counts)
-                    g["indices"][k : k + blk.idx.size] = blk.idx - shift
-                    g["data"][k : k + blk.idx.size] = _to_storage(blk.val)
-                    if builder is not None:
-                        rows = np.repeat(np.arange(r, r + size, dtype=np.int64), blk.counts)
-                        builder.add(rows, blk.idx - shift, blk.val)
-                    k += blk.idx.size
-                    r += size
-                    bar.update(size)
-                if builder is not None:
-                    _check_unchanged(src, r, m, final=True)
-                    c = _create_csc(f, m, n, nnz, name, compression, checksum)
-                    builder.finish(c, src)
-            _check_unchanged(src, r, m, final=True)
-            _write_common_attrs(
-                f,
-                task=task,
-                origin=origin or f"converted from svmlight file {src.name}",
-                licence=licence or "unknown (not recorded at conversion)",
-                m=m,
-                n=n,
-                attrs=attrs,
+def _write_dense(f: h5py.File, src: Path, plan: _Plan, bar: Progress) -> int:
+    """Pass 2, dense ``X``: parse again and write whole chunk rows; returns the rows."""
+    st, m, shift = plan.storage, plan.m, plan.shift
+    ydset = create_y(f, m, st.compression, st.checksum)
+    ds = create_dense(f, m, plan.n, st.dtype, st.chunk_cols, st.compression, st.checksum)
+    buf = np.zeros((min(ds.chunks[0], m), plan.n), dtype=numpy_dtype(st.dtype))
+    filled = 0  # rows of buf in use; buf holds global rows r - filled .. r
+    r = 0
+    for block, line, _ in _text_blocks(src):
+        blk = _parse_block(block, line, src, st.dtype)
+        _check_unchanged(src, r + blk.labels.size, m)
+        ydset[r : r + blk.labels.size] = plan.labels(blk)
+        offsets = np.concatenate(([0], np.cumsum(blk.counts)))
+        i = 0
+        while i < blk.labels.size:
+            take = min(blk.labels.size - i, buf.shape[0] - filled)
+            a, b = offsets[i], offsets[i + take]
+            local = np.repeat(np.arange(filled, filled + take), blk.counts[i : i + take])
+            buf[local, blk.idx[a:b] - shift] = blk.val[a:b]
+            filled += take
+            i += take
+            r += take
+            if filled == buf.shape[0] or r == m:
+                ds[r - filled : r] = storage_view(buf[:filled])
+                buf[:filled] = 0
+                filled = 0
+        bar.update(blk.labels.size)
+    return r
+
+
+def _write_csr(f: h5py.File, src: Path, plan: _Plan, spill: Path, bar: Progress) -> int:
+    """Pass 2, CSR ``X``: parse again and append each block's rows; spill the entries by
+    column band for the CSC copy and build it at the end. Returns the rows."""
+    st, m, nnz, shift = plan.storage, plan.m, plan.nnz, plan.shift
+    ydset = create_y(f, m, st.compression, st.checksum)
+    g = create_csr(f, m, plan.n, nnz, st.dtype, st.compression, st.checksum)
+    builder = None
+    if plan.csc_counts is not None:
+        builder = CSCBuilder(plan.csc_counts, m, st.dtype, spill)
+    r = k = 0
+    g["indptr"][0] = 0
+    for block, line, _ in _text_blocks(src):
+        blk = _parse_block(block, line, src, st.dtype)
+        size = blk.labels.size
+        _check_unchanged(src, r + size, m)
+        if k + blk.idx.size > nnz:
+            raise DatasetError(
+                f"{src}: the file changed during conversion (more than the {nnz} "
+                "nonzeros of the first pass)"
             )
-    finally:
-        shutil.rmtree(spill, ignore_errors=True)
-    seconds = time.perf_counter() - t0
-    return {
-        "path": str(dst),
-        "rows": m,
-        "n_features": n,
-        "nnz": nnz,
-        "density": density,
-        "layout": layout,
-        "csc": write_csc,
-        "dtype": name,
-        "task": task,
-        "zero_based": bool(zero_based),
-        "label_encoding": encoding,
-        "checksum": bool(checksum),
-        "seconds": seconds,
-        "text_bytes": scan.bytes_text,
-        "rows_per_second": m / seconds if seconds > 0 else float("inf"),
-    }
+        ydset[r : r + size] = plan.labels(blk)
+        g["indptr"][r + 1 : r + 1 + size] = k + np.cumsum(blk.counts)
+        g["indices"][k : k + blk.idx.size] = blk.idx - shift
+        g["data"][k : k + blk.idx.size] = storage_view(blk.val)
+        if builder is not None:
+            rows = np.repeat(np.arange(r, r + size, dtype=np.int64), blk.counts)
+            builder.add(rows, blk.idx - shift, blk.val)
+        k += blk.idx.size
+        r += size
+        bar.update(size)
+    if builder is not None:
+        _check_unchanged(src, r, m, final=True)
+        c = create_csc(f, m, plan.n, nnz, st.dtype, st.compression, st.checksum)
+        builder.finish(c, src)
+    return r

@@ -18,15 +18,15 @@ from optcc_mpi.errors import DatasetError
 from optcc_mpi.progress import Progress
 
 from .layout import (
-    _WRITE_BUFFER_BYTES,
-    _cast,
-    _dtype_name,
-    _itemsize,
-    _np_dtype,
-    _to_storage,
+    WRITE_BUFFER_BYTES,
+    cast_to,
     chunk_shape,
+    dtype_name,
+    itemsize_of,
+    numpy_dtype,
+    storage_view,
 )
-from .writing import _atomic_h5, _create_dense, _create_y, _filters, _write_common_attrs
+from .writing import atomic_h5, create_dense, create_y, h5_filters, write_common_attrs
 
 __all__ = ["SYNTH_KINDS", "SYNTH_VERSION", "synth", "synth_arrays"]
 
@@ -45,7 +45,7 @@ def _synth_block(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows of generator block ``block``: X in dtype ``name`` and y from the stored X."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(1, block))))
-    X = _cast(rng.standard_normal((rows, n)) / np.sqrt(n), name)
+    X = cast_to(rng.standard_normal((rows, n)) / np.sqrt(n), name)
     # Labels come from the values as stored (rounded), so w_true is exactly the parameter
     # that generated the data a trainer reads.
     z = X.astype(np.float64) @ w
@@ -75,10 +75,10 @@ def synth_arrays(
     """
     if kind not in SYNTH_KINDS:
         raise DatasetError(f"unknown kind {kind!r}; expected one of {', '.join(SYNTH_KINDS)}")
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     m, n, seed = int(rows), int(cols), int(seed)
     w = _synth_weights(seed, n)
-    X = np.empty((m, n), dtype=_np_dtype(name))
+    X = np.empty((m, n), dtype=numpy_dtype(name))
     y = np.empty(m)
     for a in range(0, m, _SYNTH_BLOCK):
         k = min(_SYNTH_BLOCK, m - a)
@@ -142,29 +142,29 @@ def synth(
     """
     if kind not in SYNTH_KINDS:
         raise DatasetError(f"unknown kind {kind!r}; expected one of {', '.join(SYNTH_KINDS)}")
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     m, n, seed = int(rows), int(cols), int(seed)
     if m < 1 or n < 1:
         raise DatasetError(f"rows and cols must be positive, got {m} x {n}")
     if seed < 0:
         raise DatasetError(f"seed must be non-negative, got {seed}")
-    _filters(compression)
+    h5_filters(compression)
     w = _synth_weights(seed, n)
     path = Path(path)
     ch = chunk_shape(m, n, name)[0]
     # Rows per write: whole generator blocks and whole chunk rows (both powers of two, so
     # max() is a multiple of the other), within chunk_rows and the 64 MiB write buffer.
     unit = max(ch, _SYNTH_BLOCK)
-    limit = min(int(chunk_rows), _WRITE_BUFFER_BYTES // (n * _itemsize(name)))
+    limit = min(int(chunk_rows), WRITE_BUFFER_BYTES // (n * itemsize_of(name)))
     batch = min(max(unit, limit // unit * unit), -(-m // _SYNTH_BLOCK) * _SYNTH_BLOCK)
-    buf = np.empty((batch, n), dtype=_np_dtype(name))
+    buf = np.empty((batch, n), dtype=numpy_dtype(name))
     ybuf = np.empty(batch)
     with (
-        _atomic_h5(path, rdcc_nbytes=16 << 20) as f,
+        atomic_h5(path, rdcc_nbytes=16 << 20) as f,
         Progress(m, f"synth {kind}", enabled=progress, unit="rows") as bar,
     ):
-        ds = _create_dense(f, m, n, name, None, compression, checksum)
-        ydset = _create_y(f, m, compression, checksum)
+        ds = create_dense(f, m, n, name, None, compression, checksum)
+        ydset = create_y(f, m, compression, checksum)
         for r0 in range(0, m, batch):
             rows_here = min(batch, m - r0)
             # Each 1024-row block is drawn in float64 and rounded straight into the buffer,
@@ -173,11 +173,11 @@ def synth(
                 k = min(_SYNTH_BLOCK, rows_here - a)
                 block = (r0 + a) // _SYNTH_BLOCK
                 buf[a : a + k], ybuf[a : a + k] = _synth_block(kind, seed, block, k, n, w, name)
-            ds[r0 : r0 + rows_here] = _to_storage(buf[:rows_here])
+            ds[r0 : r0 + rows_here] = storage_view(buf[:rows_here])
             ydset[r0 : r0 + rows_here] = ybuf[:rows_here]
             bar.update(rows_here)
-        f.create_dataset("w_true", data=w, **_filters(compression, checksum))
-        _write_common_attrs(
+        f.create_dataset("w_true", data=w, **h5_filters(compression, checksum))
+        write_common_attrs(
             f,
             task=SYNTH_KINDS[kind],
             origin=(

@@ -3,7 +3,7 @@
 Everything here raises :class:`~optcc_mpi.errors.DatasetError` naming the file, the dataset
 inside it and the position of the offending entry:
 
-* :func:`_header` checks the layout (datasets present, shapes agree, supported types,
+* :func:`read_header` checks the layout (datasets present, shapes agree, supported types,
   version) without reading any values;
 * :func:`check_indptr` and :func:`check_minor_indices` check the arrays of a compressed
   sparse matrix (CSR ``X`` or its CSC copy) slab by slab, as the readers load them:
@@ -30,20 +30,20 @@ import numpy as np
 from optcc_mpi.errors import DatasetError
 
 from .layout import (
-    _BF16,
-    _OPAQUE2,
+    BF16,
     CSC_COPY,
     LAYOUT_VERSION,
+    OPAQUE2,
     TASKS,
-    _attr_value,
-    _first_bad,
+    attr_value,
+    first_true,
 )
 
 # Entries read at a time when checking or filtering a compressed sparse array.
-_SPARSE_SLAB = 1 << 22
+SPARSE_SLAB = 1 << 22
 
 
-def _open(path: str | os.PathLike) -> h5py.File:
+def open_dataset(path: str | os.PathLike) -> h5py.File:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"dataset file not found: {p}")
@@ -75,8 +75,8 @@ def guard(path: Path, name: str, where: str = "") -> Iterator[None]:
 def _stored_dtype(obj: h5py.Dataset, path: Path, what: str) -> str:
     """Logical dtype of a stored X (or X/data) dataset."""
     dt = obj.dtype
-    if dt == _OPAQUE2:
-        tag = _attr_value(obj.attrs.get("optcc_dtype", ""))
+    if dt == OPAQUE2:
+        tag = attr_value(obj.attrs.get("optcc_dtype", ""))
         if tag != "bfloat16":
             raise DatasetError(
                 f"{path}: {what} is an opaque 2-byte type without the attribute "
@@ -116,7 +116,7 @@ def _sparse_group(g: h5py.Group, path: Path, name: str, kind: str) -> tuple[int,
     return m, n, int(nnz)
 
 
-def _header(f: h5py.File, path: Path) -> dict[str, Any]:
+def read_header(f: h5py.File, path: Path) -> dict[str, Any]:
     """Describe the layout of an open file, checking structure but reading no values."""
     names = sorted(f.keys())
     for key in ("X", "y"):
@@ -125,7 +125,7 @@ def _header(f: h5py.File, path: Path) -> dict[str, Any]:
                 f"{path}: missing dataset {key!r} (a dataset file needs 'X' and 'y'; "
                 f"found {names or 'nothing'})"
             )
-    attrs = {k: _attr_value(v) for k, v in f.attrs.items()}
+    attrs = {k: attr_value(v) for k, v in f.attrs.items()}
     version = attrs.get("optcc_layout")
     if version is not None and int(version) > LAYOUT_VERSION:
         raise DatasetError(
@@ -234,14 +234,14 @@ def check_indptr(ptr: np.ndarray, start: int, length: int, nnz: int, path: Path,
         )
     down = ptr[1:] < ptr[:-1]
     if down.any():
-        k = _first_bad(down)
+        k = first_true(down)
         raise DatasetError(
             f"{path}: {name} is not monotone: {name}[{start + k + 1}] = {ptr[k + 1]} is less "
             f"than {name}[{start + k}] = {ptr[k]}"
         )
     outside = (ptr < 0) | (ptr > nnz)
     if outside.any():
-        k = _first_bad(outside)
+        k = first_true(outside)
         raise DatasetError(
             f"{path}: {name}[{start + k}] = {ptr[k]} is outside 0..{nnz} (the number of "
             "stored entries)"
@@ -287,7 +287,7 @@ def check_minor_indices(
         return prev
     outside = (idx < 0) | (idx >= bound)
     if outside.any():
-        k = _first_bad(outside)
+        k = first_true(outside)
         raise DatasetError(
             f"{path}: {name}[{pos0 + k}] = {idx[k]} is outside 0..{bound - 1} ({seg_name} {seg[k]})"
         )
@@ -297,7 +297,7 @@ def check_minor_indices(
         pos0 -= 1
     bad = (idx[1:] <= idx[:-1]) & (seg[1:] == seg[:-1])
     if bad.any():
-        k = _first_bad(bad) + 1
+        k = first_true(bad) + 1
         what = "duplicate" if idx[k] == idx[k - 1] else "unsorted"
         raise DatasetError(
             f"{path}: {what} index in {seg_name} {seg[k]}: {name}[{pos0 + k}] = {idx[k]} "
@@ -307,7 +307,7 @@ def check_minor_indices(
     return int(seg[-1]), int(idx[-1])
 
 
-def _nonfinite_message(
+def nonfinite_message(
     path: Path,
     what: str,
     value: Any,
@@ -363,8 +363,8 @@ def _scan_compressed(
     minor_counts = np.zeros(minor, dtype=np.int64)
     digest = 0
     prev = None
-    for a in range(0, nnz, _SPARSE_SLAB):
-        b = min(nnz, a + _SPARSE_SLAB)
+    for a in range(0, nnz, SPARSE_SLAB):
+        b = min(nnz, a + SPARSE_SLAB)
         with guard(path, f"{name}/indices", f"[{a}:{b}]"):
             idx = g["indices"][a:b].astype(np.int64)
         with guard(path, f"{name}/data", f"[{a}:{b}]"):
@@ -373,10 +373,10 @@ def _scan_compressed(
         prev = check_minor_indices(idx, a, seg, minor, prev, path, f"{name}/indices", seg_name)
         minor_counts += np.bincount(idx, minlength=minor)
         rows, cols = (seg, idx) if csr else (idx, seg)
-        numbers = vals.view(_BF16) if vals.dtype == _OPAQUE2 else vals
+        numbers = vals.view(BF16) if vals.dtype == OPAQUE2 else vals
         finite = np.isfinite(numbers)
         if not finite.all():
-            k = _first_bad(~finite)
+            k = first_true(~finite)
             raise DatasetError(
                 f"{path}: non-finite value {numbers[k]} in X at row {rows[k]}, column "
                 f"{cols[k]} ({name}/data[{a + k}])"
@@ -399,7 +399,7 @@ def scan_sparse(f: h5py.File, path: Path, m: int, n: int) -> None:
     for what, a, b in (("row", rows, crows), ("column", cols, ccols)):
         diff = a != b
         if diff.any():
-            k = _first_bad(diff)
+            k = first_true(diff)
             raise DatasetError(
                 f"{path}: the CSC copy {CSC_COPY!r} does not match X: {what} {k} has {a[k]} "
                 f"entries in X but {b[k]} in the copy"

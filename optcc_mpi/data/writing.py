@@ -5,6 +5,10 @@ generator) creates its datasets through the helpers here, so every file gets the
 chunking, the same filters and, by default, an HDF5 fletcher32 checksum on every chunk of
 every array. HDF5 verifies the checksum whenever a chunk is read; the readers turn a
 mismatch into a :class:`~optcc_mpi.errors.DatasetError` naming the file and dataset.
+
+Those helpers (:func:`atomic_h5`, :func:`h5_filters`, :func:`write_common_attrs`, the
+``create_*`` functions and :class:`CSCBuilder`) are shared with the package's other writers;
+only ``__all__`` is part of :mod:`optcc_mpi.data`'s API.
 """
 
 from __future__ import annotations
@@ -23,18 +27,28 @@ import numpy as np
 import scipy.sparse as sp
 
 from optcc_mpi.errors import DatasetError
+from optcc_mpi.labels import check_labels
+from optcc_mpi.progress import Progress
 
 from .layout import (
-    _OPAQUE2,
-    _SPARSE_CHUNK,
     CSC_COPY,
     LAYOUT_MINOR,
     LAYOUT_VERSION,
+    OPAQUE2,
+    SPARSE_CHUNK,
     TASKS,
-    _cast,
-    _dtype_name,
-    _to_storage,
+    cast_to,
     chunk_shape,
+    dtype_name,
+    storage_view,
+)
+from .validation import (
+    SPARSE_SLAB,
+    check_indptr,
+    check_minor_indices,
+    guard,
+    open_dataset,
+    read_header,
 )
 
 __all__ = ["add_csc", "write_dataset"]
@@ -51,7 +65,7 @@ _CSC_PTR_CHUNK = 1 << 13
 
 
 @contextmanager
-def _atomic_h5(path: Path, **kwargs: Any) -> Iterator[h5py.File]:
+def atomic_h5(path: Path, **kwargs: Any) -> Iterator[h5py.File]:
     """Open a temporary file beside ``path`` for writing; rename it over ``path`` on success.
 
     Readers therefore never see a half-written dataset, and concurrent writers of the same
@@ -71,7 +85,7 @@ def _atomic_h5(path: Path, **kwargs: Any) -> Iterator[h5py.File]:
         raise
 
 
-def _filters(compression: str | None, checksum: bool = True) -> dict[str, Any]:
+def h5_filters(compression: str | None, checksum: bool = True) -> dict[str, Any]:
     """h5py filter arguments: optional compression, and the fletcher32 checksum.
 
     h5py applies fletcher32 after compression, so the checksum covers the stored bytes and a
@@ -86,7 +100,7 @@ def _filters(compression: str | None, checksum: bool = True) -> dict[str, Any]:
     return {**filt, "compression": compression, "shuffle": True}
 
 
-def _write_common_attrs(
+def write_common_attrs(
     f: h5py.File,
     *,
     task: str,
@@ -110,10 +124,10 @@ def _write_common_attrs(
 
 
 def _storage(dtype: str) -> np.dtype:
-    return _OPAQUE2 if dtype == "bfloat16" else np.dtype(dtype)
+    return OPAQUE2 if dtype == "bfloat16" else np.dtype(dtype)
 
 
-def _create_dense(
+def create_dense(
     f: h5py.File,
     m: int,
     n: int,
@@ -124,7 +138,7 @@ def _create_dense(
 ) -> h5py.Dataset:
     chunks = chunk_shape(m, n, dtype, chunk_cols)
     ds = f.create_dataset(
-        "X", shape=(m, n), dtype=_storage(dtype), chunks=chunks, **_filters(compression, checksum)
+        "X", shape=(m, n), dtype=_storage(dtype), chunks=chunks, **h5_filters(compression, checksum)
     )
     ds.attrs["optcc_format"] = "dense"
     ds.attrs["optcc_dtype"] = dtype
@@ -146,14 +160,14 @@ def _create_compressed(
     g = f.create_group(name)
     g.attrs["optcc_format"] = fmt
     g.attrs["shape"] = np.array([m, n], dtype=np.int64)
-    filt = _filters(compression, checksum)
+    filt = h5_filters(compression, checksum)
     major, minor = (m, n) if fmt == "csr" else (n, m)
-    ptr_chunk = _SPARSE_CHUNK if fmt == "csr" else _CSC_PTR_CHUNK
+    ptr_chunk = SPARSE_CHUNK if fmt == "csr" else _CSC_PTR_CHUNK
     g.create_dataset(
         "indptr", shape=(major + 1,), dtype=np.int64, chunks=(min(major + 1, ptr_chunk),), **filt
     )
     idx_type = np.int32 if minor < 2**31 else np.int64
-    chunk = (min(max(nnz, 1), _SPARSE_CHUNK),)
+    chunk = (min(max(nnz, 1), SPARSE_CHUNK),)
     g.create_dataset("indices", shape=(nnz,), dtype=idx_type, chunks=chunk, maxshape=(nnz,), **filt)
     d = g.create_dataset(
         "data", shape=(nnz,), dtype=_storage(dtype), chunks=chunk, maxshape=(nnz,), **filt
@@ -164,7 +178,7 @@ def _create_compressed(
     return g
 
 
-def _create_csr(
+def create_csr(
     f: h5py.File,
     m: int,
     n: int,
@@ -176,7 +190,7 @@ def _create_csr(
     return _create_compressed(f, "X", "csr", m, n, nnz, dtype, compression, checksum)
 
 
-def _create_csc(
+def create_csc(
     f: h5py.File,
     m: int,
     n: int,
@@ -188,13 +202,13 @@ def _create_csc(
     return _create_compressed(f, CSC_COPY, "csc", m, n, nnz, dtype, compression, checksum)
 
 
-def _create_y(f: h5py.File, m: int, compression: str | None, checksum: bool = True) -> h5py.Dataset:
+def create_y(f: h5py.File, m: int, compression: str | None, checksum: bool = True) -> h5py.Dataset:
     return f.create_dataset(
         "y",
         shape=(m,),
         dtype=np.float64,
         chunks=(min(m, 1 << 16),),
-        **_filters(compression, checksum),
+        **h5_filters(compression, checksum),
     )
 
 
@@ -225,7 +239,7 @@ def write_dataset(
         Dense arrays are stored dense, sparse matrices as CSR (duplicates summed, indices
         sorted).
     y : array_like of shape (m,)
-        Labels, checked with :func:`optcc_mpi.glm.labels.check_labels` (binary {-1, +1} are
+        Labels, checked with :func:`optcc_mpi.labels.check_labels` (binary {-1, +1} are
         stored as {0, 1}).
     task : {'binary', 'regression', 'counts'}
     origin : str
@@ -266,7 +280,7 @@ def write_dataset(
     for key, value in (("origin", origin), ("licence", licence)):
         if not isinstance(value, str) or not value.strip():
             raise DatasetError(f"{key} must be a non-empty string, got {value!r}")
-    name = _dtype_name(dtype)
+    name = dtype_name(dtype)
     sparse = sp.issparse(X)
     if sparse:
         X = sp.csr_matrix(X)
@@ -283,13 +297,13 @@ def write_dataset(
         raise DatasetError(f"X is empty (shape {m} x {n})")
     if name is None:
         try:
-            name = _dtype_name(values.dtype)
+            name = dtype_name(values.dtype)
         except DatasetError:
             name = "float64"
     y = np.asarray(y)
     if y.ndim != 1 or y.shape[0] != m:
         raise DatasetError(f"shape mismatch: X has {m} rows but y has shape {y.shape}")
-    stored = _cast(np.asarray(values), name)
+    stored = cast_to(np.asarray(values), name)
     finite = np.isfinite(stored)
     if not finite.all():
         k = tuple(np.argwhere(~finite)[0])
@@ -301,16 +315,14 @@ def write_dataset(
         source = np.asarray(values)[k]
         note = f" (overflow: {source} does not fit {name})" if np.isfinite(source) else ""
         raise DatasetError(f"non-finite value {stored[k]} in X at {where}{note}")
-    from optcc_mpi.glm.labels import check_labels  # the GLM's label domains; see reading
-
     y = check_labels(y, task)
     path = Path(path)
-    with _atomic_h5(path) as f:
+    with atomic_h5(path) as f:
         if sparse:
-            g = _create_csr(f, m, n, X.nnz, name, compression, checksum)
+            g = create_csr(f, m, n, X.nnz, name, compression, checksum)
             g["indptr"][...] = X.indptr.astype(np.int64)
             g["indices"][...] = X.indices.astype(g["indices"].dtype)
-            g["data"][...] = _to_storage(stored)
+            g["data"][...] = storage_view(stored)
             if csc:
                 # Entries in column order; the stable sort keeps rows increasing within a
                 # column. Done on indices, not with SciPy, which has no bfloat16.
@@ -318,24 +330,24 @@ def write_dataset(
                 rows = np.repeat(np.arange(m, dtype=np.int64), np.diff(X.indptr))
                 ptr = np.zeros(n + 1, dtype=np.int64)
                 np.cumsum(np.bincount(X.indices, minlength=n), out=ptr[1:])
-                g = _create_csc(f, m, n, X.nnz, name, compression, checksum)
+                g = create_csc(f, m, n, X.nnz, name, compression, checksum)
                 g["indptr"][...] = ptr
                 g["indices"][...] = rows[order].astype(g["indices"].dtype)
-                g["data"][...] = _to_storage(stored[order])
+                g["data"][...] = storage_view(stored[order])
         else:
-            ds = _create_dense(f, m, n, name, chunk_cols, compression, checksum)
-            ds[...] = _to_storage(np.ascontiguousarray(stored))
-        _create_y(f, m, compression, checksum)[...] = y
+            ds = create_dense(f, m, n, name, chunk_cols, compression, checksum)
+            ds[...] = storage_view(np.ascontiguousarray(stored))
+        create_y(f, m, compression, checksum)[...] = y
         for key, value in (extra or {}).items():
             value = np.asarray(value)
             # Filters need a chunked dataset, which a scalar or empty array cannot be.
-            filt = _filters(compression, checksum) if value.size and value.ndim else {}
+            filt = h5_filters(compression, checksum) if value.size and value.ndim else {}
             f.create_dataset(key, data=value, **filt)
-        _write_common_attrs(f, task=task, origin=origin, licence=licence, m=m, n=n, attrs=attrs)
+        write_common_attrs(f, task=task, origin=origin, licence=licence, m=m, n=n, attrs=attrs)
     return path
 
 
-class _CSCBuilder:
+class CSCBuilder:
     """Builds the CSC copy of a sparse matrix whose entries arrive in row order.
 
     The number of entries in each column is known beforehand (the converter's first pass),
@@ -393,7 +405,7 @@ class _CSCBuilder:
             fh.write(rec[splits[b] : splits[b + 1]].tobytes())
 
     def finish(self, g: h5py.Group, source: Path) -> None:
-        """Write the copy's arrays into group ``g`` (created by :func:`_create_csc`)."""
+        """Write the copy's arrays into group ``g`` (created by :func:`create_csc`)."""
         for fh in self.handles.values():
             fh.close()
         self.handles.clear()
@@ -442,13 +454,9 @@ def add_csc(path: str | os.PathLike, *, checksum: bool = True, progress: bool = 
     DatasetError
         ``X`` is dense, or its CSR arrays are malformed (the message names the position).
     """
-    from optcc_mpi.progress import Progress
-
-    from .validation import _SPARSE_SLAB, _header, _open, check_indptr, check_minor_indices, guard
-
     path = Path(path)
-    with _open(path) as f:
-        info = _header(f, path)
+    with open_dataset(path) as f:
+        info = read_header(f, path)
     if info["layout"] != "csr":
         raise DatasetError(f"{path}: X is dense; only a CSR X has a CSC copy")
     if info["csc"]:
@@ -463,8 +471,8 @@ def add_csc(path: str | os.PathLike, *, checksum: bool = True, progress: bool = 
         ):
             g = f["X"]
             counts = np.zeros(n, dtype=np.int64)
-            for a in range(0, nnz, _SPARSE_SLAB):
-                b = min(nnz, a + _SPARSE_SLAB)
+            for a in range(0, nnz, SPARSE_SLAB):
+                b = min(nnz, a + SPARSE_SLAB)
                 with guard(path, "X/indices", f"[{a}:{b}]"):
                     idx = g["indices"][a:b].astype(np.int64)
                 bad = (idx < 0) | (idx >= n)
@@ -475,7 +483,7 @@ def add_csc(path: str | os.PathLike, *, checksum: bool = True, progress: bool = 
                     )
                 counts += np.bincount(idx, minlength=n)
                 bar.update(b - a)
-            builder = _CSCBuilder(counts, m, dtype, spill)
+            builder = CSCBuilder(counts, m, dtype, spill)
             rows_per_piece = 1 << 20
             prev = None
             for r0 in range(0, m, rows_per_piece):
@@ -483,8 +491,8 @@ def add_csc(path: str | os.PathLike, *, checksum: bool = True, progress: bool = 
                 with guard(path, "X/indptr", f"[{r0}:{r1 + 1}]"):
                     ptr = g["indptr"][r0 : r1 + 1].astype(np.int64)
                 check_indptr(ptr, r0, m + 1, nnz, path, "X/indptr")
-                for a in range(int(ptr[0]), int(ptr[-1]), _SPARSE_SLAB):
-                    b = min(int(ptr[-1]), a + _SPARSE_SLAB)
+                for a in range(int(ptr[0]), int(ptr[-1]), SPARSE_SLAB):
+                    b = min(int(ptr[-1]), a + SPARSE_SLAB)
                     with guard(path, "X/indices", f"[{a}:{b}]"):
                         idx = g["indices"][a:b].astype(np.int64)
                     with guard(path, "X/data", f"[{a}:{b}]"):

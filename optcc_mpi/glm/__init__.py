@@ -14,11 +14,11 @@ any per-slot override.
 
 Modules
 -------
-``models``      losses, residuals, label domains
+``models``      losses, residuals, label domains (the task rules: :mod:`optcc_mpi.labels`)
 ``precision``   recipes and rounding helpers
 ``sampler``     the shared per-epoch sample sequence
-``kernels``     a rank's column block and its local kernels (CPU, sparse, GPU; the
-                bf16-in, fp32-out Gram is ``optcc_mpi.backend.gram_bf16``)
+``kernels``     a rank's column block and its local kernels (CPU, sparse, GPU)
+``gram``        the bf16-in, fp32-out Gram on the GPU (cuBLAS GemmEx, recipe C)
 ``comm``        the pluggable, counted AllReduce; error agreement
 ``solvers``     SGD and CA-SGD steps, the recurrence, the training loop
 ``checkpoint``  HDF5 checkpoints and exact resume
@@ -39,55 +39,40 @@ True
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-# Public names and the submodule that defines each, resolved on first access: importing
-# optcc_mpi.glm (for instance for its label rules, from optcc_mpi.data) must not load
-# mpi4py or scikit-learn; the trainer and the estimators load them when used.
-_EXPORTS = {
-    "FitResult": "api",
-    "column_block": "api",
-    "fit": "api",
-    "fit_partition": "api",
-    "Reducer": "comm",
-    "agree": "comm",
-    "MODELS": "models",
-    "Model": "models",
-    "get_model": "models",
-    "model_for_task": "models",
-    "PRECISIONS": "precision",
-    "RECIPES": "precision",
-    "SLOTS": "precision",
-    "Recipe": "precision",
-    "get_recipe": "precision",
-    "DIVERGENCE_FACTOR": "solvers",
-    "EXIT_AFTER_ENV": "solvers",
-    "SOLVERS": "solvers",
-    "DivergenceError": "solvers",
-    "casgd_recurrence": "solvers",
-    "least_squares_deltas": "solvers",
-    "make_glm_data": "synthetic",
-    "GLM": "estimator",
-    "CASGDClassifier": "estimator",
-    "CASGDRegressor": "estimator",
-}
+from .api import FitResult, column_block, fit, fit_partition
+from .comm import Reducer, agree
+from .models import MODELS, Model, get_model, model_for_task
+from .precision import PRECISIONS, RECIPES, SLOTS, Recipe, get_recipe
+from .solvers import (
+    DIVERGENCE_FACTOR,
+    EXIT_AFTER_ENV,
+    SOLVERS,
+    DivergenceError,
+    casgd_recurrence,
+    least_squares_deltas,
+)
+from .synthetic import make_glm_data
+
+# The scikit-learn estimators, loaded on first access: scikit-learn is an optional
+# dependency, and fit, the train command and the benchmarks work without it.
+_ESTIMATORS = ("GLM", "CASGDClassifier", "CASGDRegressor")
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _ESTIMATORS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        mod = importlib.import_module(f"{__name__}.{module}")
+        from . import estimator  # imports scikit-learn
     except ImportError as exc:
-        if module != "estimator" or "sklearn" not in f"{exc} {getattr(exc, 'name', '')}":
+        if "sklearn" not in f"{exc} {getattr(exc, 'name', '')}":
             raise
         raise ImportError(
             f"optcc_mpi.glm.{name} is a scikit-learn estimator and needs scikit-learn >= 1.6 "
             f"({exc}); install it with: pip install 'scikit-learn>=1.6'"
         ) from exc
-    value = getattr(mod, name)
+    value = getattr(estimator, name)
     globals()[name] = value
     return value
 

@@ -3,10 +3,17 @@
 Every check on the inputs runs before any training and ends in one small collective
 (:func:`~optcc_mpi.glm.comm.agree`), so a bad input stops every rank with the same message
 instead of leaving some ranks waiting in an AllReduce.
+
+:func:`fit` runs in five phases, one function each below it: check and agree
+(:func:`_check_options`, :func:`_check_inputs`, then :func:`_check_across` on what every
+rank holds), set up this rank's column block and the trainer (:func:`_setup`), resume from a
+checkpoint (:func:`_resume`), the solver loop (:func:`_train`) and the results
+(:func:`_result`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -19,11 +26,13 @@ import scipy.sparse as sp
 from mpi4py import MPI
 
 from .. import config as _config
+from ..backend import get_cupy
+from ..data import column_block
 from ..progress import Progress
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import Reducer, agree, checksum
 from .kernels import GRAM_LAYOUTS, LocalData
-from .models import get_model
+from .models import Model, get_model, model_for_task
 from .precision import Recipe, get_recipe, rounded
 from .solvers import (
     DIVERGENCE_FACTOR,
@@ -35,14 +44,6 @@ from .solvers import (
 )
 
 __all__ = ["FitResult", "column_block", "fit", "fit_partition", "resolve_device"]
-
-
-def column_block(n_features: int, size: int, rank: int) -> slice:
-    """Columns of rank ``rank`` in the 1D block-column layout (as :mod:`optcc_mpi.data`
-    splits files, so arrays split here and files loaded there agree)."""
-    from optcc_mpi import data
-
-    return data.column_block(n_features, size, rank)
 
 
 def resolve_device(device: Any) -> Any:
@@ -60,8 +61,6 @@ def resolve_device(device: Any) -> Any:
         return np
     if name not in ("gpu", "auto"):
         raise ValueError(f"unknown device {device!r}; choose cpu, gpu or auto")
-    from optcc_mpi.backend import get_cupy
-
     cp = get_cupy()
     if cp is not None:
         return cp
@@ -312,70 +311,204 @@ def fit(
         ``divergence_factor``); the message advises on the step size.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    size, rank = comm.size, comm.rank
+    # 1. Check every argument on this rank, then agree across the ranks (collective): a bad
+    #    input on any rank stops every rank here, with its message, before any training.
     error = None
-    payload = None
+    opts: _Options | None = None
+    inputs: _Inputs | None = None
+    payload = xp = reducer = None
     try:
-        mdl = get_model(model)
-        if solver not in SOLVERS:
-            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-        rcp = get_recipe(recipe, slots)
-        if gram_layout not in GRAM_LAYOUTS:
-            raise ValueError(f"unknown gram_layout {gram_layout!r}; choose one of {GRAM_LAYOUTS}")
-        s = _positive_int("s", s)
-        b = _positive_int("b", b)
-        epochs = _positive_int("epochs", epochs, 0)
-        seed = _positive_int("seed", seed, 0)
-        eval_every = _positive_int("eval_every", eval_every, 0)
-        checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 0)
-        lr = _finite("lr", lr, positive=True)
-        lam = _finite("lam", lam)
-        if divergence_factor is not None:
-            factor = float(divergence_factor)
-            if not factor > 1:
-                raise ValueError(
-                    f"divergence_factor must be a number > 1 (or None to turn the check "
-                    f"off), got {divergence_factor!r}"
-                )
-            divergence_factor = None if math.isinf(factor) else factor
-        if resume and checkpoint is None:
-            raise ValueError("resume needs a checkpoint file")
+        opts = _check_options(
+            model=model,
+            solver=solver,
+            s=s,
+            b=b,
+            lr=lr,
+            epochs=epochs,
+            lam=lam,
+            seed=seed,
+            recipe=recipe,
+            slots=slots,
+            gram_layout=gram_layout,
+            eval_every=eval_every,
+            checkpoint=checkpoint,
+            checkpoint_every=checkpoint_every,
+            resume=resume,
+            divergence_factor=divergence_factor,
+        )
         xp = resolve_device(device)
         reducer = Reducer(comm, allreduce, links=links, emulate=emulate)
-        X = _check_X(X)
-        y_in = np.asarray(y)
-        if y_in.ndim == 2 and y_in.shape[1] >= 1:
-            y64 = mdl.check_labels(y_in.reshape(-1)).reshape(y_in.shape)
-        else:
-            y64 = mdl.check_labels(y_in)
-        if y64.shape[0] != X.shape[0]:
-            raise ValueError(f"X has {X.shape[0]} rows but y has {y64.shape[0]} labels")
-        sw = _sample_weights(sample_weight, X.shape[0])
-        if cols is not None:
-            if not isinstance(cols, slice) or cols.step not in (None, 1):
-                raise ValueError(f"cols must be a contiguous slice, got {cols!r}")
-            if cols.stop - cols.start != X.shape[1]:
-                raise ValueError(
-                    f"cols {cols.start}:{cols.stop} name {cols.stop - cols.start} columns but "
-                    f"X has {X.shape[1]}"
-                )
-        if w0 is not None and np.shape(w0) != (X.shape[1], *y64.shape[1:]):
-            raise ValueError(
-                f"w0 needs shape {(X.shape[1], *y64.shape[1:])} (X's columns, y's outputs), "
-                f"got {np.shape(w0)}"
-            )
-        payload = (
-            X.shape[0],
-            X.shape[1],
-            None if cols is None else (cols.start, cols.stop),
-            checksum(y64),
-            None if sw is None else checksum(sw),
-        )
+        inputs = _check_inputs(opts.model, X, y, sample_weight, cols, w0)
+        payload = inputs.summary()
     except (ValueError, TypeError, OverflowError) as exc:
         error = str(exc)
-    shared = agree(comm, error, payload)
+    shared = agree(comm, error, payload)  # raises on every rank if any rank failed
+    assert opts is not None and inputs is not None and reducer is not None  # agree() passed
+    opts, n_features = _check_across(comm.size, shared, opts, inputs)
 
-    # Global checks; every rank computes the same verdict from the same gathered data.
+    # 2. This rank's block of columns, and the trainer over it.
+    run, w0 = _setup(comm, opts, inputs, n_features, xp, reducer)
+
+    # 3. Where to start: from scratch, or from a checkpoint of the same run.
+    state = TrainState(w=run.trainer.initial_weights(w0))
+    resumed = None
+    if opts.checkpoint is not None and opts.resume:
+        state, resumed = _resume(run, state)
+
+    # 4. The solver loop, writing checkpoints as it goes.
+    _train(run, state, progress=progress, on_record=on_record)
+
+    # 5. The results, the same on every rank.
+    return _result(run, state, links=links, resumed=resumed)
+
+
+# -- fit's phases ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Options:
+    """:func:`fit`'s settings, checked (what :func:`_check_options` returns)."""
+
+    model: Model
+    solver: str
+    recipe: Recipe
+    gram_layout: str
+    s: int
+    b: int
+    epochs: int
+    seed: int
+    eval_every: int
+    checkpoint_every: int
+    lr: float
+    lam: float
+    divergence_factor: float | None
+    checkpoint: str | os.PathLike | None
+    resume: bool
+
+
+def _check_options(
+    *,
+    model: str,
+    solver: str,
+    s: int,
+    b: int,
+    lr: float,
+    epochs: int,
+    lam: float,
+    seed: int,
+    recipe: str | Recipe | Mapping[str, str],
+    slots: Iterable[str] | Mapping[str, str] | None,
+    gram_layout: str,
+    eval_every: int,
+    checkpoint: str | os.PathLike | None,
+    checkpoint_every: int,
+    resume: bool,
+    divergence_factor: float | None,
+) -> _Options:
+    """Check :func:`fit`'s settings on this rank; a ``ValueError`` names the first bad one."""
+    mdl = get_model(model)
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    rcp = get_recipe(recipe, slots)
+    if gram_layout not in GRAM_LAYOUTS:
+        raise ValueError(f"unknown gram_layout {gram_layout!r}; choose one of {GRAM_LAYOUTS}")
+    s = _positive_int("s", s)
+    b = _positive_int("b", b)
+    epochs = _positive_int("epochs", epochs, 0)
+    seed = _positive_int("seed", seed, 0)
+    eval_every = _positive_int("eval_every", eval_every, 0)
+    checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 0)
+    lr = _finite("lr", lr, positive=True)
+    lam = _finite("lam", lam)
+    if divergence_factor is not None:
+        factor = float(divergence_factor)
+        if not factor > 1:
+            raise ValueError(
+                f"divergence_factor must be a number > 1 (or None to turn the check "
+                f"off), got {divergence_factor!r}"
+            )
+        divergence_factor = None if math.isinf(factor) else factor
+    if resume and checkpoint is None:
+        raise ValueError("resume needs a checkpoint file")
+    return _Options(
+        model=mdl,
+        solver=solver,
+        recipe=rcp,
+        gram_layout=gram_layout,
+        s=s,
+        b=b,
+        epochs=epochs,
+        seed=seed,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+        lr=lr,
+        lam=lam,
+        divergence_factor=divergence_factor,
+        checkpoint=checkpoint,
+        resume=bool(resume),
+    )
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """This rank's arrays, checked: ``X`` (all columns, or its block ``cols``), the labels
+    as float64, the weights normalised to mean 1 (None: unweighted), ``w0``."""
+
+    X: Any
+    y: np.ndarray
+    sw: np.ndarray | None
+    cols: slice | None
+    w0: Any
+
+    def summary(self) -> tuple[Any, ...]:
+        """What the ranks compare: rows, columns, block, CRC-32 of ``y`` and of the weights."""
+        return (
+            self.X.shape[0],
+            self.X.shape[1],
+            None if self.cols is None else (self.cols.start, self.cols.stop),
+            checksum(self.y),
+            None if self.sw is None else checksum(self.sw),
+        )
+
+
+def _check_inputs(
+    mdl: Model, X: Any, y: Any, sample_weight: Any, cols: slice | None, w0: Any
+) -> _Inputs:
+    """Check this rank's arrays (types, shapes, values, label domain); ``ValueError`` if bad."""
+    X = _check_X(X)
+    y_in = np.asarray(y)
+    if y_in.ndim == 2 and y_in.shape[1] >= 1:
+        y64 = mdl.check_labels(y_in.reshape(-1)).reshape(y_in.shape)
+    else:
+        y64 = mdl.check_labels(y_in)
+    if y64.shape[0] != X.shape[0]:
+        raise ValueError(f"X has {X.shape[0]} rows but y has {y64.shape[0]} labels")
+    sw = _sample_weights(sample_weight, X.shape[0])
+    if cols is not None:
+        if not isinstance(cols, slice) or cols.step not in (None, 1):
+            raise ValueError(f"cols must be a contiguous slice, got {cols!r}")
+        if cols.stop - cols.start != X.shape[1]:
+            raise ValueError(
+                f"cols {cols.start}:{cols.stop} name {cols.stop - cols.start} columns but "
+                f"X has {X.shape[1]}"
+            )
+    if w0 is not None and np.shape(w0) != (X.shape[1], *y64.shape[1:]):
+        raise ValueError(
+            f"w0 needs shape {(X.shape[1], *y64.shape[1:])} (X's columns, y's outputs), "
+            f"got {np.shape(w0)}"
+        )
+    return _Inputs(X, y64, sw, cols, w0)
+
+
+def _check_across(
+    size: int, shared: list[tuple[Any, ...]], opts: _Options, inputs: _Inputs
+) -> tuple[_Options, int]:
+    """The checks across ranks, on every rank's :meth:`_Inputs.summary` (``shared``).
+
+    Every rank reaches the same verdict from the same gathered data, so a ``ValueError``
+    here is raised on every rank. Returns the options (SGD's ``s`` clipped to the steps of
+    an epoch) and the number of features of the whole problem.
+    """
     m = shared[0][0]
     if any(p[0] != m for p in shared):
         raise ValueError(f"ranks disagree on the number of rows: {[p[0] for p in shared]}")
@@ -385,7 +518,7 @@ def fit(
         raise ValueError("ranks hold different sample_weight (it must be replicated)")
     if len({p[2] is None for p in shared}) > 1:
         raise ValueError("either every rank passes cols (its column block) or none does")
-    if cols is None:
+    if inputs.cols is None:
         n_features = shared[0][1]
         if any(p[1] != n_features for p in shared):
             raise ValueError("without cols every rank must pass the full X (same shape)")
@@ -399,60 +532,135 @@ def fit(
             f"{size} ranks but only {n_features} features: every rank needs at least one "
             f"column; run on at most {n_features} ranks"
         )
-    if any(p[1] == 0 for p in shared) and cols is not None:
+    if any(p[1] == 0 for p in shared) and inputs.cols is not None:
         raise ValueError("every rank needs at least one column (a block has width 0)")
+    s, b = opts.s, opts.b
     if b > m:
         raise ValueError(f"the batch size b = {b} exceeds the {m} training rows")
-    if solver == "sgd":
-        s = min(s, m // b)  # SGD groups steps only for bookkeeping: any s works
+    if opts.solver == "sgd":
+        # SGD groups steps only for bookkeeping: any s works.
+        opts = dataclasses.replace(opts, s=min(s, m // b))
     elif s * b > m:
         raise ValueError(f"s*b = {s}*{b} = {s * b} exceeds the {m} training rows; lower s or b")
+    return opts, n_features
 
+
+@dataclass(frozen=True)
+class _Block:
+    """This rank's columns of ``X`` (C-contiguous, or CSR), which they are, and its ``w0``."""
+
+    X: Any
+    cols: slice
+    w0: Any
+
+
+def _partition(comm: MPI.Comm, inputs: _Inputs, n_features: int) -> _Block:
+    """This rank's block in the 1D block-column layout (:func:`column_block`), unless the
+    caller passed its block already (``cols``)."""
+    cols, w0 = inputs.cols, inputs.w0
     if cols is None:
-        cols = column_block(n_features, size, rank) if size > 1 else slice(0, n_features)
-        X_local = X[:, cols]
+        size = comm.size
+        cols = column_block(n_features, size, comm.rank) if size > 1 else slice(0, n_features)
+        X_local = inputs.X[:, cols]
         if w0 is not None:
             w0 = np.asarray(w0)[cols]
     else:
-        X_local = X
+        X_local = inputs.X
     if not sp.issparse(X_local):
         X_local = np.ascontiguousarray(X_local)
     else:
         X_local = X_local.tocsr()
+    return _Block(X_local, cols, w0)
 
-    cfg = TrainConfig(mdl.name, solver, s, b, lr, lam, seed, rcp, gram_layout)
-    local = LocalData(X_local, rcp, xp=xp, layout=gram_layout)
-    trainer = Trainer(comm, local, X_local, y64, mdl, cfg, reducer, weights=sw)
-    state = TrainState(w=trainer.initial_weights(w0))
 
-    ck_config = {**cfg.as_dict(), "m": m, "n_features": n_features, "y_crc32": checksum(y64)}
-    if sw is not None:  # only then, so that checkpoints of unweighted runs stay as they were
-        ck_config["sample_weight_crc32"] = checksum(sw)
-    resumed = None
-    if checkpoint is not None and resume:
-        saved = load_checkpoint(checkpoint, comm, ck_config, cols)
-        if saved is None:
-            if rank == 0:
-                print(f"no checkpoint at {checkpoint}; starting from scratch", file=sys.stderr)
-        else:
-            state = TrainState(
-                w=rounded(saved["w"], rcp.update),
-                epoch=saved["epoch"],
-                block=saved["block"],
-                steps=saved["steps"],
-                outer=saved["outer"],
-                history=saved["history"],
-                train_s=saved["train_s"],
-                prior=saved["counters"],
-            )
-            resumed = {"steps": state.steps, "epoch": state.epoch, "block": state.block}
+@dataclass(frozen=True)
+class _Run:
+    """A run set up (phase 2): what the later phases share."""
+
+    comm: MPI.Comm
+    opts: _Options
+    cols: slice
+    local: LocalData
+    trainer: Trainer
+    #: What makes this run this run: a checkpoint resumes it only if it records the same.
+    identity: dict[str, Any]
+
+
+def _setup(
+    comm: MPI.Comm,
+    opts: _Options,
+    inputs: _Inputs,
+    n_features: int,
+    xp: Any,
+    reducer: Reducer,
+) -> tuple[_Run, Any]:
+    """Phase 2: this rank's block of columns in the kernels' precision and module, and the
+    trainer over it. Returns the run and this rank's part of ``w0`` (None: zeros)."""
+    block = _partition(comm, inputs, n_features)
+    cfg = TrainConfig(
+        opts.model.name,
+        opts.solver,
+        opts.s,
+        opts.b,
+        opts.lr,
+        opts.lam,
+        opts.seed,
+        opts.recipe,
+        opts.gram_layout,
+    )
+    local = LocalData(block.X, opts.recipe, xp=xp, layout=opts.gram_layout)
+    trainer = Trainer(comm, local, block.X, inputs.y, opts.model, cfg, reducer, weights=inputs.sw)
+    identity = {
+        **cfg.as_dict(),
+        "m": inputs.X.shape[0],
+        "n_features": n_features,
+        "y_crc32": checksum(inputs.y),
+    }
+    if inputs.sw is not None:  # only then, so that checkpoints of unweighted runs stay as they were
+        identity["sample_weight_crc32"] = checksum(inputs.sw)
+    return _Run(comm, opts, block.cols, local, trainer, identity), block.w0
+
+
+def _resume(run: _Run, fresh: TrainState) -> tuple[TrainState, dict[str, Any] | None]:
+    """Phase 3 (collective): the state saved in the run's checkpoint, or ``fresh`` if there
+    is none; and where the run resumes (``steps``, ``epoch``, ``block``), or None."""
+    path = run.opts.checkpoint
+    saved = load_checkpoint(path, run.comm, run.identity, run.cols)
+    if saved is None:
+        if run.comm.rank == 0:
+            print(f"no checkpoint at {path}; starting from scratch", file=sys.stderr)
+        return fresh, None
+    state = TrainState(
+        w=rounded(saved["w"], run.opts.recipe.update),
+        epoch=saved["epoch"],
+        block=saved["block"],
+        steps=saved["steps"],
+        outer=saved["outer"],
+        history=saved["history"],
+        train_s=saved["train_s"],
+        prior=saved["counters"],
+    )
+    return state, {"steps": state.steps, "epoch": state.epoch, "block": state.block}
+
+
+def _train(
+    run: _Run,
+    state: TrainState,
+    *,
+    progress: bool,
+    on_record: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Phase 4: the solver loop (:meth:`Trainer.run`) up to ``opts.epochs``, updating
+    ``state``, with a progress bar on rank 0 and a checkpoint every ``checkpoint_every``
+    outer iterations and at the end."""
+    opts, trainer = run.opts, run.trainer
 
     def write(st: TrainState) -> None:
         save_checkpoint(
-            checkpoint,
-            comm,
-            local.host(st.w),
-            config=ck_config,
+            opts.checkpoint,
+            run.comm,
+            run.local.host(st.w),
+            config=run.identity,
             position={
                 "epoch": st.epoch,
                 "block": st.block,
@@ -465,38 +673,45 @@ def fit(
         )
 
     exit_env = _config.get(EXIT_AFTER_ENV)
-    exit_after = int(exit_env) if exit_env else None
-    total = epochs * trainer.sampler.blocks_per_epoch
+    total = opts.epochs * trainer.sampler.blocks_per_epoch
+    steps = "" if opts.solver == "sgd" else f" s={opts.s}"
     bar = Progress(
         total,
-        desc=f"{solver}{'' if solver == 'sgd' else f' s={s}'} b={b} {rcp.name}",
-        enabled=progress and rank == 0,
+        desc=f"{opts.solver}{steps} b={opts.b} {opts.recipe.name}",
+        enabled=progress and run.comm.rank == 0,
         unit="outer",
     )
     bar.n = min(state.outer, total)
     with bar:
         trainer.run(
             state,
-            epochs,
-            eval_every=eval_every,
+            opts.epochs,
+            eval_every=opts.eval_every,
             progress=bar,
-            checkpoint=write if checkpoint is not None else None,
-            checkpoint_every=checkpoint_every,
-            exit_after=exit_after,
+            checkpoint=write if opts.checkpoint is not None else None,
+            checkpoint_every=opts.checkpoint_every,
+            exit_after=int(exit_env) if exit_env else None,
             on_record=on_record,
-            divergence_factor=divergence_factor,
+            divergence_factor=opts.divergence_factor,
         )
 
+
+def _result(
+    run: _Run, state: TrainState, *, links: Any, resumed: dict[str, Any] | None
+) -> FitResult:
+    """Phase 5 (collective): all weights on every rank, and the maxima of the times."""
+    comm, trainer, local = run.comm, run.trainer, run.local
     w_local = np.asarray(local.host(state.w))
     coef = np.concatenate(comm.allgather(w_local.astype(np.float64)))
     stats = trainer.stats(state)
     maxima = np.array([stats["train_s"], stats["comm_s"], stats["compute_s"]])
     comm.Allreduce(MPI.IN_PLACE, maxima, MPI.MAX)
     stats.update(train_s_max=maxima[0], comm_s_max=maxima[1], compute_s_max=maxima[2])
+    reducer = trainer.reducer
     config = {
-        **ck_config,
-        "epochs": epochs,
-        "P": size,
+        **run.identity,
+        "epochs": run.opts.epochs,
+        "P": comm.size,
         "allreduce": reducer.name,
         "emulate": None if reducer.emulate is None else str(reducer.emulate),
         "links": None if links is None else str(links),
@@ -507,7 +722,7 @@ def fit(
     return FitResult(
         coef=coef,
         coef_local=w_local,
-        cols=cols,
+        cols=run.cols,
         final_loss=state.history[-1]["loss"],
         history=state.history,
         stats=stats,
@@ -521,7 +736,5 @@ def fit_partition(partition: Any, **kwargs: Any) -> FitResult:
 
     The model defaults to the one matching the partition's ``task``.
     """
-    from .models import model_for_task
-
     kwargs.setdefault("model", model_for_task(partition.task))
     return fit(partition.X, partition.y, cols=partition.cols, **kwargs)

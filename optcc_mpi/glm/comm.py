@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import agreement
+from .. import agreement, collectives
 from ..emulation import Emulation
 from ..errors import ArgumentError
 from ..transports.mpi import mpi_datatype_and_op
@@ -315,8 +315,6 @@ class Reducer:
         return buf
 
     def _optcc(self, name: str) -> Callable:
-        from .. import collectives
-
         if name not in collectives.ALGORITHMS:
             raise ValueError(
                 f"unknown AllReduce algorithm {name!r}; choose 'mpi' or one of "

@@ -8,7 +8,7 @@ kernels of an outer iteration are the row gather ``Y = X[I, C_p]``, the margin G
 The kernels run on NumPy, on SciPy CSR matrices, or on CuPy arrays (``xp``). On the CPU the
 lower-layout Gram is one GEMM per block row, written into the packed vector (half the
 flops of the full product); for bf16 inputs on a GPU it is the fp32-output GemmEx of
-:func:`optcc_mpi.backend.gram_bf16`.
+:func:`optcc_mpi.glm.gram.gram_bf16`.
 
 On a GPU, 16-bit data stay 16-bit: the gathered rows keep the storage dtype, the GemmEx
 Gram reads them as they are, and the two GEMVs (margins, gradient) share one float32
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from .gram import gram_bf16
 from .precision import Recipe, compute_dtype, is_half, rounded, storage_dtype
 
 __all__ = ["GRAM_LAYOUTS", "LocalData", "lower_block_index", "packed_size"]
@@ -76,26 +77,6 @@ def _cupy_major(xp: Any) -> int | None:
         return int(str(version).split(".")[0])
     except ValueError:
         return None
-
-
-class _CurrentStreamCublas:
-    """A cuBLAS binding whose ``gemmEx`` first binds the handle to CuPy's current stream.
-
-    CuPy's shared handle stays bound to whichever stream last used it; a GemmEx issued
-    through it without rebinding could run on another stream than the CuPy kernels that
-    produce its input and consume its output.
-    """
-
-    def __init__(self, cp: Any, lib: Any) -> None:
-        self._cp = cp
-        self._lib = lib
-
-    def gemmEx(self, handle: Any, *args: Any) -> Any:  # noqa: N802 (cuBLAS's name)
-        self._lib.setStream(handle, self._cp.cuda.get_current_stream().ptr)
-        return self._lib.gemmEx(handle, *args)
-
-    def __getattr__(self, name: str) -> Any:  # enum constants of the binding
-        return getattr(self._lib, name)
 
 
 class LocalData:
@@ -223,11 +204,9 @@ class LocalData:
     def _gram_device(self, Yd: Any) -> Any:
         rc = self.recipe
         if rc.data == "bf16" and rc.gram_in == "bf16" and rc.gram_acc == "fp32":
-            from optcc_mpi.backend import _cublas, gram_bf16
-
             # Yd is already bf16 (gather keeps 16-bit rows on the device): no conversion.
-            cublas = _CurrentStreamCublas(self.xp, _cublas(self.xp))
-            return gram_bf16(self.xp, Yd.astype(storage_dtype("bf16"), copy=False), cublas=cublas)
+            # gram_bf16 binds cuBLAS's handle to CuPy's current stream before the GemmEx.
+            return gram_bf16(self.xp, Yd.astype(storage_dtype("bf16"), copy=False))
         A = self._operand(Yd, rc.gram_in, rc.gram_acc)
         return A @ A.T
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import expit, logit, xlogy
 
-from ..data import check_labels
 from ..errors import ArgumentError
+from ..labels import check_labels
 
 __all__ = ["MODELS", "TASKS", "Model", "get_model", "model_for_task"]
 
@@ -98,7 +98,7 @@ class Model:
         """Return ``y`` as float64 in the model's domain, or raise ``ValueError``.
 
         Logistic: {0, 1} or {-1, +1} (mapped to {0, 1}), as the dataset task ``binary``
-        (:func:`optcc_mpi.data.check_labels`); linear: finite values; Poisson: finite
+        (:func:`optcc_mpi.labels.check_labels`); linear: finite values; Poisson: finite
         non-negative values, integer or not (as scikit-learn's ``PoissonRegressor``). The
         estimator :class:`~optcc_mpi.glm.CASGDClassifier` maps arbitrary labels.
         """

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..data import DatasetError, synth_arrays
+
 __all__ = ["make_glm_data"]
 
 
@@ -28,8 +30,6 @@ def make_glm_data(
     dtype : str
         dtype of X.
     """
-    from optcc_mpi.data import DatasetError, synth_arrays
-
     try:
         X, y, _ = synth_arrays(model, m, n, seed, dtype=dtype)
     except DatasetError as exc:

@@ -1,245 +1,29 @@
-"""The GLM benchmark: time to fp32 SGD's loss for SGD, CA-SGD and scikit-learn, measured
-under an emulated alpha-beta network, and projected to larger P.
+"""The GLM benchmark of ``optcc-mpi bench-glm``: time to fp32 SGD's loss for SGD, CA-SGD and
+scikit-learn, measured under an emulated alpha-beta network.
 
-Two clocks are reported for every run of ours:
-
-* **wall**: the run itself, the network emulated by :class:`optcc_mpi.glm.comm.NetworkPacer`
-  (sleeps to a deadline, so waiting ranks leave the cores to computing ranks);
-* **critical path**: the sum over AllReduces of the slowest rank's *CPU* time between
-  AllReduces plus the alpha-beta charge of each AllReduce. CPU time does not grow when
-  ranks share cores (8 ranks on 2 cores, other jobs on the machine), so this is the time
-  the same code would take with one core per rank and the modelled network. Loss
-  evaluations are excluded from both.
-
-The projection (:func:`project`) applies the same alpha-beta cost to per-call compute
-times measured on this machine for the column block a rank would hold at each P.
+Each run is timed on two clocks, wall and critical path (:mod:`optcc_mpi.lab.glm_measure`);
+the scikit-learn baselines are :mod:`optcc_mpi.lab.glm_baselines`, the projection to larger P
+:mod:`optcc_mpi.lab.glm_projection` and its plot :mod:`optcc_mpi.lab.glm_plots`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
 import platform
 import time
-import warnings
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..glm.comm import allreduce_cost
+from .. import glm
+from ..emulation import Emulation
+from .glm_baselines import sklearn_baselines
+from .glm_measure import CallRecorder, bw_text, critical_path_times, thread_limiter, time_to_target
 
-__all__ = [
-    "CallRecorder",
-    "Projection",
-    "critical_path_times",
-    "measure_compute",
-    "plot_projection",
-    "project",
-    "run_bench",
-    "run_projection",
-    "sklearn_baselines",
-]
-
-
-# -- the critical path of a measured run ------------------------------------------------
-
-
-class CallRecorder:
-    """An AllReduce callable for :func:`optcc_mpi.glm.fit` that records per-rank CPU time.
-
-    It reduces with ``MPI_Allreduce`` (16-bit payloads as 2-byte words with the
-    widening sum of :func:`optcc_mpi.backend.mpi_datatype_and_op`, as the ``"mpi"``
-    choice does) and notes this thread's CPU time when each call starts and ends;
-    :meth:`mark` (passed as ``on_record``) notes when a loss evaluation ended, so the
-    evaluation's CPU time is left out of the compute segments.
-    """
-
-    __name__ = "mpi"
-
-    def __init__(self, p: int, latency: float, bw: float | None) -> None:
-        self.p, self.latency, self.bw = p, latency, bw
-        self.segments: list[float] = []  # CPU seconds before each call since the last event
-        self.costs: list[float] = []  # alpha-beta charge of each call
-        self.records: list[int] = []  # calls done at each loss record
-        self._last = time.thread_time()
-
-    def __call__(self, buf: np.ndarray, comm: Any) -> None:
-        from mpi4py import MPI
-
-        from ..backend import mpi_datatype_and_op
-
-        now = time.thread_time()
-        self.segments.append(now - self._last)
-        self.costs.append(allreduce_cost(self.p, buf.nbytes, self.latency, self.bw))
-        if comm.size > 1:
-            datatype, op = mpi_datatype_and_op(buf.dtype.name, "sum")
-            view = buf.view(np.uint16) if buf.dtype.itemsize == 2 else buf
-            comm.Allreduce(MPI.IN_PLACE, [view, datatype], op)
-        self._last = time.thread_time()
-
-    def mark(self, record: dict[str, Any]) -> None:
-        """``on_record`` hook: a loss evaluation just ended."""
-        self.records.append(len(self.segments))
-        self._last = time.thread_time()
-
-
-def critical_path_times(
-    segments: np.ndarray, costs: Sequence[float], records: Sequence[int]
-) -> list[float]:
-    """Critical-path time at each loss record.
-
-    Parameters
-    ----------
-    segments : ndarray, shape (P, calls)
-        Each rank's CPU seconds before each AllReduce.
-    costs : sequence of float
-        Alpha-beta charge of each AllReduce.
-    records : sequence of int
-        AllReduces completed at each loss record.
-
-    Returns
-    -------
-    list of float
-        ``sum_{i < c} (max_p segments[p, i] + costs[i])`` for each record's ``c``.
-    """
-    per_call = np.max(np.atleast_2d(segments), axis=0) + np.asarray(costs, dtype=np.float64)
-    cum = np.concatenate([[0.0], np.cumsum(per_call)])
-    return [float(cum[c]) for c in records]
-
-
-def _time_to_target(times: Sequence[float], losses: Sequence[float], target: float) -> Any:
-    for t, loss in zip(times, losses, strict=True):
-        if loss <= target:
-            return t
-    return None
-
-
-# -- scikit-learn ------------------------------------------------------------------------
-
-
-def sklearn_baselines(
-    model: str,
-    X: Any,
-    y: Any,
-    lam: float,
-    lr: float,
-    b: int,
-    target: float,
-    seed: int,
-    *,
-    lbfgs: bool = True,
-    max_epochs: int = 100,
-    budget_s: float = 300.0,
-) -> list[dict[str, Any]]:
-    """Time until scikit-learn on this process reaches ``target`` (fit time only).
-
-    Logistic: ``SGDClassifier(log_loss)`` one epoch at a time (constant step
-    ``lr / b`` per sample, our step per mini-batch mean) and ``LogisticRegression(lbfgs)``
-    with ``max_iter`` doubled until it reaches the target; linear: ``SGDRegressor``;
-    Poisson: ``PoissonRegressor(lbfgs)``. No intercept, same objective.
-    """
-    from ..glm import get_model
-
-    loss_fn = get_model(model).loss
-
-    def objective(w: Any) -> float:
-        return float(np.mean(loss_fn(X.astype(np.float64) @ w, y)) + 0.5 * lam * (w @ w))
-
-    try:
-        from sklearn.exceptions import ConvergenceWarning
-        from sklearn.linear_model import (
-            LogisticRegression,
-            PoissonRegressor,
-            SGDClassifier,
-            SGDRegressor,
-        )
-    except ImportError:
-        return [{"solver": "sklearn", "error": "scikit-learn is not installed"}]
-
-    def doubling(make: Any, name: str) -> dict[str, Any]:
-        elapsed, loss, reached, max_iter = 0.0, float("nan"), None, 1
-        while max_iter <= 4096 and elapsed < budget_s:
-            est = make(max_iter)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ConvergenceWarning)
-                t0 = time.perf_counter()
-                est.fit(X, y)
-                elapsed = time.perf_counter() - t0
-            loss = objective(est.coef_.ravel().astype(np.float64))
-            if loss <= target:
-                reached = elapsed
-                break
-            max_iter *= 2
-        return {
-            "solver": "sklearn",
-            "estimator": name,
-            "time_to_target_s": reached,
-            "final_loss": loss,
-            "max_iter": max_iter,
-        }
-
-    out = []
-    if model == "poisson":
-        out.append(
-            doubling(
-                lambda k: PoissonRegressor(alpha=lam, fit_intercept=False, max_iter=k, tol=0.0),
-                "PoissonRegressor(lbfgs)",
-            )
-        )
-        return out
-    common = {
-        "penalty": "l2" if lam > 0 else None,
-        "alpha": lam,
-        "fit_intercept": False,
-        "learning_rate": "constant",
-        "eta0": lr / b,  # ours: lr times the mean of b gradients, i.e. lr/b per sample
-        "random_state": seed,
-    }
-    if model == "logistic":
-        est, name = SGDClassifier(loss="log_loss", **common), "SGDClassifier(log_loss)"
-    else:
-        est, name = SGDRegressor(loss="squared_error", **common), "SGDRegressor"
-    elapsed, epochs, loss, reached = 0.0, 0, float("nan"), None
-    while epochs < max_epochs and elapsed < budget_s:
-        t0 = time.perf_counter()
-        if model == "logistic":
-            est.partial_fit(X, y, classes=np.array([0.0, 1.0]))
-        else:
-            est.partial_fit(X, y)
-        elapsed += time.perf_counter() - t0
-        epochs += 1
-        loss = objective(est.coef_.ravel().astype(np.float64))
-        if loss <= target:
-            reached = elapsed
-            break
-    out.append(
-        {
-            "solver": "sklearn",
-            "estimator": name,
-            "time_to_target_s": reached,
-            "final_loss": loss,
-            "epochs": epochs,
-        }
-    )
-    if model == "logistic" and lbfgs:
-        # C is the inverse of the summed penalty: sum-loss + ||w||^2 / (2C) = m * ours.
-        m = X.shape[0]
-
-        def make(k: int) -> Any:
-            if lam > 0:
-                return LogisticRegression(C=1.0 / (lam * m), fit_intercept=False, max_iter=k)
-            return LogisticRegression(C=np.inf, fit_intercept=False, max_iter=k, tol=0.0)
-
-        out.append(doubling(make, "LogisticRegression(lbfgs)"))
-    return out
-
-
-# -- the measured benchmark ------------------------------------------------------------
+__all__ = ["format_table", "run_bench", "write_rows"]
 
 
 def _polite_wait(comm: Any) -> None:
@@ -249,15 +33,6 @@ def _polite_wait(comm: Any) -> None:
         time.sleep(0.005)
 
 
-def _thread_limiter(size: int) -> Any:
-    # One BLAS thread per rank: P ranks share the cores, and more threads only fight.
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1) if size > 1 else contextlib.nullcontext()
-
-
 def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list[dict[str, Any]]:
     """The measured benchmark of ``optcc-mpi bench-glm`` (see its ``--help``).
 
@@ -265,9 +40,6 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
     ``s_values``, ``recipes``, ``latencies``, ``bws``). Returns the rows (rank 0; other
     ranks return them too, without the scikit-learn rows).
     """
-    from .. import glm
-    from ..emulation import Emulation
-
     rank, size = comm.rank, comm.size
     K = args.m // args.b
     s_max = max(args.s_values)
@@ -332,7 +104,7 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
     settings = [("sgd", "fp32", 1)] + [("casgd", r, s) for r in args.recipes for s in args.s_values]
     repeats = max(1, args.repeats)
     rows: list[dict[str, Any]] = []
-    with _thread_limiter(size):
+    with thread_limiter(size):
         for latency in args.latencies:
             for bw in args.bws:
                 runs: dict[tuple[str, str, int], list[Any]] = {key: [] for key in settings}
@@ -345,7 +117,7 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
                         if rank == 0 and args.verbose:
                             print_fn(
                                 f"[{time.strftime('%H:%M:%S')}] latency {latency * 1e6:g} us "
-                                f"bw {_bw_text(bw)} repeat {rep + 1}/{repeats}: {key}",
+                                f"bw {bw_text(bw)} repeat {rep + 1}/{repeats}: {key}",
                                 flush=True,
                             )
                         runs[key].append(one(*key, latency, bw))
@@ -356,10 +128,6 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
         for row in rows:
             row["loadavg_end"] = os.getloadavg()[0]
     return rows
-
-
-def _bw_text(bw: float | None) -> str:
-    return "inf" if not bw else f"{bw / 1e9:g}GB/s"
 
 
 def _rows(
@@ -378,7 +146,7 @@ def _rows(
     target = ref_loss * (1 + tolerance) if ref_loss >= 0 else ref_loss * (1 - tolerance)
 
     def ttt(run: dict[str, Any], clock: str) -> Any:
-        return _time_to_target(run[clock], run["losses"], target)
+        return time_to_target(run[clock], run["losses"], target)
 
     ref = {c: [ttt(r, c) for r in ref_runs] for c in ("wall", "crit")}
     out = []
@@ -488,7 +256,7 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     ]
     for r in rows:
         head = (
-            f"{r['latency_s'] * 1e6:6.0f}us {_bw_text(r.get('bw')):>8} "
+            f"{r['latency_s'] * 1e6:6.0f}us {bw_text(r.get('bw')):>8} "
             f"{r.get('estimator', r['solver'])[:8] if r['solver'] == 'sklearn' else r['solver']:>8}"
             f" {r.get('recipe') or '':>6} {_fmt(r.get('s'), 'd'):>4}"
         )
@@ -511,233 +279,3 @@ def write_rows(rows: list[dict[str, Any]], out: str | os.PathLike) -> None:
     with Path(out).open("a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-
-
-# -- the projection --------------------------------------------------------------------
-
-
-@dataclass
-class Projection:
-    """Projected time per SGD step at each P (a projection, not a measurement).
-
-    Attributes
-    ----------
-    p_values : list of int
-    latency, bw : float
-    baseline_s : float
-        fp32 SGD on one rank (all ``n`` columns, no communication), per step.
-    per_step : dict
-        ``label -> list of seconds per SGD step`` at each P.
-    speedup : dict
-        ``label -> baseline_s / per_step`` at each P.
-    """
-
-    p_values: list[int]
-    latency: float
-    bw: float | None
-    baseline_s: float
-    per_step: dict[str, list[float]] = field(default_factory=dict)
-    speedup: dict[str, list[float]] = field(default_factory=dict)
-
-
-def project(
-    p_values: Sequence[int],
-    compute: dict[str, dict[int, float]],
-    nbytes: dict[str, int],
-    steps_per_call: dict[str, int],
-    baseline_s: float,
-    latency: float,
-    bw: float | None,
-    path: str = "recursive-doubling",
-) -> Projection:
-    """Projected time per SGD step: measured compute plus the modelled AllReduce.
-
-    For each solver label ``k`` and each ``P``::
-
-        t_k(P) = (compute[k][P] + allreduce_cost(P, nbytes[k], latency, bw, path))
-                 / steps_per_call[k]
-
-    and the speedup is ``baseline_s / t_k(P)`` (strong scaling: the same problem, the
-    columns split over P ranks; the same number of steps to the target loss, which holds
-    exactly for fp32 CA-SGD and within the measured loss gap for the recipes).
-
-    Parameters
-    ----------
-    p_values : sequence of int
-    compute : dict
-        ``label -> {P: CPU seconds of one rank between two AllReduces}``.
-    nbytes : dict
-        ``label -> bytes of each AllReduce``.
-    steps_per_call : dict
-        ``label -> SGD steps per AllReduce`` (1 for SGD, s for CA-SGD).
-    baseline_s : float
-        Seconds per step of the one-rank reference.
-    latency, bw, path
-        The network (see :func:`optcc_mpi.glm.comm.allreduce_cost`).
-    """
-    proj = Projection(list(p_values), latency, bw, baseline_s)
-    for label, by_p in compute.items():
-        times = []
-        for p in p_values:
-            cost = allreduce_cost(p, nbytes[label], latency, bw, path)
-            times.append((by_p[p] + cost) / steps_per_call[label])
-        proj.per_step[label] = times
-        proj.speedup[label] = [baseline_s / t for t in times]
-    return proj
-
-
-def measure_compute(
-    model: str,
-    m: int,
-    n_local: int,
-    solver: str,
-    *,
-    s: int = 1,
-    recipe: str = "fp32",
-    b: int = 32,
-    lr: float = 0.5,
-    seed: int = 0,
-    calls: int = 32,
-) -> tuple[float, int]:
-    """CPU seconds per AllReduce interval of one rank holding ``n_local`` columns.
-
-    Runs the real trainer on one process (``MPI.COMM_SELF``) over an ``(m, n_local)``
-    block with a recording AllReduce; returns the median compute interval and the
-    AllReduce payload in bytes.
-    """
-    from mpi4py import MPI
-
-    from .. import glm
-
-    X, y = glm.make_glm_data(model, min(m, calls * s * b), n_local, seed=seed)
-    rec = CallRecorder(1, 0.0, None)
-    sent: list[int] = []
-
-    def reduce(buf: np.ndarray, comm: Any) -> None:
-        sent.append(buf.nbytes)
-        rec(buf, comm)
-
-    reduce.__name__ = "recorder"
-    glm.fit(
-        X,
-        y,
-        model=model,
-        solver=solver,
-        s=s,
-        recipe=recipe,
-        b=b,
-        lr=lr,
-        epochs=1,
-        seed=seed,
-        comm=MPI.COMM_SELF,
-        allreduce=reduce,
-        on_record=rec.mark,
-        divergence_factor=None,
-    )
-    # The first interval holds one-off setup; the median of the rest is robust to load.
-    segs = rec.segments[1:] or rec.segments
-    return float(np.median(segs)), int(np.median(sent))
-
-
-def run_projection(
-    model: str,
-    n: int,
-    b: int,
-    s_values: Sequence[int],
-    recipe: str,
-    p_values: Sequence[int],
-    networks: Sequence[tuple[float, float | None]],
-    *,
-    lr: float = 0.5,
-    seed: int = 0,
-    calls: int = 16,
-    progress: Any = None,
-) -> tuple[list[Projection], dict[str, Any]]:
-    """Measure per-rank compute at each P (columns ``ceil(n / P)``) and project.
-
-    One BLAS thread, as each rank of a real run would have one core. Returns the
-    projections (one per network) and the measured inputs.
-    """
-    with _thread_limiter(2):
-        return _run_projection(
-            model, n, b, s_values, recipe, p_values, networks, lr, seed, calls, progress
-        )
-
-
-def _run_projection(
-    model: str,
-    n: int,
-    b: int,
-    s_values: Sequence[int],
-    recipe: str,
-    p_values: Sequence[int],
-    networks: Sequence[tuple[float, float | None]],
-    lr: float,
-    seed: int,
-    calls: int,
-    progress: Any,
-) -> tuple[list[Projection], dict[str, Any]]:
-    say = progress or (lambda msg: None)
-    m_time = calls * max(s_values) * b
-    compute: dict[str, dict[int, float]] = {"sgd": {}}
-    nbytes: dict[str, int] = {}
-    steps: dict[str, int] = {"sgd": 1}
-    say(f"one rank, all {n} columns (fp32 SGD baseline)")
-    baseline, _ = measure_compute(model, m_time, n, "sgd", b=b, lr=lr, seed=seed, calls=calls)
-    for p in p_values:
-        n_loc = max(1, math.ceil(n / p))
-        say(f"P = {p}: {n_loc} columns per rank")
-        compute["sgd"][p], nbytes["sgd"] = measure_compute(
-            model, m_time, n_loc, "sgd", b=b, lr=lr, seed=seed, calls=calls
-        )
-        for s in s_values:
-            label = f"casgd {recipe} s={s}"
-            compute.setdefault(label, {})[p], nbytes[label] = measure_compute(
-                model, m_time, n_loc, "casgd", s=s, recipe=recipe, b=b, lr=lr, seed=seed,
-                calls=calls,
-            )  # fmt: skip
-            steps[label] = s
-    projections = [
-        project(p_values, compute, nbytes, steps, baseline, lat, bw) for lat, bw in networks
-    ]
-    inputs = {
-        "baseline_s_per_step": baseline,
-        "compute_s_per_call": compute,
-        "bytes_per_call": nbytes,
-        "steps_per_call": steps,
-        "calls_timed": calls,
-        "clock": "thread CPU time, median over calls, one BLAS thread",
-    }
-    return projections, inputs
-
-
-def plot_projection(projections: Sequence[Projection], path: str | os.PathLike, title: str) -> None:
-    """Speedup against P, one line per solver and network, log-log; saved as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = ["-", "--", ":", "-."]
-    for i, proj in enumerate(projections):
-        net = f"{proj.latency * 1e6:g} us, {_bw_text(proj.bw)}"
-        for j, (label, sp) in enumerate(proj.speedup.items()):
-            ax.plot(
-                proj.p_values,
-                sp,
-                styles[i % len(styles)],
-                marker="os^v"[j % 4],
-                color=f"C{j}",
-                label=f"{label} ({net})",
-            )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("ranks P (columns split over P; strong scaling)")
-    ax.set_ylabel("speedup over fp32 SGD on 1 rank")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
