@@ -16,7 +16,7 @@ OMPI_MPIEXEC := $(VENV_OMPI)/bin/mpiexec --oversubscribe $(if $(filter 0,$(shell
 OMPI_SIZES ?= 2 4
 # Serial tests that start ranks themselves (mpiexec, the testbed, the job scripts, Slurm):
 # run under Open MPI too, so that each finds the launcher of the library in use.
-OMPI_SERIAL_TESTS ?= tests/test_launch.py tests/test_cli.py tests/test_jobs.py tests/test_testbed.py
+OMPI_SERIAL_TESTS ?= tests/test_launch.py tests/test_cli.py tests/test_cli_face.py tests/test_jobs.py tests/test_testbed.py
 # Ranks for the MPI test runs (8 oversubscribes 2 cores, on purpose).
 MPI_SIZES ?= 2 3 4 5 8
 # Wall-clock limit for one whole mpiexec run: a hang fails instead of blocking CI.
@@ -127,7 +127,7 @@ bench-testbed: $(STAMP)
 	$(VENV)/bin/optcc-mpi testbed run -- $(PY) -m optcc_mpi bench $(BENCH_SIZES) \
 	  --algorithms ring,native,auto --out results/testbed-healthy.jsonl; \
 	  status=$$?; $(VENV)/bin/optcc-mpi testbed down >/dev/null; exit $$status
-	$(VENV)/bin/optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
+	$(VENV)/bin/optcc-mpi testbed up --ranks 8 --rate 400mbit --links 0:0.5
 	$(VENV)/bin/optcc-mpi testbed run -- $(PY) -m optcc_mpi bench $(BENCH_SIZES) \
 	  --algorithms ring,optcc,r2ccl,native,auto --out results/testbed-degraded.jsonl; \
 	  status=$$?; $(VENV)/bin/optcc-mpi testbed down >/dev/null; exit $$status

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from optcc_mpi.algorithms.r2ccl import r2ccl_time
+from optcc_mpi.argtypes import parse_key_value
 from optcc_mpi.cli import main
-from optcc_mpi.cli._common import parse_key_value
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.lab import launch
 

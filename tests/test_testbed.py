@@ -91,7 +91,7 @@ def _assert_gone(name: str) -> None:
     ],
 )
 def test_parse_rate_accepts_tc_units(text: str | int, bits: int) -> None:
-    assert tb.parse_rate(text) == bits
+    assert tb.parse_bitrate(text) == bits
 
 
 @pytest.mark.parametrize(
@@ -99,12 +99,12 @@ def test_parse_rate_accepts_tc_units(text: str | int, bits: int) -> None:
 )
 def test_parse_rate_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError):
-        tb.parse_rate(text)
+        tb.parse_bitrate(text)
 
 
 def test_format_rate_round_trips() -> None:
     for text in ("400mbit", "1gbit", "1.5gbit", "100kbit", "200mbit"):
-        assert tb.format_rate(tb.parse_rate(text)) == text
+        assert tb.format_bitrate(tb.parse_bitrate(text)) == text
 
 
 def test_parse_degrade() -> None:

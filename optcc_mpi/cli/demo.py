@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             testbed.down()
             print("testbed removed", flush=True)
     else:
-        rate = testbed.parse_rate(args.rate) / 8
+        rate = testbed.parse_bitrate(args.rate) / 8
         bench += ["--emulate", f"bw={rate / 1e6:g}MB/s"]
         print(
             f"network: software emulation ({why}); {args.ranks} ranks with "
@@ -105,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"benchmark took {took:.0f} s; rows in {rows_path}\n")
     from optcc_mpi.cli import main
 
-    print(f"$ optcc-mpi model --p {args.ranks} --degrade {args.links} --size 256M --bw 25GB/s")
+    print(f"$ optcc-mpi model --ranks {args.ranks} --links {args.links} --size 256M --bw 25GB/s")
     main(
         [
             "model",
-            "--p",
+            "--ranks",
             str(args.ranks),
-            "--degrade",
+            "--links",
             args.links,
             "--size",
             "256M",
