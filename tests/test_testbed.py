@@ -90,21 +90,21 @@ def _assert_gone(name: str) -> None:
         (1_000_000, 1_000_000),
     ],
 )
-def test_parse_rate_accepts_tc_units(text: str | int, bits: int) -> None:
-    assert tb.parse_rate(text) == bits
+def test_parse_bitrate_accepts_tc_units(text: str | int, bits: int) -> None:
+    assert tb.parse_bitrate(text) == bits
 
 
 @pytest.mark.parametrize(
     "text", ["fast", "400 mbits", "-1mbit", "1kbit", "", "0gbit", "mbit", "50mbps", "64000"]
 )
-def test_parse_rate_rejects_garbage(text: str) -> None:
+def test_parse_bitrate_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError):
-        tb.parse_rate(text)
+        tb.parse_bitrate(text)
 
 
-def test_format_rate_round_trips() -> None:
+def test_format_bitrate_round_trips() -> None:
     for text in ("400mbit", "1gbit", "1.5gbit", "100kbit", "200mbit"):
-        assert tb.format_rate(tb.parse_rate(text)) == text
+        assert tb.format_bitrate(tb.parse_bitrate(text)) == text
 
 
 def test_parse_degrade() -> None:

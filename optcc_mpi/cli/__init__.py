@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
+from typing import Any
 
 # Command modules, in the order ``--help`` lists them. Each is imported only when the
 # parser is built, so a command's heavy imports (MPI, h5py, matplotlib) stay local to it.
@@ -26,12 +28,13 @@ COMMAND_MODULES = (
     "report",
     "sweep",
     "doctor",
+    "lab",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every available command registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="optcc-mpi",
         description=(
             "Fault-tolerant AllReduce (OptCC) over MPI, its model and lower bound, and "
@@ -54,13 +57,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser that names itself in the parsed arguments (``usage_parser``), so that
+    :func:`main` reports a wrong flag with the usage of the command it was given to, not
+    the top level's. Sub-commands' parsers are of this class too (``add_subparsers`` makes
+    its parsers of its own parser's class), and the deepest one parsed sets it last."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(usage_parser=self)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``optcc-mpi`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse leaves flags no parser knows to the top level, whose usage says nothing
+        # about the command's options: let the command's own parser report them.
+        getattr(args, "usage_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    # What was run, as a record for the rows a command writes (`optcc-mpi lab percall`).
+    args.command_line = shlex.join(["optcc-mpi", *argv])
     from optcc_mpi.cli._common import run_command
 
     # Errors print one line; under MPI an uncaught exception on one rank aborts the job.

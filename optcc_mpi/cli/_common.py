@@ -1,9 +1,8 @@
-"""Argument types, printing and error handling shared by the CLI commands.
+"""Printing, the network options and error handling shared by the CLI commands.
 
-Every argument type here rejects a bad value with a message that quotes what the user
-typed (argparse prefixes the option's name), so that ``--p 0`` or ``--losses 1.5`` fail
-before any work starts, instead of surfacing later as a confusing error about something
-derived from them.
+The argument types (sizes, rates, link profiles, ``KEY=VALUE``, ...) live in
+:mod:`optcc_mpi.argtypes`, below both the CLI and the lab, which parse command lines
+alike.
 """
 
 from __future__ import annotations
@@ -11,195 +10,32 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from optcc_mpi.argtypes import (
+    StoreTyped,
+    alias,
+    duration_arg,
+    links_arg,
+    positive_size_arg,
+    ranks_arg,
+    ranks_list_arg,
+    rate_arg,
+    typed_flag,
+)
 from optcc_mpi.links import Links
-from optcc_mpi.units import parse_duration, parse_rate, parse_size
 
 __all__ = [
-    "size_arg",
-    "positive_size_arg",
-    "rate_arg",
-    "duration_arg",
-    "links_arg",
-    "links_or_probe_arg",
-    "emulation_arg",
-    "int_at_least",
-    "float_above",
-    "ranks_arg",
-    "ranks_list_arg",
-    "losses_arg",
-    "algorithms_arg",
     "print_table",
     "add_network_args",
+    "network_links",
+    "TINY_FRACTION",
     "run_command",
-    "parse_key_value",
-    "key_value_arg",
-    "key_values",
 ]
 
-
-def _wrap(fn, what: str):  # noqa: ANN001, ANN202 - argparse type adaptor
-    def conv(text: str):  # noqa: ANN202
-        try:
-            return fn(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    conv.__name__ = what
-    return conv
-
-
-size_arg = _wrap(parse_size, "size")
-rate_arg = _wrap(parse_rate, "bandwidth")
-duration_arg = _wrap(parse_duration, "duration")
-links_arg = _wrap(Links.parse, "link profile")
-
-
-def positive_size_arg(text: str) -> int:
-    """A size in bytes of at least 1 (argparse type)."""
-    value = size_arg(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size {text!r} must be at least 1 byte")
-    return value
-
-
-def int_at_least(low: int, what: str) -> Callable[[str], int]:
-    """argparse type: an integer >= ``low``; ``what`` says what it counts."""
-
-    def conv(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be at least {low}")
-        return value
-
-    conv.__name__ = what
-    return conv
-
-
-def float_above(low: float, what: str) -> Callable[[str], float]:
-    """argparse type: a finite number > ``low``."""
-
-    def conv(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (value > low and value < float("inf")):
-            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be above {low:g}")
-        return value
-
-    conv.__name__ = what
-    return conv
-
-
-#: Ranks of a modelled AllReduce: one rank has nothing to reduce.
-ranks_arg = int_at_least(2, "the number of ranks")
-
-
-def ranks_list_arg(text: str) -> list[int]:
-    """argparse type: comma-separated numbers of ranks, each at least 2."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers of ranks, e.g. 8,16,32")
-    return [ranks_arg(item) for item in items]
-
-
-def losses_arg(text: str) -> list[float]:
-    """argparse type: comma-separated bandwidth losses, each in [0, 1) (a loss of 1 would
-    leave no bandwidth at all)."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected losses, e.g. 0.125,0.25,0.5")
-    out = []
-    for item in items:
-        try:
-            loss = float(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"loss {item!r} is not a number") from None
-        if not 0.0 <= loss < 1.0:
-            raise argparse.ArgumentTypeError(
-                f"loss {item!r} is outside [0, 1): a loss is the fraction of bandwidth lost"
-            )
-        out.append(loss)
-    return out
-
-
-def links_or_probe_arg(text: str) -> str:
-    """argparse type: a link profile or ``probe`` (kept as typed, checked here)."""
-    if text.strip().lower() != "probe":
-        links_arg(text)
-    return text
-
-
-def emulation_arg(text: str) -> Any:
-    """argparse type: an emulation ``bw=RATE,latency=TIME[,degrade=...]``."""
-    from optcc_mpi.emulation import Emulation
-
-    try:
-        return Emulation.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _typed(text: str) -> Any:
-    # true/false, then int, then float, else the text itself: what a schedule parameter or
-    # a table cell means when typed on a command line.
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            continue
-    return text
-
-
-def parse_key_value(text: str, *, typed: bool = True, what: str = "KEY=VALUE") -> tuple[str, Any]:
-    """``"k=64"`` -> ``("k", 64)``: the one KEY=VALUE parser of the command line.
-
-    Parameters
-    ----------
-    text : str
-        ``KEY=VALUE``; the key is stripped and must not be empty; the value is everything
-        after the first ``=`` (it may contain ``=`` itself).
-    typed : bool
-        Convert the value: ``true``/``false`` (any case) to bool, then int, then float,
-        else keep the text (stripped). ``False`` keeps it verbatim (environment values).
-    what : str
-        How the error names the expected form (``COLUMN=V1,V2``).
-
-    Raises
-    ------
-    ArgumentError
-        No ``=``, or an empty key.
-    """
-    from optcc_mpi.errors import ArgumentError
-
-    key, sep, value = str(text).partition("=")
-    if not sep or not key.strip():
-        raise ArgumentError(f"expected {what}, got {text!r}")
-    return key.strip(), (_typed(value.strip()) if typed else value)
-
-
-def key_value_arg(text: str) -> tuple[str, Any]:
-    """:func:`parse_key_value` as an argparse type (typed values)."""
-    try:
-        return parse_key_value(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-key_value_arg.__name__ = "KEY=VALUE"
-
-
-def key_values(items: Iterable[str], *, typed: bool = True, what: str = "KEY=VALUE") -> dict:
-    """Several ``KEY=VALUE`` items as a dict (a later key wins); see :func:`parse_key_value`."""
-    return dict(parse_key_value(item, typed=typed, what=what) for item in items)
+#: Below this fraction of the healthy rate a degraded rank is probably a typo (a loss
+#: typed where the fraction kept was meant); ``model`` and ``simulate`` warn.
+TINY_FRACTION = 0.01
 
 
 def print_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, right: int = 1) -> None:
@@ -218,18 +54,46 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, righ
         print(fmt(row))
 
 
-def add_network_args(p: argparse.ArgumentParser) -> None:
-    """``--p``, ``--degrade``/``--links``, ``--size`` and ``--bw``: the network a modelled or
-    simulated AllReduce runs on."""
-    p.add_argument("--p", type=ranks_arg, default=8, help="ranks, at least 2 (default 8)")
-    p.add_argument(
-        "--degrade",
+def add_network_args(p: argparse.ArgumentParser, *, ranks_list: bool = False) -> None:
+    """``--ranks``, ``--links``, ``--size``, ``--bw`` and ``--latency``: the network a
+    modelled or simulated AllReduce runs on.
+
+    ``--p`` and ``--degrade``, the old names of ``--ranks`` and ``--links``, still work
+    (hidden from ``--help``, named in the help text). With ``ranks_list`` (``model
+    --sweep``), ``--ranks`` takes a comma-separated list and defaults to None (the
+    command picks); otherwise one number, default 8.
+    """
+    if ranks_list:
+        ranks = p.add_argument(
+            "--ranks",
+            type=ranks_list_arg,
+            default=None,
+            action=StoreTyped,
+            metavar="N[,N...]",
+            help="ranks, at least 2 (default 8; with --sweep a list, default "
+            "8,16,32,64,128); --p and --ps are old names",
+        )
+        alias(p, ranks, "--p", "--ps")
+    else:
+        ranks = p.add_argument(
+            "--ranks",
+            type=ranks_arg,
+            default=8,
+            action=StoreTyped,
+            metavar="N",
+            help="ranks, at least 2 (default 8); --p is the old name",
+        )
+        alias(p, ranks, "--p")
+    links = p.add_argument(
         "--links",
         type=links_arg,
         default=Links.parse("0:0.5"),
+        action=StoreTyped,
         metavar="RANK:FRACTION[,...]",
-        help="degraded ranks and their bandwidth fractions (default 0:0.5)",
+        help="degraded ranks and the fraction of the healthy rate each keeps, e.g. 0:0.5 "
+        "for rank 0 at half rate (default 0:0.5); --degrade is the old name",
     )
+    alias(p, links, "--degrade")
     p.add_argument(
         "--size",
         type=positive_size_arg,
@@ -250,20 +114,36 @@ def add_network_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def algorithms_arg(text: str) -> list[str]:
-    """A comma-separated list of registered algorithm names (argparse type)."""
-    from optcc_mpi import algorithms
-    from optcc_mpi.errors import ArgumentError
+def network_links(args: argparse.Namespace, p: int) -> Links:
+    """``args.links`` checked against ``p`` ranks, with a warning on stderr for a fraction
+    below :data:`TINY_FRACTION` (valid, and modelled as asked, but far more often a loss
+    typed where the fraction kept was meant: ``0:0.01`` is rank 0 at 1% of the rate).
 
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("expected at least one algorithm name")
-    for name in names:
-        try:
-            algorithms.get(name)
-        except ArgumentError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return names
+    Raises
+    ------
+    ValueError
+        A degraded rank outside ``p`` ranks, naming the flags as typed.
+    """
+    links: Links = args.links
+    try:
+        links.check(p)
+    except ValueError as exc:
+        raise ValueError(
+            f"{typed_flag(args, 'links', '--links')} {links}: {exc} "
+            f"(set by {typed_flag(args, 'ranks', '--ranks')} {p})"
+        ) from None
+    tiny = {r: f for r, f in links.fractions.items() if f < TINY_FRACTION}
+    if tiny:
+        worst = min(tiny.values())
+        print(
+            f"optcc-mpi {args.command}: warning: {typed_flag(args, 'links', '--links')} "
+            f"{links} leaves rank(s) {', '.join(map(str, sorted(tiny)))} with "
+            f"{worst:.3g} of the healthy rate ({worst * args.bw:.3g} bytes/s): a FRACTION is "
+            "the share of bandwidth a rank keeps, not the share it loses (0:0.5 is half "
+            "rate); modelling it as given",
+            file=sys.stderr,
+        )
+    return links
 
 
 def _mpi_world_size() -> int:

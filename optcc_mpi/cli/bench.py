@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from optcc_mpi.cli._common import (
+from optcc_mpi.argtypes import (
     duration_arg,
     emulation_arg,
     float_above,
@@ -21,7 +21,8 @@ BENCH_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 BENCH_OPS = ("sum", "max", "min")
 
 EPILOG = """\
-Run it under mpiexec, srun, or `optcc-mpi testbed run`. For every size it first times the
+Run it under mpiexec, srun, or `optcc-mpi testbed run`: started alone (1 rank) it says so
+and exits with status 2, unless --allow-single. For every size it first times the
 ring with every link healthy (the fault-free reference: under --emulate the degradation is
 dropped, on the testbed the shaping is switched off for that part), then each algorithm
 on the degraded network. Rows: nccl-tests' columns (busbw with the 2(p-1)/p factor for
@@ -70,6 +71,16 @@ def run(args: argparse.Namespace) -> int:
     from optcc_mpi.lab import bench
 
     comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1 and not args.allow_single:
+        # Not an error of the arguments: nothing was started to run with. One rank moves no
+        # data, so every time and ratio it would print measures only the Python overhead.
+        raise ValueError(
+            "1 rank: started without a launcher (or with -n 1), so "
+            "there is nothing to reduce across and the table would measure only overhead. "
+            "Run it under a launcher, e.g. `mpiexec -n 4 optcc-mpi bench`, `srun`, or "
+            "`optcc-mpi testbed run -- python -m optcc_mpi bench`; or pass --allow-single "
+            "for a one-rank smoke test"
+        )
     algs = args.algorithms
     cfg = bench.BenchConfig(
         sizes=bench.sizes(args.begin, args.end, args.factor),
@@ -163,8 +174,21 @@ def register(subparsers: Any) -> None:
         default=1,
         help="warm-up iterations (1)",
     )
-    p.add_argument("-d", "--dtype", choices=BENCH_DTYPES, default="float32")
-    p.add_argument("-o", "--op", choices=BENCH_OPS, default="sum")
+    p.add_argument(
+        "-d",
+        "--dtype",
+        choices=BENCH_DTYPES,
+        default="float32",
+        help="element type of the buffers (float32); the sizes are in bytes, so -b and -e "
+        "must hold at least one element",
+    )
+    p.add_argument(
+        "-o",
+        "--op",
+        choices=BENCH_OPS,
+        default="sum",
+        help="reduction (sum); every result is checked exactly against it",
+    )
     from optcc_mpi import algorithms
 
     every = [*algorithms.names(), "auto"]
@@ -223,4 +247,10 @@ def register(subparsers: Any) -> None:
         "that delivered rate (bound_delivered_us)",
     )
     p.add_argument("--out", help="write rows as JSON lines (CSV if the name ends in .csv)")
+    p.add_argument(
+        "--allow-single",
+        action="store_true",
+        help="run on 1 rank too (a smoke test: one rank reduces nothing, so the times and "
+        "ratios mean nothing); without it, 1 rank is refused with exit status 2",
+    )
     p.set_defaults(func=run)

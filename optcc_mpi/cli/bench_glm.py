@@ -72,7 +72,12 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", choices=("logistic", "linear", "poisson"), default="logistic")
+    p.add_argument(
+        "--model",
+        choices=("logistic", "linear", "poisson"),
+        default="logistic",
+        help="the GLM trained, and the synthetic labels drawn for it (default logistic)",
+    )
     p.add_argument("--m", type=int, default=16384, help="rows of the synthetic set (default 16384)")
     p.add_argument("--n", type=int, default=256, help="features (default 256)")
     p.add_argument("--b", type=int, default=32, help="mini-batch size (default 32)")

@@ -190,7 +190,12 @@ def register(subparsers: Any) -> None:
         epilog=SYNTH_EPILOG,
         formatter_class=_RAW,
     )
-    s.add_argument("--kind", choices=("logistic", "linear", "poisson"), required=True)
+    s.add_argument(
+        "--kind",
+        choices=("logistic", "linear", "poisson"),
+        required=True,
+        help="the model the labels follow: 0/1 labels, real values, or counts",
+    )
     s.add_argument("--rows", type=int, required=True, metavar="M", help="samples")
     s.add_argument("--cols", type=int, required=True, metavar="N", help="features")
     s.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from optcc_mpi.cli._common import (
+from optcc_mpi.argtypes import (
     duration_arg,
     emulation_arg,
     int_at_least,

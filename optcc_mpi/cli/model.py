@@ -7,21 +7,26 @@ import json
 from typing import Any
 
 from optcc_mpi import algorithms
-from optcc_mpi.cli._common import add_network_args, losses_arg, print_table, ranks_list_arg
-from optcc_mpi.links import Links
+from optcc_mpi.argtypes import losses_arg, typed_flag
+from optcc_mpi.cli._common import TINY_FRACTION, add_network_args, network_links, print_table
 
-EPILOG = """\
+EPILOG = f"""\
 The model is the fluid (bandwidth-only) model: per-rank full-duplex NICs, the degraded
-ranks at FRACTION of --bw. Times are for one AllReduce of --size bytes per rank.
+ranks at FRACTION of --bw: the share of the rate they keep (0:0.5 is rank 0 at half
+rate). A FRACTION below {TINY_FRACTION:g} is modelled as given, with a warning: it is more
+often a loss typed by mistake. Times are for one AllReduce of --size bytes per rank.
   fault-free  2(p-1)/p * n/B, the ring with every link healthy
   bound       max(n / (B min f), 2(p-1) n / (B sum f))  (derived; docs/model.md)
   one row per registered algorithm, by the cost it declares (`optcc-mpi simulate --help`
   lists them); --latency adds each algorithm's per-message latency term
 
 examples:
-  optcc-mpi model --p 8 --degrade 0:0.5 --size 256M --bw 25GB/s
-  optcc-mpi model --p 64 --degrade 0:0.5,9:0.75 --json
+  optcc-mpi model --ranks 8 --links 0:0.5 --size 256M --bw 25GB/s
+  optcc-mpi model --ranks 64 --links 0:0.5,9:0.75 --json
   optcc-mpi model --sweep          # the README table: p x bandwidth loss
+  optcc-mpi model --sweep --ranks 8,64 --losses 0.5
+
+--p, --ps and --degrade are the old names of --ranks and --links, and still work.
 """
 
 
@@ -47,8 +52,9 @@ def sweep(size: int, bw: float, ps: list[int], losses: list[float]) -> list[dict
 def run(args: argparse.Namespace) -> int:
     from optcc_mpi import model
 
+    ranks = args.ranks
     if args.sweep:
-        rows = sweep(args.size, args.bw, args.ps, args.losses)
+        rows = sweep(args.size, args.bw, ranks or [8, 16, 32, 64, 128], args.losses)
         if args.json:
             print(json.dumps(rows))
             return 0
@@ -62,16 +68,19 @@ def run(args: argparse.Namespace) -> int:
             ],
         )
         return 0
-    links: Links = args.degrade
-    try:
-        links.check(args.p)
-    except ValueError as exc:
-        raise ValueError(f"--degrade {links}: {exc} (set by --p {args.p})") from None
-    t = model.table(args.p, args.size, args.bw, links, latency=args.latency)
+    ranks = ranks or [8]
+    if len(ranks) != 1:
+        raise ValueError(
+            f"{typed_flag(args, 'ranks', '--ranks')} {','.join(map(str, ranks))}: give one "
+            "number of ranks, or several with --sweep"
+        )
+    p = ranks[0]
+    links = network_links(args, p)
+    t = model.table(p, args.size, args.bw, links, latency=args.latency)
     if args.json:
         print(json.dumps(t))
         return 0
-    print(f"p={args.p}  size={args.size} B  bw={args.bw / 1e9:g} GB/s  degraded: {links}")
+    print(f"p={p}  size={args.size} B  bw={args.bw / 1e9:g} GB/s  degraded: {links}")
     rows = [
         [
             "fault-free ring",
@@ -95,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(["algorithm", "time (ms)", "x fault-free", "x bound"], rows)
     for alg in algorithms.all_algorithms():
         if alg.explain is not None:
-            print(f"{alg.name} plan: {alg.explain(args.p, links)}")
+            print(f"{alg.name} plan: {alg.explain(p, links)}")
     return 0
 
 
@@ -108,19 +117,12 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_network_args(p)
+    add_network_args(p, ranks_list=True)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--sweep",
         action="store_true",
-        help="table over --ps and --losses (one rank degraded) instead",
-    )
-    p.add_argument(
-        "--ps",
-        type=ranks_list_arg,
-        default=[8, 16, 32, 64, 128],
-        metavar="P[,P...]",
-        help="ranks for --sweep, each at least 2 (default 8,16,32,64,128)",
+        help="table over --ranks and --losses (rank 0 degraded) instead",
     )
     p.add_argument(
         "--losses",

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from optcc_mpi.cli._common import duration_arg, key_value_arg, rate_arg, size_arg
+from optcc_mpi.argtypes import alias, duration_arg, key_value_arg, rate_arg, size_arg
 
 EPILOG = """\
 Three modes.
@@ -43,9 +43,9 @@ examples:
   optcc-mpi report results/                          # summary only
   optcc-mpi report results/ --csv all.csv --plots plots/
   optcc-mpi report --simulate --plots plots/ --csv repro.csv --markdown repro.md
-  optcc-mpi report --simulate --p 8,16,32 --loss 0.5 --gpus-per-server 1 --sim-max-p 32
+  optcc-mpi report --simulate --ranks 8,16,32 --loss 0.5 --gpus-per-server 1 --sim-max-p 32
   optcc-mpi report --simulate --sim-max-p 64                    # model beyond p = 64, faster
-  optcc-mpi report --simulate --p 16,32,64 --param pattern=closer  # another OptCC pattern
+  optcc-mpi report --simulate --ranks 16,32,64 --param pattern=closer  # another OptCC pattern
   optcc-mpi report --links links.jsonl --plots plots/   # a training run's link record
 """
 
@@ -92,13 +92,14 @@ def register(subparsers: Any) -> None:
     )
     s = p.add_argument_group("--simulate (the paper's setting)")
     s.add_argument("--simulate", action="store_true", help="simulate instead of reading results")
-    s.add_argument(
-        "--p",
+    ranks = s.add_argument(
+        "--ranks",
         type=_ints,
         default=[8, 16, 32, 64, 128, 256, 512, 1024],
         metavar="LIST",
-        help="GPU counts (default 8,16,...,1024)",
+        help="GPU counts, i.e. ranks (default 8,16,...,1024); --p is the old name",
     )
+    alias(s, ranks, "--p")
     s.add_argument(
         "--loss",
         type=_floats,
@@ -212,7 +213,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from optcc_mpi.lab import reproduce
 
     rows = reproduce.reproduce(
-        args.p,
+        args.ranks,
         args.loss,
         args.gpus_per_server,
         size=args.size,

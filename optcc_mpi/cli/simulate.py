@@ -7,21 +7,27 @@ import json
 import time
 from typing import Any
 
-from optcc_mpi.cli._common import add_network_args, algorithms_arg, key_value_arg, print_table
-from optcc_mpi.links import Links
+from optcc_mpi.argtypes import algorithms_arg, key_value_arg
+from optcc_mpi.cli._common import add_network_args, network_links, print_table
+from optcc_mpi.errors import ArgumentError
 
 EPILOG = """\
 Every algorithm is a schedule: per rank, a program of point-to-point operations. This
-command builds the schedule for --p ranks and --size bytes, optionally proves it correct
+command builds the schedule for --ranks ranks and --size bytes, optionally proves it correct
 (--verify: every rank ends with every contribution exactly once, no deadlock, no race),
 and times it in the simulator's link model (per-rank full-duplex NICs, each side a FIFO
 server of bytes; --latency per message), next to the closed-form model.
 
+--param KEY=VALUE goes to every chosen algorithm that takes KEY (window=4 reaches ring,
+optcc and r2ccl); a KEY that none of them takes is an error.
+
 examples:
-  optcc-mpi simulate --p 8 --degrade 0:0.5                   # all algorithms
-  optcc-mpi simulate --algorithms optcc --p 8 --degrade 0:0.5 --param k=64
-  optcc-mpi simulate --p 1024 --algorithms ring --size 1G --bw 50GB/s
-  optcc-mpi simulate --p 16 --degrade 0:0.5,5:0.75 --verify --json
+  optcc-mpi simulate --ranks 8 --links 0:0.5                   # all algorithms
+  optcc-mpi simulate --algorithms optcc --ranks 8 --links 0:0.5 --param k=64
+  optcc-mpi simulate --ranks 1024 --algorithms ring --size 1G --bw 50GB/s
+  optcc-mpi simulate --ranks 16 --links 0:0.5,5:0.75 --verify --json
+
+--p and --degrade are the old names of --ranks and --links, and still work.
 """
 
 
@@ -30,21 +36,24 @@ def run(args: argparse.Namespace) -> int:
     from optcc_mpi.simulate import simulate
     from optcc_mpi.verify import verify
 
-    links: Links = args.degrade
-    links.check(args.p)
+    p = args.ranks
+    links = network_links(args, p)
+    given = dict(args.param)
+    chosen = [algorithms.get(name) for name in args.algorithms]
+    check_params(given, chosen)
     itemsize = 4
     count = args.size // itemsize
-    ff = model.fault_free(args.p, args.size, args.bw)
-    bound = model.lower_bound(args.p, args.size, args.bw, links)
+    ff = model.fault_free(p, args.size, args.bw)
+    bound = model.lower_bound(p, args.size, args.bw, links)
     results = []
-    for name in args.algorithms:
-        alg = algorithms.get(name)
-        # --param applies to the algorithms that take it.
-        params = {k: v for k, v in dict(args.param).items() if k in alg.params}
+    for alg in chosen:
+        name = alg.name
+        # --param applies to the algorithms that take it (check_params: at least one does).
+        params = {k: v for k, v in given.items() if k in alg.params}
         t0 = time.perf_counter()
         # Built directly, not through the registry's cache: a 1024-rank schedule takes
         # gigabytes, and each is dropped once timed.
-        sched = alg.build(args.p, count, links, itemsize=itemsize, **params)
+        sched = alg.build(p, count, links, itemsize=itemsize, **params)
         built = time.perf_counter() - t0
         ok = None
         if args.verify:
@@ -52,13 +61,13 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         res = simulate(sched, links, bw=args.bw, latency=args.latency, itemsize=itemsize)
         simulated = time.perf_counter() - t0
-        mod = alg.time(args.p, args.size, args.bw, links, latency=args.latency, **params)
+        mod = alg.time(p, args.size, args.bw, links, latency=args.latency, **params)
         n_ops, sched_params = sched.n_ops, sched.params
         del sched
         results.append(
             {
                 "algorithm": name,
-                "p": args.p,
+                "p": p,
                 "size": args.size,
                 "links": str(links),
                 "sim_s": res.time,
@@ -81,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results, default=str))
     else:
         print(
-            f"p={args.p}  size={args.size} B  bw={args.bw / 1e9:g} GB/s  "
+            f"p={p}  size={args.size} B  bw={args.bw / 1e9:g} GB/s  "
             f"latency={args.latency * 1e6:g} us  degraded: {links}"
         )
         rows = []
@@ -117,6 +126,30 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["verified"] is not False for r in results) else 1
 
 
+def check_params(params: dict[str, Any], chosen: list[Any]) -> None:
+    """Refuse a ``--param`` key that none of the chosen algorithms takes.
+
+    With one algorithm this is :meth:`Algorithm.check_params`, the Python API's own check
+    (and its message); with several, a key is refused when no chosen algorithm takes it,
+    since ``window=4`` is meant for every algorithm that has a window.
+
+    Raises
+    ------
+    ArgumentError
+        Naming the key and what each chosen algorithm takes.
+    """
+    if len(chosen) == 1:
+        chosen[0].check_params(params)
+        return
+    unknown = sorted(k for k in params if not any(k in alg.params for alg in chosen))
+    if unknown:
+        takes = "; ".join(f"{a.name}: {', '.join(sorted(a.params)) or 'none'}" for a in chosen)
+        raise ArgumentError(
+            f"--param {', '.join(map(repr, unknown))}: no chosen algorithm takes it "
+            f"(their parameters: {takes})"
+        )
+
+
 def register(subparsers: Any) -> None:
     from optcc_mpi import algorithms
 
@@ -142,7 +175,8 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="schedule parameter, e.g. k=64 (repeatable)",
+        help="schedule parameter, e.g. k=64 (repeatable); given to every chosen algorithm "
+        "that takes it, refused if none does",
     )
     p.add_argument("--verify", action="store_true", help="also prove each schedule correct")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -1,7 +1,7 @@
 """``optcc-mpi sweep``: parameter sweeps as Slurm job arrays (plan, run, record, status).
 
 The job scripts under ``jobs/`` call these subcommands; they are handy by hand too. The work
-is done by :mod:`optcc_mpi.lab.sweep`; ``python -m optcc_mpi.lab.sweep`` is the same command.
+is done by :mod:`optcc_mpi.lab.sweep`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from optcc_mpi.cli._common import key_values
+from optcc_mpi.argtypes import key_values
 
 EPILOG = """\
 A sweep is a CSV table, one row per array task (task id = row index). Each task launches
@@ -145,7 +145,12 @@ def register(subparsers: Any) -> None:
         description="Run `optcc-mpi bench` (allreduce) or `optcc-mpi train` (casgd) with the "
         "arguments after -- on --ranks ranks, and record it like a sweep task.",
     )
-    s.add_argument("--kind", choices=tuple(KINDS), default="allreduce")
+    s.add_argument(
+        "--kind",
+        choices=tuple(KINDS),
+        default="allreduce",
+        help="allreduce runs `optcc-mpi bench`, casgd `optcc-mpi train` (default allreduce)",
+    )
     s.add_argument("--ranks", type=int, required=True, help="MPI ranks")
     s.add_argument("--results", required=True, help="folder of the record file")
     s.add_argument("--job", help="job id (default: from Slurm, else a local id)")
@@ -153,8 +158,8 @@ def register(subparsers: Any) -> None:
     s.set_defaults(func=_cmd_exec)
 
     s = sub.add_parser("manifest", help="record a submission (used by submit-sweep.sh)")
-    s.add_argument("--results", required=True)
-    s.add_argument("--table", required=True)
+    s.add_argument("--results", required=True, help="folder of the record files")
+    s.add_argument("--table", required=True, help="the sweep table submitted")
     s.add_argument("--job", required=True, help="the array job id")
     s.add_argument("--tasks", required=True, help="the --array value")
     s.add_argument("--script", default="", help="the job script submitted")
@@ -162,11 +167,16 @@ def register(subparsers: Any) -> None:
     s.set_defaults(func=_cmd_manifest)
 
     s = sub.add_parser("status", help="summarise a results folder; exit 1 unless all ok")
-    s.add_argument("results")
+    s.add_argument("results", help="a sweep's results folder")
     s.add_argument("--job", help="only the tasks whose latest submission is this array job")
     s.set_defaults(func=_cmd_status)
 
     s = sub.add_parser("expand", help="write a table over a Cartesian product")
-    s.add_argument("kind", choices=tuple(KINDS))
-    s.add_argument("axes", nargs="+", metavar="COLUMN=V1,V2,...")
+    s.add_argument("kind", choices=tuple(KINDS), help="the kind of table (its first column)")
+    s.add_argument(
+        "axes",
+        nargs="+",
+        metavar="COLUMN=V1,V2,...",
+        help="a column and its values; the table has a row per combination",
+    )
     s.set_defaults(func=_cmd_expand)

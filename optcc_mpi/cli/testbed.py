@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from optcc_mpi.cli._common import key_values
+from optcc_mpi.argtypes import alias, key_values
 from optcc_mpi.lab import testbed as tb
 
 DESCRIPTION = """\
@@ -23,16 +23,16 @@ exactly that, also after a crash, and never touches other namespaces.
 
 EPILOG = """\
 examples:
-  optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
+  optcc-mpi testbed up --ranks 8 --rate 400mbit --links 0:0.5
       8 namespaces; every link 400 Mbit/s each way, rank 0 at 200 Mbit/s each way
-  optcc-mpi testbed up --ranks 8 --ranks-per-node 2 --rate 400mbit --degrade 1:0.5
+  optcc-mpi testbed up --ranks 8 --ranks-per-node 2 --rate 400mbit --links 1:0.5
       4 nodes of 2 ranks sharing one link; node 1 (ranks 2 and 3) at 200 Mbit/s
   optcc-mpi testbed status
       namespaces, links, qdisc rates, byte counters; exit 1 if inconsistent
   optcc-mpi testbed run -- .venv/bin/python -m optcc_mpi bench
       an 8-rank MPI job, rank i in namespace optcctb-r<i>; exit status is the job's
   optcc-mpi testbed run --ranks 4 --env OPTCC_SEED=1 -- .venv/bin/python prog.py
-  optcc-mpi testbed shape --degrade 0:0.25,3:0.5     change rates in place
+  optcc-mpi testbed shape --links 0:0.25,3:0.5       change rates in place
   optcc-mpi testbed shape --healthy                  every link back to full rate
   optcc-mpi testbed down                             remove everything (safe twice)
 
@@ -40,6 +40,7 @@ From Python (e.g. rank 0 of a job inside the testbed):
   from optcc_mpi.lab import testbed
   testbed.set_shaping(None); ...; testbed.set_shaping({0: 0.5})
 
+--degrade, the old name of --links, still works.
 See docs/testbed.md, which also covers degrading real clusters (jobs/degrade-wrapper.sh).
 """
 
@@ -70,10 +71,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Create one namespace per rank, veth links into a bridge, and tbf "
         "shapers on both ends of every link. Refuses if the testbed exists (see --force).",
         epilog="examples:\n"
-        "  optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5\n"
-        "  optcc-mpi testbed up --ranks 4 --rate 1gbit --degrade 1:0.25,2:0.5 --force\n"
+        "  optcc-mpi testbed up --ranks 8 --rate 400mbit --links 0:0.5\n"
+        "  optcc-mpi testbed up --ranks 4 --rate 1gbit --links 1:0.25,2:0.5 --force\n"
         "  optcc-mpi testbed up --ranks 4 --rate 50MB/s --burst 128KiB --latency 20ms\n"
-        "  optcc-mpi testbed up --ranks 8 --ranks-per-node 2 --rate 400mbit --degrade 0:0.5\n\n"
+        "  optcc-mpi testbed up --ranks 8 --ranks-per-node 2 --rate 400mbit --links 0:0.5\n\n"
         "units (optcc_mpi.units): kbit, mbit, gbit are bits/s; KB/s, MB/s, GB/s bytes/s; "
         "KiB, MiB binary, KB, MB decimal",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -84,16 +85,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="ranks sharing one namespace and its shaped link, as a server's GPUs share "
-        "its NIC (a divisor of --ranks; default 1). --degrade then names nodes",
+        "its NIC (a divisor of --ranks; default 1). --links then names nodes",
     )
     p_up.add_argument("--rate", required=True, help="healthy link rate, e.g. 400mbit, 1gbit")
-    p_up.add_argument(
-        "--degrade",
+    links = p_up.add_argument(
+        "--links",
         default=None,
         metavar="RANK:FRACTION[,...]",
         help="ranks (nodes, with --ranks-per-node) whose link runs at FRACTION "
-        "(0 < FRACTION <= 1) of --rate, both ways",
+        "(0 < FRACTION <= 1) of --rate, both ways; --degrade is the old name",
     )
+    alias(p_up, links, "--degrade")
     p_up.add_argument("--burst", default=None, help="tbf bucket, e.g. 64KiB (default: 2 ms)")
     p_up.add_argument("--latency", default=None, help="tbf queue latency (default: 50ms)")
     p_up.add_argument(
@@ -175,13 +177,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Change the rates of a running testbed; jobs keep running. Exactly the "
         "Python call testbed.set_shaping().",
         epilog="examples:\n"
-        "  optcc-mpi testbed shape --degrade 0:0.5\n"
+        "  optcc-mpi testbed shape --links 0:0.5\n"
         "  optcc-mpi testbed shape --healthy\n"
         "  optcc-mpi testbed shape --rate 1gbit --healthy",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     group = p_shape.add_mutually_exclusive_group(required=True)
-    group.add_argument("--degrade", metavar="RANK:FRACTION[,...]", help="new degraded ranks")
+    links = group.add_argument(
+        "--links",
+        metavar="RANK:FRACTION[,...]",
+        help="new degraded ranks; --degrade is the old name",
+    )
+    alias(group, links, "--degrade")
     group.add_argument("--healthy", action="store_true", help="every link at the full rate")
     p_shape.add_argument("--rate", default=None, help="new healthy rate (default: unchanged)")
     p_shape.set_defaults(func=cmd_shape)
@@ -198,7 +205,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         bed = tb.up(
             args.ranks,
             args.rate,
-            args.degrade,
+            args.links,
             burst=args.burst,
             latency=args.latency,
             name=args.name,
@@ -258,7 +265,7 @@ def _rate(q: dict[str, Any] | None) -> str:
         return "-"
     if q["rate_bit"] is None:
         return f"{q['kind']} (!)"
-    return f"{q['kind']} {tb.format_rate(q['rate_bit'])}" + ("" if q["ok"] else " (!)")
+    return f"{q['kind']} {tb.format_bitrate(q['rate_bit'])}" + ("" if q["ok"] else " (!)")
 
 
 def _format_status(info: dict[str, Any]) -> str:
@@ -282,7 +289,7 @@ def _format_status(info: dict[str, Any]) -> str:
             rx = "-" if r["rx_bytes"] is None else f"{r['rx_bytes']:,}"
             lines.append(
                 f"  {r['rank']:>4}  {r['namespace']:<18} {r['addr']:<12} "
-                f"{tb.format_rate(r['rate_bit']):>9}  {_rate(r['egress']):<16} "
+                f"{tb.format_bitrate(r['rate_bit']):>9}  {_rate(r['egress']):<16} "
                 f"{_rate(r['ingress']):<16} {tx:>12} {rx:>12}"
             )
     elif info["namespaces"]:
@@ -329,6 +336,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_shape(args: argparse.Namespace) -> int:
     """``testbed shape``."""
-    bed = tb.set_shaping(None if args.healthy else args.degrade, rate=args.rate, name=args.name)
+    bed = tb.set_shaping(None if args.healthy else args.links, rate=args.rate, name=args.name)
     print(f"testbed {bed.name!r}: {bed.describe()}")
     return 0

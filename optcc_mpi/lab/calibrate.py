@@ -1,7 +1,7 @@
 """Measure the transport model (:class:`optcc_mpi.algorithms._policy.Transport`) through
 the executor: per-step latency, per-message cost and the rate it delivers.
 
-Run under mpiexec, e.g. ``mpiexec -n 2 python -m optcc_mpi.lab.calibrate``. Three tiny
+Run under mpiexec, e.g. ``mpiexec -n 2 optcc-mpi lab calibrate``. Three tiny
 schedules in the ring's pattern (every rank sends to rank + 1 and receives from rank - 1
 at once, so every link carries one flow per direction), each run by
 :func:`optcc_mpi.executor.execute`:
@@ -37,8 +37,13 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi.algorithms._policy import Transport
+from optcc_mpi.argtypes import int_at_least, positive_size_arg
+from optcc_mpi.errors import ArgumentError
 
-__all__ = ["measure", "main"]
+__all__ = ["measure", "add_arguments", "run_args", "main", "SUMMARY"]
+
+#: What ``optcc-mpi lab --help`` says of this tool.
+SUMMARY = "measure the transport model (latency, per-message cost, rate) through the executor"
 
 
 def _schedules(p: int, nbytes: int, steps: int, small: int, pieces: int) -> tuple[Any, ...]:
@@ -96,7 +101,6 @@ def measure(
     from mpi4py import MPI
 
     from optcc_mpi.backend import NumpyBackend
-    from optcc_mpi.errors import ArgumentError
     from optcc_mpi.executor import execute
 
     p = comm.Get_size()
@@ -148,27 +152,51 @@ def measure(
     return Transport("calibrated", alpha, beta, bw, overlap), how
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m optcc_mpi.lab.calibrate --help``."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``optcc-mpi lab calibrate`` (and ``python -m optcc_mpi.lab.calibrate``)."""
+    parser.description = (
+        "Measure the transport's latency per step, cost per message and rate through our "
+        "executor, and print the message size the ring would use (run under mpiexec with "
+        "at least 2 ranks, on healthy links)."
+    )
+    parser.epilog = (
+        "examples:\n"
+        "  mpiexec -n 2 optcc-mpi lab calibrate\n"
+        "  optcc-mpi testbed run -- .venv/bin/python -m optcc_mpi lab calibrate --json c.jsonl"
+    )
+    parser.add_argument(
+        "--bytes", type=positive_size_arg, default=8 << 20, help="rate message (8M)"
+    )
+    parser.add_argument(
+        "--pieces",
+        type=int_at_least(2, "pieces"),
+        default=16,
+        help="messages the rate message is cut into (16)",
+    )
+    parser.add_argument(
+        "--steps", type=int_at_least(1, "latency steps"), default=50, help="latency exchanges (50)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int_at_least(1, "repeats"),
+        default=5,
+        help="repetitions, median kept (5)",
+    )
+    parser.add_argument(
+        "--section",
+        type=positive_size_arg,
+        default=16 << 20,
+        help="section size to size the ring's messages for (16M)",
+    )
+    parser.add_argument("--json", help="append the result as a JSON line to this file")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run the tool on ``MPI.COMM_WORLD`` with parsed options; rank 0 prints."""
+    if args.bytes < args.pieces:
+        raise ArgumentError(f"--bytes {args.bytes} cannot be cut into --pieces {args.pieces}")
     from mpi4py import MPI
 
-    from optcc_mpi.cli._common import size_arg
-
-    ap = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.calibrate",
-        description="Measure the transport's latency per step, cost per message and rate "
-        "through our executor, and print the message size the ring would use (run under "
-        "mpiexec with at least 2 ranks, on healthy links).",
-    )
-    ap.add_argument("--bytes", type=size_arg, default=8 << 20, help="rate message (8M)")
-    ap.add_argument("--pieces", type=int, default=16, help="messages it is cut into (16)")
-    ap.add_argument("--steps", type=int, default=50, help="latency exchanges (50)")
-    ap.add_argument("--repeats", type=int, default=5, help="repetitions, median kept (5)")
-    ap.add_argument(
-        "--section", type=size_arg, default=16 << 20, help="section size to size messages for"
-    )
-    ap.add_argument("--json", help="append the result as a JSON line to this file")
-    args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     t, how = measure(
         comm, nbytes=args.bytes, steps=args.steps, pieces=args.pieces, repeats=args.repeats
@@ -195,6 +223,20 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m optcc_mpi.lab.calibrate``: the same as ``optcc-mpi lab calibrate``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m optcc_mpi.lab.calibrate",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_args(args)
+    except ArgumentError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..transports.mpi import mpi_datatype_and_op
 from ..glm.comm import allreduce_cost
+from ..transports.mpi import mpi_datatype_and_op
 
 __all__ = ["CallRecorder", "bw_text", "critical_path_times", "thread_limiter", "time_to_target"]
 

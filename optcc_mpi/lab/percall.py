@@ -1,6 +1,6 @@
 """Per-call cost of ``allreduce`` against the MPI library's ``MPI_Allreduce``.
 
-Run under mpiexec, e.g. ``mpiexec -n 2 python -m optcc_mpi.lab.percall``. For each
+Run under mpiexec, e.g. ``mpiexec -n 2 optcc-mpi lab percall``. For each
 message size it times, interleaved in batches so that every variant sees the same
 machine load:
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -30,7 +31,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["measure", "main"]
+from optcc_mpi.argtypes import int_at_least, sizes_arg
+
+__all__ = ["measure", "add_arguments", "run_args", "main", "SUMMARY"]
+
+#: What ``optcc-mpi lab --help`` says of this tool.
+SUMMARY = "per-call cost of short allreduce calls against MPI_Allreduce"
 
 
 def _sendrecv_ring(comm: Any, x: np.ndarray, y: np.ndarray) -> None:
@@ -116,24 +122,45 @@ def measure(comm: Any, sizes: list[int], iters: int, batch: int, p2p: bool) -> l
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line (module docstring)."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``optcc-mpi lab percall`` (and ``python -m optcc_mpi.lab.percall``)."""
+    parser.description = __doc__.replace("``", "`")
+    parser.epilog = (
+        "examples:\n"
+        "  mpiexec -n 2 optcc-mpi lab percall --iters 2000 --batch 50\n"
+        "  mpiexec -n 4 optcc-mpi lab percall --sizes 4,1K,16K,64K --p2p --json pc.jsonl"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=sizes_arg,
+        default="4,64,1K,4K,16K,64K",
+        metavar="SIZE[,SIZE...]",
+        help="message sizes in bytes, comma-separated (4,64,1K,4K,16K,64K)",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int_at_least(1, "calls"),
+        default=2000,
+        help="calls per variant and size (2000)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int_at_least(1, "calls per batch"),
+        default=20,
+        help="calls per timed batch (20)",
+    )
+    parser.add_argument("--p2p", action="store_true", help="also time the ring schedule")
+    parser.add_argument("--json", help="append the rows as JSON lines to this file")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run the tool on ``MPI.COMM_WORLD`` with parsed options; rank 0 prints."""
     from mpi4py import MPI
 
-    from optcc_mpi.links import parse_size
-
-    ap = argparse.ArgumentParser(prog="python -m optcc_mpi.lab.percall", description=__doc__)
-    ap.add_argument("--sizes", default="4,64,1K,4K,16K,64K", help="bytes, comma-separated")
-    ap.add_argument("--iters", type=int, default=2000, help="calls per variant and size")
-    ap.add_argument("--batch", type=int, default=20, help="calls per timed batch")
-    ap.add_argument("--p2p", action="store_true", help="also time the ring schedule")
-    ap.add_argument("--json", help="write the rows as JSON lines to this file")
-    args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    rows = measure(comm, sizes, args.iters, args.batch, args.p2p)
+    rows = measure(comm, args.sizes, args.iters, args.batch, args.p2p)
     if comm.Get_rank() == 0:
-        command = "python -m optcc_mpi.lab.percall " + " ".join(argv or sys.argv[1:])
+        command = args.command_line
         print(f"# {command}  (p={comm.Get_size()}, medians of batches of {args.batch})")
         print(f"{'bytes':>7}  {'variant':<22} {'median us':>10} {'min':>8} {'max':>8} {'ratio':>6}")
         for r in rows:
@@ -146,6 +173,19 @@ def main(argv: list[str] | None = None) -> int:
                 for r in rows:
                     fh.write(json.dumps({**r, "command": command}) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m optcc_mpi.lab.percall``: the same as ``optcc-mpi lab percall``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m optcc_mpi.lab.percall",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join([*parser.prog.split(), *argv])
+    return run_args(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,4 @@
-"""Every bandwidth profile at its bound, by simulation (``python -m optcc_mpi.lab.profiles``).
+"""Every bandwidth profile at its bound, by simulation (``optcc-mpi lab profiles``).
 
 For each profile of a family (one degraded 8-rank server at p = 16..128 and 12.5 to 50%
 loss, two degraded servers, several stragglers at different fractions, seeded random
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -29,9 +30,25 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi.argtypes import alias, int_at_least, positive_size_arg, rate_arg
+from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 
-__all__ = ["Profile", "families", "large_families", "drawn", "measure", "markdown", "main"]
+__all__ = [
+    "Profile",
+    "families",
+    "large_families",
+    "drawn",
+    "measure",
+    "markdown",
+    "add_arguments",
+    "run_args",
+    "main",
+    "SUMMARY",
+]
+
+#: What ``optcc-mpi lab --help`` says of this tool.
+SUMMARY = "every bandwidth profile family at its bound, by simulation (no MPI needed)"
 
 #: One profile: family name, ranks, link profile text, and a short description.
 Profile = tuple[str, int, str, str]
@@ -93,7 +110,7 @@ def drawn(n: int, seed: int = 0, max_p: int = 128) -> list[Profile]:
     rng = np.random.default_rng(seed)
     ps = [p for p in (16, 24, 32, 48, 64, 96, 128) if p <= max_p]
     if not ps:
-        raise ValueError(f"--draw needs --max-p of at least 16, not {max_p}")
+        raise ArgumentError(f"--draw needs --max-ranks of at least 16, not {max_p}")
     out: list[Profile] = []
     for _ in range(n):
         p = int(rng.choice(ps))
@@ -309,52 +326,67 @@ def run(
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: measure the profiles, print and optionally write the summary."""
-    ap = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.profiles",
-        description=__doc__.split("\n\n")[0],
-        epilog="examples:\n"
-        "  python -m optcc_mpi.lab.profiles --out docs/profiles     # all (minutes)\n"
-        "  python -m optcc_mpi.lab.profiles --family server --max-p 32 --no-verify\n"
-        "  python -m optcc_mpi.lab.profiles --large --out docs/profiles/large   # p = 256-1024\n"
-        "  python -m optcc_mpi.lab.profiles --draw 40 --seed 1 --no-verify   # unseen profiles\n",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``optcc-mpi lab profiles`` (and ``python -m optcc_mpi.lab.profiles``)."""
+    parser.description = __doc__.replace("``", "`")
+    parser.epilog = (
+        "examples:\n"
+        "  optcc-mpi lab profiles --out docs/profiles     # all (minutes)\n"
+        "  optcc-mpi lab profiles --family server --max-ranks 32 --no-verify\n"
+        "  optcc-mpi lab profiles --large --out docs/profiles/large   # p = 256-1024\n"
+        "  optcc-mpi lab profiles --draw 40 --seed 1 --no-verify   # unseen profiles\n"
     )
-    ap.add_argument("--family", action="append", choices=FAMILIES, help="repeatable; default all")
-    ap.add_argument("--max-p", type=int, default=128, help="largest p (default 128)")
-    ap.add_argument("--size", type=int, default=1 << 30, help="bytes per rank (default 1 GiB)")
-    ap.add_argument("--bw", type=float, default=50e9, help="healthy rate, bytes/s (50e9)")
-    ap.add_argument("--no-verify", action="store_true", help="skip the verifier")
-    ap.add_argument(
+    parser.add_argument(
+        "--family", action="append", choices=FAMILIES, help="repeatable; default all"
+    )
+    most = parser.add_argument(
+        "--max-ranks",
+        metavar="N",
+        type=int_at_least(2, "the number of ranks"),
+        default=128,
+        help="largest number of ranks (default 128); --max-p is the old name",
+    )
+    alias(parser, most, "--max-p")
+    parser.add_argument(
+        "--size", type=positive_size_arg, default=1 << 30, help="bytes per rank (default 1G)"
+    )
+    parser.add_argument(
+        "--bw",
+        type=rate_arg,
+        default=50e9,
+        help="healthy rate, e.g. 50GB/s or 400gbit (default 50GB/s)",
+    )
+    parser.add_argument("--no-verify", action="store_true", help="skip the verifier")
+    parser.add_argument(
         "--large",
         action="store_true",
         help="the profiles at p = 256 to 1024 instead (OptCC only, not verified: the "
         "verifier's cost grows as operations x p, and R2CCL's helper under a random "
         "vector carries every other rank's tail)",
     )
-    ap.add_argument(
+    parser.add_argument(
         "--draw",
-        type=int,
+        type=int_at_least(1, "the number of profiles"),
         metavar="N",
         help="N profiles drawn at random from the server, two-server and straggler "
-        "families (p = 16 to --max-p) instead of the fixed list",
+        "families (p = 16 to --max-ranks) instead of the fixed list",
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of --draw (default 0)")
-    ap.add_argument("--out", type=Path, help="write profiles.jsonl and profiles.md here")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-    if args.draw is not None and (args.draw < 1 or args.large):
-        ap.error("--draw takes a positive count, and not with --large")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --draw (default 0)")
+    parser.add_argument("--out", type=Path, help="write profiles.jsonl and profiles.md here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Measure the chosen profiles, print the summary and write it with ``--out``; exit
+    status 1 if the verifier refuses any schedule."""
+    if args.draw is not None and args.large:
+        raise ArgumentError("--draw and --large do not go together")
     if args.large:
         pool = large_families()
     elif args.draw is not None:
-        try:
-            pool = drawn(args.draw, args.seed, args.max_p)
-        except ValueError as e:
-            ap.error(str(e))
+        pool = drawn(args.draw, args.seed, args.max_ranks)
     else:
-        pool = families(args.max_p)
+        pool = families(args.max_ranks)
     chosen = [x for x in pool if not args.family or x[0] in args.family]
     rows = run(
         chosen,
@@ -365,13 +397,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
         algorithms=("optcc",) if args.large else ("optcc", "r2ccl"),
     )
-    cmd = "python -m optcc_mpi.lab.profiles " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = markdown(rows, cmd.strip())
+    text = markdown(rows, args.command_line)
     print(text)
     if args.out is not None:
         (args.out / "profiles.md").write_text(text)
     bad = [r for r in rows if r.get("optcc_verified") is False or r.get("r2ccl_verified") is False]
     return 1 if bad else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m optcc_mpi.lab.profiles``: the same as ``optcc-mpi lab profiles``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m optcc_mpi.lab.profiles",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join([*parser.prog.split(), *argv])
+    try:
+        return run_args(args)
+    except ArgumentError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":  # pragma: no cover

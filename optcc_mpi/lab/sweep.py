@@ -20,7 +20,8 @@ submitted, which is how :func:`collect` tells a task that never reported (``miss
 from one that was not asked for.
 
 The command line is ``optcc-mpi sweep`` (:mod:`optcc_mpi.cli.sweep`; the job scripts use
-it); ``python -m optcc_mpi.lab.sweep ...`` is the same command under its old name.
+it as ``python -m optcc_mpi sweep``). ``python -m optcc_mpi.lab.sweep``, its old name, now
+only says so: the lab does not import the CLI.
 """
 
 from __future__ import annotations
@@ -1054,12 +1055,10 @@ def exec_command(
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m optcc_mpi.lab.sweep ARGS``: the same as ``optcc-mpi sweep ARGS``."""
-    from optcc_mpi.cli import main as cli_main
-
-    return cli_main(["sweep", *(sys.argv[1:] if argv is None else argv)])
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # The old command line of this module is `optcc-mpi sweep` now; the lab never imports
+    # the CLI, so it cannot run it from here: say where it went.
+    sys.exit(
+        "python -m optcc_mpi.lab.sweep is now `optcc-mpi sweep` "
+        "(also `python -m optcc_mpi sweep`), with the same arguments"
+    )

@@ -66,11 +66,11 @@ __all__ = [
     "TestbedExists",
     "current",
     "down",
-    "format_rate",
+    "format_bitrate",
     "namespaces_supported",
     "parse_degrade",
     "parse_latency",
-    "parse_rate",
+    "parse_bitrate",
     "parse_size",
     "require_root",
     "resolve_name",
@@ -133,8 +133,12 @@ class TestbedExists(TestbedError):
 # --------------------------------------------------------------------------- parsing
 
 
-def parse_rate(value: str | int | float) -> int:
-    """Return a link rate in bits per second.
+def parse_bitrate(value: str | int | float) -> int:
+    """Return a link rate in bits per second, as tc takes it.
+
+    Unlike :func:`optcc_mpi.units.parse_rate`, which gives bytes per second for everything
+    else in the package, this gives bits per second (the testbed's ``rate_bit``), and
+    refuses a bare number in text: tc would read it as bits, a user maybe as bytes.
 
     Parameters
     ----------
@@ -157,8 +161,9 @@ def parse_rate(value: str | int | float) -> int:
     return int(round(bits))
 
 
-def format_rate(bits: float) -> str:
-    """Return ``bits`` per second as a short tc-style rate (``400mbit``, ``1.5gbit``)."""
+def format_bitrate(bits: float) -> str:
+    """Return ``bits`` per second as a short tc-style rate (``400mbit``, ``1.5gbit``); the
+    inverse of :func:`parse_bitrate` (:func:`optcc_mpi.units.format_rate` takes bytes/s)."""
     return units.format_rate(bits / 8)
 
 
@@ -517,10 +522,12 @@ class Testbed:
         """
         require_root("change link rates")
         new_degrade = parse_degrade(degrade, self.nodes)
-        new_rate = self.rate_bit if rate is None else parse_rate(rate)
+        new_rate = self.rate_bit if rate is None else parse_bitrate(rate)
         for r, fraction in new_degrade.items():
             if new_rate * fraction < MIN_RATE_BIT:
-                raise ValueError(f"rank {r} at {fraction} of {format_rate(new_rate)} is too slow")
+                raise ValueError(
+                    f"rank {r} at {fraction} of {format_bitrate(new_rate)} is too slow"
+                )
         with _locked(self.name):
             old_rate, old_degrade = self.rate_bit, self.degrade
             self.rate_bit, self.degrade = new_rate, new_degrade
@@ -716,16 +723,16 @@ class Testbed:
     def describe(self) -> str:
         """Return a one-line summary (``4 ranks at 400mbit; rank 0 at 0.5 (200mbit)``)."""
         k = self.ranks_per_node
-        text = f"{self.ranks} ranks at {format_rate(self.rate_bit)}"
+        text = f"{self.ranks} ranks at {format_bitrate(self.rate_bit)}"
         if k > 1:
             text = (
                 f"{self.ranks} ranks, {k} per node on {self.nodes} nodes, at "
-                f"{format_rate(self.rate_bit)}"
+                f"{format_bitrate(self.rate_bit)}"
             )
         what = "node" if k > 1 else "rank"
         if self.degrade:
             parts = [
-                f"{what} {r} at {f:g} ({format_rate(self.rate_of(r))})"
+                f"{what} {r} at {f:g} ({format_bitrate(self.rate_of(r))})"
                 for r, f in self.degrade.items()
             ]
             text += "; " + ", ".join(parts)
@@ -852,11 +859,11 @@ def up(
         )
     if not ranks // k <= MAX_RANKS:
         raise ValueError(f"ranks must be an integer in 1..{MAX_RANKS * k}, not {ranks!r}")
-    rate_bit = parse_rate(rate)
+    rate_bit = parse_bitrate(rate)
     degrade_map = parse_degrade(degrade, ranks // k)
     for r, fraction in degrade_map.items():
         if rate_bit * fraction < MIN_RATE_BIT:
-            raise ValueError(f"rank {r} at {fraction} of {format_rate(rate_bit)} is too slow")
+            raise ValueError(f"rank {r} at {fraction} of {format_bitrate(rate_bit)} is too slow")
     if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65535:
         raise ValueError(f"mtu must be an integer in 576..65535, not {mtu!r}")
     if congestion not in ("", "reno", "bbr", "cubic"):
@@ -1207,8 +1214,10 @@ def _qdisc_info(ns: str, dev: str, want_bit: int, problems: list[str]) -> dict[s
     rate_bit = int(q.get("options", {}).get("rate", 0)) * 8 if q.get("kind") == "tbf" else None
     ok = rate_bit is not None and abs(rate_bit - want_bit) <= max(8, want_bit // 100)
     if not ok:
-        got = "no tbf" if rate_bit is None else format_rate(rate_bit)
-        problems.append(f"{ns}/{dev}: {q.get('kind')} at {got}, expected {format_rate(want_bit)}")
+        got = "no tbf" if rate_bit is None else format_bitrate(rate_bit)
+        problems.append(
+            f"{ns}/{dev}: {q.get('kind')} at {got}, expected {format_bitrate(want_bit)}"
+        )
     return {"ns": ns, "dev": dev, "kind": q.get("kind"), "rate_bit": rate_bit, "ok": ok}
 
 

@@ -9,11 +9,11 @@ emulation's ``degrade`` switches at the same calls). A fault-free ring is timed 
 same run as the reference::
 
     optcc-mpi testbed up --ranks 8 --rate 400mbit
-    optcc-mpi testbed run -- python -m optcc_mpi.lab.transition --size 16M --out t.jsonl
+    optcc-mpi testbed run -- .venv/bin/python -m optcc_mpi lab transition --size 16M --out t.jsonl
     optcc-mpi testbed down
-    python -m optcc_mpi.lab.transition --plot t.jsonl transition.png
+    optcc-mpi lab transition --plot t.jsonl transition.png
 
-    mpiexec -n 4 python -m optcc_mpi.lab.transition --emulate bw=200MB/s --size 4M ...
+    mpiexec -n 4 optcc-mpi lab transition --emulate bw=200MB/s --size 4M ...
 """
 
 from __future__ import annotations
@@ -30,7 +30,26 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["run", "plot", "main"]
+from optcc_mpi import config
+from optcc_mpi.argtypes import StoreTyped, alias, emulation_arg, links_arg, positive_size_arg
+
+__all__ = ["run", "plot", "add_arguments", "run_args", "main", "SUMMARY"]
+
+#: What ``optcc-mpi lab --help`` says of this tool.
+SUMMARY = 'time per call of links="watch" across a degradation and back (or --plot rows)'
+
+
+def _calls_arg(text: str) -> list[int]:
+    """argparse type: three positive counts, ``healthy,degraded,recovered``."""
+    try:
+        calls = [int(c) for c in text.split(",")]
+    except ValueError:
+        calls = []
+    if len(calls) != 3 or min(calls) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give three positive counts, healthy,degraded,recovered"
+        )
+    return calls
 
 
 def run(
@@ -152,40 +171,55 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m optcc_mpi.lab.transition``: run under mpiexec, or ``--plot``."""
-    ap = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.transition",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``optcc-mpi lab transition`` (``python -m optcc_mpi.lab.transition``)."""
+    parser.description = __doc__.replace("``", "`")
+    parser.add_argument(
+        "--size", type=positive_size_arg, default="16M", help="bytes per rank (default 16M)"
     )
-    ap.add_argument("--size", default="16M", help="bytes per rank (default 16M)")
-    ap.add_argument("--degrade", default="3:0.5", help="the degraded phase (default 3:0.5)")
-    ap.add_argument(
-        "--calls", default="8,12,12", help="calls per phase: healthy,degraded,recovered"
+    links = parser.add_argument(
+        "--links",
+        type=links_arg,
+        default="3:0.5",
+        action=StoreTyped,
+        metavar="RANK:FRACTION[,...]",
+        help="the degraded phase's link profile (default 3:0.5); --degrade is the old name",
     )
-    ap.add_argument("--emulate", default=None, help="emulate the network, e.g. bw=200MB/s")
-    ap.add_argument("--out", default=None, help="write the rows as JSON lines (rank 0)")
-    ap.add_argument("--plot", nargs=2, metavar=("ROWS", "PNG"), help="plot written rows")
-    args = ap.parse_args(argv)
+    alias(parser, links, "--degrade")
+    parser.add_argument(
+        "--calls",
+        type=_calls_arg,
+        default="8,12,12",
+        metavar="H,D,R",
+        help="calls per phase: healthy,degraded,recovered (default 8,12,12)",
+    )
+    parser.add_argument(
+        "--emulate",
+        type=emulation_arg,
+        default=None,
+        metavar="bw=RATE[,latency=TIME]",
+        help="emulate the network, e.g. bw=200MB/s (default: the real links)",
+    )
+    parser.add_argument("--out", default=None, help="write the rows as JSON lines (rank 0)")
+    parser.add_argument(
+        "--plot", nargs=2, metavar=("ROWS", "PNG"), help="plot written rows (no MPI needed)"
+    )
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Plot (``--plot``), or run the three phases on ``MPI.COMM_WORLD``; rank 0 prints."""
     if args.plot:
         rows = [json.loads(line) for line in Path(args.plot[0]).read_text().splitlines()]
         print(f"wrote {plot(rows, args.plot[1])}")
         return 0
     from mpi4py import MPI
 
-    from optcc_mpi import config
-    from optcc_mpi.units import parse_size
-
     comm = MPI.COMM_WORLD
-    calls = [int(c) for c in args.calls.split(",")]
-    if len(calls) != 3 or min(calls) < 1:
-        ap.error(f"--calls {args.calls!r}: give three positive counts")
     rows = run(
         comm,
-        size=parse_size(args.size),
-        degrade=args.degrade,
-        calls=calls,
+        size=args.size,
+        degrade=str(args.links),
+        calls=args.calls,
         emulate=args.emulate,
         testbed=config.is_set("OPTCC_TESTBED_NAME"),
     )
@@ -200,6 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m optcc_mpi.lab.transition``: the same as ``optcc-mpi lab transition``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m optcc_mpi.lab.transition",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return run_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

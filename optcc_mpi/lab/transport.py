@@ -2,7 +2,7 @@
 
 Run under MPI (shared memory or any network)::
 
-    mpiexec -n 2 python -m optcc_mpi.lab.transport -b 1M -e 256M -f 4 -n 5
+    mpiexec -n 2 optcc-mpi lab transport -b 1M -e 256M -f 4 -n 5
 
 For every size it times, interleaved iteration by iteration so that all three see the same
 machine load:
@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -36,7 +37,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["sendrecv_ring", "run", "main"]
+from optcc_mpi.argtypes import float_above, int_at_least, positive_size_arg, size_arg
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.lab.bench import sizes as size_list
+
+__all__ = ["sendrecv_ring", "run", "add_arguments", "run_args", "main", "SUMMARY"]
+
+#: What ``optcc-mpi lab --help`` says of this tool.
+SUMMARY = "executor ring vs hand-written Sendrecv ring vs MPI_Allreduce, large messages"
 
 METHODS = ("executor", "sendrecv", "mpi")
 
@@ -145,24 +153,46 @@ def run(
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m optcc_mpi.lab.transport --help``."""
-    from mpi4py import MPI
-
-    from optcc_mpi.cli._common import size_arg
-    from optcc_mpi.lab.bench import sizes as size_list
-
-    ap = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.transport",
-        description="Executor ring vs hand-written Sendrecv ring vs MPI_Allreduce, "
-        "interleaved per iteration (run under mpiexec).",
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``optcc-mpi lab transport`` (and ``python -m optcc_mpi.lab.transport``)."""
+    parser.description = (
+        "Executor ring vs hand-written Sendrecv ring vs MPI_Allreduce, interleaved per "
+        "iteration, every result checked (run under mpiexec). Exit status 1 if any result "
+        "is wrong."
     )
-    ap.add_argument("-b", "--begin", type=size_arg, default=1 << 20, help="smallest size (1M)")
-    ap.add_argument("-e", "--end", type=size_arg, default=256 << 20, help="largest (256M)")
-    ap.add_argument("-f", "--factor", type=float, default=4.0, help="size step factor (4)")
-    ap.add_argument("-n", "--iters", type=int, default=5, help="timed iterations (5)")
-    ap.add_argument("-w", "--warmup", type=int, default=1, help="warm-up iterations (1)")
-    ap.add_argument(
+    parser.epilog = (
+        "examples:\n"
+        "  mpiexec -n 2 optcc-mpi lab transport -b 1M -e 256M -f 4 -n 5\n"
+        "  mpiexec -n 2 optcc-mpi lab transport -b 64M -e 64M --chunk 1M --chunk 0 --out t.jsonl"
+    )
+    parser.add_argument(
+        "-b", "--begin", type=positive_size_arg, default=1 << 20, help="smallest size (1M)"
+    )
+    parser.add_argument(
+        "-e", "--end", type=positive_size_arg, default=256 << 20, help="largest size (256M)"
+    )
+    parser.add_argument(
+        "-f",
+        "--factor",
+        type=float_above(1.0, "the size step factor"),
+        default=4.0,
+        help="size step factor, above 1 (4)",
+    )
+    parser.add_argument(
+        "-n",
+        "--iters",
+        type=int_at_least(1, "timed iterations"),
+        default=5,
+        help="timed iterations (5)",
+    )
+    parser.add_argument(
+        "-w",
+        "--warmup",
+        type=int_at_least(0, "warm-up iterations"),
+        default=1,
+        help="warm-up iterations (1)",
+    )
+    parser.add_argument(
         "--chunk",
         type=size_arg,
         action="append",
@@ -170,11 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the executor with the ring's chunk_bytes set to this (repeatable; "
         "0: one message per section)",
     )
-    ap.add_argument("--out", help="append rows as JSON lines to this file")
-    args = ap.parse_args(argv)
-    command = "python -m optcc_mpi.lab.transport " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    parser.add_argument("--out", help="append rows as JSON lines to this file")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run the tool on ``MPI.COMM_WORLD`` with parsed options; rank 0 prints."""
+    if args.end < args.begin:
+        raise ArgumentError(f"-e/--end {args.end} is smaller than -b/--begin {args.begin}")
+    from mpi4py import MPI
+
+    command = args.command_line
     comm = MPI.COMM_WORLD
     sizes = size_list(args.begin, args.end, args.factor)
     rows = run(sizes, args.iters, args.warmup, comm, command, args.chunk)
@@ -194,6 +229,22 @@ def main(argv: list[str] | None = None) -> int:
                 for r in rows:
                     fh.write(json.dumps(r) + "\n")
     return 1 if any(r["wrong"] for r in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m optcc_mpi.lab.transport``: the same as ``optcc-mpi lab transport``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m optcc_mpi.lab.transport",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join([*parser.prog.split(), *argv])
+    try:
+        return run_args(args)
+    except ArgumentError as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":
