@@ -585,11 +585,11 @@ def result_like(obj: Any, flat: Any, backend: Backend) -> tuple[Any, Any]:
         import torch
 
         out = torch.empty_like(obj, memory_format=torch.preserve_format)
-        return out, as_array(out, what="result")[0]
+        return out, as_array(out, what="result", tensors=backend.name == "torch")[0]
     if backend is not NUMPY and not isinstance(obj, (list, tuple)) and backend.owns(obj):
         out = backend.empty_like(obj)
         return out, backend.flat(out)
-    out = backend.empty(flat.size, flat.dtype)
+    out = backend.empty(flat.shape[0], flat.dtype)
     return out, out
 
 

@@ -761,14 +761,21 @@ def _overlap(a: Any, b: Any) -> str | bool:
 
 
 # -- the compiled call path ----------------------------------------------------------------------
-_FOLD = fastcall.fold_function()
+#: The compiled call (:func:`optcc_mpi.fastcall.fold_function`), bound at the first MPI call
+#: that could use it (binding it loads MPI, which a torch-only job never does).
+_FOLD: Any = None
 
 
 def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Any) -> None:
     """After a short call whose data travelled in the check with default arguments:
     let the next such calls of this size and type take the compiled path."""
-    if _FOLD is None or st.transport.name != "mpi":
+    global _FOLD
+    if st.transport.name != "mpi":
         return
+    if _FOLD is None:
+        _FOLD = fastcall.fold_function()
+        if _FOLD is None:
+            return
     key = (nbytes, dtype)
     if key not in st.folds:
         st.remember(st.folds, key, plan)

@@ -1,12 +1,17 @@
 """PyTorch: in-place AllReduce of tensors, and a DDP communication hook.
 
-``allreduce(tensor, op="sum", *, algorithm="auto", links=None, comm=None, average=False)``
-    Reduces a tensor in place over an MPI communicator with any of optcc_mpi's algorithms.
-    CPU tensors are reduced in their own memory (a NumPy view, no copy); CUDA tensors are
-    handed to CuPy through DLPack (no copy either).
-``comm_hook(algorithm="auto", links=None, comm=None)``
+Under ``torchrun`` (or ``srun`` with torch's variables) the schedules run over the
+``torch.distributed`` process group itself: gloo on CPU tensors, NCCL on CUDA tensors,
+no MPI library needed (:mod:`optcc_mpi.transports.torch`). Under ``mpiexec`` they run over
+MPI as before, when a communicator is given or torch.distributed is not initialised.
+
+``allreduce(tensor, op="sum", *, group=None, comm=None, algorithm="auto", average=False)``
+    Reduces a tensor in place over a process group (default: torch.distributed's default
+    group) or an MPI communicator, with any of optcc_mpi's algorithms.
+``comm_hook(algorithm="auto", links=None, comm=None, *, group=None)``
     A communication hook for ``DistributedDataParallel``: gradient buckets are averaged
-    over the communicator by optcc_mpi instead of by the process group::
+    by optcc_mpi over DDP's process group (pass it as the hook's ``state``, or leave
+    ``state=None`` for the default group)::
 
         model = DistributedDataParallel(net)
         model.register_comm_hook(state=None, hook=comm_hook(links="1:0.5"))
@@ -14,6 +19,16 @@
 ``init_process_group_from_mpi(backend="gloo")``
     Starts ``torch.distributed``'s default process group from the ranks MPI already knows,
     so that a script launched by ``mpiexec`` or ``srun`` needs no ``torchrun``.
+
+Where the collective runs
+-------------------------
+``group`` given, or neither ``group`` nor ``comm`` with torch.distributed initialised:
+over that process group. ``comm`` given (an mpi4py communicator), or torch.distributed
+not initialised: over MPI (CPU tensors as NumPy views, CUDA tensors through CuPy). A
+process started by ``torchrun`` that did not initialise torch.distributed is refused
+rather than left to reduce over an MPI world of its own (torchrun starts MPI singletons),
+and a hook given an MPI communicator checks once that it holds the same processes as the
+process group: gradients never silently stop being averaged.
 
 Every rank must make the same calls with the same arguments, as for any collective. Bad
 arguments raise the same error on every rank before any tensor is modified.
@@ -42,7 +57,10 @@ except ImportError as exc:  # pragma: no cover - exercised only where torch is a
     ) from exc
 
 import optcc_mpi
-from optcc_mpi import agreement, algorithms
+from optcc_mpi import agreement, algorithms, transports
+from optcc_mpi.backend import as_array as backend_as_array
+from optcc_mpi.backend import get_cupy
+from optcc_mpi.dtypes import check_dtype, check_op
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 
@@ -111,8 +129,6 @@ def as_array(tensor: torch.Tensor) -> Any:
 
 def _cuda_array(flat: torch.Tensor, bf16: bool) -> Any:
     """A CuPy view of a CUDA tensor, after PyTorch's queued work on it has finished."""
-    from optcc_mpi.backend import get_cupy
-
     cp = get_cupy()
     if cp is None:
         raise ArgumentError(
@@ -142,7 +158,8 @@ def _check_average(tensor: torch.Tensor, op: str, average: bool) -> None:
 
 
 def _communicator(comm: Any) -> Any:
-    from mpi4py import MPI
+    """An mpi4py communicator we can use (None: COMM_WORLD)."""
+    from mpi4py import MPI  # the MPI path only: a torchrun job may have no MPI library
 
     if comm is None:
         return MPI.COMM_WORLD
@@ -151,23 +168,57 @@ def _communicator(comm: Any) -> Any:
     return comm
 
 
-# -- our own traffic never matches the user's --------------------------------------------------
-_KEYVAL: list[Any] = []
+def _launched_by_torchrun() -> int:
+    """``$WORLD_SIZE`` when torchrun (or torch's variables under srun) started this
+    process as one of several, else 0."""
+    text = os.environ.get("WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 1 else 0
 
 
-def _private(comm: Any) -> Any:
-    """A duplicate of ``comm`` cached on it (freed with it), for this module's messages."""
-    from mpi4py import MPI
+def _target(comm: Any, group: Any) -> tuple[Any, Any]:
+    """Where the collective runs: ``(transport, mpi communicator or None)``; see the
+    module docstring. Raises ArgumentError/ArgumentTypeError at once (there is nobody to
+    agree with before the target is known)."""
+    if comm is not None and group is not None:
+        raise ArgumentError(
+            "pass a process group (group=) or an MPI communicator (comm=), not both"
+        )
+    if group is not None or (comm is None and dist.is_available() and dist.is_initialized()):
+        return transports.of(_torch_group(group)), None
+    if comm is None:
+        size = _launched_by_torchrun()
+        if size:
+            raise ArgumentError(
+                f"this process was started as one of {size} (WORLD_SIZE={size}, as torchrun "
+                "does) but torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group first (or pass comm= an MPI "
+                "communicator under mpiexec)"
+            )
+    comm = _communicator(comm)
+    return transports.of(comm), comm
 
-    if not _KEYVAL:
-        _KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=lambda obj, key, val: val.Free()))
-    dup = comm.Get_attr(_KEYVAL[0])
-    if dup is None:
-        dup = comm.Dup()
-        comm.Set_attr(_KEYVAL[0], dup)
-    return dup
+
+def _torch_group(group: Any) -> Any:
+    from optcc_mpi.transports.torch import group_of
+
+    return group_of(group)
 
 
+def _same_processes(comm: Any, group: Any) -> None:
+    """ArgumentError on every rank unless MPI communicator ``comm`` and process group
+    ``group`` hold the same processes (host and process id), whatever their order."""
+    me = (socket.gethostname(), os.getpid())
+    ours = sorted(transports.of(_torch_group(group)).allgather(me))
+    theirs = sorted(comm.allgather(me))
+    if ours != theirs:
+        raise ArgumentError(
+            f"the MPI communicator holds {len(theirs)} process(es) but the process group "
+            f"{len(ours)}, not the same ones: gradients would not be averaged over DDP's "
+            "ranks (under torchrun, pass no comm: the hook uses the process group)"
+        )
+
+
+_BOTH = "pass a process group (group=) or an MPI communicator (comm=), not both"
 _FIELDS = ("error", "element count", "dtype", "op", "algorithm", "link profile", "average")
 
 
@@ -186,13 +237,11 @@ def _ours(exc: Exception) -> Exception:
 
 
 def _check_local(
-    tensor: Any, op: Any, algorithm: Any, links: Any, average: Any, p: int
+    tensor: Any, op: Any, algorithm: Any, links: Any, average: Any, wire: Any, mpi: bool
 ) -> tuple[Any, list[int], dict[str, str]]:
-    """This rank's checks. Returns the array view of ``tensor``, the signature every rank
-    must share (element count, dtype, op, algorithm, link profile, average) and its
-    readable form."""
-    from optcc_mpi.dtypes import check_dtype, check_op
-
+    """This rank's checks. Returns what to reduce (a NumPy/CuPy view over MPI, the tensor
+    over torch.distributed), the signature every rank must share (element count, dtype,
+    op, algorithm, link profile, average) and its readable form."""
     opname = check_op(op)
     _check_average(tensor, opname, average)
     if not isinstance(algorithm, str):
@@ -203,34 +252,44 @@ def _check_local(
         # $OPTCC_LINKS is optcc_mpi.allreduce's to read and check (it may translate the
         # job's numbering to this communicator's).
         profile = "default"
-    elif isinstance(links, str) and links.strip().lower() == "probe":
-        profile = "probe"
+    elif isinstance(links, str) and links.strip().lower() in ("probe", "watch"):
+        profile = links.strip().lower()
     else:
         link_obj = Links.coerce(links)
-        link_obj.check(p)
+        link_obj.check(wire.size)
         profile = str(link_obj)
-    arr = as_array(tensor)
-    check_dtype(arr.dtype)
+    if mpi:
+        arr = as_array(tensor)
+        check_dtype(arr.dtype)
+        count = arr.size
+    else:
+        if not isinstance(tensor, torch.Tensor):
+            raise ArgumentTypeError(
+                f"expected a torch.Tensor, got {type(tensor).__module__}.{type(tensor).__name__}"
+            )
+        arr, backend = backend_as_array(tensor, what="tensor", tensors=True)
+        wire.check_backend(backend)
+        arr = tensor
+        count = tensor.numel()
     shown = {
         "dtype": str(tensor.dtype),
         "op": opname,
         "algorithm": algorithm,
         "link profile": profile,
     }
-    sig = [arr.size, *(_code(shown[f]) for f in _FIELDS[2:6]), int(average)]
+    sig = [count, *(_code(shown[f]) for f in _FIELDS[2:6]), int(average)]
     return arr, sig, shown
 
 
-def _agree(comm: Any, sig: list[int], error: Exception | None, shown: dict[str, str]) -> None:
+def _agree(wire: Any, sig: list[int], error: Exception | None, shown: dict[str, str]) -> None:
     """One small collective (:func:`optcc_mpi.agreement.agree_fields` over the signature):
     raise the same error on every rank if any rank found an error or the ranks disagree."""
-    priv = _private(comm)
-    lo, hi = agreement.agree_fields(priv, sig)
+    lo, hi = agreement.agree_fields(wire, sig)
     what = "optcc_mpi.torch.allreduce"
     if hi[0]:
         # Somebody failed: share the words (a second collective, on the error path only).
         agreement.agree(
-            priv, None if error is None else _ours(error), what=f"{what}: arguments rejected"
+            wire, None if error is None else _ours(error), what=f"{what}: arguments rejected"
         )
     for i in range(1, len(sig)):
         if hi[i] != lo[i]:
@@ -247,30 +306,38 @@ def allreduce(
     tensor: torch.Tensor,
     op: str = "sum",
     *,
+    group: Any = None,
     algorithm: str = "auto",
     links: Links | str | None = None,
     comm: Any = None,
     average: bool = False,
     check: bool = True,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` in place over every rank of ``comm``.
+    """Reduce ``tensor`` in place over every rank of a process group or communicator.
 
     Parameters
     ----------
     tensor : torch.Tensor
-        Dense and contiguous, on the CPU (reduced in its own memory, no copy) or a CUDA
-        device (through DLPack and CuPy). Any dtype :func:`optcc_mpi.allreduce` accepts:
-        float32, float64, float16, bfloat16 and integers. A tensor that requires grad is
-        reduced like its ``.data`` (autograd does not see the change).
+        Dense and contiguous. Over a process group: CPU tensors on gloo, CUDA tensors on
+        NCCL, reduced by torch on their own device (on CUDA: on the current stream, no
+        host copy). Over MPI: CPU tensors in their own memory (a NumPy view), CUDA
+        tensors through DLPack and CuPy. Any dtype of bool, integers, float16, bfloat16,
+        float32, float64 and complex. A tensor that requires grad is reduced like its
+        ``.data`` (autograd does not see the change).
     op : str
         The reduction (``"sum"``, ``"max"``, ``"min"``, ...), as for
         :func:`optcc_mpi.allreduce`.
+    group : torch.distributed.ProcessGroup, optional
+        The process group (default: torch.distributed's default group, when it is
+        initialised and no ``comm`` is given).
     algorithm : str
         ``"auto"`` or a registered algorithm name (``optcc_mpi.ALGORITHMS``).
     links : Links or str, optional
-        Degraded ranks, e.g. ``"1:0.5"``, or ``"probe"``; default ``$OPTCC_LINKS``.
+        Degraded ranks, e.g. ``"1:0.5"``, ``"probe"`` or ``"watch"``; default
+        ``$OPTCC_LINKS``.
     comm : mpi4py.MPI.Comm, optional
-        The communicator (default ``COMM_WORLD``).
+        Reduce over this MPI communicator instead (default when torch.distributed is not
+        initialised: ``COMM_WORLD``).
     average : bool
         Divide the sum by the number of ranks (floating-point tensors, ``op="sum"``).
         float32/float64 tensors are divided after the sum (one rounding); float16/bfloat16
@@ -288,19 +355,22 @@ def allreduce(
     ------
     ArgumentError, ArgumentTypeError
         On every rank, before any tensor is modified, if any rank's arguments are bad or
-        the ranks disagree (element count, dtype, op, algorithm, link profile, average).
+        the ranks disagree (element count, dtype, op, algorithm, link profile, average);
+        at once for a ``group`` and a ``comm`` together, or a process started by torchrun
+        without torch.distributed initialised.
 
     Examples
     --------
-    Under ``mpiexec -n 4 python -m mpi4py script.py``:
+    Under ``torchrun --nproc-per-node 4 script.py`` after ``dist.init_process_group("gloo")``:
 
-    >>> g = torch.full((1000,), float(rank))  # doctest: +SKIP
+    >>> g = torch.full((1000,), float(dist.get_rank()))  # doctest: +SKIP
     >>> optcc_mpi.torch.allreduce(g, average=True, links="1:0.5")  # doctest: +SKIP
     >>> g[0].item()  # doctest: +SKIP
     1.5
     """
     half = average and isinstance(tensor, torch.Tensor) and tensor.dtype in _HALF
-    return _reduce(tensor, op, algorithm, links, comm, average, check, divide_first=half)
+    wire, mpi_comm = _target(comm, group)
+    return _reduce(tensor, op, algorithm, links, wire, mpi_comm, average, check, half)
 
 
 def _reduce(
@@ -308,45 +378,44 @@ def _reduce(
     op: Any,
     algorithm: Any,
     links: Any,
-    comm: Any,
+    wire: Any,
+    mpi_comm: Any,
     average: Any,
     check: bool,
-    *,
     divide_first: bool,
 ) -> torch.Tensor:
-    """The reduction behind :func:`allreduce` and the hook. With ``average``, the division
-    by the number of ranks comes before the sum if ``divide_first``, else after it."""
-    # Without a valid communicator there is nobody to agree with: raise at once.
-    comm = _communicator(comm)
-    p = comm.Get_size()
+    """The reduction behind :func:`allreduce` and the hook, over ``wire`` (the transport;
+    ``mpi_comm`` the MPI communicator when it is MPI's). With ``average``, the division by
+    the number of ranks comes before the sum if ``divide_first``, else after it."""
+    p = wire.size
     error: Exception | None = None
     sig = [0] * len(_FIELDS)
     shown: dict[str, str] = {}
     arr = None
+    mpi = mpi_comm is not None
     try:
-        arr, sig[1:], shown = _check_local(tensor, op, algorithm, links, average, p)
+        arr, sig[1:], shown = _check_local(tensor, op, algorithm, links, average, wire, mpi)
     except (ValueError, TypeError) as exc:
         error = exc
         sig[0] = 1
     if check and p > 1:
         # Everything optcc_mpi.allreduce would reject (bar $OPTCC_* variables) is rejected
         # here already, before a division first modifies the tensor.
-        _agree(comm, sig, error, shown)
+        _agree(wire, sig, error, shown)
     elif error is not None:
         raise _ours(error)
     if average and divide_first:
         tensor.detach().div_(p)  # detach: a parameter is divided like its .data
-    if tensor.is_cuda:
+    if mpi and tensor.is_cuda:
         # PyTorch's queued kernels (the division, the backward pass) must finish before
         # CuPy's stream reads the memory.
         torch.cuda.current_stream(tensor.device).synchronize()
+    target = mpi_comm if mpi else wire
     optcc_mpi.allreduce(
-        optcc_mpi.IN_PLACE, arr, op=op, comm=comm, algorithm=algorithm, links=links, check=check
+        optcc_mpi.IN_PLACE, arr, op=op, comm=target, algorithm=algorithm, links=links, check=check
     )
-    if tensor.is_cuda:
+    if mpi and tensor.is_cuda:
         # The result was written on CuPy's stream; PyTorch's stream must see it.
-        from optcc_mpi.backend import get_cupy
-
         get_cupy().cuda.get_current_stream().synchronize()
     if average and not divide_first:
         tensor.detach().div_(p)  # detach: a parameter is divided like its .data
@@ -359,6 +428,7 @@ def comm_hook(
     links: Links | str | None = None,
     comm: Any = None,
     *,
+    group: Any = None,
     check: bool = True,
 ) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
     """A DDP communication hook that averages gradient buckets with optcc_mpi.
@@ -368,54 +438,84 @@ def comm_hook(
         model = torch.nn.parallel.DistributedDataParallel(net)
         model.register_comm_hook(state=None, hook=comm_hook(links="1:0.5"))
 
-    Each bucket is divided by the number of ranks in its own dtype and then summed in place
-    over ``comm``, which is what DDP's default hook does (division first, so that float16
-    partial sums stay in range); float32, float64, float16 and bfloat16 buckets are reduced
-    in their own dtype. The result is the same bits on every rank.
+    Each bucket is divided by the number of ranks in its own dtype and then summed in place,
+    which is what DDP's default hook does (division first, so that float16 partial sums
+    stay in range); float32, float64, float16 and bfloat16 buckets are reduced in their own
+    dtype. The result is the same bits on every rank.
+
+    Over which ranks: DDP's process group. Pass it as the hook's state
+    (``register_comm_hook(state=model.process_group, ...)``) or as ``group``; with neither,
+    the default group. Under mpiexec, ``comm`` may name an MPI communicator instead; it is
+    checked once (at the first bucket) to hold the same processes as the process group.
 
     Parameters
     ----------
     algorithm : str
         ``"auto"`` or a registered algorithm name (``optcc_mpi.ALGORITHMS``).
     links : Links or str, optional
-        Degraded ranks, e.g. ``"1:0.5"``, or ``"probe"``; default ``$OPTCC_LINKS``.
+        Degraded ranks, e.g. ``"1:0.5"``, ``"probe"`` or ``"watch"``; default
+        ``$OPTCC_LINKS``.
     comm : mpi4py.MPI.Comm, optional
-        The ranks to average over (default ``COMM_WORLD``). It must hold the same processes
-        as DDP's process group; :func:`init_process_group_from_mpi` makes the two match.
+        Average over this MPI communicator rather than over the process group.
+    group : torch.distributed.ProcessGroup, optional
+        The process group (default: the hook's ``state`` if it is one, else the default
+        group).
     check : bool
         Check each bucket's arguments across ranks (two small collectives per bucket).
 
     Returns
     -------
     callable
-        ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``; ``state`` is ignored
-        (pass ``state=None``). The future is already complete: the reduction runs when DDP
-        calls the hook, on the thread running the backward pass.
+        ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``. The future is
+        complete when returned on the CPU; on CUDA it carries the current stream's work.
 
     Raises
     ------
     ArgumentError, ArgumentTypeError
         At once, for an unknown algorithm, a malformed link profile, a profile naming a
-        rank outside ``comm``, or a non-communicator.
+        rank outside the ranks averaged over, or a bad ``comm``/``group``; at the first
+        bucket, on every rank, when ``comm`` and the process group are not the same
+        processes.
     """
-    comm = _communicator(comm)
-    p = comm.Get_size()
+    if comm is not None and group is not None:
+        raise ArgumentError(
+            "pass a process group (group=) or an MPI communicator (comm=), not both"
+        )
+    if comm is not None:
+        comm = _communicator(comm)
+        size = comm.Get_size()
+    elif group is not None or (dist.is_available() and dist.is_initialized()):
+        size = dist.get_world_size(_torch_group(group))
+    else:
+        size = 0  # torch.distributed starts before DDP: sizes are checked at the first bucket
     # Fail at registration, not in the middle of the first backward pass.
     if not isinstance(algorithm, str):
         raise ArgumentTypeError(f"algorithm must be a string, not {type(algorithm).__name__}")
     if algorithm != "auto":
         algorithms.get(algorithm)
-    if not (isinstance(links, str) and links.strip().lower() == "probe"):
+    if not (isinstance(links, str) and links.strip().lower() in ("probe", "watch")):
         try:
-            Links.coerce(links).check(p)
+            link_obj = Links.coerce(links)
+            if size:
+                link_obj.check(size)
         except (ValueError, TypeError) as exc:
             raise _ours(exc) from exc
+    checked: list[Any] = []  # the (wire, mpi comm) of the first bucket, checked once
 
     def optcc_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        if not checked:
+            pg = group if group is not None else state if _is_group(state) else None
+            if comm is not None:
+                if dist.is_available() and dist.is_initialized():
+                    _same_processes(comm, pg)
+                checked.append((transports.of(comm), comm))
+            else:
+                checked.append((transports.of(_torch_group(pg)), None))
+        wire, mpi_comm = checked[0]
         tensor = bucket.buffer()
         # Divide first, in the bucket's dtype, like DDP's default hook (after the checks,
         # so that a bad bucket is reported before anything changes).
-        _reduce(tensor, "sum", algorithm, links, comm, True, check, divide_first=True)
+        _reduce(tensor, "sum", algorithm, links, wire, mpi_comm, True, check, True)
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[tensor.device] if tensor.is_cuda else None
         )
@@ -432,6 +532,10 @@ def comm_hook(
     optcc_allreduce_hook.algorithm = algorithm  # type: ignore[attr-defined]
     optcc_allreduce_hook.links = links  # type: ignore[attr-defined]
     return optcc_allreduce_hook
+
+
+def _is_group(obj: Any) -> bool:
+    return dist.is_available() and isinstance(obj, dist.ProcessGroup)
 
 
 def init_process_group_from_mpi(
