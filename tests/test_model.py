@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optcc_mpi import model
+from optcc_mpi import algorithms, model
 from optcc_mpi.algorithms import optcc as optcc_alg
 from optcc_mpi.algorithms import r2ccl as r2ccl_alg
 from optcc_mpi.algorithms import ring as ring_alg
@@ -211,7 +211,7 @@ def test_ring_and_r2ccl_oracles() -> None:
 
 
 def test_table_json_shape() -> None:
-    t = model.table(8, 256 * 2**20, 25e9, "0:0.5")
+    t = algorithms.table(8, 256 * 2**20, 25e9, "0:0.5")
     assert {"p", "size", "fault_free_s", "bound_s", "algorithms"} <= set(t)
     for name in ("ring", "r2ccl", "optcc"):
         assert {"time_s", "ratio_fault_free"} <= set(t["algorithms"][name])

@@ -27,12 +27,10 @@ examples:
 
 def sweep(size: int, bw: float, ps: list[int], losses: list[float]) -> list[dict[str, Any]]:
     """Modelled overheads over fault-free for every (p, loss): the README table."""
-    from optcc_mpi import model
-
     rows = []
     for p in ps:
         for loss in losses:
-            t = model.table(p, size, bw, {0: 1.0 - loss})
+            t = algorithms.table(p, size, bw, {0: 1.0 - loss})
             rows.append(
                 {
                     "p": p,
@@ -45,8 +43,6 @@ def sweep(size: int, bw: float, ps: list[int], losses: list[float]) -> list[dict
 
 
 def run(args: argparse.Namespace) -> int:
-    from optcc_mpi import model
-
     if args.sweep:
         rows = sweep(args.size, args.bw, args.ps, args.losses)
         if args.json:
@@ -67,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         links.check(args.p)
     except ValueError as exc:
         raise ValueError(f"--degrade {links}: {exc} (set by --p {args.p})") from None
-    t = model.table(args.p, args.size, args.bw, links, latency=args.latency)
+    t = algorithms.table(args.p, args.size, args.bw, links, latency=args.latency)
     if args.json:
         print(json.dumps(t))
         return 0
