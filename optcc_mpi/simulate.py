@@ -76,11 +76,6 @@ class Result:
     """With ``trace=True``: one row per message, (send op, src, dst, bytes, ready, send
     start, send end, recv start, recv end, done)."""
 
-    def utilisation(self) -> tuple[np.ndarray, np.ndarray]:
-        """Busy fraction of each rank's send and receive side over the whole run."""
-        t = self.time if self.time > 0 else 1.0
-        return self.send_busy / t, self.recv_busy / t
-
 
 def simulate(
     schedule: Schedule,

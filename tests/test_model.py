@@ -64,6 +64,17 @@ def test_pure_four_stage() -> None:
     np.testing.assert_allclose(plan.loads(), [1.0] + [13 / 7] * 7)
 
 
+def bubble_fraction(p: int, l: float) -> float:
+    """Share of the data the notes' bubble-filling split sends through a full ring, one
+    straggler at rate B/l (derived): ``alpha = p[(2p-3) - l(p-1)] / [(p-2)(l(p-1) + 1)]``
+    for ``1 <= l <= l*``; 0 beyond ``l*`` and 1 at ``l = 1``. An oracle the plan is held
+    to: it gives the straggler the share ``alpha / p`` of every segment, which moves the
+    same bytes."""
+    if p < 3 or l >= optcc_alg.l_star(p):
+        return 0.0
+    return p * ((2 * p - 3) - l * (p - 1)) / ((p - 2) * (l * (p - 1) + 1))
+
+
 def test_bubble_fraction_and_plan() -> None:
     """alpha(8, l) from the notes; the plan gives the straggler the share alpha / p of
     every segment (the same per-rank loads as sending alpha of the data round a full
@@ -75,7 +86,7 @@ def test_bubble_fraction_and_plan() -> None:
         (8 / 5, 12 / 61),
         (13 / 7, 0.0),
     ):
-        assert optcc_alg.bubble_fraction(8, l_) == pytest.approx(alpha, abs=1e-12)
+        assert bubble_fraction(8, l_) == pytest.approx(alpha, abs=1e-12)
         plan = optcc_alg.optcc_plan(8, {0: 1 / l_})
         assert plan.weights[0] * 8 == pytest.approx(alpha, abs=1e-9)
         # the bubble-filling split's straggler load: 1 + alpha (p-2)/p
