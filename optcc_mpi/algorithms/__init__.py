@@ -38,6 +38,11 @@ order
 explain
     Optional ``explain(p, links, **params) -> str``: one line on how the algorithm adapts
     to this profile (OptCC prints its plan), shown by ``optcc-mpi model``.
+cost_gap
+    Optional ``cost_gap(p, links) -> str | None``: where the declared cost is known not to
+    describe the schedule (a load the model leaves out), the reason; ``None`` elsewhere.
+    The contract (:func:`optcc_mpi.testing.check_algorithm`) does not hold the simulated
+    time to the cost on such a profile, and says why.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class Algorithm:
     order: int = 100
     module: str = ""
     explain: Callable[..., str] | None = None
+    cost_gap: Callable[[int, Links], str | None] | None = None
 
     def time(
         self,
@@ -105,6 +111,14 @@ class Algorithm:
         links = Links.coerce(links) if links is not None else Links()
         given = _accepted(self.cost, {**self.params, **params})
         return float(self.cost(p, nbytes, bw, links, latency=latency, **given))
+
+    def cost_gap_at(self, p: int, links: Links | str | None = None) -> str | None:
+        """Why the declared cost does not describe the schedule on ``p`` ranks under
+        ``links`` (the registration's ``cost_gap``), or None where it does."""
+        if self.cost_gap is None:
+            return None
+        links = Links.coerce(links) if links is not None else Links()
+        return self.cost_gap(p, links)
 
     def eligible(self, p: int, nbytes: float, links: Links) -> bool:
         """Whether ``auto`` may run this algorithm for this call."""
@@ -150,6 +164,7 @@ def register(
     auto: bool | Callable[[int, float, Links], bool] = True,
     order: int = 100,
     explain: Callable[..., str] | None = None,
+    cost_gap: Callable[[int, Links], str | None] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register the decorated schedule builder as an algorithm (module docstring)."""
 
@@ -171,6 +186,7 @@ def register(
             order=order,
             module=module,
             explain=explain,
+            cost_gap=cost_gap,
         )
         _build_cached.cache_clear()
         return fn
