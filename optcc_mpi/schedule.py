@@ -15,6 +15,10 @@ Operations
 ``REDUCE``       ``buf[lo:hi] op= sbuf[slo:slo+hi-lo]`` (local)
 ``COLL``         the MPI library's own AllReduce of ``buf[lo:hi]`` over all ranks
 
+``op`` is whichever reduction the call asks for (any of :data:`optcc_mpi.backend.OPS`:
+sum, prod, max, min and the logical and bitwise ones): the executor applies it, and a
+schedule does not depend on it (the verifier checks contributions, not values).
+
 Buffer 0 is the user's buffer: it holds the rank's input when the program starts and must
 hold the reduced result when it ends. Buffer 1, if the schedule asks for ``scratch``
 elements, is uninitialised work space.

@@ -71,7 +71,10 @@ class Result:
     recv_busy: np.ndarray
     """Per-rank seconds the NIC's receive side was serving bytes."""
     messages: int
+    """Point-to-point messages timed (``COLL`` operations not counted)."""
     params: dict = field(default_factory=dict)
+    """How it was simulated: ``bw``, ``latency``, ``itemsize``, ``links`` and ``engine``
+    (``"c"`` or ``"python"``)."""
     trace: np.ndarray | None = None
     """With ``trace=True``: one row per message, (send op, src, dst, bytes, ready, send
     start, send end, recv start, recv end, done)."""

@@ -14,6 +14,9 @@ the entry-point group ``optcc_mpi.algorithms``. :func:`times` and :func:`table` 
 modelled time of every registered algorithm beside the fault-free optimum and the lower
 bound of :mod:`optcc_mpi.model`.
 
+A schedule does not depend on the reduction: where an algorithm's docstrings say "sum"
+or "adds", read whichever reduction the call asks for (:data:`optcc_mpi.backend.OPS`).
+
 What a registration declares
 ----------------------------
 name
