@@ -19,8 +19,9 @@ With one rank at ``f = 1/l`` this gives ``T* = n/B * max(l, 2(p-1) l / ((p-1) l 
 
 What each algorithm costs is declared by the algorithm itself, in its module under
 :mod:`optcc_mpi.algorithms` (OptCC's fluid plan, for instance, lives with OptCC); this
-module holds only what is true of every algorithm, and :func:`times` / :func:`table`,
-which read the registry.
+module holds only what is true of every algorithm, and sits below the algorithms, which
+use it. The registry puts them side by side (:func:`optcc_mpi.algorithms.times`,
+:func:`optcc_mpi.algorithms.table`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 
 from optcc_mpi.links import Links
 
-__all__ = ["fractions", "fault_free", "lower_bound", "times", "table"]
+__all__ = ["fractions", "fault_free", "lower_bound"]
 
 
 def fractions(links: Links | str | None, p: int) -> np.ndarray:
@@ -48,55 +49,3 @@ def lower_bound(p: int, nbytes: float, bw: float, links: Links | str | None = No
         return 0.0
     f = fractions(links, p)
     return nbytes / bw * max(1.0 / f.min(), 2.0 * (p - 1) / f.sum())
-
-
-def times(
-    p: int,
-    nbytes: float,
-    bw: float,
-    links: Links | str | None = None,
-    *,
-    latency: float = 0.0,
-    algorithms: tuple[str, ...] | None = None,
-) -> dict[str, float]:
-    """Modelled time of every registered algorithm (or those named), with the fault-free
-    optimum (``"fault_free"``) and the bound (``"bound"``)."""
-    from optcc_mpi import algorithms as registry
-
-    out = {"fault_free": fault_free(p, nbytes, bw), "bound": lower_bound(p, nbytes, bw, links)}
-    for name in algorithms if algorithms is not None else registry.names():
-        out[name] = registry.get(name).time(p, nbytes, bw, links, latency=latency)
-    return out
-
-
-def table(
-    p: int,
-    nbytes: float,
-    bw: float,
-    links: Links | str | None = None,
-    *,
-    latency: float = 0.0,
-    algorithms: tuple[str, ...] | None = None,
-) -> dict:
-    """The ``optcc-mpi model`` result as one JSON-ready dictionary."""
-    t = times(p, nbytes, bw, links, latency=latency, algorithms=algorithms)
-    ff, bound = t.pop("fault_free"), t.pop("bound")
-    algs = {
-        name: {
-            "time_s": v,
-            "ratio_fault_free": v / ff if ff else 1.0,
-            "ratio_bound": v / bound if bound else 1.0,
-        }
-        for name, v in t.items()
-    }
-    return {
-        "p": p,
-        "size": int(nbytes),
-        "bw": bw,
-        "latency": latency,
-        "links": str(Links.coerce(links) if links is not None else Links()),
-        "fault_free_s": ff,
-        "bound_s": bound,
-        "bound_ratio_fault_free": bound / ff if ff else 1.0,
-        "algorithms": algs,
-    }

@@ -15,6 +15,10 @@ Operations
 ``REDUCE``       ``buf[lo:hi] op= sbuf[slo:slo+hi-lo]`` (local)
 ``COLL``         the MPI library's own AllReduce of ``buf[lo:hi]`` over all ranks
 
+``op`` is whichever reduction the call asks for (any of :data:`optcc_mpi.dtypes.OPS`:
+sum, prod, max, min and the logical and bitwise ones): the executor applies it, and a
+schedule does not depend on it (the verifier checks contributions, not values).
+
 Buffer 0 is the user's buffer: it holds the rank's input when the program starts and must
 hold the reduced result when it ends. Buffer 1, if the schedule asks for ``scratch``
 elements, is uninitialised work space.
@@ -78,7 +82,6 @@ _DTYPES = {
     "slo": np.int64,
 }
 KIND_NAMES = ("send", "recv", "recv_reduce", "copy", "reduce", "coll")
-_COMM = (SEND, RECV, RECV_REDUCE)
 
 
 def split(lo: Any, hi: Any, parts: int) -> np.ndarray:
@@ -331,19 +334,6 @@ class Schedule:
         predecessors, the only things computed from it, are cached."""
         if "partner" in self.__dict__ and "queue_prev" in self.__dict__:
             self.__dict__.pop("_queue_order", None)
-
-    # -- traffic --------------------------------------------------------------------------
-    def traffic(self) -> dict[str, np.ndarray]:
-        """Elements and messages sent and received per rank (``COLL`` not counted)."""
-        send = self.kind == SEND
-        recv = (self.kind == RECV) | (self.kind == RECV_REDUCE)
-        n = self.length
-        return {
-            "sent": np.bincount(self.rank[send], weights=n[send], minlength=self.p),
-            "received": np.bincount(self.rank[recv], weights=n[recv], minlength=self.p),
-            "messages_sent": np.bincount(self.rank[send], minlength=self.p),
-            "messages_received": np.bincount(self.rank[recv], minlength=self.p),
-        }
 
     def describe(self) -> str:
         """One line: name, size, operation counts, parameters."""

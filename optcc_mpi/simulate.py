@@ -71,15 +71,13 @@ class Result:
     recv_busy: np.ndarray
     """Per-rank seconds the NIC's receive side was serving bytes."""
     messages: int
+    """Point-to-point messages timed (``COLL`` operations not counted)."""
     params: dict = field(default_factory=dict)
+    """How it was simulated: ``bw``, ``latency``, ``itemsize``, ``links`` and ``engine``
+    (``"c"`` or ``"python"``)."""
     trace: np.ndarray | None = None
     """With ``trace=True``: one row per message, (send op, src, dst, bytes, ready, send
     start, send end, recv start, recv end, done)."""
-
-    def utilisation(self) -> tuple[np.ndarray, np.ndarray]:
-        """Busy fraction of each rank's send and receive side over the whole run."""
-        t = self.time if self.time > 0 else 1.0
-        return self.send_busy / t, self.recv_busy / t
 
 
 def simulate(

@@ -74,6 +74,19 @@ def verify(schedule: Schedule, *, raise_on_error: bool = True, max_errors: int =
     raise_on_error : bool
         Raise :class:`VerificationError` on the first failed rule (with up to
         ``max_errors`` messages) instead of returning a failed report.
+    max_errors : int
+        Errors collected per rule before it stops looking (matching, then races, then
+        execution: a rule runs only when those before it passed).
+
+    Returns
+    -------
+    Report
+        ``ok`` and the errors found; with ``raise_on_error`` only a passing one.
+
+    Raises
+    ------
+    VerificationError
+        With ``raise_on_error``, when a rule fails; the message is the report.
     """
     rep = Report(schedule.name, schedule.p, schedule.count, schedule.n_ops)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optcc_mpi import model
+from optcc_mpi import algorithms, model
 from optcc_mpi.algorithms import optcc as optcc_alg
 from optcc_mpi.algorithms import r2ccl as r2ccl_alg
 from optcc_mpi.algorithms import ring as ring_alg
@@ -64,6 +64,17 @@ def test_pure_four_stage() -> None:
     np.testing.assert_allclose(plan.loads(), [1.0] + [13 / 7] * 7)
 
 
+def bubble_fraction(p: int, l: float) -> float:
+    """Share of the data the notes' bubble-filling split sends through a full ring, one
+    straggler at rate B/l (derived): ``alpha = p[(2p-3) - l(p-1)] / [(p-2)(l(p-1) + 1)]``
+    for ``1 <= l <= l*``; 0 beyond ``l*`` and 1 at ``l = 1``. An oracle the plan is held
+    to: it gives the straggler the share ``alpha / p`` of every segment, which moves the
+    same bytes."""
+    if p < 3 or l >= optcc_alg.l_star(p):
+        return 0.0
+    return p * ((2 * p - 3) - l * (p - 1)) / ((p - 2) * (l * (p - 1) + 1))
+
+
 def test_bubble_fraction_and_plan() -> None:
     """alpha(8, l) from the notes; the plan gives the straggler the share alpha / p of
     every segment (the same per-rank loads as sending alpha of the data round a full
@@ -75,7 +86,7 @@ def test_bubble_fraction_and_plan() -> None:
         (8 / 5, 12 / 61),
         (13 / 7, 0.0),
     ):
-        assert optcc_alg.bubble_fraction(8, l_) == pytest.approx(alpha, abs=1e-12)
+        assert bubble_fraction(8, l_) == pytest.approx(alpha, abs=1e-12)
         plan = optcc_alg.optcc_plan(8, {0: 1 / l_})
         assert plan.weights[0] * 8 == pytest.approx(alpha, abs=1e-9)
         # the bubble-filling split's straggler load: 1 + alpha (p-2)/p
@@ -211,7 +222,7 @@ def test_ring_and_r2ccl_oracles() -> None:
 
 
 def test_table_json_shape() -> None:
-    t = model.table(8, 256 * 2**20, 25e9, "0:0.5")
+    t = algorithms.table(8, 256 * 2**20, 25e9, "0:0.5")
     assert {"p", "size", "fault_free_s", "bound_s", "algorithms"} <= set(t)
     for name in ("ring", "r2ccl", "optcc"):
         assert {"time_s", "ratio_fault_free"} <= set(t["algorithms"][name])

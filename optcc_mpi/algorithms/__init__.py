@@ -7,10 +7,15 @@ An algorithm is one module in this package that registers its schedule builder::
         ...
 
 Everything else (``allreduce`` and ``auto``, ``optcc-mpi model``, ``simulate`` and
-``bench``, the report, the demo, the contract tests) iterates :func:`names` and calls
-:func:`get`, so adding an algorithm is adding one module: modules here are discovered
-without a list to edit, and packages elsewhere can add theirs through the entry-point
-group ``optcc_mpi.algorithms``.
+``bench``, the report, the demo, the contract of :mod:`optcc_mpi.testing`) iterates
+:func:`names` and calls :func:`get`, so adding an algorithm is adding one module: modules
+here are discovered without a list to edit, and packages elsewhere can add theirs through
+the entry-point group ``optcc_mpi.algorithms``. :func:`times` and :func:`table` give the
+modelled time of every registered algorithm beside the fault-free optimum and the lower
+bound of :mod:`optcc_mpi.model`.
+
+A schedule does not depend on the reduction: where an algorithm's docstrings say "sum"
+or "adds", read whichever reduction the call asks for (:data:`optcc_mpi.dtypes.OPS`).
 
 What a registration declares
 ----------------------------
@@ -36,6 +41,11 @@ order
 explain
     Optional ``explain(p, links, **params) -> str``: one line on how the algorithm adapts
     to this profile (OptCC prints its plan), shown by ``optcc-mpi model``.
+cost_gap
+    Optional ``cost_gap(p, links) -> str | None``: where the declared cost is known not to
+    describe the schedule (a load the model leaves out), the reason; ``None`` elsewhere.
+    The contract (:func:`optcc_mpi.testing.check_algorithm`) does not hold the simulated
+    time to the cost on such a profile, and says why.
 """
 
 from __future__ import annotations
@@ -51,9 +61,20 @@ from typing import Any
 
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
+from optcc_mpi.model import fault_free, lower_bound
 from optcc_mpi.schedule import Schedule
 
-__all__ = ["Algorithm", "register", "get", "names", "all_algorithms", "build", "ENTRY_POINTS"]
+__all__ = [
+    "Algorithm",
+    "register",
+    "get",
+    "names",
+    "all_algorithms",
+    "build",
+    "times",
+    "table",
+    "ENTRY_POINTS",
+]
 
 #: Entry-point group through which other packages register algorithms.
 ENTRY_POINTS = "optcc_mpi.algorithms"
@@ -75,6 +96,7 @@ class Algorithm:
     order: int = 100
     module: str = ""
     explain: Callable[..., str] | None = None
+    cost_gap: Callable[[int, Links], str | None] | None = None
 
     def time(
         self,
@@ -92,6 +114,14 @@ class Algorithm:
         links = Links.coerce(links) if links is not None else Links()
         given = _accepted(self.cost, {**self.params, **params})
         return float(self.cost(p, nbytes, bw, links, latency=latency, **given))
+
+    def cost_gap_at(self, p: int, links: Links | str | None = None) -> str | None:
+        """Why the declared cost does not describe the schedule on ``p`` ranks under
+        ``links`` (the registration's ``cost_gap``), or None where it does."""
+        if self.cost_gap is None:
+            return None
+        links = Links.coerce(links) if links is not None else Links()
+        return self.cost_gap(p, links)
 
     def eligible(self, p: int, nbytes: float, links: Links) -> bool:
         """Whether ``auto`` may run this algorithm for this call."""
@@ -137,6 +167,7 @@ def register(
     auto: bool | Callable[[int, float, Links], bool] = True,
     order: int = 100,
     explain: Callable[..., str] | None = None,
+    cost_gap: Callable[[int, Links], str | None] | None = None,
 ) -> Callable[[Builder], Builder]:
     """Register the decorated schedule builder as an algorithm (module docstring)."""
 
@@ -158,6 +189,7 @@ def register(
             order=order,
             module=module,
             explain=explain,
+            cost_gap=cost_gap,
         )
         _build_cached.cache_clear()
         return fn
@@ -217,3 +249,58 @@ def _build_cached(
     name: str, p: int, count: int, links_key: tuple[tuple[int, float], ...], params: tuple
 ) -> Schedule:
     return get(name).build(p, count, Links(dict(links_key)), **dict(params))
+
+
+# ------------------------------------------------------------------ every algorithm's time
+
+
+def times(
+    p: int,
+    nbytes: float,
+    bw: float,
+    links: Links | str | None = None,
+    *,
+    latency: float = 0.0,
+    algorithms: tuple[str, ...] | None = None,
+) -> dict[str, float]:
+    """Modelled time of every registered algorithm (or those named), with the fault-free
+    optimum (``"fault_free"``) and the lower bound (``"bound"``) of :mod:`optcc_mpi.model`.
+    """
+    out = {"fault_free": fault_free(p, nbytes, bw), "bound": lower_bound(p, nbytes, bw, links)}
+    for name in algorithms if algorithms is not None else names():
+        out[name] = get(name).time(p, nbytes, bw, links, latency=latency)
+    return out
+
+
+def table(
+    p: int,
+    nbytes: float,
+    bw: float,
+    links: Links | str | None = None,
+    *,
+    latency: float = 0.0,
+    algorithms: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
+    """The ``optcc-mpi model`` result as one JSON-ready dictionary: :func:`times` and
+    each algorithm's ratios to the fault-free optimum and to the bound."""
+    t = times(p, nbytes, bw, links, latency=latency, algorithms=algorithms)
+    ff, bound = t.pop("fault_free"), t.pop("bound")
+    algs = {
+        name: {
+            "time_s": v,
+            "ratio_fault_free": v / ff if ff else 1.0,
+            "ratio_bound": v / bound if bound else 1.0,
+        }
+        for name, v in t.items()
+    }
+    return {
+        "p": p,
+        "size": int(nbytes),
+        "bw": bw,
+        "latency": latency,
+        "links": str(Links.coerce(links) if links is not None else Links()),
+        "fault_free_s": ff,
+        "bound_s": bound,
+        "bound_ratio_fault_free": bound / ff if ff else 1.0,
+        "algorithms": algs,
+    }

@@ -81,7 +81,6 @@ __all__ = [
     "optcc_time",
     "optcc_plan",
     "OptccPlan",
-    "bubble_fraction",
     "l_star",
     "explain_plan",
     "segment_bounds",
@@ -151,16 +150,6 @@ _C_ROW_RS, _C_ROW_AG, _C_COL_RS, _C_COL_AG, _C_FOLD, _C_CLOSE, _C_RET = range(7)
 def l_star(p: int) -> float:
     """``(2p-3)/(p-1)``: slowdown beyond which the pure four-stage schedule is optimal."""
     return (2 * p - 3) / (p - 1)
-
-
-def bubble_fraction(p: int, l: float) -> float:
-    """Share of the data the notes' bubble-filling split sends through a full ring, one
-    straggler at rate B/l (derived): ``alpha = p[(2p-3) - l(p-1)] / [(p-2)(l(p-1) + 1)]``
-    for ``1 <= l <= l*``; 0 beyond ``l*`` and 1 at ``l = 1``. Our plan gives the straggler
-    the share ``alpha / p`` of every segment, which moves the same bytes."""
-    if p < 3 or l >= l_star(p):
-        return 0.0
-    return p * ((2 * p - 3) - l * (p - 1)) / ((p - 2) * (l * (p - 1) + 1))
 
 
 @dataclass(frozen=True)
@@ -822,14 +811,6 @@ class _Pipeline:
         a segment an owner serves the attached ranks ``u`` with ``(u + c + L) % a`` its
         row, ``u // a`` its slot."""
         return (u + cols + L) % self.a
-
-    def _served(self, j: int, L: int) -> np.ndarray:
-        """By owner (a, nb): the attached rank (index into ``att``) it serves in slot ``j``
-        of segment ``L``, or -1."""
-        i = np.arange(self.a)[:, None]
-        c = np.arange(self.nb)[None, :]
-        u = (i - c - L) % self.a + self.a * j
-        return np.where(u < self.m, u, -1)
 
     def _fold_columns(self, L: int) -> None:
         """Raw blocks of segment L: attached rank u sends column c's block to one owner of

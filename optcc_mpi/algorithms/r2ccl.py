@@ -52,7 +52,14 @@ from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
 from optcc_mpi.schedule import SEND, Schedule, ScheduleBuilder, check_size, split
 
-__all__ = ["PACED_MIN_CHUNKS", "r2ccl", "r2ccl_time", "raw_schedule", "tail_share"]
+__all__ = [
+    "PACED_MIN_CHUNKS",
+    "r2ccl",
+    "r2ccl_time",
+    "r2ccl_cost_gap",
+    "raw_schedule",
+    "tail_share",
+]
 
 #: With ``schedule=2``, the share of a degraded rank's main-ring sends by whose
 #: completion all its raw tail sends have been released (see :func:`r2ccl`).
@@ -163,9 +170,27 @@ def r2ccl_time(
     return max(t1, t2) + t3 + 2 * (p - 1) * latency
 
 
+def r2ccl_cost_gap(p: int, links: Links) -> str | None:
+    """Where :func:`r2ccl_time` cannot describe the schedule: with three or more ranks of
+    which only one is at the top rate (a random vector, for one), that rank is the only
+    helper and every degraded rank's raw tail goes into it, a load the model leaves out
+    (docs/optcc.md, "R2CCL"). None elsewhere."""
+    f = fractions(links, p)
+    healthy = int(np.sum(f == f.max()))
+    if p < 3 or healthy != 1:
+        return None
+    return (
+        "every rank but the fastest is degraded, so R2CCL's composition reduces all their "
+        "tails into the one healthy rank, a load its cost model leaves out (that rank's "
+        "traffic alone is 1.24 to 1.60 x the model at p = 4 and 8; docs/optcc.md, "
+        '"R2CCL"): no schedule of that composition can meet the model there'
+    )
+
+
 @register(
     summary="R2CCL-AllReduce: main part over all ranks, tail over the healthy ranks",
     cost=r2ccl_time,
+    cost_gap=r2ccl_cost_gap,
     auto=large_messages,
     order=20,
 )

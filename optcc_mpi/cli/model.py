@@ -32,12 +32,10 @@ examples:
 
 def sweep(size: int, bw: float, ps: list[int], losses: list[float]) -> list[dict[str, Any]]:
     """Modelled overheads over fault-free for every (p, loss): the README table."""
-    from optcc_mpi import model
-
     rows = []
     for p in ps:
         for loss in losses:
-            t = model.table(p, size, bw, {0: 1.0 - loss})
+            t = algorithms.table(p, size, bw, {0: 1.0 - loss})
             rows.append(
                 {
                     "p": p,
@@ -50,8 +48,6 @@ def sweep(size: int, bw: float, ps: list[int], losses: list[float]) -> list[dict
 
 
 def run(args: argparse.Namespace) -> int:
-    from optcc_mpi import model
-
     ranks = args.ranks
     if args.sweep:
         rows = sweep(args.size, args.bw, ranks or [8, 16, 32, 64, 128], args.losses)
@@ -76,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         )
     p = ranks[0]
     links = network_links(args, p)
-    t = model.table(p, args.size, args.bw, links, latency=args.latency)
+    t = algorithms.table(p, args.size, args.bw, links, latency=args.latency)
     if args.json:
         print(json.dumps(t))
         return 0

@@ -1,14 +1,16 @@
-"""Test aids: a fake device array, so the GPU code paths run on machines without a GPU.
+"""A fake device array, so the GPU code paths run on machines without a GPU.
 
 :class:`HostDeviceArray` exposes ``__cuda_array_interface__`` over host memory, as a GPU
 array would over device memory, and :class:`FakeDeviceBackend` treats it as device memory:
-every element-wise operation is "queued" on a fake stream, and handing a buffer to MPI
+every element-wise operation (a copy, or any of the reductions of
+:data:`optcc_mpi.dtypes.OPS`) is "queued" on a fake stream, and handing a buffer to MPI
 while work is queued raises :class:`UnsynchronizedError`. Tests therefore fail if the
-executor ever forgets to synchronise before an MPI call. With ``cuda_aware=True`` the
-array itself goes to mpi4py (through the CUDA array interface); otherwise data is staged
-through host copies, exactly as for CuPy.
+executor ever forgets to synchronise before an MPI call. With the backend's
+``cuda_aware`` set to True the array itself goes to mpi4py (through the CUDA array
+interface); otherwise data is staged through host copies, exactly as for CuPy.
 
-Importing this module registers the backend.
+Importing this module registers the backend (:data:`FAKE_DEVICE`); it owns only
+:class:`HostDeviceArray` instances, so no other array is affected.
 """
 
 from __future__ import annotations
