@@ -52,8 +52,8 @@ _ALL = (
     Variable(
         "OPTCC_LINKS",
         None,
-        "Link profile used when `allreduce` gets no `links`: `RANK:FRACTION,...` in "
-        "COMM_WORLD ranks, or `probe`.",
+        "Link profile used when `allreduce` gets no `links`: `RANK:FRACTION,...` in the "
+        "job's ranks (MPI's COMM_WORLD, torch's global ranks), `probe` or `watch`.",
         "collectives",
     ),
     Variable(

@@ -39,7 +39,7 @@ def algorithms_child(use_cpu: bool) -> int:
 
     import optcc_mpi
     from optcc_mpi import algorithms
-    from optcc_mpi.backend import DTYPES
+    from optcc_mpi.dtypes import DTYPES
 
     comm = MPI.COMM_WORLD
     p, rank = comm.Get_size(), comm.Get_rank()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from optcc_mpi.argtypes import (
+    alias,
     duration_arg,
     emulation_arg,
     int_at_least,
@@ -166,7 +167,13 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="print the plan and its simulated duration instead of measuring",
     )
-    e.add_argument("--p", type=int_at_least(2, "ranks"), default=64, help="ranks (default 64)")
+    ranks = e.add_argument(
+        "--ranks",
+        type=int_at_least(2, "ranks"),
+        default=64,
+        help="ranks (default 64; --p is the old name)",
+    )
+    alias(e, ranks, "--p")
     e.add_argument(
         "--ranks-per-node",
         type=int_at_least(1, "ranks per node"),
@@ -251,11 +258,11 @@ def run(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace) -> int:
     from optcc_mpi import doctor as dr
 
-    if args.p % args.ranks_per_node:
+    if args.ranks % args.ranks_per_node:
         raise ValueError(
-            f"--p {args.p} is not a multiple of --ranks-per-node {args.ranks_per_node}"
+            f"--ranks {args.ranks} is not a multiple of --ranks-per-node {args.ranks_per_node}"
         )
-    layout = dr.Layout.uniform(args.p, args.ranks_per_node)
+    layout = dr.Layout.uniform(args.ranks, args.ranks_per_node)
     the_plan = dr.plan(layout, size=args.size, partners=args.partners, repeats=args.repeats)
     est = dr.estimate(the_plan, args.bw, args.latency)
     print(f"plan: {the_plan.describe()}")

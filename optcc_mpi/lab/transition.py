@@ -65,9 +65,9 @@ def run(
     (collective); every rank returns the same rows."""
     import optcc_mpi
     from optcc_mpi.collectives import last_stats
-    from optcc_mpi.comm import state_of
     from optcc_mpi.emulation import Emulation
     from optcc_mpi.links import Links
+    from optcc_mpi.state import state_of
 
     rank, p = comm.Get_rank(), comm.Get_size()
     emu = Emulation.coerce(emulate)
