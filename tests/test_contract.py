@@ -87,3 +87,38 @@ def test_cost_exemptions_are_the_known_ones(name: str) -> None:
             assert "one healthy rank" in exempt[0][1] and "docs/optcc.md" in exempt[0][1]
         else:
             assert held == every and exempt == []
+
+
+# A fresh interpreter, whose registry is not loaded yet: threads that ask at once.
+_RACE = """
+import sys, threading
+from optcc_mpi import algorithms
+n = int(sys.argv[1])
+barrier = threading.Barrier(n)
+seen, errors = [], []
+def ask():
+    barrier.wait()
+    try:
+        seen.append(algorithms.get("ring").name)
+        seen.append(len(algorithms.names()))
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=ask) for _ in range(n)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(errors or sorted(set(map(str, seen))))
+"""
+
+
+@pytest.mark.parametrize("attempt", range(10))
+def test_registry_is_whole_for_threads_that_ask_at_once(attempt: int) -> None:
+    """Issue 23: a second thread's first lookup saw an empty registry ("unknown algorithm
+    'ring'; choose one of  or 'auto'") while the first was still importing the modules."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _RACE, "4"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(sorted({"ring", str(len(algorithms.names()))}))

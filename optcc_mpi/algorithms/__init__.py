@@ -53,9 +53,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Any
 
@@ -140,6 +142,8 @@ class Algorithm:
 
 _REGISTRY: dict[str, Algorithm] = {}
 _loaded = False
+_loading = False
+_LOAD_LOCK = threading.RLock()
 
 
 def _accepted(fn: Callable[..., Any], params: Mapping[str, Any]) -> dict[str, Any]:
@@ -198,18 +202,28 @@ def register(
 
 
 def _load() -> None:
-    """Import every module of this package and every entry point (they register)."""
-    global _loaded
+    """Import every module of this package and every entry point (they register).
+
+    Once per process, and thread-safe: a thread that asks while another is loading waits
+    for the whole registry (it used to see an empty one). The loading thread itself may
+    ask again (an algorithm module that looks another up while it is imported): it then
+    sees what has registered so far."""
+    global _loaded, _loading
     if _loaded:
         return
-    _loaded = True
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINTS):
-        ep.load()
+    with _LOAD_LOCK:
+        if _loaded or _loading:
+            return
+        _loading = True
+        try:
+            for info in pkgutil.iter_modules(__path__):
+                if not info.name.startswith("_"):
+                    importlib.import_module(f"{__name__}.{info.name}")
+            for ep in entry_points(group=ENTRY_POINTS):
+                ep.load()
+            _loaded = True
+        finally:
+            _loading = False
 
 
 def all_algorithms() -> tuple[Algorithm, ...]:
