@@ -84,13 +84,15 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi import transports
+from optcc_mpi import linklog, transports
 from optcc_mpi.backend import NUMPY
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
+from optcc_mpi.progress import Progress
 from optcc_mpi.schedule import RECV, Schedule, ScheduleBuilder
+from optcc_mpi.simulate import simulate
 from optcc_mpi.units import format_size
 
 __all__ = [
@@ -390,7 +392,6 @@ def estimate(
         ``seconds`` (total), ``transfer_seconds``, ``barrier_seconds``, ``rounds``,
         ``per_phase`` (seconds by phase), ``bytes_per_rank`` (most sent by one rank).
     """
-    from optcc_mpi.simulate import simulate
 
     if not bw > 0:
         raise ArgumentError(f"estimate: bandwidth must be positive, not {bw!r}")
@@ -1083,8 +1084,6 @@ def doctor(
         On every rank, before any message, when a parameter is bad or differs between
         ranks.
     """
-    from optcc_mpi import linklog
-    from optcc_mpi.progress import Progress
 
     wire = _private(comm)
     rank, p = _rank_size(wire)

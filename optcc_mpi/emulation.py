@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from optcc_mpi import config
+from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 from optcc_mpi.units import parse_duration, parse_rate
 
@@ -44,7 +45,6 @@ def forced_fraction() -> float | None:
     ArgumentError
         The value is not a number in (0, 1].
     """
-    from optcc_mpi.errors import ArgumentError
 
     text = config.get(ENV_FRACTION)
     if text is None:

@@ -13,6 +13,8 @@ import shlex
 import sys
 from typing import Any
 
+from optcc_mpi.cli._common import run_command
+
 # Command modules, in the order ``--help`` lists them. Each is imported only when the
 # parser is built, so a command's heavy imports (MPI, h5py, matplotlib) stay local to it.
 COMMAND_MODULES = (
@@ -82,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # What was run, as a record for the rows a command writes (`optcc-mpi lab percall`).
     args.command_line = shlex.join(["optcc-mpi", *argv])
-    from optcc_mpi.cli._common import run_command
 
     # Errors print one line; under MPI an uncaught exception on one rank aborts the job.
     return run_command(args)

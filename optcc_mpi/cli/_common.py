@@ -23,6 +23,7 @@ from optcc_mpi.argtypes import (
     rate_arg,
     typed_flag,
 )
+from optcc_mpi.errors import OptccError, TooLargeError
 from optcc_mpi.links import Links
 
 __all__ = [
@@ -202,8 +203,6 @@ def run_command(args: argparse.Namespace) -> int:
         return int(args.func(args) or 0)
     except (ImportError, RuntimeError) as exc:
         if not _no_mpi(exc):
-            from optcc_mpi.errors import OptccError
-
             if isinstance(exc, ImportError) and not isinstance(exc, OptccError):
                 if _mpi_world_size() > 1:
                     _abort(1, traceback.format_exc())
@@ -222,8 +221,6 @@ def run_command(args: argparse.Namespace) -> int:
     except MemoryError as exc:
         # A request our own size check refused before allocating (TooLargeError) is a
         # message for the user; a real MemoryError is not.
-        from optcc_mpi.errors import TooLargeError
-
         if not isinstance(exc, TooLargeError):
             raise
         return _fail(args, exc)

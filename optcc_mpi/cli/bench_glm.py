@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any
 
+from optcc_mpi.units import parse_duration, parse_rate
+
 from ..errors import ArgumentError
 from .train import _PARSERS, command_line, report_errors_once
 
@@ -151,7 +153,6 @@ def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
 
 
 def _bandwidths(text: str) -> list[float | None]:
-    from ..units import parse_rate
 
     out: list[float | None] = []
     for item in filter(None, (v.strip() for v in text.split(","))):
@@ -170,7 +171,6 @@ def _bandwidths(text: str) -> list[float | None]:
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Check and parse the options; raises :class:`ArgumentError` with the fix."""
     from .. import glm
-    from ..units import parse_duration
 
     for flag, value in (("--m", args.m), ("--n", args.n), ("--b", args.b)):
         if value < 1:

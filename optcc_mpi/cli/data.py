@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import Any
 
+from optcc_mpi import data
+
 _RAW = argparse.RawDescriptionHelpFormatter
 
 DATA_EPILOG = """\
@@ -269,7 +271,6 @@ def _compression(value: str) -> str | None:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from optcc_mpi import data
 
     zero_based = {"auto": "auto", "yes": True, "no": False}[args.zero_based]
     summary = data.convert_svmlight(
@@ -301,7 +302,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from optcc_mpi import data
 
     path = data.synth(
         args.kind,
@@ -324,8 +324,6 @@ def _synth(args: argparse.Namespace) -> int:
 def _resolve(name: str) -> Any:
     from pathlib import Path
 
-    from optcc_mpi import data
-
     if Path(name).exists():
         return Path(name)
     if name in data.SHIPPED:
@@ -336,7 +334,6 @@ def _resolve(name: str) -> Any:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from optcc_mpi import data
 
     path = _resolve(args.file)
     info = data.validate(path, size=args.ranks, scan=args.check)
@@ -390,7 +387,6 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _add_csc(args: argparse.Namespace) -> int:
-    from optcc_mpi import data
 
     added = data.add_csc(args.file, checksum=args.checksum, progress=not args.quiet)
     print(f"{args.file}: {'added the CSC copy X_csc' if added else 'already has X_csc'}")
@@ -398,7 +394,6 @@ def _add_csc(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from optcc_mpi import data
 
     for name in data.SHIPPED:
         try:

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import doctor as dr
+from optcc_mpi import linklog
 from optcc_mpi.argtypes import (
     alias,
     duration_arg,
@@ -86,7 +88,6 @@ def _fraction(text: str) -> float:
 
 def register(subparsers: Any) -> None:
     """Add the ``doctor`` command."""
-    from optcc_mpi import doctor as dr
 
     p = subparsers.add_parser(
         "doctor",
@@ -209,9 +210,6 @@ def run(args: argparse.Namespace) -> int:
         return _estimate(args)
     from mpi4py import MPI
 
-    from optcc_mpi import doctor as dr
-    from optcc_mpi import linklog
-
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     with linklog.recording(args.links_log):
@@ -256,7 +254,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from optcc_mpi import doctor as dr
 
     if args.ranks % args.ranks_per_node:
         raise ValueError(
@@ -286,7 +283,6 @@ def _frac(row: dict[str, Any]) -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from optcc_mpi import doctor as dr
 
     path = Path(args.check)
     if not path.is_file():

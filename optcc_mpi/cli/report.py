@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import linklog
 from optcc_mpi.argtypes import alias, duration_arg, key_value_arg, rate_arg, size_arg
+from optcc_mpi.lab import report, reproduce
 
 EPILOG = """\
 Three modes.
@@ -171,7 +173,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _aggregate(args: argparse.Namespace) -> int:
-    from optcc_mpi.lab import report
 
     folder = Path(args.results)
     if not folder.is_dir():
@@ -191,8 +192,6 @@ def _aggregate(args: argparse.Namespace) -> int:
 
 
 def _links(args: argparse.Namespace) -> int:
-    from optcc_mpi import linklog
-    from optcc_mpi.lab import report
 
     path = Path(args.links)
     if not path.is_file():
@@ -210,7 +209,6 @@ def _links(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from optcc_mpi.lab import reproduce
 
     rows = reproduce.reproduce(
         args.ranks,

@@ -7,9 +7,12 @@ import json
 import time
 from typing import Any
 
+from optcc_mpi import algorithms, model
 from optcc_mpi.argtypes import algorithms_arg, key_value_arg
 from optcc_mpi.cli._common import add_network_args, network_links, print_table
 from optcc_mpi.errors import ArgumentError
+from optcc_mpi.simulate import simulate
+from optcc_mpi.verify import verify
 
 EPILOG = """\
 Every algorithm is a schedule: per rank, a program of point-to-point operations. This
@@ -32,9 +35,6 @@ examples:
 
 
 def run(args: argparse.Namespace) -> int:
-    from optcc_mpi import algorithms, model
-    from optcc_mpi.simulate import simulate
-    from optcc_mpi.verify import verify
 
     p = args.ranks
     links = network_links(args, p)
@@ -151,7 +151,6 @@ def check_params(params: dict[str, Any], chosen: list[Any]) -> None:
 
 
 def register(subparsers: Any) -> None:
-    from optcc_mpi import algorithms
 
     names = list(algorithms.names())
     p = subparsers.add_parser(

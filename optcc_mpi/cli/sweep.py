@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from optcc_mpi.argtypes import key_values
+from optcc_mpi.lab import sweep
+from optcc_mpi.lab.sweep import KINDS
 
 EPILOG = """\
 A sweep is a CSV table, one row per array task (task id = row index). Each task launches
@@ -38,7 +40,6 @@ def _shell(assignments: Mapping[str, Any]) -> str:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from optcc_mpi.lab import sweep
 
     t = sweep.read_table(a.table)
     tasks = sweep.failed_tasks(a.only_failed, t.path) if a.only_failed else list(range(len(t.rows)))
@@ -57,7 +58,6 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 
 def _cmd_run(a: argparse.Namespace) -> int:
-    from optcc_mpi.lab import sweep
 
     t = sweep.read_table(a.table)
     if a.kind and t.kind.name != a.kind:
@@ -69,7 +69,6 @@ def _cmd_run(a: argparse.Namespace) -> int:
 
 
 def _cmd_exec(a: argparse.Namespace) -> int:
-    from optcc_mpi.lab import sweep
 
     args = list(a.args)
     if args and args[0] == "--":
@@ -78,7 +77,6 @@ def _cmd_exec(a: argparse.Namespace) -> int:
 
 
 def _cmd_manifest(a: argparse.Namespace) -> int:
-    from optcc_mpi.lab import sweep
 
     tasks = sweep.parse_array_spec(a.tasks)
     print(sweep.write_manifest(a.results, a.table, a.job, tasks, script=a.script, argv=a.sbatch))
@@ -86,7 +84,6 @@ def _cmd_manifest(a: argparse.Namespace) -> int:
 
 
 def _cmd_status(a: argparse.Namespace) -> int:
-    from optcc_mpi.lab import sweep
 
     st = sweep.collect(a.results)
     if a.job:
@@ -96,7 +93,6 @@ def _cmd_status(a: argparse.Namespace) -> int:
 
 
 def _cmd_expand(a: argparse.Namespace) -> int:
-    from optcc_mpi.lab import sweep
 
     columns = key_values(a.axes, typed=False, what="COLUMN=V1,V2,...")
     axes = {k.lower(): [v.strip() for v in values.split(",")] for k, values in columns.items()}
@@ -106,7 +102,6 @@ def _cmd_expand(a: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add the ``sweep`` command and its subcommands."""
-    from optcc_mpi.lab.sweep import KINDS
 
     p = subparsers.add_parser(
         "sweep",

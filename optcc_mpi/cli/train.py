@@ -9,6 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import data
+from optcc_mpi.emulation import Emulation
+from optcc_mpi.linklog import recording
+
 EPILOG = """\
 examples:
   # CA-SGD, recipe C, on 4 ranks; per-epoch loss, time split and AllReduce counts
@@ -187,14 +191,6 @@ def _load(args: argparse.Namespace, comm: Any, data_dtype: str) -> tuple[Any, st
 
     part, path, error = None, None, None
     try:
-        try:
-            from .. import data
-        except ModuleNotFoundError as exc:
-            if exc.name != "optcc_mpi.data":
-                raise
-            raise ValueError(
-                "loading datasets needs optcc_mpi.data, which is not installed"
-            ) from None
         if args.data is None:
             path = data.default_dataset(comm)
         elif not Path(args.data).exists() and args.data in ("breast_cancer", "diabetes", "randhie"):
@@ -262,8 +258,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, comm: Any) -> int:
     from .. import glm
-    from ..emulation import Emulation
-    from ..linklog import recording
 
     rank, size = comm.rank, comm.size
     if args.links_log and str(args.links or "").strip().lower() != "watch":

@@ -38,7 +38,10 @@ import numpy as np
 
 from optcc_mpi.algorithms._policy import Transport
 from optcc_mpi.argtypes import int_at_least, positive_size_arg
+from optcc_mpi.backend import NumpyBackend
 from optcc_mpi.errors import ArgumentError
+from optcc_mpi.executor import execute
+from optcc_mpi.schedule import ScheduleBuilder, split
 
 __all__ = ["measure", "add_arguments", "run_args", "main", "SUMMARY"]
 
@@ -47,7 +50,6 @@ SUMMARY = "measure the transport model (latency, per-message cost, rate) through
 
 
 def _schedules(p: int, nbytes: int, steps: int, small: int, pieces: int) -> tuple[Any, ...]:
-    from optcc_mpi.schedule import ScheduleBuilder, split
 
     r = np.arange(p)
     nxt = (r + 1) % p
@@ -99,9 +101,6 @@ def measure(
         The model, and how it was measured (sizes, repeats, seconds taken).
     """
     from mpi4py import MPI
-
-    from optcc_mpi.backend import NumpyBackend
-    from optcc_mpi.executor import execute
 
     p = comm.Get_size()
     if p < 2:

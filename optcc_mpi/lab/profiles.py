@@ -30,9 +30,15 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi import algorithms, model
+from optcc_mpi import algorithms as registry
+from optcc_mpi.algorithms import optcc as optcc_alg
 from optcc_mpi.argtypes import alias, int_at_least, positive_size_arg, rate_arg
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
+from optcc_mpi.progress import Progress
+from optcc_mpi.simulate import simulate
+from optcc_mpi.verify import verify
 
 __all__ = [
     "Profile",
@@ -137,8 +143,6 @@ def verify_profile(name: str, p: int, links: Links) -> bool:
     """The verifier on ``name``'s schedule for this profile: a buffer of ``64 p + 5``
     elements, and for OptCC 12 segments (more than its scratch slots, so that slot reuse
     is proven) up to p = 64, 4 beyond (the verifier's cost grows as operations x p)."""
-    from optcc_mpi import algorithms
-    from optcc_mpi.verify import verify
 
     params: dict[str, Any] = {}
     if name == "optcc":
@@ -154,7 +158,6 @@ def r2ccl_helper_time(p: int, size: float, bw: float, links: Links) -> float:
     a helper, the raw tails of the ``m`` degraded ranks spread over the ``h`` healthy
     ones, ``m Y n / h``, all at rate B. With few healthy ranks (a random vector has one)
     the last term dominates and no schedule of this composition can meet the model."""
-    from optcc_mpi import model
 
     f = model.fractions(links, p)
     y = 1.0 - float(f.min())
@@ -177,10 +180,6 @@ def measure(
     """One profile: the bound, OptCC's plan and simulated time, R2CCL's model and
     simulated time (of those in ``algorithms``), and (``check``) the verifier's verdict
     on both schedules."""
-    from optcc_mpi import algorithms as registry
-    from optcc_mpi import model
-    from optcc_mpi.algorithms import optcc as optcc_alg
-    from optcc_mpi.simulate import simulate
 
     family, p, text, what = profile
     links = Links.parse(text)
@@ -302,7 +301,6 @@ def run(
     algorithms: Sequence[str] = ("optcc", "r2ccl"),
 ) -> list[dict[str, Any]]:
     """Measure each profile, appending a JSON line per profile to ``out/profiles.jsonl``."""
-    from optcc_mpi.progress import Progress
 
     todo = list(profiles)
     bar = Progress(len(todo), "profiles", enabled=progress, unit="profile")

@@ -17,7 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from optcc_mpi import config
+import h5py
+
+from optcc_mpi import __version__, config
+from optcc_mpi.errors import OptccError
+from optcc_mpi.lab import launch
 
 __all__ = ["ENV_PREFIXES", "git", "launcher", "mpi", "record", "slurm", "versions"]
 
@@ -43,7 +47,6 @@ _REPO = Path(__file__).resolve().parent.parent.parent
 def git() -> dict[str, Any]:
     """Package version, git revision and whether the checkout has uncommitted changes
     (None when it is not a git checkout: an installed wheel)."""
-    from optcc_mpi import __version__
 
     home = config.get("OPTCC_HOME") or str(_REPO)
 
@@ -67,7 +70,6 @@ def git() -> dict[str, Any]:
 def mpi() -> dict[str, Any]:
     """The MPI library mpi4py loads here (:func:`optcc_mpi.lab.launch.mpi_library`), with
     mpi4py's version; read without initialising MPI."""
-    from optcc_mpi.lab import launch
 
     out = launch.mpi_library().to_dict()
     try:
@@ -82,8 +84,6 @@ def mpi() -> dict[str, Any]:
 
 def launcher() -> dict[str, Any]:
     """The launcher :func:`optcc_mpi.lab.launch.launcher` picks here, or why there is none."""
-    from optcc_mpi.errors import OptccError
-    from optcc_mpi.lab import launch
 
     try:
         chosen = launch.launcher()
@@ -124,12 +124,7 @@ def versions() -> dict[str, Any]:
             out[name] = __import__(name).__version__
         except ImportError:
             out[name] = None
-    try:
-        import h5py
-
-        out["hdf5"] = h5py.version.hdf5_version
-    except ImportError:
-        out["hdf5"] = None
+    out["hdf5"] = h5py.version.hdf5_version  # h5py is a dependency of the package
     return out
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import algorithms, model
 from optcc_mpi.lab import sweep as _sweep
 from optcc_mpi.links import Links
 
@@ -250,7 +251,6 @@ _PALETTE = (
 
 
 def _style(name: str) -> tuple[str, str]:
-    from optcc_mpi import algorithms
 
     if name in STYLE:
         return STYLE[name]
@@ -298,7 +298,6 @@ def plot_overhead_vs_loss(rows: Sequence[Mapping[str, Any]], path: Path) -> Path
     bandwidth-bound end, which the model describes). Lines: the fluid model of each
     algorithm with the measured run's straggler set, and the lower bound (dashed).
     """
-    from optcc_mpi import algorithms, model
 
     pts = [
         r

@@ -19,8 +19,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import algorithms, model
+from optcc_mpi import algorithms as registry
 from optcc_mpi.lab.report import _plt, _style
 from optcc_mpi.links import Links
+from optcc_mpi.progress import Progress
+from optcc_mpi.simulate import simulate
 
 __all__ = [
     "PAPER",
@@ -48,8 +52,6 @@ def _simulate_one(
     latency: float,
     params: Mapping[str, Any],
 ) -> tuple[float, dict[str, Any]]:
-    from optcc_mpi import algorithms
-    from optcc_mpi.simulate import simulate
 
     # Built directly, not through the registry's cache: at p = 1024 a schedule takes
     # gigabytes, and each is dropped once timed.
@@ -116,9 +118,6 @@ def reproduce(
         ``overhead_sim`` (None where not simulated), ``overhead_bound`` (the lower bound's),
         the paper's claim and a note.
     """
-    from optcc_mpi import algorithms as registry
-    from optcc_mpi import model
-    from optcc_mpi.progress import Progress
 
     limits = (
         dict(sim_max_p)

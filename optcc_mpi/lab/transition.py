@@ -30,8 +30,15 @@ from typing import Any
 
 import numpy as np
 
+import optcc_mpi
 from optcc_mpi import config
 from optcc_mpi.argtypes import StoreTyped, alias, emulation_arg, links_arg, positive_size_arg
+from optcc_mpi.collectives import last_stats
+from optcc_mpi.emulation import Emulation
+from optcc_mpi.lab import testbed as tb
+from optcc_mpi.lab.report import _style
+from optcc_mpi.links import Links
+from optcc_mpi.state import state_of
 
 __all__ = ["run", "plot", "add_arguments", "run_args", "main", "SUMMARY"]
 
@@ -63,11 +70,6 @@ def run(
 ) -> list[dict[str, Any]]:
     """Time ``allreduce(links="watch")`` per call over healthy / degraded / healthy phases
     (collective); every rank returns the same rows."""
-    import optcc_mpi
-    from optcc_mpi.collectives import last_stats
-    from optcc_mpi.emulation import Emulation
-    from optcc_mpi.links import Links
-    from optcc_mpi.state import state_of
 
     rank, p = comm.Get_rank(), comm.Get_size()
     emu = Emulation.coerce(emulate)
@@ -87,8 +89,6 @@ def run(
     call = 0
     for (phase, truth), n_calls in zip(phases, calls):
         if testbed:
-            from optcc_mpi.lab import testbed as tb
-
             if rank == 0:
                 tb.set_shaping(dict(truth.fractions) or None)
             comm.Barrier()
@@ -120,8 +120,6 @@ def run(
                 }
             )
     if testbed and rank == 0:
-        from optcc_mpi.lab import testbed as tb
-
         tb.set_shaping(None)
     return rows
 
@@ -138,8 +136,6 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from optcc_mpi.lab.report import _style
 
     path = Path(path)
     fig, ax = plt.subplots(figsize=(8, 4))

@@ -34,7 +34,7 @@ from optcc_mpi.dtypes import ALIASES, CATEGORY, DTYPES, LOW_PRECISION, check_op_
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.transports import BY_HANDLE, WORLD, Transport
+from optcc_mpi.transports.base import BY_HANDLE, WORLD, Transport
 
 __all__ = [
     "MpiTransport",

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.transports import Transport
+from optcc_mpi.transports.base import Transport
 
 __all__ = ["TorchTransport", "transport", "group_of"]
 
