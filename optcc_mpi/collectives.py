@@ -240,13 +240,30 @@ def allreduce(
         done = _try_compiled(sendbuf, recvbuf, op, comm, check)
         if done is not None:
             return done
-    st = state_of(comm)
+    st = _state(comm)
     call = _Call(st, sendbuf, recvbuf, op, algorithm, links, emulate, params, check)
     if _agree(st, call):
         return _finish_inline(st, call)
     _plan_call(st, call)
     _run(st, call)
     return _finish(st, call)
+
+
+def _known(comm: Any) -> CommState | None:
+    """The state of an MPI communicator seen before (None: COMM_WORLD), found with one
+    dictionary lookup (:data:`optcc_mpi.transports.BY_HANDLE`); else None."""
+    if comm is None:
+        t = BY_HANDLE.get(WORLD[0]) if WORLD else None
+    else:
+        handle = getattr(comm, "handle", None)
+        t = BY_HANDLE.get(handle) if type(handle) is int else None
+    return t.state if t is not None else None
+
+
+def _state(comm: Any) -> CommState:
+    """The communicator's state (:func:`_known`, else :func:`~optcc_mpi.state.state_of`)."""
+    st = _known(comm)
+    return st if st is not None else state_of(comm)
 
 
 # -- phase 1: this rank's arguments --------------------------------------------------------------
@@ -333,7 +350,8 @@ class _Call:
                 flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
         if in_place and not backend.writable(flat_out):
             raise ArgumentError("recvbuf is read-only")
-        transport.check_backend(backend)
+        if transport.tensors:  # a library of its own kinds of memory (torch.distributed)
+            transport.check_backend(backend)
         self.flat_in, self.flat_out, self.backend = flat_in, flat_out, backend
         self.in_place = in_place
         self.name = backend.dtype_name(flat_in) or dtype_name(flat_in.dtype)
@@ -810,12 +828,7 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
     same gather runs without comparing the headers: the room is the one the Python path's
     gather uses for this size (:func:`~optcc_mpi.protocol.capacity`), so ranks on either
     path move blocks of one shape."""
-    if comm is None:
-        t = BY_HANDLE.get(WORLD[0]) if WORLD else None
-    else:
-        handle = getattr(comm, "handle", None)
-        t = BY_HANDLE.get(handle) if type(handle) is int else None
-    st = t.state if t is not None else None
+    st = _known(comm)
     if st is None or st.fast is None or (check and st.next_capacity != st.capacity):
         return False  # (without the check, the room is capacity()'s: the C side checks it)
     opc = protocol.OP_CODE.get(op) if type(op) is str else None

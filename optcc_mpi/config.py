@@ -191,25 +191,24 @@ def _typed(var: Variable, text: str | None) -> Any:
 
 class Settings:
     """The ``OPTCC_*`` variables as attributes, read from the environment at first use
-    (module docstring). The one instance is :data:`rc`."""
+    (module docstring). The one instance is :data:`rc`.
 
-    __slots__ = ("_text",)
-
-    def __init__(self) -> None:
-        object.__setattr__(self, "_text", None)
-
-    def _values(self) -> dict[str, str | None]:
-        text = self._text
-        if text is None:
-            text = {v.name: _text(v, os.environ.get(v.name)) for v in _ALL}
-            object.__setattr__(self, "_text", text)
-        return text
+    After the first read the values are plain instance attributes, so reading one costs
+    what reading any attribute costs (the hot path reads two per call)."""
 
     def __getattr__(self, attr: str) -> Any:
+        # Only reached for a name that is not set yet: load everything, then look again.
         var = _BY_ATTR.get(attr)
         if var is None:
             raise AttributeError(_unknown(attr))
-        return _typed(var, self._values()[var.name])
+        self._load()
+        return self.__dict__[attr]
+
+    def _load(self) -> None:
+        text = {v.name: _text(v, os.environ.get(v.name)) for v in _ALL}
+        self.__dict__["_text"] = text
+        for v in _ALL:
+            self.__dict__[v.attr] = _typed(v, text[v.name])
 
     def __setattr__(self, attr: str, value: Any) -> None:
         var = _BY_ATTR.get(attr)
@@ -221,18 +220,23 @@ class Settings:
             text = value
         else:
             raise TypeError(f"rc.{attr} takes a string (or None), not {type(value).__name__}")
-        self._values()[var.name] = _text(var, text)
+        if "_text" not in self.__dict__:
+            self._load()
+        self.__dict__["_text"][var.name] = _text(var, text)
+        self.__dict__[attr] = _typed(var, self.__dict__["_text"][var.name])
 
     def text(self, name: str) -> str | None:
         """The text of variable ``name`` (its full name, ``OPTCC_...``); KeyError for a
         name that is not in the table (a programming error)."""
         if name not in VARIABLES:
             raise KeyError(f"{name} is not an OPTCC_* variable of optcc_mpi.config")
-        return self._values()[name]
+        if "_text" not in self.__dict__:
+            self._load()
+        return self.__dict__["_text"][name]
 
     def reload(self) -> None:
         """Read the environment again at the next use (assignments are dropped)."""
-        object.__setattr__(self, "_text", None)
+        self.__dict__.clear()
 
     def __dir__(self) -> list[str]:
         return sorted(_BY_ATTR)

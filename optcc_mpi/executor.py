@@ -62,6 +62,7 @@ import numpy as np
 from optcc_mpi import transports
 from optcc_mpi.backend import Backend
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
+from optcc_mpi.transports.base import Transport
 
 __all__ = ["ExecStats", "execute", "levels", "TAG_BASE"]
 
@@ -285,7 +286,7 @@ def execute(
         Record per-operation times in ``ExecStats.trace`` (the per-message records in
         ``sends``/``recvs`` are always kept).
     """
-    transport = transports.of(comm)
+    transport = comm if isinstance(comm, Transport) else transports.of(comm)
     plan = _plan(schedule, transport.rank, buf.dtype.itemsize)
     stats = ExecStats()
     if plan.n == 0:
