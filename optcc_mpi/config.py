@@ -90,6 +90,7 @@ _ALL = (
         None,
         "`1`/`0`: force whether the MPI library is taken as CUDA-aware (default: detected).",
         "collectives",
+        "flag",
     ),
     # Simulator
     Variable(
