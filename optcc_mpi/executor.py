@@ -612,43 +612,47 @@ class _Run:
     def grouped(self) -> None:
         """Level by level: each level's messages posted as one group, then the local work
         of that level, ordered after them by the device stream; nothing waits on the host
-        (module docstring). The reductions of received data follow their group."""
-        plan, stats = self.plan, self.stats
+        (module docstring). The reductions of received data follow their group.
+
+        The host does not see when a message arrives, so per-message times are recorded
+        only when tracing (the probe, the doctor), which waits for every level on the host
+        and is slower for it; otherwise only the counts."""
+        plan, stats, backend = self.plan, self.stats, self.backend
         plan.leveled(self.schedule, self.t.rank)
         kinds = plan.kind
         for ops in plan.rounds:
-            posts, landing = [], []
+            posts = []
             for i in ops:
                 k = kinds[i]
                 if k == SEND:
                     posts.append((True, self.send_message(i), plan.peer[i], plan.tag[i]))
                 elif k == RECV or k == RECV_REDUCE:
                     posts.append((False, self.recv_message(i), plan.peer[i], plan.tag[i]))
-                    landing.append(i)
+            start = time.perf_counter()
             if posts:
                 for req in self.t.batch(posts):
                     if req is not None:
                         self.t.wait(req)  # NCCL: the current stream waits, not the host
+                if self.tracing:
+                    backend.synchronize()
             now = time.perf_counter()
             for i in ops:
+                self.post_time[i] = start
                 k = kinds[i]
-                self.post_time[i] = now
                 if k == COPY or k == REDUCE:
                     self.local(i)
-                elif k == COLL:
+                    self.finish(i)
+                    continue
+                if k == COLL:
                     self.start_coll(i)
                     self.t.wait(self.reqs.pop())
                     self.req_op.pop()
-                    self.arrived(i, now)
-                    continue
-                elif k == SEND:
-                    self.arrived(i, now)
-                    continue
-                else:
-                    self.arrived(i, now)
-                    continue
-                self.finish(i)
+                self.arrived(i, now)
             stats.max_in_flight = max(stats.max_in_flight, len(posts))
+        if not self.tracing:
+            # Times the host never saw are not measurements: keep the counts only.
+            stats.sends.clear()
+            stats.recvs.clear()
         stats.seconds = time.perf_counter() - self.t0
 
 

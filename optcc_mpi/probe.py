@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi.backend import NUMPY
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
@@ -102,7 +101,7 @@ def probe(
     wire = st.transport
     emu = Emulation.coerce(emulate)
     shifts = [1] if p == 2 else [1, 2]
-    buf = np.zeros(nbytes, dtype=np.uint8)
+    buf, backend = wire.scratch(nbytes)
     rates: dict[int, np.ndarray] = {}
     for s in shifts:
         sched = _shift_schedule(p, nbytes, s)
@@ -110,7 +109,9 @@ def probe(
         for _ in range(repeats):
             pacer = emu.pacer(rank, p, Links()) if emu is not None else None
             wire.barrier()
-            stats = execute(sched, buf, comm=wire, op="sum", backend=NUMPY, pacer=pacer, trace=True)
+            stats = execute(
+                sched, buf, comm=wire, op="sum", backend=backend, pacer=pacer, trace=True
+            )
             for _op, kind, posted, done in stats.trace:
                 if kind == RECV and done > posted:
                     best = max(best, nbytes / (done - posted))

@@ -64,6 +64,11 @@ def test_every_algorithm_over_gloo(tmp_path: Path, n: int) -> None:
     assert (1, "native") in ran and any(name != "native" for size, name in ran if size > 1009)
     for other in ranks[1:]:
         assert [r["digest"] for r in other["rows"]] == [r["digest"] for r in rows]
+    # The probe times its messages over both drivers (on shared memory a rank may look
+    # slower than the median now and then, but every rate is a real, finite measurement).
+    for driver, result in ranks[0]["probes"].items():
+        assert len(result["rates"]) == n and all(0 < r < float("inf") for r in result["rates"])
+        assert all(other["probes"][driver] == result for other in ranks[1:]), driver
 
 
 @pytest.mark.timeout(600)

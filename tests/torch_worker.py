@@ -43,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 import optcc_mpi  # noqa: E402
 import optcc_mpi.torch as ot  # noqa: E402
 from optcc_mpi import algorithms, collectives, transports  # noqa: E402
+from optcc_mpi.probe import probe  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 P = int(os.environ["WORLD_SIZE"])
@@ -163,8 +164,18 @@ def collectives_scenario() -> dict:
                     "same_memory": False,
                 }
             )
+    # The probe over each driver: it times the messages (the grouped driver waits for each
+    # level on the host when tracing), and healthy links are healthy.
+    probes = {}
+    for driver in ("ordered", "grouped"):
+        wire.observe = driver
+        result = probe(group, nbytes=1 << 20, repeats=2)
+        probes[driver] = {
+            "links": str(result.links),
+            "rates": [float(x) for x in result.recv_rate],
+        }
     wire.observe = "ordered"
-    return {"rows": rows, "mpi_loaded": "mpi4py.MPI" in sys.modules}
+    return {"rows": rows, "probes": probes, "mpi_loaded": "mpi4py.MPI" in sys.modules}
 
 
 def errors_scenario() -> dict:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from optcc_mpi.backend import NUMPY
 from optcc_mpi.links import Links
 
 __all__ = ["Transport", "BY_HANDLE", "WORLD"]
@@ -45,6 +46,12 @@ class Transport:
     def message(self, backend: Any, arr: Any) -> Any:
         """What :meth:`isend`/:meth:`irecv` take for the bytes of ``arr``."""
         return backend.byte_view(arr)
+
+    def scratch(self, nbytes: int) -> tuple[Any, Any]:
+        """A buffer of ``nbytes`` bytes this transport moves, and its backend (the
+        probe's and the doctor's messages): host memory unless the library needs device
+        memory."""
+        return np.zeros(nbytes, dtype=np.uint8), NUMPY
 
     def staging(self, backend: Any) -> bool:
         """Whether messages of ``backend``'s arrays go through host copies."""

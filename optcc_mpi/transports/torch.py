@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from optcc_mpi.backend import torch_backend
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.transports.base import Transport
@@ -150,6 +151,12 @@ class TorchTransport(Transport):
                 f"the torch.distributed transport cannot move {backend.name} arrays; pass "
                 "tensors (or NumPy arrays over gloo)"
             )
+
+    def scratch(self, nbytes: int) -> tuple[Any, Any]:
+        if self.name != "nccl":
+            return super().scratch(nbytes)
+        device = torch.device("cuda", torch.cuda.current_device())
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device), torch_backend(device)
 
     def message(self, backend: Any, arr: Any) -> Any:
         if isinstance(arr, np.ndarray):
