@@ -5,6 +5,7 @@ Run under mpiexec at 2, 3, 4, 5 and 8 ranks (``make test``).
 
 from __future__ import annotations
 
+import sys
 import zlib
 
 import ml_dtypes
@@ -772,3 +773,88 @@ def test_agreement_by_allreduce_above_gather_limit(monkeypatch: pytest.MonkeyPat
             lambda: optcc_mpi.allreduce(np.ones(4), recvbuf=_readonly(4) if rank else None),
             "read-only",
         )
+
+
+# -- objects exposing only the CUDA array interface --------------------------------------------
+class _DeviceOnly:
+    """Device memory as Numba or mpi4py's GPU test wrappers present it: nothing but
+    ``__cuda_array_interface__`` (here over host memory, which the fake CuPy reads)."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = host
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {
+            "shape": self.host.shape,
+            "typestr": self.host.dtype.str,
+            "data": (self.host.__array_interface__["data"][0], False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch):
+    """A CuPy over host memory, enough for the CuPy backend: ``asarray`` wraps the CUDA
+    array interface's pointer without a copy, as CuPy does with device memory."""
+    import ctypes
+    import types
+
+    from optcc_mpi import backend
+
+    class FakeArray(np.ndarray):
+        def set(self, host: np.ndarray) -> None:
+            np.copyto(self, host)
+
+    def asarray(obj: object) -> FakeArray:
+        face = obj.__cuda_array_interface__
+        dtype = np.dtype(face["typestr"])
+        n = int(np.prod(face["shape"]))
+        raw = (ctypes.c_char * (n * dtype.itemsize)).from_address(face["data"][0])
+        return np.frombuffer(raw, dtype=dtype).reshape(face["shape"]).view(FakeArray)
+
+    cp = types.ModuleType("cupy")
+    cp.__getattr__ = lambda name: getattr(np, name)  # type: ignore[attr-defined]
+    cp.ndarray = FakeArray
+    cp.is_available = lambda: True
+    cp.asarray = asarray
+    cp.empty = lambda n, dtype: np.empty(n, dtype=dtype).view(FakeArray)
+    cp.empty_like = lambda a: np.empty_like(a).view(FakeArray)
+    cp.asnumpy = lambda a: np.array(a)
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    backend._cupy_factory.cache_clear()
+    before = list(backend._BACKENDS)
+    yield cp
+    backend._BACKENDS[:] = before
+    for factory in [f for f in backend._INSTANCES if f is backend.CupyBackend]:
+        del backend._INSTANCES[factory]
+    backend._cupy_factory.cache_clear()
+
+
+@pytest.mark.parametrize("algorithm", ALGS)
+def test_cuda_array_interface_objects(fake_cupy: object, algorithm: str) -> None:
+    """Issue 23: objects with only ``__cuda_array_interface__`` were refused as an
+    "unsupported sendbuf type"; mpi4py takes them. They are viewed through CuPy without
+    a copy (staged through host memory for an MPI that is not CUDA-aware): the same bits
+    as NumPy's, in place and out of place."""
+    comm, rank, p = world()
+    for n in (1, 1009, 70001):
+        xs = inputs("exact", "float32", n, p, 3)
+        want = optcc_mpi.allreduce(xs[rank], algorithm=algorithm, links=links_for(p))
+        src, dst = _DeviceOnly(xs[rank].copy()), _DeviceOnly(np.zeros(n, np.float32))
+        optcc_mpi.allreduce(src, dst, algorithm=algorithm, links=links_for(p))
+        np.testing.assert_array_equal(dst.host.view(np.uint8), want.view(np.uint8))
+        np.testing.assert_array_equal(src.host, xs[rank])  # the send buffer is untouched
+        buf = _DeviceOnly(xs[rank].copy())
+        optcc_mpi.allreduce(optcc_mpi.IN_PLACE, buf, algorithm=algorithm, links=links_for(p))
+        np.testing.assert_array_equal(buf.host.view(np.uint8), want.view(np.uint8))
+
+
+def test_cuda_array_interface_without_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a usable CuPy the object is refused, saying what it needs."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(TypeError, match="CUDA array interface.*needs CuPy"):
+        optcc_mpi.allreduce(_DeviceOnly(np.ones(4, np.float32)))
