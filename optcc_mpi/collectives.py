@@ -631,7 +631,14 @@ def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, fl
 def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any) -> None:
     """Every rank's data gathered (through host memory) and reduced in rank order.
 
-    ``out`` may be ``flat_in`` itself (the call is then in place)."""
+    ``out`` may be ``flat_in`` itself (the call is then in place). A transport that can
+    gather where the data lives (NCCL: on the device) does, and the rows are reduced there."""
+    rows = st.transport.gather_rows(backend, flat_in)
+    if rows is not None:
+        backend.copyto(out, rows[0])
+        for r in range(1, st.size):
+            backend.reduce(opn, out, rows[r])
+        return
     host = flat_in if backend is NUMPY else backend.to_host(flat_in)
     if backend.device and st.transport.sync_device:
         backend.synchronize()

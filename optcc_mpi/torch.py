@@ -505,12 +505,9 @@ def comm_hook(
     def optcc_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         if not checked:
             pg = group if group is not None else state if _is_group(state) else None
-            if comm is not None:
-                if dist.is_available() and dist.is_initialized():
-                    _same_processes(comm, pg)
-                checked.append((transports.of(comm), comm))
-            else:
-                checked.append((transports.of(_torch_group(pg)), None))
+            if comm is not None and dist.is_available() and dist.is_initialized():
+                _same_processes(comm, pg)
+            checked.append(_target(comm, pg))
         wire, mpi_comm = checked[0]
         tensor = bucket.buffer()
         # Divide first, in the bucket's dtype, like DDP's default hook (after the checks,

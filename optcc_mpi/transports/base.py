@@ -109,6 +109,12 @@ class Transport:
         ``out``."""
         raise NotImplementedError
 
+    def gather_rows(self, backend: Any, arr: Any) -> Any:
+        """Every rank's ``arr`` (1-D, the same size everywhere) as the rows of a 2-D array
+        of ``backend``, gathered where it lives (on the device for device memory); None
+        where this transport gathers through the host only."""
+        return None
+
     def allreduce_max(self, vec: np.ndarray) -> None:
         """``vec`` (int64) replaced by its element-wise maximum over the ranks."""
         raise NotImplementedError

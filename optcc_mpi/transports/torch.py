@@ -201,6 +201,14 @@ class TorchTransport(Transport):
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
         _GATHER(torch.from_numpy(out.reshape(-1)), torch.from_numpy(block), group=self.ctrl)
 
+    def gather_rows(self, backend: Any, arr: Any) -> Any:
+        if backend.name != "torch":
+            return None
+        rows = torch.empty((self.size, arr.shape[0]), dtype=arr.dtype, device=arr.device)
+        # As bytes: the library moves them whatever the type (bool, bfloat16, complex).
+        _GATHER(rows.view(-1).view(torch.uint8), arr.view(torch.uint8), group=self.data)
+        return rows
+
     def allreduce_max(self, vec: np.ndarray) -> None:
         dist.all_reduce(torch.from_numpy(vec), op=dist.ReduceOp.MAX, group=self.ctrl)
 
