@@ -268,6 +268,37 @@ def _rank_env() -> dict[str, str]:
     return env
 
 
+def _run_group(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run ``cmd`` in its own process group: ``(exit status, stderr)``, or ``(None, ...)``
+    after ``timeout`` seconds, with the whole group (torchrun and its ranks) stopped."""
+    from optcc_mpi.lab import launch
+
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, env=_rank_env(), text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            launch.stop_group(proc)
+            code = None
+        err.seek(0)
+        return code, err.read()
+
+
+def first_error(stderr: str) -> str:
+    """The line that says what went wrong: the first exception a rank raised (torchrun's
+    own summary comes after it and names only the launcher's error), else the last line."""
+    lines = stderr.strip().splitlines() or ["(no output)"]
+    for line in lines:
+        text = line.split("]:", 1)[-1].strip()  # torchrun prefixes "[rank0]:"
+        head = text.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and "ChildFailedError" not in head:
+            return text
+    return lines[-1]
+
+
 def _run_ranks(k: int, device: str, timeout: float, what: str) -> list[dict[str, Any]] | None:
     """Start ``scripts/gpu_check_rank.py`` on ``k`` ranks (a world of one over a FileStore,
     or torchrun); every rank's record, or None after printing why there is none."""
@@ -281,16 +312,12 @@ def _run_ranks(k: int, device: str, timeout: float, what: str) -> list[dict[str,
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={k}", str(RANK_SCRIPT), *args, "--ddp",
             ]  # fmt: skip
-        try:
-            res = subprocess.run(
-                cmd, timeout=timeout, env=_rank_env(), capture_output=True, text=True
-            )
-        except subprocess.TimeoutExpired:
-            _line("FAIL", what, f"timed out after {timeout:.0f}s")
+        code, err = _run_group(cmd, timeout)
+        if code is None:
+            _line("FAIL", what, f"timed out after {timeout:.0f}s (every rank stopped)")
             return None
-        if res.returncode != 0:
-            tail = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
-            _line("FAIL", what, f"exit {res.returncode}: {tail}")
+        if code != 0:
+            _line("FAIL", what, f"exit {code}: {first_error(err)}")
             return None
         try:
             return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(k)]
@@ -782,7 +809,31 @@ def check_timing(use_cpu: bool, repeats: int) -> bool:
         ratio=ratio,
         weight_gap=gap,
     )
+    if not use_cpu:  # give the memory back before the torch ranks start on this GPU
+        del ca, sgd, Y16, Y32, w_ca, w_sgd
+        xp.get_default_memory_pool().free_all_blocks()
     return True
+
+
+EPILOG = """\
+checks (--only), in order, and what each needs:
+  allreduce   every algorithm on CuPy arrays over MPI, 1 and 4 ranks     CuPy, MPI
+  gram        the bf16 GemmEx Gram against float64                        CuPy
+  training    recipe C training on the GPU against the CPU                CuPy, mpi4py
+  torch       the NCCL transport on CUDA tensors, a world of one          PyTorch (CUDA)
+  reductions  TorchOps on the GPU against NumPy's bits                    PyTorch (CUDA)
+  timing      one recipe-C CA-SGD step against fp32 SGD, CUDA events      CuPy, mpi4py
+  ranks       torchrun at 2..N GPUs over NCCL, no MPI; the DDP hook       PyTorch, 2+ GPUs
+A check whose libraries are missing prints SKIP with the reason; any FAIL exits 1.
+
+examples:
+  python scripts/gpu_check.py                                # all (make gpu-check)
+  python scripts/gpu_check.py --only torch,reductions,ranks --json out.json
+  python scripts/gpu_check.py --only timing --repeats 50
+  python scripts/gpu_check.py --cpu                          # test the script, no GPU
+
+docs/gpu/README.md says which checks have run on a GPU.
+"""
 
 
 def _selected(text: str) -> list[str]:
@@ -798,8 +849,8 @@ def _selected(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The checks, in order: " + ", ".join(CHECKS) + " (the module docstring of "
-        "scripts/gpu_check.py says what each does).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
     )
     ap.add_argument(
         "--cpu", action="store_true", help="run what can run without a GPU (test the script)"

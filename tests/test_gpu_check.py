@@ -15,6 +15,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -339,3 +340,37 @@ def test_torch_complex_sum_is_the_componentwise_sum() -> None:
     want = dst.numpy() + src.numpy()
     TorchOps(torch).reduce("sum", dst, src)
     assert dst.numpy().view(np.uint64).tolist() == want.view(np.uint64).tolist()
+
+
+def test_first_error_names_the_ranks_exception() -> None:
+    stderr = (
+        "W1204 12:00:00 torch/distributed/run.py: setting OMP_NUM_THREADS\n"
+        "[rank1]: Traceback (most recent call last):\n"
+        '[rank1]:   File "scripts/gpu_check_rank.py", line 9, in <module>\n'
+        "[rank1]: ValueError: boom on rank 1\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "============================================================\n"
+    )
+    assert gc.first_error(stderr) == "ValueError: boom on rank 1"
+    assert gc.first_error("just a line\nlast line\n") == "last line"
+    assert gc.first_error("") == "(no output)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_a_run_past_its_time_is_stopped_whole(tmp_path: Path) -> None:
+    """A launcher that outlives its time is stopped with its children (no orphan ranks)."""
+    pid_file = tmp_path / "child"
+    code, _ = gc._run_group(["sh", "-c", f"sleep 30 & echo $! > {pid_file}; wait"], timeout=1.0)
+    assert code is None
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
