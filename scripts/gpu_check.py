@@ -181,6 +181,9 @@ def check_algorithms(ranks: int, use_cpu: bool, timeout: float) -> bool:
         _line("FAIL", f"allreduce, {ranks} ranks", f"cannot start {cmd[0]}: {exc}")
         return False
     sys.stdout.write(res.stdout)
+    for text in res.stdout.splitlines():  # the ranks' lines, for --json (_line's columns)
+        if text[:4] in ("PASS", "FAIL"):
+            RECORD.append({"status": text[:4], "what": text[6:40].strip(), "detail": text[41:]})
     if res.returncode != 0:
         tail = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
         _line("FAIL", f"allreduce, {ranks} ranks", f"exit {res.returncode}: {tail}")
