@@ -34,6 +34,8 @@ help:
 	@echo "make demo-ompi the same under Open MPI"
 	@echo "make test      serial tests, the MPI tests at $(MPI_SIZES) ranks (MPICH), then"
 	@echo "               under Open MPI at $(OMPI_SIZES) ranks with the launching tests"
+	@echo "make gpu-check the GPU checks (CuPy and MPI; PyTorch with NCCL, 2+ GPUs for torchrun);"
+	@echo "               skips what is missing, exits 0 without a GPU (docs/gpu/README.md)"
 	@echo "make lint      ruff"
 	@echo "make pypi-check  every pinned requirement resolves from PyPI alone (needs PyPI; CI)"
 
@@ -137,8 +139,11 @@ bench-emulation: $(STAMP)
 	$(MPIEXEC) -n 8 $(PY) -m optcc_mpi bench -b 4M -e 16M -f 2 -n 3 -w 1 \
 	  --links 0:0.5 --emulate bw=50MB/s --out results/emulation-degraded.jsonl
 
-# One short check of the GPU paths (every algorithm on CuPy arrays at 1 and 4 ranks, the
-# bf16 GemmEx Gram, recipe C training); says so and exits 0 where no GPU is usable.
+# One short check of the GPU paths (docs/gpu/README.md): with CuPy, every algorithm on CuPy
+# arrays at 1 and 4 ranks, the bf16 GemmEx Gram, recipe C training, recipe C against fp32 SGD
+# timed; with PyTorch, the NCCL transport on CUDA tensors (a world of one, and torchrun at every
+# GPU count from 2) and the device reductions against NumPy's bits. Skips what its libraries
+# lack; says so and exits 0 where no GPU is usable.
 .PHONY: gpu-check
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py

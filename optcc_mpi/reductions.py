@@ -239,6 +239,11 @@ class TorchOps:
                 a = dst.float()
                 (a.add_ if op == "sum" else a.mul_)(src.float())
                 dst.copy_(a)  # round to nearest even, as ml_dtypes and NumPy do
+            elif op == "sum" and dst.is_complex():
+                # torch adds complex tensors as dst + alpha * src, and the product with
+                # alpha = 1 + 0j turns an infinite part into NaN (inf * 0) and -0.0 into
+                # +0.0: add the real and imaginary parts as the floats they are.
+                torch.view_as_real(dst).add_(torch.view_as_real(src))
             elif op == "sum":
                 dst.add_(src)
             else:
