@@ -82,9 +82,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = Path(__file__).resolve().with_name("gpu_check_rank.py")
 SIZES = (1, 4097, 1 << 18)  # elements: one, odd, and past the short-message threshold
 CHECKS = ("allreduce", "gram", "training", "torch", "reductions", "timing", "ranks")
-#: Host synchronisations a call that sent no messages may make: the short-message gather
-#: copies to the host and back (optcc_mpi.collectives._gather_reduce).
-SYNCS_WITHOUT_MESSAGES = 2
+#: Host synchronisations a call that sent no messages may make: none (short messages are
+#: gathered on the device, optcc_mpi.transports.torch.TorchTransport.gather_rows).
+SYNCS_WITHOUT_MESSAGES = 0
 #: The torch backend's dtypes (optcc_mpi.backend), each checked by ``reductions``.
 TORCH_DTYPES = (
     "bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32",
@@ -357,8 +357,11 @@ def row_problems(row: dict[str, Any], backend: str, p: int) -> list[str]:
             )
     elif p == 1 and (row["syncs"] or row["host_copies"]):
         out.append(f"{label}: {row['syncs']} host synchronisation(s) in a world of one")
-    elif row["syncs"] > SYNCS_WITHOUT_MESSAGES:
-        out.append(f"{label}: {row['syncs']} host synchronisations without messages")
+    elif row["syncs"] > SYNCS_WITHOUT_MESSAGES or row["host_copies"]:
+        out.append(
+            f"{label}: {row['syncs']} host synchronisation(s) and {row['host_copies']} copies "
+            "to the host without messages"
+        )
     return out
 
 
