@@ -566,15 +566,22 @@ def _run(st: CommState, call: _Call) -> None:
         # that what auto returns never depends on which calls came before.
         _gather_reduce(st, call.opn, call.flat_in, flat_out, backend)
         return
-    if not call.in_place:
+    # Out of place, the send buffer is read where the input is first needed (by the
+    # executor, by the keys' conversion) rather than copied into recvbuf first: one pass
+    # over memory less. A read-only one is copied: not every library sends from it.
+    source = None if call.in_place or not backend.writable(call.flat_in) else call.flat_in
+    if source is None and not call.in_place:
         backend.copyto(flat_out, call.flat_in)
     work = flat_out
     call.keyed = p > 1 and call.opn in ("max", "min") and backend.has_keys(flat_out.dtype)
     if call.keyed:
         # max/min on floats reduce order-preserving integer keys (optcc_mpi.reductions).
-        work = backend.to_keys(flat_out, call.opn)
+        work = backend.to_keys(flat_out, call.opn, source)
+        source = None
     call.work = work
     if p == 1:
+        if source is not None:
+            backend.copyto(flat_out, source)
         return
     pacer = call.emu.pacer(st.rank, p, call.link_obj) if call.emu is not None else None
     transport = st.transport
@@ -582,16 +589,21 @@ def _run(st: CommState, call: _Call) -> None:
     if coll_only and pacer is None and not transport.native(backend, wname, call.opn):
         # A library that cannot reduce this type as we do: every rank's data, reduced in
         # rank order on every rank.
-        _gather_reduce(st, call.opn, work, work, backend)
+        _gather_reduce(st, call.opn, work if source is None else source, work, backend)
         return
     if coll_only and pacer is None and not (backend.device and transport.sync_device):
-        # A schedule that is only the library's collective: call it directly.
+        # A schedule that is only the library's collective: call it directly (in place,
+        # as every rank must: MPI_IN_PLACE is all or none).
+        if source is not None:
+            backend.copyto(work, source)
         transport.allreduce_now(backend, work, wname, call.opn)
         return
     # Each rank reduces different parts: a floating-point warning or exception
     # (np.seterr) on one rank alone would leave the others waiting.
     with np.errstate(all="ignore"):
-        call.stats = execute(sched, work, comm=transport, op=call.opn, backend=backend, pacer=pacer)
+        call.stats = execute(
+            sched, work, comm=transport, op=call.opn, backend=backend, pacer=pacer, source=source
+        )
     if call.watched:
         _record_watch(st, call, sched, pacer)
 
