@@ -1,0 +1,212 @@
+"""Up to which size a short call gathers every rank's data: measured per communicator.
+
+A short ``auto`` call either carries its data in the argument check, so that every rank
+gathers every rank's contribution and reduces them in rank order (one collective, of p
+times the bytes: :mod:`optcc_mpi.protocol`), or sends only the check's header and then
+calls the library's own AllReduce (two collectives, of the message's bytes). Which is
+faster depends on the machine, the library and p: on one machine gathering 64 KiB at p = 2
+cost 1.1x ``MPI_Allreduce``, on another 1.85x. So the largest message that is gathered,
+the *gather limit*, is measured on each communicator the first time a call needs it
+(:func:`decide`): a power of two between :data:`~optcc_mpi.state.FOLD_MIN` and
+``FOLD_TOTAL / p``, cached on the communicator's state.
+
+The measurement (:func:`measure`) is collective and cheap (a few milliseconds once per
+communicator): for every room the check can have, the two ways of moving a message that
+fills it, each timed over a few calls, interleaved room by room and way by way so that both
+see the same load, repeated and the minimum kept (load only ever adds time). Every rank
+then takes the element-wise maximum over the ranks (a collective is as slow as its slowest
+member), so every rank holds the same numbers and takes the same decision
+(:func:`choose`): the largest limit whose worst case, the largest ratio over the sizes of
+its time to the faster way's, is within :data:`TOLERANCE` of the best limit's (preferring
+to gather: one collective, and a rank-order reduction). A decision made under a passing
+load spike is therefore only as wrong as the fastest of several repetitions was, and one
+disturbed size moves the limit only if that is the least bad way to serve all sizes.
+
+``$OPTCC_GATHER_LIMIT`` (a size, e.g. ``16K``; ``0`` for the least) fixes the limit
+instead: for results that must not depend on a measurement (the library's AllReduce may
+reduce in another order than rank order at p > 2), or to compare. It must be the same on
+every rank (checked when first used, with the same error on every rank). Over
+torch.distributed the limit stays ``FOLD_TOTAL / p`` unless set.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from optcc_mpi import config, fastcall
+from optcc_mpi.backend import NUMPY
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CommState
+from optcc_mpi.units import format_size, parse_size
+
+__all__ = [
+    "TOLERANCE",
+    "HEADER_BYTES",
+    "rooms",
+    "static",
+    "known",
+    "decide",
+    "measure",
+    "choose",
+    "describe",
+]
+
+#: A limit whose worst case is within this factor of the best is as good as the best
+#: (then the largest such limit is chosen: gathering is one collective).
+TOLERANCE = 1.05
+#: The check's header (:data:`optcc_mpi.protocol.HEADER_BYTES`; that module imports this
+#: one).
+HEADER_BYTES = 96
+#: Repetitions of the measurement, and calls timed together in each.
+REPEATS, CALLS = 5, 3
+
+
+def rooms(p: int) -> list[int]:
+    """The rooms the check can have on ``p`` ranks, smallest first."""
+    top = max(FOLD_MIN, FOLD_TOTAL // max(p, 1))
+    out = [FOLD_MIN]
+    while out[-1] * 2 <= top:
+        out.append(out[-1] * 2)
+    return out
+
+
+def static(p: int) -> int:
+    """The limit where nothing is measured: the largest room."""
+    return rooms(p)[-1]
+
+
+def known(st: CommState) -> int:
+    """The communicator's limit if decided, else the least (no collective)."""
+    return st.gather_limit if st.gather_limit is not None else FOLD_MIN
+
+
+def decide(st: CommState) -> int:
+    """The communicator's gather limit, decided now if it is not yet (collective then:
+    every rank must call it at the same call, which every rank does since the calls that
+    need it are agreed). Raises ArgumentError on every rank if ``$OPTCC_GATHER_LIMIT``
+    differs across ranks or does not parse."""
+    if st.gather_limit is not None:
+        return st.gather_limit
+    choices = rooms(st.size)
+    text = config.rc.gather_limit
+    wanted, err = -1, None
+    if text is not None:
+        try:
+            wanted = parse_size(text)
+        except ArgumentError as exc:
+            err = exc
+    # One small collective agrees on the setting, errors included, before anyone measures.
+    mine = np.array([wanted, -wanted, err is not None], dtype=np.int64)
+    st.transport.allreduce_max(mine)
+    if err is not None:
+        raise ArgumentError(f"$OPTCC_GATHER_LIMIT={text!r}: {err}")
+    if mine[2]:
+        raise ArgumentError("$OPTCC_GATHER_LIMIT does not parse on some rank")
+    if mine[0] != -mine[1]:
+        raise ArgumentError(
+            f"$OPTCC_GATHER_LIMIT differs across ranks (from {-mine[1]} to {mine[0]} bytes, "
+            "-1: unset); set it alike on every rank"
+        )
+    if wanted >= 0:
+        limit = max([c for c in choices if c <= wanted] or [FOLD_MIN])
+    elif st.transport.name != "mpi" or st.size < 2:
+        limit = choices[-1]
+    else:
+        gather, library = measure(st.transport, choices)
+        limit = choose(choices, gather, library)
+    st.gather_limit = limit
+    st.fast = None  # the compiled path's context is made again, with the limit
+    return limit
+
+
+def measure(transport: Any, sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds per call, for messages of each size, of the two ways (module docstring):
+    gathering the check's block with the data and reducing the rows in rank order, and
+    gathering the header then calling the library's AllReduce. The same arrays on every
+    rank (the maximum over the ranks of each rank's fastest repetition). Collective."""
+    best = _fastest(transport, sizes)
+    ns = np.ceil(best * 1e9).astype(np.int64).ravel()
+    transport.allreduce_max(ns)
+    ns = ns.reshape(2, len(sizes)).astype(np.float64) * 1e-9
+    return ns[0], ns[1]
+
+
+def _fastest(transport: Any, sizes: list[int]) -> np.ndarray:
+    """This rank's fastest repetition of each way at each size, shape (2, sizes)."""
+    p = transport.size
+    cases = []
+    for size in sizes:
+        n = size // 4
+        x = np.arange(n, dtype=np.float32)
+        block = np.zeros(HEADER_BYTES + size, dtype=np.uint8)
+        rows = np.zeros((p, block.size), dtype=np.uint8)
+        cases.append((x, np.empty_like(x), block, rows))
+    head = np.zeros(HEADER_BYTES + FOLD_MIN, dtype=np.uint8)
+    heads = np.zeros((p, head.size), dtype=np.uint8)
+    kind = fastcall.reduce_kind("float32")
+
+    def gathered(x: np.ndarray, y: np.ndarray, block: np.ndarray, rows: np.ndarray) -> None:
+        block[HEADER_BYTES:].view(np.float32)[:] = x
+        transport.allgather_block(block, rows)
+        if kind:
+            fastcall.sum_rows(kind, y, rows, HEADER_BYTES)
+        else:
+            np.add(
+                rows[0, HEADER_BYTES:].view(np.float32),
+                rows[1, HEADER_BYTES:].view(np.float32),
+                out=y,
+            )
+            for r in range(2, p):
+                np.add(y, rows[r, HEADER_BYTES:].view(np.float32), out=y)
+
+    def library(x: np.ndarray, y: np.ndarray, block: np.ndarray, rows: np.ndarray) -> None:
+        transport.allgather_block(head, heads)
+        np.copyto(y, x)
+        transport.allreduce_now(NUMPY, y, "float32", "sum")
+
+    best = np.full((2, len(sizes)), np.inf)
+    for case in cases:  # warm up: first-touch pages, the library's own set-up
+        gathered(*case)
+        library(*case)
+    clock = time.perf_counter
+    for _ in range(REPEATS):
+        for k, case in enumerate(cases):
+            for way, fn in enumerate((gathered, library)):
+                t0 = clock()
+                for _ in range(CALLS):
+                    fn(*case)
+                best[way, k] = min(best[way, k], (clock() - t0) / CALLS)
+    return best
+
+
+def choose(sizes: list[int], gather: Any, library: Any, tolerance: float = TOLERANCE) -> int:
+    """The gather limit from per-size times of the two ways (:func:`measure`): of the
+    limits ``sizes[j]`` (sizes up to it gathered, larger ones by the library), those whose
+    worst ratio to the faster way, over the sizes a limit decides (all but the least,
+    which is always gathered), is within ``tolerance`` of the least worst ratio; the
+    largest of them. Pure: the same numbers give the same limit."""
+    g = np.asarray(gather, dtype=np.float64)
+    lib = np.asarray(library, dtype=np.float64)
+    if len(sizes) == 0 or g.shape != (len(sizes),) or lib.shape != g.shape:
+        raise ArgumentError("choose: one time per size and way")
+    if len(sizes) == 1:
+        return int(sizes[0])
+    fastest = np.minimum(g, lib)
+    fastest = np.where(fastest > 0, fastest, np.finfo(float).tiny)
+    worst = []
+    for j in range(len(sizes)):
+        chosen = np.concatenate([g[: j + 1], lib[j + 1 :]])
+        worst.append(float(np.max((chosen / fastest)[1:])))
+    least = min(worst)
+    ok = [j for j, w in enumerate(worst) if w <= least * tolerance]
+    return int(sizes[max(ok)])
+
+
+def describe(st: CommState) -> str:
+    """One line on the communicator's limit, for messages and ``info``."""
+    if st.gather_limit is None:
+        return "gather limit not decided yet"
+    return f"gather limit {format_size(st.gather_limit)}"
