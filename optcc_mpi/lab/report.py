@@ -221,7 +221,7 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -
 # ----------------------------------------------------------------------------- plotting
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on cluster nodes or CI
@@ -250,7 +250,7 @@ _PALETTE = (
 )
 
 
-def _style(name: str) -> tuple[str, str]:
+def algorithm_style(name: str) -> tuple[str, str]:
 
     if name in STYLE:
         return STYLE[name]
@@ -319,7 +319,7 @@ def plot_overhead_vs_loss(rows: Sequence[Mapping[str, Any]], path: Path) -> Path
         == largest[(r.get("table"), r.get("array_job_id"), r.get("array_task_id"), r["algorithm"])]
     ]
     ps = sorted({int(r["p"]) for r in pts})
-    plt = _plt()
+    plt = pyplot()
     fig, axes = _grid(plt, len(ps))
     for ax, p in zip(axes, ps):
         mine = [r for r in pts if int(r["p"]) == p]
@@ -329,7 +329,7 @@ def plot_overhead_vs_loss(rows: Sequence[Mapping[str, Any]], path: Path) -> Path
         xmax = max(0.5, max(float(r["loss"]) for r in mine))
         grid = [i / 100 * xmax for i in range(0, 101)]
         for alg in algs:
-            color, marker = _style(alg)
+            color, marker = algorithm_style(alg)
             xs = [100 * float(r["loss"]) for r in mine if r["algorithm"] == alg]
             ys = [100 * (float(r["ratio_fault_free"]) - 1) for r in mine if r["algorithm"] == alg]
             ax.scatter(xs, ys, color=color, marker=marker, s=42, zorder=3, label=f"{alg} measured")
@@ -423,12 +423,12 @@ def plot_time_vs_size(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | N
     if not pts:
         return None
     keys = sorted({(int(r["p"]), round(float(r.get("loss") or 0), 4)) for r in pts})
-    plt = _plt()
+    plt = pyplot()
     fig, axes = _grid(plt, len(keys))
     for ax, (p, loss) in zip(axes, keys):
         mine = [r for r in pts if int(r["p"]) == p and round(float(r.get("loss") or 0), 4) == loss]
         for alg in sorted({r["algorithm"] for r in mine}, key=lambda a: (a == REFERENCE, a)):
-            color, marker = _style(alg)
+            color, marker = algorithm_style(alg)
             by_size: dict[float, list[float]] = defaultdict(list)
             model_us: dict[float, list[float]] = defaultdict(list)
             for r in mine:
@@ -525,7 +525,7 @@ def plot_casgd_loss(histories: Sequence[Mapping[str, Any]], path: Path) -> Path 
     keys = sorted(
         {(str(h.get("dataset") or h.get("data") or "?"), int(h.get("p") or 0)) for h in runs}
     )
-    plt = _plt()
+    plt = pyplot()
     fig, axes = _grid(plt, len(keys), w=6.0)
     for ax, (data, p) in zip(axes, keys):
         mine = [
@@ -581,7 +581,7 @@ def plot_casgd_speedup(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | 
     for r in runs:
         key = (str(r.get("dataset")), r.get("p"), r.get("b"), r.get("recipe"), r.get("algorithm"))
         groups[key].append(r)
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.8, 4.6))
     all_s: set[int] = set()
     plotted = 0
@@ -735,7 +735,7 @@ def plot_links(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str
     runs = [r for r in link_runs(records) if any(x.get("fractions") for x in r)]
     if not runs:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(
         2 * len(runs), 1, figsize=(10, 4.2 * len(runs)), squeeze=False,
         gridspec_kw={"height_ratios": [4, 1] * len(runs)},
@@ -811,7 +811,7 @@ def plot_links(records: Sequence[Mapping[str, Any]], path: str | os.PathLike[str
             a = str(r["algorithm"]) + (" (explore)" if r.get("explore") else "")
             x0 = starts[i]
             x1 = starts[i + 1] if i + 1 < len(calls) else t_end
-            colour = _style(str(r["algorithm"]))[0]
+            colour = algorithm_style(str(r["algorithm"]))[0]
             strip.axvspan(x0, x1, color=colour, alpha=0.35 if r.get("explore") else 0.8,
                           label=a if a not in seen else None)  # fmt: skip
             seen[a] = True

@@ -21,7 +21,7 @@ from typing import Any
 
 from optcc_mpi import algorithms, model
 from optcc_mpi import algorithms as registry
-from optcc_mpi.lab.report import _plt, _style
+from optcc_mpi.lab.report import algorithm_style, pyplot
 from optcc_mpi.links import Links
 from optcc_mpi.progress import Progress
 from optcc_mpi.simulate import simulate
@@ -405,7 +405,7 @@ def plot_reproduction(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike
     the models (lines) and the simulations (filled markers), the simulation at the largest
     loss (hollow markers), the lower bound, and the paper's claims as a band and a line.
     """
-    plt = _plt()
+    plt = pyplot()
     gs = sorted({r["gpus_per_server"] for r in rows})
     xmax = max(r["loss"] for r in rows)
     fig, axes = plt.subplots(1, len(gs), figsize=(6.2 * len(gs), 5.6), squeeze=False)
@@ -437,7 +437,7 @@ def plot_reproduction(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike
         for alg in ("ring", "r2ccl", "optcc"):
             if not any(r["algorithm"] == alg for r in rows):
                 continue
-            color, marker = _style(alg)
+            color, marker = algorithm_style(alg)
             ym = [_cell(rows, g, p, alg, "overhead_model") for p in ps]
             ax.plot(
                 ps, [100 * v for v in ym], color=color, lw=1.6, label=f"{alg} model, worst loss"

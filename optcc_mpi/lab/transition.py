@@ -36,7 +36,7 @@ from optcc_mpi.argtypes import StoreTyped, alias, emulation_arg, links_arg, posi
 from optcc_mpi.collectives import last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.lab import testbed as tb
-from optcc_mpi.lab.report import _style
+from optcc_mpi.lab.report import algorithm_style
 from optcc_mpi.links import Links
 from optcc_mpi.state import state_of
 
@@ -146,7 +146,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
             ax.axvspan(min(xs) - 0.5, max(xs) + 0.5, color=shade, label=f"{phase} (truth)")
     ax.plot(calls, [1e3 * r["time_s"] for r in rows], color="0.6", lw=1, zorder=1)
     for alg in sorted({r["algorithm"] for r in rows}):
-        color, marker = _style(alg)
+        color, marker = algorithm_style(alg)
         pts = [(r["call"], 1e3 * r["time_s"]) for r in rows if r["algorithm"] == alg]
         ax.scatter(*zip(*pts), color=color, marker=marker, zorder=3, label=f"auto ran {alg}")
     ref = [1e3 * r["ring_same_network_s"] for r in rows]
