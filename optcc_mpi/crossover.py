@@ -10,17 +10,27 @@ the *gather limit*, is measured on each communicator the first time a call needs
 (:func:`decide`): a power of two between :data:`~optcc_mpi.state.FOLD_MIN` and
 ``FOLD_TOTAL / p``, cached on the communicator's state.
 
-The measurement (:func:`measure`) is collective and cheap (a few milliseconds once per
-communicator): for every room the check can have, the two ways of moving a message that
-fills it, each timed over a few calls, interleaved room by room and way by way so that both
-see the same load, repeated and the minimum kept (load only ever adds time). Every rank
-then takes the element-wise maximum over the ranks (a collective is as slow as its slowest
-member), so every rank holds the same numbers and takes the same decision
-(:func:`choose`): the largest limit whose worst case, the largest ratio over the sizes of
-its time to the faster way's, is within :data:`TOLERANCE` of the best limit's (preferring
-to gather: one collective, and a rank-order reduction). A decision made under a passing
-load spike is therefore only as wrong as the fastest of several repetitions was, and one
-disturbed size moves the limit only if that is the least bad way to serve all sizes.
+The measurement (:func:`measure`) is collective and cheap (about 3 ms at p = 2 on shared
+memory, once per communicator): for every room the check can have, the two ways of moving
+a message that fills it, each timed over a few calls, back to back, room by room, in a few
+repetitions. Every rank takes the element-wise maximum over the ranks of the times (a
+collective is as slow as its slowest member), so every rank holds the same numbers and
+takes the same decisions from them:
+
+* per size, a verdict (:func:`verdicts`): the median over the repetitions of the ratio of
+  the two ways' times *in the same repetition* (both saw the same load), if the
+  repetitions agree on which way is faster (:data:`AGREE` of them), else a tie;
+* repetitions are added while some size has no verdict, up to :data:`MOST` or
+  :data:`BUDGET` seconds of measuring (fewer than :data:`FIRST`: no verdicts at all);
+* the limit (:func:`choose`): the largest whose worst case, the largest ratio over the
+  sizes of its time to the faster way's, is within :data:`TOLERANCE` of the best limit's
+  (preferring to gather: one collective, and a rank-order reduction).
+
+Under load, repetitions disturbed at random disagree, and a size without a verdict counts
+as a tie, which leaves it to gathering (what every call did before anything was
+measured); one disturbed repetition cannot flip a verdict, and one disturbed size moves
+the limit only if that is the least bad way to serve all sizes. The measurement stops
+after its budget however loaded the machine is.
 
 ``$OPTCC_GATHER_LIMIT`` (a size, e.g. ``16K``; ``0`` for the least) fixes the limit
 instead: for results that must not depend on a measurement (the library's AllReduce may
@@ -50,6 +60,7 @@ __all__ = [
     "known",
     "decide",
     "measure",
+    "verdicts",
     "choose",
     "describe",
 ]
@@ -60,8 +71,12 @@ TOLERANCE = 1.05
 #: The check's header (:data:`optcc_mpi.protocol.HEADER_BYTES`; that module imports this
 #: one).
 HEADER_BYTES = 96
-#: Repetitions of the measurement, and calls timed together in each.
-REPEATS, CALLS = 5, 3
+#: Calls timed together; the least repetitions for a verdict, and the most.
+CALLS, FIRST, MOST = 3, 3, 15
+#: Seconds of measuring (the agreed times, summed) after which no repetition is added.
+BUDGET = 0.05
+#: Share of the repetitions that must agree on which way is faster at a size.
+AGREE = 0.75
 
 
 def rooms(p: int) -> list[int]:
@@ -115,35 +130,67 @@ def decide(st: CommState) -> int:
     elif st.transport.name != "mpi" or st.size < 2:
         limit = choices[-1]
     else:
-        gather, library = measure(st.transport, choices)
-        limit = choose(choices, gather, library)
+        ratio = verdicts(measure(st.transport, choices))
+        limit = choose(choices, ratio, np.ones_like(ratio))
     st.gather_limit = limit
     st.fast = None  # the compiled path's context is made again, with the limit
     return limit
 
 
-def measure(transport: Any, sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds per call, for messages of each size, of the two ways (module docstring):
-    gathering the check's block with the data and reducing the rows in rank order, and
-    gathering the header then calling the library's AllReduce. The same arrays on every
-    rank (the maximum over the ranks of each rank's fastest repetition). Collective."""
-    best = _fastest(transport, sizes)
-    ns = np.ceil(best * 1e9).astype(np.int64).ravel()
-    transport.allreduce_max(ns)
-    ns = ns.reshape(2, len(sizes)).astype(np.float64) * 1e-9
-    return ns[0], ns[1]
+def measure(transport: Any, sizes: list[int]) -> np.ndarray:
+    """Seconds per call of the two ways (module docstring) at each size, per repetition:
+    shape (repetitions, 2, sizes), way 0 gathering the check's block with the data and
+    reducing the rows in rank order, way 1 gathering the header then calling the library's
+    AllReduce. Each entry is the maximum over the ranks (a collective is as slow as its
+    slowest member), so every rank holds the same array. Repetitions are added one at a
+    time until every size has a verdict (:func:`verdicts`; at least :data:`FIRST`
+    repetitions), up to :data:`MOST` of them or :data:`BUDGET` seconds of measuring; the
+    decision to go on is taken from the agreed times, so every rank takes it alike.
+    Collective."""
+    cases = _cases(transport, sizes)
+    runs: list[np.ndarray] = []
+    while True:
+        ns = np.ceil(_repetition(cases) * 1e9).astype(np.int64)
+        transport.allreduce_max(ns)
+        runs.append(ns.reshape(1, 2, len(sizes)).astype(np.float64) * 1e-9)
+        times = np.concatenate(runs)
+        spent = float(times.sum()) * CALLS
+        if len(times) >= MOST or spent >= BUDGET:
+            return times
+        if len(times) >= FIRST and _settled(times):
+            return times
 
 
-def _fastest(transport: Any, sizes: list[int]) -> np.ndarray:
-    """This rank's fastest repetition of each way at each size, shape (2, sizes)."""
+def verdicts(times: np.ndarray) -> np.ndarray:
+    """Per size, how much slower gathering is than the library way (< 1: faster): the
+    median over the repetitions of the ratio of the two ways' times in the same
+    repetition (so that both saw the same load), or 1 (a tie) where the repetitions do not
+    agree on which is faster, or are fewer than :data:`FIRST` (the budget ran out first):
+    load that disturbs the measurement leaves those sizes to gathering, as they were
+    before anything was measured."""
+    ratio = times[:, 0, :] / np.maximum(times[:, 1, :], 1e-12)
+    median = np.median(ratio, axis=0)
+    if len(times) < FIRST:
+        return np.ones_like(median)
+    return np.where(_agreed(ratio, median), median, 1.0)
+
+
+def _agreed(ratio: np.ndarray, median: np.ndarray) -> np.ndarray:
+    """Per size: the repetitions agree (AGREE of them on the median's side of 1), or it is
+    a tie within TOLERANCE (either way is as good)."""
+    tie = np.abs(np.log(np.maximum(median, 1e-12))) <= np.log(TOLERANCE)
+    side = (ratio < 1) == (median < 1)
+    return tie | (side.mean(axis=0) >= AGREE)
+
+
+def _settled(times: np.ndarray) -> bool:
+    ratio = times[:, 0, :] / np.maximum(times[:, 1, :], 1e-12)
+    return bool(np.all(_agreed(ratio, np.median(ratio, axis=0))))
+
+
+def _cases(transport: Any, sizes: list[int]) -> list[Any]:
+    """Buffers for both ways at each size, and the two ways as functions."""
     p = transport.size
-    cases = []
-    for size in sizes:
-        n = size // 4
-        x = np.arange(n, dtype=np.float32)
-        block = np.zeros(HEADER_BYTES + size, dtype=np.uint8)
-        rows = np.zeros((p, block.size), dtype=np.uint8)
-        cases.append((x, np.empty_like(x), block, rows))
     head = np.zeros(HEADER_BYTES + FOLD_MIN, dtype=np.uint8)
     heads = np.zeros((p, head.size), dtype=np.uint8)
     kind = fastcall.reduce_kind("float32")
@@ -167,19 +214,30 @@ def _fastest(transport: Any, sizes: list[int]) -> np.ndarray:
         np.copyto(y, x)
         transport.allreduce_now(NUMPY, y, "float32", "sum")
 
-    best = np.full((2, len(sizes)), np.inf)
-    for case in cases:  # warm up: first-touch pages, the library's own set-up
-        gathered(*case)
-        library(*case)
+    cases = []
+    for size in sizes:
+        x = np.arange(size // 4, dtype=np.float32)
+        block = np.zeros(HEADER_BYTES + size, dtype=np.uint8)
+        args = (x, np.empty_like(x), block, np.zeros((p, block.size), dtype=np.uint8))
+        gathered(*args)  # warm up: first-touch pages, the library's own set-up
+        library(*args)
+        cases.append((args, gathered, library))
+    return cases
+
+
+def _repetition(cases: list[Any]) -> np.ndarray:
+    """This rank's seconds per call in one repetition, shape (2 * sizes,): size by size,
+    the two ways back to back (each over CALLS calls); way 0's sizes first."""
+    n = len(cases)
+    out = np.empty(2 * n)
     clock = time.perf_counter
-    for _ in range(REPEATS):
-        for k, case in enumerate(cases):
-            for way, fn in enumerate((gathered, library)):
-                t0 = clock()
-                for _ in range(CALLS):
-                    fn(*case)
-                best[way, k] = min(best[way, k], (clock() - t0) / CALLS)
-    return best
+    for k, (args, gathered, library) in enumerate(cases):
+        for way, fn in enumerate((gathered, library)):
+            t0 = clock()
+            for _ in range(CALLS):
+                fn(*args)
+            out[way * n + k] = (clock() - t0) / CALLS
+    return out
 
 
 def choose(sizes: list[int], gather: Any, library: Any, tolerance: float = TOLERANCE) -> int:

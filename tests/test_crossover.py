@@ -100,22 +100,70 @@ def setting(monkeypatch: pytest.MonkeyPatch):
     return set_to
 
 
+def _made_up(monkeypatch: pytest.MonkeyPatch, repetitions: list[np.ndarray]) -> list[int]:
+    """The measurement's repetitions replaced by ``repetitions`` (each (2, sizes)), in
+    turn; returns the list the number of repetitions taken is appended to."""
+    taken: list[int] = []
+    monkeypatch.setattr(crossover, "_cases", lambda transport, sizes: [None] * len(sizes))
+
+    def one(cases: list[Any]) -> np.ndarray:
+        taken.append(1)
+        return repetitions[(len(taken) - 1) % len(repetitions)].ravel()
+
+    monkeypatch.setattr(crossover, "_repetition", one)
+    return taken
+
+
 def test_decide_measures_once(setting: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     setting(None)
-    calls = []
-
-    def fake(transport: Any, sizes: list[int]) -> np.ndarray:
-        calls.append(sizes)
-        return np.stack(_times(8192))
-
-    monkeypatch.setattr(crossover, "_fastest", fake)
+    taken = _made_up(monkeypatch, [np.stack(_times(8192))])
     st = _state(_Wire())
     assert crossover.known(st) == FOLD_MIN  # not decided yet: the least room
     assert crossover.decide(st) == 8192
+    assert len(taken) == crossover.FIRST  # every repetition agreed: no more taken
+    assert st.transport.maxed == 1 + crossover.FIRST  # the setting, then each repetition
     assert st.fast is None  # the compiled path's context is made again with the limit
-    assert crossover.decide(st) == 8192 and len(calls) == 1
+    assert crossover.decide(st) == 8192 and len(taken) == crossover.FIRST
     assert crossover.known(st) == 8192
-    assert "8 KiB" in crossover.describe(st) or "8K" in crossover.describe(st)
+    assert "8KiB" in crossover.describe(st)
+
+
+def test_repetitions_that_disagree_leave_sizes_to_gathering(
+    setting: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Load that makes the repetitions disagree (here: from 2 KiB up the faster way
+    alternates) gives those sizes no verdict: they are gathered, as before any
+    measurement; more repetitions were tried first."""
+    setting(None)
+    a = np.stack(_times(1024))  # the library faster from 2 KiB
+    b = np.stack(_times(1 << 20))  # gathering faster everywhere
+    taken = _made_up(monkeypatch, [a, b])
+    assert crossover.decide(_state(_Wire())) == crossover.static(2)
+    assert crossover.FIRST < len(taken) <= crossover.MOST  # (or until the budget ran out)
+    # Three of four repetitions agreeing is a verdict.
+    taken = _made_up(monkeypatch, [a, a, a, b])
+    assert crossover.decide(_state(_Wire())) == 1024
+
+
+def test_the_budget_bounds_the_measurement(setting: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine so loaded that one repetition takes the whole budget, measuring stops
+    there, and with too few repetitions for any verdict every size is gathered."""
+    setting(None)
+    slow = np.stack(_times(1024)) * (crossover.BUDGET / 1e-4)
+    taken = _made_up(monkeypatch, [slow])
+    assert crossover.decide(_state(_Wire())) == crossover.static(2)
+    assert len(taken) == 1
+
+
+def test_verdicts() -> None:
+    """The median of the per-repetition ratios where at least AGREE of the repetitions
+    agree on the faster way (or the two are within TOLERANCE), else a tie."""
+    g = np.array([[1.0, 1.0, 2.0], [1.0, 3.0, 2.0], [1.0, 1.0, 2.0], [1.0, 3.0, 0.5]])
+    times = np.stack([g, np.full_like(g, 2.0)], axis=1)  # library: 2.0 everywhere
+    v = crossover.verdicts(times)
+    np.testing.assert_allclose(v, [0.5, 1.0, 1.0])  # 0.5: all agree; then 2 of 4; then 3
+    # of 4 agree on "tie" (1.0): a tie
+    assert crossover.verdicts(times[:2]).tolist() == [1.0, 1.0, 1.0]  # too few to judge
 
 
 @pytest.mark.parametrize(
@@ -125,7 +173,7 @@ def test_setting_fixes_the_limit(
     setting: Any, monkeypatch: pytest.MonkeyPatch, text: str, limit: int
 ) -> None:
     setting(text)
-    monkeypatch.setattr(crossover, "_fastest", lambda *a: pytest.fail("measured"))
+    monkeypatch.setattr(crossover, "_cases", lambda *a: pytest.fail("measured"))
     assert crossover.decide(_state(_Wire())) == limit
 
 
@@ -139,5 +187,5 @@ def test_bad_setting(setting: Any) -> None:
 
 def test_nothing_measured_over_torch(setting: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     setting(None)
-    monkeypatch.setattr(crossover, "_fastest", lambda *a: pytest.fail("measured"))
+    monkeypatch.setattr(crossover, "_cases", lambda *a: pytest.fail("measured"))
     assert crossover.decide(_state(_Wire("gloo", 4))) == FOLD_TOTAL // 4

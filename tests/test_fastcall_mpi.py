@@ -252,27 +252,29 @@ def test_gather_limit_is_measured_once_and_agreed(fresh: Any) -> None:
 
 
 def test_every_rank_takes_the_same_decision(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each rank measures its own times (here: made up, different on every rank, the
-    library faster from 4 KiB on rank 0 only); all ranks decide alike, from the maximum
-    over the ranks."""
+    """Each rank measures its own times (here: made up, different on every rank; only on
+    rank 0 is the library faster above some size); all ranks decide alike, from the
+    maximum over the ranks of every repetition."""
     rank, p = fresh.Get_rank(), fresh.Get_size()
     if p == 1 or p > collectives.GATHER_MAX_P:
         pytest.skip("gathering needs 2 to GATHER_MAX_P ranks")
     sizes = crossover.rooms(p)
+    n = np.asarray(sizes, dtype=np.float64)
 
-    def made_up(transport: Any, sizes: list[int]) -> np.ndarray:
-        n = np.asarray(sizes, dtype=np.float64)
-        gather = 1e-6 + n * (3e-10 if rank == 0 else 1e-10) * (1 + rank)
-        library = 2e-6 + n * 1e-10 * (1 + rank)
-        return np.stack([gather, library])
+    def made_up(r: int) -> np.ndarray:
+        gather = 1e-6 + n * 1e-10 * (1 + r) + (n * 5e-10 * p if r == 0 else 0)
+        library = 2e-6 + n * 1e-10 * (1 + r)
+        return np.concatenate([gather, library])
 
-    monkeypatch.setattr(crossover, "_fastest", made_up)
+    monkeypatch.setattr(crossover, "_repetition", lambda cases: made_up(rank))
     limit = collectives.gather_limit(fresh)
     assert len(set(fresh.allgather(limit))) == 1
-    # What every rank must have decided: choose() on the element-wise maximum.
-    times = np.array(fresh.allgather(made_up(None, sizes)))
-    want = crossover.choose(sizes, *np.ceil(times.max(axis=0) * 1e9) * 1e-9)
-    assert limit == want
+    # What every rank must have decided: on the element-wise maximum over the ranks.
+    agreed = np.max([np.ceil(made_up(r) * 1e9) for r in range(p)], axis=0) * 1e-9
+    times = np.repeat(agreed.reshape(1, 2, len(sizes)), crossover.FIRST, axis=0)
+    ratio = crossover.verdicts(times)
+    assert limit == crossover.choose(sizes, ratio, np.ones_like(ratio))
+    assert limit < sizes[-1]  # (rank 0's times made the library win somewhere)
 
 
 def _exact(dtype: str, n: int, rank: int) -> np.ndarray:
