@@ -22,15 +22,15 @@ takes the same decisions from them:
   repetitions agree on which way is faster (:data:`AGREE` of them), else a tie;
 * repetitions are added while some size has no verdict, up to :data:`MOST` or
   :data:`BUDGET` seconds of measuring (fewer than :data:`FIRST`: no verdicts at all);
-* the limit (:func:`choose`): the largest whose worst case, the largest ratio over the
-  sizes of its time to the faster way's, is within :data:`TOLERANCE` of the best limit's
-  (preferring to gather: one collective, and a rank-order reduction).
+* the limit (:func:`choose`): the one that costs least in all, summed over the sizes, of
+  being slower than the faster way by more than :data:`TOLERANCE`; among equals the
+  largest (preferring to gather: one collective, and a rank-order reduction).
 
 Under load, repetitions disturbed at random disagree, and a size without a verdict counts
 as a tie, which leaves it to gathering (what every call did before anything was
-measured); one disturbed repetition cannot flip a verdict, and one disturbed size moves
-the limit only if that is the least bad way to serve all sizes. The measurement stops
-after its budget however loaded the machine is.
+measured); one disturbed repetition cannot flip a verdict, and one disturbed size cannot
+move the limit past sizes measured clearly. The measurement stops after its budget however
+loaded the machine is.
 
 ``$OPTCC_GATHER_LIMIT`` (a size, e.g. ``16K``; ``0`` for the least) fixes the limit
 instead: for results that must not depend on a measurement (the library's AllReduce may
@@ -241,26 +241,27 @@ def _repetition(cases: list[Any]) -> np.ndarray:
 
 
 def choose(sizes: list[int], gather: Any, library: Any, tolerance: float = TOLERANCE) -> int:
-    """The gather limit from per-size times of the two ways (:func:`measure`): of the
-    limits ``sizes[j]`` (sizes up to it gathered, larger ones by the library), those whose
-    worst ratio to the faster way, over the sizes a limit decides (all but the least,
-    which is always gathered), is within ``tolerance`` of the least worst ratio; the
-    largest of them. Pure: the same numbers give the same limit."""
+    """The gather limit from per-size times (or ratios) of the two ways: of the limits
+    ``sizes[j]`` (sizes up to it gathered, larger ones by the library), one whose total
+    excess is least, the largest of them. A size's excess is how much slower its way is
+    than the faster one, as a logarithm, beyond ``tolerance`` (within it, the two are as
+    good); the least size is gathered under every limit and does not count. Summing
+    rather than taking the worst size keeps one disturbed size from moving the limit
+    past sizes that were measured clearly. Pure: the same numbers give the same limit."""
     g = np.asarray(gather, dtype=np.float64)
     lib = np.asarray(library, dtype=np.float64)
     if len(sizes) == 0 or g.shape != (len(sizes),) or lib.shape != g.shape:
         raise ArgumentError("choose: one time per size and way")
-    if len(sizes) == 1:
-        return int(sizes[0])
-    fastest = np.minimum(g, lib)
-    fastest = np.where(fastest > 0, fastest, np.finfo(float).tiny)
-    worst = []
-    for j in range(len(sizes)):
-        chosen = np.concatenate([g[: j + 1], lib[j + 1 :]])
-        worst.append(float(np.max((chosen / fastest)[1:])))
-    least = min(worst)
-    ok = [j for j, w in enumerate(worst) if w <= least * tolerance]
-    return int(sizes[max(ok)])
+    fastest = np.maximum(np.minimum(g, lib), np.finfo(float).tiny)
+    slack = np.log(tolerance)
+    over_g = np.maximum(np.log(g / fastest) - slack, 0.0)[1:]
+    over_l = np.maximum(np.log(lib / fastest) - slack, 0.0)[1:]
+    # score[j]: sizes 1..j gathered, j+1.. by the library
+    score = np.concatenate([[0.0], np.cumsum(over_g)]) + np.concatenate(
+        [np.cumsum(over_l[::-1])[::-1], [0.0]]
+    )
+    best = np.flatnonzero(score <= score.min() + 1e-12)
+    return int(sizes[int(best.max())])
 
 
 def describe(st: CommState) -> str:

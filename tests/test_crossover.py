@@ -51,10 +51,11 @@ def test_one_way_always_faster() -> None:
 
 
 def test_a_spike_at_one_size_does_not_move_the_limit() -> None:
-    """A repetition disturbed at one size (a spike in one way's fastest time) costs a
-    little at that size; switching the limit for it would cost more elsewhere."""
-    gather, library = _times(32768, spike={2048: 3.0})
-    assert crossover.choose(SIZES, gather, library) == 32768
+    """One size measured slow for gathering (disturbed, or a library's own threshold)
+    costs a little at that size; a limit below it would cost more at every size above."""
+    gather, library = _times(65536, spike={8192: 4.5})
+    assert gather[SIZES.index(8192)] > 1.3 * library[SIZES.index(8192)]
+    assert crossover.choose(SIZES, gather, library) == 65536
 
 
 def test_near_ties_go_to_gathering() -> None:
@@ -64,6 +65,9 @@ def test_near_ties_go_to_gathering() -> None:
     library = gather / 1.03  # 3% faster everywhere: within TOLERANCE
     assert crossover.choose(SIZES, gather, library) == SIZES[-1]
     assert crossover.choose(SIZES, gather, gather / 1.2) == SIZES[0]
+    # Faster by 10% from 16 KiB on: the library from there.
+    library = np.where(n >= 16384, gather / 1.1, gather * 1.5)
+    assert crossover.choose(SIZES, gather, library) == 8192
 
 
 def test_choose_refuses_mismatched_times() -> None:
