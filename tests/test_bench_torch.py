@@ -262,3 +262,33 @@ def test_bench_over_gloo_crosses_the_shaped_links(tmp_path: Path) -> None:
         assert tb.current(name).degrade == {0: 0.5}  # the shaping is back after the reference
     finally:
         tb.down(name, kill=True)
+
+
+# ------------------------------------------------------------------------------- example
+
+
+@pytest.mark.timeout(600)
+def test_example_trains_under_torchrun_without_mpi() -> None:
+    example = ROOT / "examples" / "train_ddp.py"
+    done = torchrun(
+        2, str(NO_MPI), str(example), "--epochs", "2",
+        "--links", "1:0.5", "--data", "synthetic", "--compare",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "parameters identical on all 2 ranks: True" in done.stdout
+    assert "links 1:0.5" in done.stdout and "DDP's own all-reduce" in done.stdout
+
+
+@pytest.mark.timeout(600)
+def test_example_trains_under_mpiexec() -> None:
+    pytest.importorskip("mpi4py")
+    from optcc_mpi.lab import launch
+
+    cmd = [*launch.launcher().argv(2), sys.executable, "-m", "mpi4py"]
+    cmd += [str(ROOT / "examples" / "train_ddp.py"), "--epochs", "1", "--data", "synthetic"]
+    cmd += ["--links", "watch", "--algorithm", "ring"]
+    env = launch.clean_env(_env(MPIR_CVAR_CH4_PROGRESS_THROTTLE="1"))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "parameters identical on all 2 ranks: True" in done.stdout
+    assert "ring, links" in done.stdout
