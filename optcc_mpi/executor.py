@@ -608,10 +608,14 @@ class _Run:
         lowest level, which cannot deadlock (module docstring), and no wait outlasts a
         timer, so every timer fires."""
         level = self.plan.level
+        # The lowest level; among equals the first in program order: within a queue
+        # messages complete in posting order, so waiting for a later one first would
+        # leave an earlier one's completion (and what it frees) unseen meanwhile.
         best, j_best = None, -1
         for j, i in enumerate(self.req_op):
-            if best is None or level[i] < best:
-                best, j_best = level[i], j
+            key = (level[i], i)
+            if best is None or key < best:
+                best, j_best = key, j
         bg = self.__dict__.setdefault("_bg", {})  # op -> future of its helper's wait
         if self.timers:
             due = self.timers[0][0]  # a heap: the earliest timer
@@ -691,7 +695,9 @@ def _waiter() -> ThreadPoolExecutor:
     (:meth:`_Run.wait_ordered`). A request's wait releases the interpreter lock (gloo's
     does), so the loop runs while they block. Several threads: a request handed over and
     not yet complete when a timer fired keeps its thread, and a request of a lower level
-    posted since needs another."""
+    posted since needs another. Threads are made only when none is idle; the bound is far
+    above the requests a call has in flight, so that a request handed over is always
+    being waited for (one queued behind blocked threads could be what they wait for)."""
     if not _WAITER:
-        _WAITER.append(ThreadPoolExecutor(max_workers=64, thread_name_prefix="optcc-wait"))
+        _WAITER.append(ThreadPoolExecutor(max_workers=1024, thread_name_prefix="optcc-wait"))
     return _WAITER[0]
