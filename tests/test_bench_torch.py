@@ -86,6 +86,21 @@ def test_mpi_under_torchrun_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         world.start("nccl-over-pigeons")
 
 
+def test_testbed_jobs_bind_gloo_to_the_shaped_interface() -> None:
+    """Both launchers give every rank GLOO_SOCKET_IFNAME=eth0, so a gloo group started
+    inside a testbed job uses the shaped veth (the root test below checks the bytes)."""
+    from optcc_mpi.lab import testbed as tb
+
+    bed = tb.Testbed(name="optcctbargv", ranks=4, rate_bit=400_000_000)
+    hydra = bed.launch_argv(["prog"], mpiexec=("/x/bin/mpiexec", "hydra"))
+    genv = {hydra[i + 1]: hydra[i + 2] for i, a in enumerate(hydra) if a == "-genv"}
+    assert genv["GLOO_SOCKET_IFNAME"] == tb.RANK_DEV
+    ompi = bed.launch_argv(["prog"], mpiexec=("/x/bin/mpiexec", "openmpi"))
+    assert f"GLOO_SOCKET_IFNAME={tb.RANK_DEV}" in [
+        ompi[i + 1] for i, a in enumerate(ompi) if a == "-x"
+    ]
+
+
 # ------------------------------------------------------------------------------- bench
 
 
