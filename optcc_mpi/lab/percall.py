@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+import optcc_mpi
 from optcc_mpi.argtypes import int_at_least, sizes_arg
 
 __all__ = ["measure", "add_arguments", "run_args", "main", "SUMMARY"]
@@ -64,8 +65,6 @@ def measure(comm: Any, sizes: list[int], iters: int, batch: int, p2p: bool) -> l
     """Time the variants (module docstring) at each size in bytes (float32 elements);
     collective. Returns one row per (size, variant) on every rank."""
     from mpi4py import MPI
-
-    import optcc_mpi
 
     mine = comm.Dup()  # the user's traffic of the baselines: not on our private duplicate
     rows = []
