@@ -69,6 +69,8 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as _FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -829,21 +831,49 @@ class _Run:
         return self.remove(idx)
 
     def wait_ordered(self) -> list[int]:
-        """The lowest-level pending thing: a timer (slept for) or a request (waited for).
-        A timer holds a paced send or a deferred completion, which lower levels may need
-        before a request of a higher level can complete."""
+        """The lowest-level request, waited for; with timers pending (a pacer), waited for
+        only until the next timer is due.
+
+        A request of this transport reports its completion only when waited for, and a
+        wait cannot be cut short, so while timers are pending (a paced send, a deferred
+        completion) the wait runs on a helper thread (:func:`_waiter`) and the loop waits
+        for that thread until the earliest timer: timers fire on time, and a message
+        that completed is seen when it completes, not after a sleep (a message from a
+        fast rank timed at the pace of this rank's slow send would make a fast link look
+        slow). Without timers the request is waited for here (the helper's hand-off costs
+        tens of microseconds). Either way the request waited for is the outstanding one of
+        lowest level, which cannot deadlock (module docstring), and no wait outlasts a
+        timer, so every timer fires."""
         level = self.plan.level
+        # The lowest level; among equals the first in program order: within a queue
+        # messages complete in posting order, so waiting for a later one first would
+        # leave an earlier one's completion (and what it frees) unseen meanwhile.
         best, j_best = None, -1
         for j, i in enumerate(self.req_op):
-            if best is None or level[i] < best:
-                best, j_best = level[i], j
+            key = (level[i], i)
+            if best is None or key < best:
+                best, j_best = key, j
+        bg = self.__dict__.setdefault("_bg", {})  # op -> future of its helper's wait
         if self.timers:
-            t_level = min(level[i] for _, _, _, i in self.timers)
-            if best is None or t_level <= best:
-                when = min(w for w, _, _, i in self.timers if level[i] == t_level)
-                time.sleep(max(0.0, when - time.perf_counter()))
+            due = self.timers[0][0]  # a heap: the earliest timer
+            if j_best < 0:
+                time.sleep(max(0.0, due - time.perf_counter()))
                 return []
-        self.t.wait(self.reqs[j_best])
+            i = self.req_op[j_best]
+            fut = bg.get(i)
+            if fut is None:
+                fut = bg[i] = _waiter().submit(self.t.wait, self.reqs[j_best])
+            try:
+                fut.result(timeout=max(0.0, due - time.perf_counter()))
+            except _FutureTimeout:
+                return []
+            del bg[i]
+            return self.remove([j_best])
+        fut = bg.pop(self.req_op[j_best], None)
+        if fut is not None:
+            fut.result()  # already handed to the helper: never wait twice for one request
+        else:
+            self.t.wait(self.reqs[j_best])
         return self.remove([j_best])
 
     def grouped(self) -> None:
@@ -896,3 +926,17 @@ class _Run:
 
 
 _ACT_SEND, _ACT_DONE = 0, 1
+_WAITER: list[ThreadPoolExecutor] = []
+
+
+def _waiter() -> ThreadPoolExecutor:
+    """The threads that wait for requests while the loop keeps time for its timers
+    (:meth:`_Run.wait_ordered`). A request's wait releases the interpreter lock (gloo's
+    does), so the loop runs while they block. Several threads: a request handed over and
+    not yet complete when a timer fired keeps its thread, and a request of a lower level
+    posted since needs another. Threads are made only when none is idle; the bound is far
+    above the requests a call has in flight, so that a request handed over is always
+    being waited for (one queued behind blocked threads could be what they wait for)."""
+    if not _WAITER:
+        _WAITER.append(ThreadPoolExecutor(max_workers=1024, thread_name_prefix="optcc-wait"))
+    return _WAITER[0]

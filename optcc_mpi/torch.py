@@ -8,10 +8,11 @@ MPI as before, when a communicator is given or torch.distributed is not initiali
 ``allreduce(tensor, op="sum", *, group=None, comm=None, algorithm="auto", average=False)``
     Reduces a tensor in place over a process group (default: torch.distributed's default
     group) or an MPI communicator, with any of optcc_mpi's algorithms.
-``comm_hook(algorithm="auto", links=None, comm=None, *, group=None)``
+``comm_hook(algorithm="auto", links=None, comm=None, *, group=None, links_log=None)``
     A communication hook for ``DistributedDataParallel``: gradient buckets are averaged
     by optcc_mpi over DDP's process group (pass it as the hook's ``state``, or leave
-    ``state=None`` for the default group)::
+    ``state=None`` for the default group); with ``links="watch"`` and ``links_log`` it
+    records the link profiles it adopts::
 
         model = DistributedDataParallel(net)
         model.register_comm_hook(state=None, hook=comm_hook(links="1:0.5"))
@@ -57,7 +58,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where torch is a
     ) from exc
 
 import optcc_mpi
-from optcc_mpi import agreement, algorithms, transports
+from optcc_mpi import agreement, algorithms, linklog, transports
 from optcc_mpi.backend import as_array as backend_as_array
 from optcc_mpi.backend import get_cupy
 from optcc_mpi.dtypes import check_dtype, check_op
@@ -430,6 +431,7 @@ def comm_hook(
     *,
     group: Any = None,
     check: bool = True,
+    links_log: str | os.PathLike[str] | None = None,
 ) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
     """A DDP communication hook that averages gradient buckets with optcc_mpi.
 
@@ -462,6 +464,13 @@ def comm_hook(
         group).
     check : bool
         Check each bucket's arguments across ranks (two small collectives per bucket).
+    links_log : str or path, optional
+        With ``links="watch"``: append what the watch adopts and which algorithm each
+        bucket ran to this JSON-lines file (rank 0 writes; :mod:`optcc_mpi.linklog`,
+        ``optcc-mpi report --links FILE`` draws it). Default ``$OPTCC_LINKS_LOG``. The
+        watch of a process group is made at its first watched call and keeps its log, so
+        the record starts at the hook's first bucket (if nothing watched that group
+        before).
 
     Returns
     -------
@@ -473,7 +482,8 @@ def comm_hook(
     ------
     ArgumentError, ArgumentTypeError
         At once, for an unknown algorithm, a malformed link profile, a profile naming a
-        rank outside the ranks averaged over, or a bad ``comm``/``group``; at the first
+        rank outside the ranks averaged over, a bad ``comm``/``group``, or a
+        ``links_log`` without ``links="watch"`` (or naming a folder); at the first
         bucket, on every rank, when ``comm`` and the process group are not the same
         processes.
     """
@@ -500,6 +510,16 @@ def comm_hook(
                 link_obj.check(size)
         except (ValueError, TypeError) as exc:
             raise _ours(exc) from exc
+    if links_log is not None:
+        if not (isinstance(links, str) and links.strip().lower() == "watch"):
+            raise ArgumentError(
+                f"links_log records what links='watch' adopts; pass links='watch' (links is "
+                f"{links!r})"
+            )
+        try:
+            linklog.LinkLog(links_log)  # a bad name fails now, not in the backward pass
+        except (ValueError, TypeError) as exc:
+            raise _ours(exc) from exc
     checked: list[Any] = []  # the (wire, mpi comm) of the first bucket, checked once
 
     def optcc_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -508,11 +528,16 @@ def comm_hook(
             if comm is not None and dist.is_available() and dist.is_initialized():
                 _same_processes(comm, pg)
             checked.append(_target(comm, pg))
+            first = True
+        else:
+            first = False
         wire, mpi_comm = checked[0]
         tensor = bucket.buffer()
         # Divide first, in the bucket's dtype, like DDP's default hook (after the checks,
-        # so that a bad bucket is reported before anything changes).
-        _reduce(tensor, "sum", algorithm, links, wire, mpi_comm, True, check, True)
+        # so that a bad bucket is reported before anything changes). The first bucket's
+        # call makes the group's watch, which takes the log in force and keeps it.
+        with linklog.recording(links_log if first else None):
+            _reduce(tensor, "sum", algorithm, links, wire, mpi_comm, True, check, True)
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[tensor.device] if tensor.is_cuda else None
         )
@@ -528,6 +553,7 @@ def comm_hook(
     }
     optcc_allreduce_hook.algorithm = algorithm  # type: ignore[attr-defined]
     optcc_allreduce_hook.links = links  # type: ignore[attr-defined]
+    optcc_allreduce_hook.links_log = links_log  # type: ignore[attr-defined]
     return optcc_allreduce_hook
 
 

@@ -354,6 +354,9 @@ def main() -> None:
         "mismatch": mismatch_scenario,
     }[SCENARIO]()
     (OUT / f"{SCENARIO}-{RANK}.json").write_text(json.dumps(result))
+    # Every rank done before any tears its groups down: a rank closing its connections
+    # while another still waits on them ends that one with an abort.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
-"""``optcc-mpi bench``: the AllReduce benchmark (nccl-tests style), under mpiexec or srun."""
+"""``optcc-mpi bench``: the AllReduce benchmark (nccl-tests style), under mpiexec, srun or
+torchrun, over MPI or torch.distributed's gloo."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 from typing import Any
 
+from optcc_mpi import algorithms, transports
 from optcc_mpi.argtypes import (
     duration_arg,
     emulation_arg,
@@ -15,14 +17,20 @@ from optcc_mpi.argtypes import (
     positive_size_arg,
     rate_arg,
 )
+from optcc_mpi.dtypes import DTYPES
+from optcc_mpi.lab import bench, world
 
 #: Element types and reductions the benchmark's exact check covers (lab.bench._inputs).
 BENCH_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 BENCH_OPS = ("sum", "max", "min")
 
 EPILOG = """\
-Run it under mpiexec, srun, or `optcc-mpi testbed run`: started alone (1 rank) it says so
-and exits with status 2, unless --allow-single. For every size it first times the
+Run it under mpiexec, srun, torchrun or `optcc-mpi testbed run`: started alone (1 rank) it
+says so and exits with status 2, unless --allow-single. The algorithms run over MPI
+(--transport mpi, the default under an MPI launcher) or over a torch.distributed process
+group on gloo (--transport gloo, the default under torchrun; under mpiexec the group is
+started from the MPI ranks), where the row `gloo` is gloo's own all_reduce on the same
+buffers. For every size it first times the
 ring with every link healthy (the fault-free reference: under --emulate the degradation is
 dropped, on the testbed the shaping is switched off for that part), then each algorithm
 on the degraded network. Rows: nccl-tests' columns (busbw with the 2(p-1)/p factor for
@@ -43,14 +51,17 @@ examples:
 
   # let the probe find the slow rank, and keep the results
   mpiexec -n 8 optcc-mpi bench --links probe --emulate bw=100MB/s,degrade=3:0.5 --out r.csv
+
+  # over torch.distributed (gloo): PyTorch's launcher, no MPI needed; gloo's all_reduce beside
+  torchrun --standalone --nproc-per-node 4 -m optcc_mpi bench --links 0:0.5 \
+      --emulate bw=100MB/s -b 4M -e 16M --algorithms ring,optcc,gloo
+  optcc-mpi testbed run -- optcc-mpi bench --transport gloo -b 32M -e 64M -n 5
 """
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Checks that involve several arguments (each alone was checked by its type);
     ValueError naming what the user typed. Runs before MPI is touched."""
-    from optcc_mpi.dtypes import DTYPES
-
     itemsize = DTYPES[args.dtype].itemsize
     for flag, value in (("-b/--begin", args.begin), ("-e/--end", args.end)):
         if value < itemsize:
@@ -64,27 +75,30 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"-f/--factor {args.factor:g} must be above 1 to step from -b to -e")
 
 
+def default_algorithms(transport: str) -> list[str]:
+    """Every registered algorithm and ``auto``; over gloo also gloo's own all_reduce."""
+    return [*algorithms.names(), "auto", *(["gloo"] if transport == "gloo" else [])]
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    from mpi4py import MPI
-
-    from optcc_mpi.lab import bench
-
-    comm = MPI.COMM_WORLD
-    if comm.Get_size() == 1 and not args.allow_single:
+    transport = args.transport or world.default_transport()
+    comm, started = world.start(transport)
+    ctrl = transports.of(comm)
+    if ctrl.size == 1 and not args.allow_single:
         # Not an error of the arguments: nothing was started to run with. One rank moves no
         # data, so every time and ratio it would print measures only the Python overhead.
         raise ValueError(
             "1 rank: started without a launcher (or with -n 1), so "
             "there is nothing to reduce across and the table would measure only overhead. "
-            "Run it under a launcher, e.g. `mpiexec -n 4 optcc-mpi bench`, `srun`, or "
+            "Run it under a launcher, e.g. `mpiexec -n 4 optcc-mpi bench`, `torchrun "
+            "--nproc-per-node 4 -m optcc_mpi bench`, `srun`, or "
             "`optcc-mpi testbed run -- python -m optcc_mpi bench`; or pass --allow-single "
             "for a one-rank smoke test"
         )
-    algs = args.algorithms
     cfg = bench.BenchConfig(
         sizes=bench.sizes(args.begin, args.end, args.factor),
-        algorithms=algs,
+        algorithms=args.algorithms or default_algorithms(transport),
         iters=args.iters,
         warmup=args.warmup,
         dtype=args.dtype,
@@ -97,14 +111,14 @@ def run(args: argparse.Namespace) -> int:
         trace=args.trace,
         latency=args.latency,
         efficiency=args.efficiency,
+        transport=transport,
     )
     rows = bench.run(cfg, comm)
-    if comm.Get_rank() == 0:
-        p = comm.Get_size()
+    if ctrl.rank == 0:
         net = rows[0]["network"] if rows else "-"
         print(
-            f"# optcc-mpi bench: {p} ranks, {cfg.dtype} {cfg.op}, network: {net}, "
-            f"links: {rows[-1]['links'] if rows else '-'}"
+            f"# optcc-mpi bench: {ctrl.size} ranks over {ctrl.describe()}, {cfg.dtype} "
+            f"{cfg.op}, network: {net}, links: {rows[-1]['links'] if rows else '-'}"
             + (f", emulate: {cfg.emulate}" if cfg.emulate else "")
         )
         print(bench.table(rows))
@@ -118,13 +132,13 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             bench.write(rows, args.out)
             print(f"# wrote {len(rows)} rows to {args.out}")
+        sys.stdout.flush()
+    world.end(started)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
 def _algorithms_arg(text: str) -> list[str]:
     """argparse type: registered algorithm names, ``auto`` and ``gloo``."""
-    from optcc_mpi import algorithms
-
     names = [t.strip() for t in text.split(",") if t.strip()]
     every = [*algorithms.names(), "auto", "gloo"]
     if not names:
@@ -189,15 +203,23 @@ def register(subparsers: Any) -> None:
         default="sum",
         help="reduction (sum); every result is checked exactly against it",
     )
-    from optcc_mpi import algorithms
-
     every = [*algorithms.names(), "auto"]
+    p.add_argument(
+        "--transport",
+        choices=("mpi", "gloo"),
+        default=None,
+        help="what the algorithms run over: mpi (MPI point-to-point; the default under "
+        "mpiexec/srun) or gloo (a torch.distributed process group on gloo, CPU tensors; "
+        "the default under torchrun, started from the MPI ranks under mpiexec)",
+    )
     p.add_argument(
         "--algorithms",
         type=_algorithms_arg,
-        default=every,
-        help=f"comma-separated from {','.join(every)},gloo (default: all but gloo; "
-        "gloo: torch.distributed, when torch is installed)",
+        default=None,
+        help=f"comma-separated from {','.join(every)},gloo (default: all; gloo, "
+        "torch.distributed's own all_reduce called directly, is in the default with "
+        "--transport gloo; with --transport mpi it runs over a gloo group started from the "
+        "MPI ranks, when torch is installed)",
     )
     p.add_argument(
         "--links",

@@ -1,4 +1,5 @@
-"""``optcc-mpi doctor``: which node's link is slow? (under mpiexec, srun or the testbed)."""
+"""``optcc-mpi doctor``: which node's link is slow? (under mpiexec, srun, torchrun or the
+testbed)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from optcc_mpi import doctor as dr
-from optcc_mpi import linklog
+from optcc_mpi import linklog, transports
 from optcc_mpi.argtypes import (
     alias,
     duration_arg,
@@ -19,14 +20,16 @@ from optcc_mpi.argtypes import (
     positive_size_arg,
     rate_arg,
 )
+from optcc_mpi.lab import world
 
 DESCRIPTION = """\
 Measure the send and receive rate of every rank's and every node's link, repeatedly,
 and say which are degraded relative to the median link (or to --expect). Ranks with the
 same host name share a node: each rank's path is measured alone (one flow per node),
 each node's NIC with all its ranks at once, and what stays inside a node separately;
-a slow NIC is blamed on its node, not on a rank. Run it under mpiexec, srun or
-`optcc-mpi testbed run`; rank 0 prints the table (slowest first) and a one-line verdict.
+a slow NIC is blamed on its node, not on a rank. Run it under mpiexec, srun, torchrun
+(over torch.distributed's gloo, no MPI library needed) or `optcc-mpi testbed run`; rank 0
+prints the table (slowest first) and a one-line verdict.
 
 What it sends: SIZE-byte messages in rounds between barriers, every rank to a partner
 node (PARTNERS node shifts, spread round the ring), each round REPEATS times. With one
@@ -64,6 +67,11 @@ examples:
 
   # software emulation (no root, one machine): rank 2 at 0.5 of 200 MB/s
   mpiexec -n 4 optcc-mpi doctor --emulate bw=200MB/s,degrade=2:0.5
+
+  # a PyTorch job's launcher, no MPI: the messages travel over gloo
+  torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+      -m optcc_mpi doctor
+  torchrun --standalone --nproc-per-node 4 -m optcc_mpi doctor --emulate bw=200MB/s,degrade=2:0.5
 
   # how long would it take? (the simulator, no MPI)
   optcc-mpi doctor --estimate --p 64 --bw 10gbit
@@ -123,6 +131,14 @@ def register(subparsers: Any) -> None:
         default=None,
         help="what shares a NIC: ranks on one host (default), or nothing (rank: every rank "
         "its own NIC; the default under --emulate)",
+    )
+    m.add_argument(
+        "--transport",
+        choices=("mpi", "gloo"),
+        default=None,
+        help="what the messages travel over: mpi (the default under mpiexec, srun and the "
+        "testbed) or gloo (torch.distributed; the default under torchrun, which needs no "
+        "MPI library)",
     )
     m.add_argument(
         "--emulate",
@@ -208,10 +224,8 @@ def run(args: argparse.Namespace) -> int:
         return _check(args)
     if args.estimate:
         return _estimate(args)
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
+    comm, started = world.start(args.transport)
+    rank = transports.of(comm).rank
     with linklog.recording(args.links_log):
         diag = dr.doctor(
             comm,
@@ -250,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"wrote {dr.plot(diag, args.plot)}", file=out)
     sys.stdout.flush()
+    world.end(started)
     return diag.exit_status
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from optcc_mpi.lab import calibrate, percall, profiles, transition, transport
+from optcc_mpi.lab import calibrate, ddp, percall, profiles, transition, transport
 
 #: The tools, in the order ``optcc-mpi lab --help`` lists them.
 TOOLS = {
@@ -21,12 +21,13 @@ TOOLS = {
     "calibrate": calibrate,
     "transition": transition,
     "profiles": profiles,
+    "ddp": ddp,
 }
 
 EPILOG = """\
 Each tool's --help says what it measures and how to run it. The ones that time MPI calls
-run under a launcher like `optcc-mpi bench` does; `profiles` and `transition --plot` need
-no MPI at all.
+run under a launcher like `optcc-mpi bench` does; `ddp` runs under torchrun too (over
+torch.distributed's gloo); `profiles` and `transition --plot` need no MPI at all.
 
 examples:
   mpiexec -n 2 optcc-mpi lab percall --iters 2000 --batch 50
@@ -34,6 +35,7 @@ examples:
   mpiexec -n 2 optcc-mpi lab calibrate
   optcc-mpi testbed run -- .venv/bin/python -m optcc_mpi lab transition --out t.jsonl
   optcc-mpi lab profiles --family server --max-ranks 32 --no-verify
+  torchrun --standalone --nproc-per-node 4 -m optcc_mpi lab ddp --links 0:0.5 --steps 5
 
 `python -m optcc_mpi.lab.TOOL ...` is the same as `optcc-mpi lab TOOL ...`.
 """
@@ -43,7 +45,7 @@ def register(subparsers: Any) -> None:
     """Add the ``lab`` command and one sub-command per tool to ``subparsers``."""
     parser = subparsers.add_parser(
         "lab",
-        help="measuring tools: per-call cost, transport, calibration, transitions, profiles",
+        help="measuring tools: per-call cost, transport, calibration, transitions, profiles, DDP",
         description="The lab's measuring tools, behind the benchmark numbers in docs/.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

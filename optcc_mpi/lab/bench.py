@@ -11,6 +11,15 @@ Every timed result is checked: inputs are small integers, exact in every dtype, 
 iteration's output is compared element by element with the exact reduction (outside the
 timed region).
 
+Two transports carry the algorithms (``BenchConfig.transport``): ``mpi`` (an mpi4py
+communicator, the default) and ``gloo`` (a torch.distributed process group on gloo, under
+``torchrun`` or started from the MPI ranks: :mod:`optcc_mpi.lab.world`). Over gloo the
+buffers are CPU tensors, and the row ``gloo`` is gloo's own ``all_reduce`` called
+directly on the same group, from the same input into the same output buffer with the
+same one copy per call as every algorithm's row (``native`` is that library call through
+optcc_mpi's executor, with its checks). Under ``--transport mpi`` a ``gloo`` row runs over
+a gloo group started from the MPI ranks.
+
 With ``trace`` it also reports link utilisation from the executor's own per-message
 records (:func:`utilisation`, defined there) for the last timed iteration of every row, and
 draws a timeline of the degraded rank (:func:`plot_timeline`).
@@ -33,10 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi import config
+import optcc_mpi
+from optcc_mpi import algorithms, config, model, transports
+from optcc_mpi.collectives import last_stats
 from optcc_mpi.dtypes import DTYPES
 from optcc_mpi.emulation import Emulation
+from optcc_mpi.lab import testbed, world
 from optcc_mpi.links import Links
+from optcc_mpi.probe import cached_probe
 
 __all__ = [
     "BenchConfig",
@@ -94,6 +107,8 @@ class BenchConfig:
     """Per-message cost (s) for the model column; default the emulated latency, else 0."""
     efficiency: float = 1.0
     """Fraction of the nominal rate the transport delivers (measured), for the model."""
+    transport: str = "mpi"
+    """What the algorithms run over: ``"mpi"`` or ``"gloo"`` (torch.distributed)."""
 
 
 def sizes(begin: int, end: int, factor: float) -> list[int]:
@@ -124,15 +139,16 @@ def _inputs(count: int, rank: int, p: int, dtype: np.dtype, op: str) -> tuple[np
 
 
 class _Network:
-    """How the degraded network is applied and removed for the fault-free reference."""
+    """How the degraded network is applied and removed for the fault-free reference.
 
-    def __init__(self, comm: Any, cfg: BenchConfig) -> None:
-        self.comm = comm
+    ``ctrl`` is the transport whose control collectives (rank, barrier) the benchmark
+    uses (:mod:`optcc_mpi.transports`)."""
+
+    def __init__(self, ctrl: Any, cfg: BenchConfig) -> None:
+        self.ctrl = ctrl
         self.emulate = cfg.emulate
         self.testbed = None
         if config.get("OPTCC_TESTBED_NAME"):
-            from optcc_mpi.lab import testbed
-
             self.testbed = testbed.current()
         self.links = self._links(cfg.links)
         self.bw = cfg.bw
@@ -158,11 +174,9 @@ class _Network:
     def degraded(self, on: bool) -> None:
         """Switch the testbed's shaping (rank 0 does it; everyone waits)."""
         if self.testbed is not None:
-            if self.comm.Get_rank() == 0:
-                from optcc_mpi.lab import testbed
-
+            if self.ctrl.rank == 0:
                 testbed.set_shaping(self.truth() if on else None)
-            self.comm.Barrier()
+            self.ctrl.barrier()
 
     def truth(self) -> dict[int, float]:
         """The degradation to put on the testbed for the degraded phase."""
@@ -184,8 +198,6 @@ def model_time(
     """Modelled time of what ran: the cost the algorithm registered (through the registry),
     with the parameters the call used, the per-message ``latency`` and the rate ``bw``
     (pass the delivered rate, i.e. nominal times efficiency, to predict a measurement)."""
-    from optcc_mpi import algorithms
-
     alg = algorithms.get(name)
     params = {k: v for k, v in (stats.get("params") or {}).items() if k in alg.params}
     return alg.time(p, size, bw, links, latency=latency, **params)
@@ -312,9 +324,9 @@ def plot_timeline(
     plt.close(fig)
 
 
-def _trace_record(comm: Any, stats: Any, schedule: Any) -> list[dict[str, Any]] | None:
-    """Gather every rank's per-message records of the last call to rank 0."""
-    rank = comm.Get_rank()
+def _trace_record(ctrl: Any, stats: Any, schedule: Any) -> list[dict[str, Any]] | None:
+    """Every rank's per-message records of the last call (on rank 0; None elsewhere)."""
+    rank = ctrl.rank
     rec = None
     if stats is not None:
         chan = {}
@@ -328,100 +340,153 @@ def _trace_record(comm: Any, stats: Any, schedule: Any) -> list[dict[str, Any]] 
             "recvs": list(stats.recvs),
             "chan": chan,
         }
-    got = comm.gather(rec, root=0)
+    got = ctrl.allgather(rec)
     if rank != 0 or any(g is None for g in got):
         return None
     return got
 
 
-def _time(comm: Any, fn: Any, iters: int, warmup: int, check: Any) -> tuple[list[float], int]:
-    """Times of ``iters`` calls of ``fn`` after ``warmup``, and the wrong elements summed
-    over the timed calls: ``check(result)`` runs outside the timed region, so checking
-    (and the memory it needs) costs no algorithm anything, and no result is kept."""
-    from mpi4py import MPI
-
+def _time(ctrl: Any, fn: Any, iters: int, warmup: int, check: Any) -> tuple[list[float], int]:
+    """Times of ``iters`` calls of ``fn`` after ``warmup`` (each the slowest rank's), and
+    the wrong elements of this rank over the timed calls: ``check(result)`` runs outside
+    the timed region, so checking (and the memory it needs) costs no algorithm anything,
+    and no result is kept. ``ctrl``: the transport whose barrier and gather frame each
+    call (outside the timed region too)."""
     times, wrong = [], 0
     for it in range(warmup + iters):
-        comm.Barrier()
+        ctrl.barrier()
         t0 = time.perf_counter()
         out = fn()
-        dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        dt = max(ctrl.allgather(time.perf_counter() - t0))
         if it >= warmup:
             times.append(dt)
             wrong += check(out)
     return times, wrong
 
 
-def _gloo(comm: Any) -> tuple[Any, bool]:
-    """torch with a torch.distributed gloo group over the same ranks (None without
-    torch), and whether this call made the group (then the caller ends it)."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:
-        return None, False
-    made = not dist.is_initialized()
-    if made:
-        import socket
+#: The library's own AllReduce rows: called directly on the process group, without
+#: optcc_mpi in between (``native`` is the same library call through optcc_mpi's
+#: executor and checks). Only gloo's so far: ``--transport gloo``'s own, or under
+#: ``--transport mpi`` over a gloo group started from the MPI ranks.
+LIBRARY_ROWS = ("gloo",)
 
-        addr = comm.bcast(socket.gethostbyname(socket.gethostname()), root=0)
-        port = comm.bcast(29500 + os.getpid() % 1000, root=0)
-        if config.get("OPTCC_TESTBED_NAME"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{addr}:{port}",
-            rank=comm.Get_rank(),
-            world_size=comm.Get_size(),
-        )
-    return torch, made
+
+class _Buffers:
+    """One message size's buffers, shared by every row: this rank's input ``x`` and the
+    output ``out`` (NumPy); over torch.distributed also tensors on the same memory, so
+    that gloo's own all_reduce and optcc_mpi's algorithms start from the same input in
+    the same output buffer, with the same one copy per call."""
+
+    def __init__(self, x: np.ndarray, tensors: bool) -> None:
+        self.x = x
+        self.out = np.empty_like(x)
+        self.xt = self.outt = None
+        if tensors:
+            self.xt, self.outt = _tensor(self.x), _tensor(self.out)
+
+
+def _tensor(arr: np.ndarray) -> Any:
+    """A CPU tensor over ``arr``'s memory (bfloat16 through its 16-bit words)."""
+    import torch
+
+    if arr.dtype.name == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _library_call(group: Any, bufs: _Buffers, op: str, pacer: Any) -> np.ndarray:
+    """gloo's own all_reduce of the input, in place in the output buffer. Under emulation
+    it then waits until the emulated library AllReduce would have ended (as ``native``'s
+    collective operation does in the executor), so that its row is timed on the emulated
+    network like the others."""
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    t0 = time.perf_counter()
+    bufs.outt.copy_(bufs.xt)
+    dist.all_reduce(bufs.outt, op=ops[op], group=group)
+    if pacer is not None:
+        time.sleep(max(0.0, pacer.coll_done(t0, bufs.out.nbytes) - time.perf_counter()))
+    return bufs.out
 
 
 def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
-    """Run the benchmark (collective): one row per (algorithm, size), on every rank."""
-    from mpi4py import MPI
+    """Run the benchmark (collective): one row per (algorithm, size), on every rank.
 
-    import optcc_mpi
-    from optcc_mpi import model
-    from optcc_mpi.collectives import last_stats
+    ``comm``: what the algorithms run over: an mpi4py communicator for
+    ``cfg.transport == "mpi"`` (default ``COMM_WORLD``), a torch.distributed gloo process
+    group for ``"gloo"`` (default: the default group, started from the launcher's
+    variables if it is not yet: :mod:`optcc_mpi.lab.world`). A ``gloo`` row under the MPI
+    transport runs over the default process group, started from the MPI ranks if needed
+    (and ended again here)."""
+    if cfg.transport not in world.TRANSPORTS:
+        raise ValueError(f"unknown transport {cfg.transport!r}; choose from mpi, gloo")
+    started: list[bool] = []
+    if comm is None:
+        comm, made = world.start(cfg.transport)
+        started.append(made)
+    ctrl = transports.of(comm)
+    if (ctrl.name == "mpi") != (cfg.transport == "mpi"):
+        raise ValueError(
+            f"the benchmark's transport is {cfg.transport} but comm is a {ctrl.describe()}"
+        )
+    group = None  # the torch process group of the library's own rows
+    if any(a in LIBRARY_ROWS for a in cfg.algorithms):
+        if cfg.transport == "gloo":
+            group = comm
+        else:
+            try:
+                group, made = world.torch_group()
+            except ImportError as exc:
+                raise RuntimeError(
+                    f"gloo needs torch ({exc}; pip install torch); drop it from --algorithms"
+                ) from None
+            started.append(made)
+    rows = _run(cfg, comm, ctrl, group)
+    # Groups started here end here (not after an error: the other ranks may never come
+    # to the barrier that ending takes).
+    for made in reversed(started):
+        world.end(made)
+    return rows
 
-    comm = MPI.COMM_WORLD if comm is None else comm
-    rank, p = comm.Get_rank(), comm.Get_size()
+
+def _run(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, Any]]:
+    """:func:`run` once ``comm`` (the algorithms'), ``ctrl`` (its transport) and ``group``
+    (the library rows' process group, or None) are known."""
+    rank, p = ctrl.rank, ctrl.size
     dtype = DTYPES[cfg.dtype]
-    net = _Network(comm, cfg)
+    net = _Network(ctrl, cfg)
     links = net.links
     if links == "probe":
-        from optcc_mpi.probe import cached_probe
-
         net.degraded(True)
         links = cached_probe(comm, emulate=cfg.emulate).links
-    torch, made_gloo = _gloo(comm) if "gloo" in cfg.algorithms else (None, False)
     latency = cfg.latency
     if latency is None:
         latency = cfg.emulate.latency if cfg.emulate is not None else 0.0
     watch = links.degraded[0] if isinstance(links, Links) and links.degraded else 0
     if cfg.trace and rank == 0:
         Path(cfg.trace).mkdir(parents=True, exist_ok=True)
-    if "gloo" in cfg.algorithms and torch is None:
-        raise RuntimeError("gloo needs torch (pip install torch); drop it from --algorithms")
+    tensors = cfg.transport == "gloo" or group is not None
     rows: list[dict[str, Any]] = []
     for size in cfg.sizes:
         count = size // dtype.itemsize
         x, exact = _inputs(count, rank, p, dtype, cfg.op)
-        out = np.empty_like(x)
+        bufs = _Buffers(x, tensors)
 
-        def call(alg: str, prof: Links, emu: Any, x: np.ndarray = x, out: np.ndarray = out) -> Any:
-            if alg == "gloo":
-                t = torch.from_numpy(x.astype(np.float32) if dtype.itemsize == 2 else x.copy())
-                opmap = {
-                    "sum": torch.distributed.ReduceOp.SUM,
-                    "max": torch.distributed.ReduceOp.MAX,
-                    "min": torch.distributed.ReduceOp.MIN,
-                }
-                torch.distributed.all_reduce(t, op=opmap[cfg.op])
-                return t.numpy()
+        def call(alg: str, prof: Links, emu: Any, bufs: _Buffers = bufs) -> Any:
+            if alg in LIBRARY_ROWS:
+                pacer = emu.pacer(rank, p, prof) if emu is not None else None
+                return _library_call(group, bufs, cfg.op, pacer)
+            if cfg.transport == "gloo":
+                # In place in the output tensor, after the same copy as gloo's row.
+                bufs.outt.copy_(bufs.xt)
+                optcc_mpi.allreduce(
+                    optcc_mpi.IN_PLACE, bufs.outt, op=cfg.op, comm=comm, algorithm=alg,
+                    links=prof, emulate=emu,
+                )  # fmt: skip
+                return bufs.out
             return optcc_mpi.allreduce(
-                x, out, op=cfg.op, comm=comm, algorithm=alg, links=prof, emulate=emu
+                bufs.x, bufs.out, op=cfg.op, comm=comm, algorithm=alg, links=prof, emulate=emu
             )
 
         def check(o: Any, exact: np.ndarray = exact) -> int:
@@ -442,26 +507,30 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
                 else dataclasses.replace(cfg.emulate, degrade=Links())
             )
             times, wrong = _time(
-                comm, lambda a=alg, pr=prof, e=emu: call(a, pr, e), cfg.iters, cfg.warmup, check
+                ctrl, lambda a=alg, pr=prof, e=emu: call(a, pr, e), cfg.iters, cfg.warmup, check
             )
-            wrong = comm.allreduce(wrong, op=MPI.SUM)
+            wrong = sum(ctrl.allgather(wrong))
             med = statistics.median(times)
             if label == "ring (fault-free)":
                 ff = med
-            chosen = last_stats().get("algorithm") if alg != "gloo" else "gloo"
+            library = alg in LIBRARY_ROWS
+            chosen = alg if library else last_stats().get("algorithm")
             mod = bound = bound_delivered = math.nan
             if net.bw and p > 1:
                 mlinks = links if degraded else Links()
                 delivered = net.bw * cfg.efficiency
+                # A library's own AllReduce is modelled as native's (bandwidth-optimal,
+                # held back by the slowest rank).
                 mod = model_time(
-                    chosen or alg, p, size, delivered, mlinks, last_stats(), latency=latency
-                )
+                    "native" if library else chosen or alg, p, size, delivered, mlinks,
+                    {} if library else last_stats(), latency=latency,
+                )  # fmt: skip
                 bound = model.lower_bound(p, size, net.bw, mlinks)
                 bound_delivered = model.lower_bound(p, size, delivered, mlinks)
             busy: dict[str, Any] = {}
-            if cfg.trace and alg != "gloo":
+            if cfg.trace and not library:
                 ls = last_stats()
-                recs = _trace_record(comm, ls.get("stats"), ls.get("schedule"))
+                recs = _trace_record(ctrl, ls.get("stats"), ls.get("schedule"))
                 # The library's own collective (native) has no messages of ours to trace.
                 if recs is not None and any(r["sends"] or r["recvs"] for r in recs):
                     util = utilisation(recs)
@@ -481,6 +550,7 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
                 {
                     "algorithm": label,
                     "chosen": chosen,
+                    "transport": cfg.transport,
                     "size": size,
                     "count": count,
                     "type": cfg.dtype,
@@ -504,19 +574,20 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
                     **busy,
                     "iters": cfg.iters,
                     "warmup": cfg.warmup,
+                    "load": _load(),
                     "command": cfg.command,
                 }
             )
     net.degraded(True)
-    if made_gloo:
-        # Our group, ours to end: gloo's threads still running while the interpreter
-        # finalises abort the process ("terminate called without an active exception",
-        # seen under Open MPI in CI).
-        import torch.distributed as dist
-
-        comm.Barrier()
-        dist.destroy_process_group()
     return rows
+
+
+def _load() -> float:
+    """The machine's one-minute load average (what else competed for its cores)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - platforms without getloadavg
+        return math.nan
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+import optcc_mpi
+from optcc_mpi import collectives, config
 from optcc_mpi.argtypes import int_at_least, size_arg, sizes_arg
 from optcc_mpi.units import format_size
 
@@ -75,9 +77,6 @@ def measure(
     collective. ``limits``: gather limits to time besides the measured one. Returns one
     row per (size, variant) on every rank."""
     from mpi4py import MPI
-
-    import optcc_mpi
-    from optcc_mpi import collectives, config
 
     mine = comm.Dup()  # the user's traffic of the baselines: not on our private duplicate
     measured = collectives.gather_limit(mine)

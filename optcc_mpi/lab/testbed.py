@@ -109,12 +109,16 @@ MIN_RATE_BIT = 8_000
 # Transport settings every testbed job needs (see the module docstring), by launcher
 # flavour; callers may override them through ``env`` but not through the ambient
 # environment. MPICH: UCX over TCP only, on the shaped device. Open MPI: the ob1 PML with
-# the TCP and self BTLs on the shaped device (no shared memory, no UCX).
-REQUIRED_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": RANK_DEV}
+# the TCP and self BTLs on the shaped device (no shared memory, no UCX). Both: a
+# torch.distributed gloo group started inside the job binds to the shaped device too
+# (gloo otherwise takes the address its host name resolves to).
+_GLOO_ENV = {"GLOO_SOCKET_IFNAME": RANK_DEV}
+REQUIRED_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": RANK_DEV, **_GLOO_ENV}
 REQUIRED_ENV_OPENMPI = {
     "OMPI_MCA_pml": "ob1",
     "OMPI_MCA_btl": "tcp,self",
     "OMPI_MCA_btl_tcp_if_include": RANK_DEV,
+    **_GLOO_ENV,
 }
 # Ambient variables a job commonly needs. The launchers forward the launching environment
 # to local ranks only; naming them in the argv makes ``launch_argv`` self-contained.

@@ -45,9 +45,11 @@ from typing import Any
 
 import numpy as np
 
+import optcc_mpi
 from optcc_mpi.argtypes import float_above, int_at_least, positive_size_arg, size_arg
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.lab.bench import sizes as size_list
+from optcc_mpi.schedule import split
 
 __all__ = ["sendrecv_ring", "run", "add_arguments", "run_args", "main", "SUMMARY"]
 
@@ -74,7 +76,6 @@ def sendrecv_ring(comm: Any, x: np.ndarray, out: np.ndarray, tmp: np.ndarray) ->
     it then owns section (r + 1) mod p, and the all-gather forwards sections around the
     ring. ``x`` may be ``out`` (in place: no copy).
     """
-    from optcc_mpi.schedule import split
 
     p, r = comm.Get_size(), comm.Get_rank()
     if x is not out:
@@ -115,8 +116,6 @@ def run(
     value (method ``executor/chunk=N``; 0 means one message per section).
     """
     from mpi4py import MPI
-
-    import optcc_mpi
 
     comm = MPI.COMM_WORLD if comm is None else comm
     p, rank = comm.Get_size(), comm.Get_rank()

@@ -7,7 +7,8 @@ synchronisation, so only the members take part):
 
 * a *data* group of the user group's library, on which the schedule's messages travel
   (``isend``/``irecv`` with the group's own ranks), so none of them can meet a message or
-  collective of the user's;
+  collective of the user's; on gloo two, one for the messages to a higher rank and one
+  for those to a lower rank (below);
 * a *control* group on gloo, for the argument check, the probe's and the watch's small
   collectives: CPU tensors, so that on NCCL a check never queues work on the GPU.
 
@@ -15,7 +16,14 @@ gloo
     CPU tensors (reduced by torch, :class:`~optcc_mpi.backend.TorchBackend`) and NumPy
     arrays (reduced by NumPy, their memory wrapped by ``torch.from_numpy``). A gloo
     request reports its completion only when waited for, so the executor waits for the
-    outstanding operation of lowest level (``observe = "ordered"``).
+    outstanding operation of lowest level (``observe = "ordered"``). gloo's messages are a
+    rendezvous: a send starts only once the receiver's "ready to receive" notice has
+    reached the sender, on the TCP connection between the two. Were the messages of both
+    directions on one connection, that notice would queue behind the receiver's own data
+    to the sender (a slow rank's whole backlog: on the testbed, rank 0 at half rate
+    received only 87% of its rate while its receives were posted); so each direction has
+    a group, and the connection carrying a direction's data carries only notices the
+    other way.
 NCCL
     CUDA tensors, which never leave the device: every level's messages are one NCCL group
     (``batch_isend_irecv``), waiting on it makes the current stream wait (not the host),
@@ -125,6 +133,12 @@ class TorchTransport(Transport):
             if library == "gloo" and len(ranks) == 1
             else dist.new_group(ranks, backend=library, use_local_synchronization=True)
         )
+        # gloo: messages to a lower rank travel on a group of their own (module docstring).
+        self.down = (
+            dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            if library == "gloo" and len(ranks) > 1
+            else self.data
+        )
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         hosts: list[Any] = [None] * size
         dist.all_gather_object(hosts, socket.gethostname(), group=self.ctrl)
@@ -163,24 +177,29 @@ class TorchTransport(Transport):
             return torch.from_numpy(arr.view(np.uint8))
         return arr.view(torch.uint8)
 
+    def _carrier(self, src: int, dst: int) -> Any:
+        """The group that carries messages from rank ``src`` to rank ``dst``."""
+        return self.data if src < dst else self.down
+
     def isend(self, data: Any, peer: int, tag: int) -> Any:
-        return dist.isend(data, group=self.data, group_dst=peer, tag=tag)
+        return dist.isend(data, group=self._carrier(self.rank, peer), group_dst=peer, tag=tag)
 
     def irecv(self, data: Any, peer: int, tag: int) -> Any:
-        return dist.irecv(data, group=self.data, group_src=peer, tag=tag)
+        return dist.irecv(data, group=self._carrier(peer, self.rank), group_src=peer, tag=tag)
 
     def wait(self, req: Any) -> None:
         req.wait()
 
     def batch(self, posts: list[tuple[bool, Any, int, int]]) -> list[Any]:
-        ops = [
-            dist.P2POp(
-                dist.isend if is_send else dist.irecv, data, group=self.data, group_peer=peer,
-                tag=tag,
+        # One batch per carrying group (torch wants one group per batch); NCCL has one.
+        by: dict[Any, list[Any]] = {}
+        for is_send, data, peer, tag in posts:
+            group = self._carrier(self.rank, peer) if is_send else self._carrier(peer, self.rank)
+            op = dist.isend if is_send else dist.irecv
+            by.setdefault(group, []).append(
+                dist.P2POp(op, data, group=group, group_peer=peer, tag=tag)
             )
-            for is_send, data, peer, tag in posts
-        ]  # fmt: skip
-        return dist.batch_isend_irecv(ops)
+        return [req for ops in by.values() for req in dist.batch_isend_irecv(ops)]
 
     # -- the library's own AllReduce -------------------------------------------------------
     def native(self, backend: Any, dtype_name: str, op: str) -> bool:

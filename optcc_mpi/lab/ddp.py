@@ -1,0 +1,354 @@
+"""A DDP training step with optcc_mpi's communication hook against plain DDP, side by side.
+
+Run on every rank of a job, launched by ``torchrun``, ``mpiexec`` or ``optcc-mpi testbed
+run`` (the gloo process group is started from whichever launched it,
+:mod:`optcc_mpi.lab.world`)::
+
+    torchrun --standalone --nproc-per-node 4 -m optcc_mpi lab ddp --links 0:0.5
+    optcc-mpi testbed run -- python -m optcc_mpi lab ddp --out ddp.jsonl
+
+Two copies of one model (an MLP of ``--layers`` hidden layers of ``--width``; the
+defaults give 10.35 M parameters, 41 MB of float32 gradients) start from the same
+weights and train on the same per-rank data with SGD and momentum, each wrapped in
+``DistributedDataParallel`` with ``--bucket-mb`` buckets over the default process group:
+
+``hook``
+    gradients averaged by :func:`optcc_mpi.torch.comm_hook` (``--algorithm``, ``--links``;
+    on the testbed the links default to its shaping, as ``optcc-mpi bench`` does);
+``ddp``
+    DDP's own averaging (gloo's ``all_reduce``, overlapped with the backward pass).
+
+Their steps alternate (hook, ddp, then ddp, hook, ...), so that both see the same machine
+and network, and every step is timed from a barrier to the end of ``optimizer.step()``
+on the slowest rank. The first ``--skip`` steps of each (one-time setup: the plans, gloo's
+connections) are left out of the times. After ``--steps`` steps the parameters of the
+two must agree within ``--rtol`` (largest difference over largest parameter), and each
+model's parameters must be the same bits on every rank; exit status 1 otherwise.
+
+``--fault-free`` also times plain DDP with every link healthy (the testbed's shaping
+switched off for those steps), the reference a degraded link is judged against.
+
+Output: a table on rank 0 and, with ``--out``, one JSON object per mode: median, minimum
+and maximum step time, the steps, the parameters and buckets, what the hook ran, the
+parameter gap, the load average before and after, and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import zlib
+from collections import Counter
+from typing import Any
+
+from optcc_mpi import algorithms, config, transports
+from optcc_mpi.argtypes import float_above, int_at_least, links_or_probe_arg
+from optcc_mpi.collectives import last_stats
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.lab import testbed, world
+from optcc_mpi.links import Links
+
+__all__ = ["add_arguments", "run_args", "main", "SUMMARY", "measure"]
+
+#: What ``optcc-mpi lab --help`` says of this tool.
+SUMMARY = "DDP training steps with the optcc_mpi hook against plain DDP (gloo), side by side"
+
+IN_FEATURES = 64
+
+
+def _model(width: int, layers: int, seed: int) -> Any:
+    import torch
+
+    torch.manual_seed(seed)  # the same start on every rank and for both copies
+    mods: list[Any] = [torch.nn.Linear(IN_FEATURES, width), torch.nn.Tanh()]
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    mods.append(torch.nn.Linear(width, 1))
+    return torch.nn.Sequential(*mods)
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - platforms without getloadavg
+        return float("nan")
+
+
+class _Trainer:
+    """One DDP copy of the model, its optimiser and its per-rank data stream."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, hook: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = torch.nn.parallel.DistributedDataParallel(
+            _model(args.width, args.layers, args.seed), bucket_cap_mb=args.bucket_mb
+        )
+        if hook is not None:
+            self.model.register_comm_hook(state=None, hook=hook)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.gen = torch.Generator().manual_seed(1000 + rank)
+        self.batch = args.batch
+        self.times: list[float] = []
+
+    def step(self) -> None:
+        torch = self.torch
+        x = torch.randn(self.batch, IN_FEATURES, generator=self.gen)
+        y = torch.sin(x.sum(dim=1, keepdim=True))
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        self.opt.zero_grad()
+        loss.backward()  # the buckets are averaged here (by the hook, or by DDP)
+        self.opt.step()
+
+    def parameters(self) -> Any:
+        torch = self.torch
+        return torch.cat([q.detach().reshape(-1).double() for q in self.model.parameters()])
+
+
+def _links(given: Any) -> Any:
+    """The hook's link profile: as given, else the testbed's shaping in force (its
+    truth), else None (``$OPTCC_LINKS``)."""
+    if given is not None:
+        return given
+    if config.get("OPTCC_TESTBED_NAME"):
+        bed = testbed.current()
+        if bed is not None:
+            return str(Links(dict(bed.degrade)))
+    return None
+
+
+def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
+    """Train both copies over ``group`` (collective); the rows, on every rank."""
+    import torch
+
+    import optcc_mpi.torch as ot
+
+    torch.set_num_threads(args.threads)
+    wire = transports.of(group)
+    rank, p = wire.rank, wire.size
+    links = _links(args.links)
+    inner = ot.comm_hook(algorithm=args.algorithm, links=links)
+    ran: list[str] = []  # what the hook ran for each bucket of the last step
+    used: list[str] = ["-"]  # the link profile the hook's last call ran with
+
+    def hook(state: Any, bucket: Any) -> Any:
+        if bucket.index() == 0:
+            ran.clear()
+        fut = inner(state, bucket)
+        st = last_stats()
+        ran.append(str(st.get("algorithm")))
+        used[0] = str(st.get("links"))
+        return fut
+
+    # DDP reads the hook's annotations; keep the inner hook's real objects.
+    hook.__annotations__ = dict(inner.__annotations__)
+    trainers = {"hook": _Trainer(args, rank, hook), "ddp": _Trainer(args, rank, None)}
+    bed = testbed.current() if config.get("OPTCC_TESTBED_NAME") else None
+    healthy: _Trainer | None = None
+    if args.fault_free:
+        healthy = _Trainer(args, rank, None)
+    load0 = _load()
+    order = list(trainers)
+    for step in range(args.steps):
+        for name in order if step % 2 == 0 else order[::-1]:
+            _timed_step(wire, trainers[name], step >= args.skip)
+    if healthy is not None:
+        # Plain DDP with every link healthy: the shaping off for these steps only.
+        if bed is not None and rank == 0:
+            testbed.set_shaping(None)
+        wire.barrier()
+        for step in range(args.steps):
+            _timed_step(wire, healthy, step >= args.skip)
+        if bed is not None and rank == 0:
+            testbed.set_shaping(dict(bed.degrade))
+        wire.barrier()
+    ours, theirs = trainers["hook"].parameters(), trainers["ddp"].parameters()
+    scale = theirs.abs().max().item()
+    gap = (ours - theirs).abs().max().item()
+    digests = wire.allgather([zlib.crc32(t.numpy().tobytes()) for t in (ours, theirs)])
+    identical = {name: len({d[i] for d in digests}) == 1 for i, name in enumerate(trainers)}
+    # Every rank judges from the same gathered numbers: the worst rank's gap.
+    rel = max(wire.allgather(gap / scale if scale > 0 else gap))
+    n_params = ours.numel()
+    buckets = len(ran)
+    load1 = _load()
+    command = args.command_line
+    rows = []
+    network = "testbed" if bed is not None else "none"
+    for name, tr in [*trainers.items(), *([("ddp fault-free", healthy)] if healthy else [])]:
+        t = tr.times
+        rows.append(
+            {
+                "mode": name,
+                "step_ms": statistics.median(t) * 1e3,
+                "step_min_ms": min(t) * 1e3,
+                "step_max_ms": max(t) * 1e3,
+                "steps": args.steps,
+                "timed_steps": len(t),
+                "p": p,
+                "params": n_params,
+                "bucket_mb": args.bucket_mb,
+                "buckets": buckets,
+                "batch": args.batch,
+                "algorithm": args.algorithm if name == "hook" else "gloo all_reduce",
+                "ran": dict(Counter(ran)) if name == "hook" else None,
+                "links": "healthy" if name == "ddp fault-free" else used[0],
+                "network": network,
+                "testbed": bed.describe() if bed is not None else None,
+                "rel_gap": rel,
+                "rtol": args.rtol,
+                "identical": identical.get(name.split()[0], None),
+                "load": [load0, load1],
+                "command": command,
+            }
+        )
+    return rows
+
+
+def _timed_step(wire: Any, tr: _Trainer, keep: bool) -> None:
+    """One step of ``tr`` from a barrier, timed on the slowest rank."""
+    wire.barrier()
+    t0 = time.perf_counter()
+    tr.step()
+    dt = max(wire.allgather(time.perf_counter() - t0))
+    if keep:
+        tr.times.append(dt)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``optcc-mpi lab ddp`` (and ``python -m optcc_mpi.lab.ddp``)."""
+    parser.description = (
+        "DDP training steps with optcc_mpi's communication hook against plain DDP (gloo's "
+        "all_reduce), alternating step by step on the same data; the parameters of both "
+        "compared at the end (run under torchrun, mpiexec or the testbed). Exit status 1 "
+        "if they differ by more than --rtol or differ between ranks."
+    )
+    parser.epilog = (
+        "examples:\n"
+        "  torchrun --standalone --nproc-per-node 4 -m optcc_mpi lab ddp --links 0:0.5 "
+        "--steps 5\n"
+        "  optcc-mpi testbed up --ranks 4 --rate 400mbit --links 0:0.5\n"
+        "  optcc-mpi testbed run -- python -m optcc_mpi lab ddp --fault-free --out ddp.jsonl\n"
+        "  mpiexec -n 2 python -m optcc_mpi lab ddp --width 256 --layers 2 --steps 5"
+    )
+    parser.add_argument(
+        "--width", type=int_at_least(1, "the width"), default=1600, help="hidden width (1600)"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int_at_least(1, "hidden layers"),
+        default=4,
+        help="hidden width x width layers (4: with --width 1600, 10.35 M parameters)",
+    )
+    parser.add_argument(
+        "--bucket-mb", type=float_above(0.0, "the bucket size"), default=25.0, help="DDP's "
+        "bucket_cap_mb (25)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int_at_least(1, "steps"), default=20, help="steps of each copy (20)"
+    )
+    parser.add_argument(
+        "--skip",
+        type=int_at_least(0, "skipped steps"),
+        default=1,
+        help="first steps of each copy left out of the times (1)",
+    )
+    parser.add_argument(
+        "--batch", type=int_at_least(1, "the batch"), default=16, help="samples per rank (16)"
+    )
+    parser.add_argument(
+        "--lr", type=float_above(0.0, "the learning rate"), default=0.01, help="SGD lr (0.01)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights (0)")
+    parser.add_argument(
+        "--algorithm",
+        default="auto",
+        choices=("auto", *algorithms.names()),
+        help="the hook's algorithm (auto)",
+    )
+    parser.add_argument(
+        "--links",
+        type=links_or_probe_arg,
+        default=None,
+        metavar="RANK:FRACTION[,...]|probe",
+        help="the hook's link profile; default the testbed's shaping, else $OPTCC_LINKS",
+    )
+    parser.add_argument(
+        "--fault-free",
+        action="store_true",
+        help="also time plain DDP with every link healthy (on the testbed: shaping off)",
+    )
+    parser.add_argument(
+        "--rtol",
+        type=float_above(0.0, "the tolerance"),
+        default=1e-6,
+        help="largest parameter gap allowed, relative to the largest parameter (1e-6)",
+    )
+    parser.add_argument(
+        "--threads", type=int_at_least(1, "threads"), default=1, help="torch threads (1)"
+    )
+    parser.add_argument("--out", help="append rows as JSON lines to this file")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run the tool on every rank; rank 0 prints (and writes ``--out``)."""
+    if args.skip >= args.steps:
+        raise ArgumentError(f"--skip {args.skip} leaves none of --steps {args.steps} timed")
+    group, started = world.torch_group()
+    rows = measure(args, group)
+    wire = transports.of(group)
+    if wire.rank == 0:
+        first = rows[0]
+        print(
+            f"# {args.command_line}\n# {first['p']} ranks, {first['params'] / 1e6:.2f} M "
+            f"parameters, {first['buckets']} buckets of at most {args.bucket_mb:g} MB, "
+            f"batch {args.batch}, links {first['links']}, network {first['network']}, "
+            f"load {first['load'][0]:.1f} -> {first['load'][1]:.1f}"
+        )
+        ref = next(r for r in rows if r["mode"] == "ddp")["step_ms"]
+        print(f"{'mode':<16} {'median ms':>10} {'min':>9} {'max':>9} {'x ddp':>6}  ran")
+        for r in rows:
+            ran = ", ".join(f"{k} x{v}" for k, v in (r["ran"] or {}).items())
+            print(
+                f"{r['mode']:<16} {r['step_ms']:>10.1f} {r['step_min_ms']:>9.1f} "
+                f"{r['step_max_ms']:>9.1f} {r['step_ms'] / ref:>6.2f}  {ran}"
+            )
+        print(
+            f"# parameters after {args.steps} steps: hook vs ddp {first['rel_gap']:.3g} "
+            f"relative (allowed {args.rtol:g}); identical on every rank: hook "
+            f"{rows[0]['identical']}, ddp {rows[1]['identical']}"
+        )
+        if args.out:
+            with open(args.out, "a") as fh:
+                for r in rows:
+                    fh.write(json.dumps(r) + "\n")
+            print(f"# appended {len(rows)} rows to {args.out}")
+        sys.stdout.flush()
+    ok = rows[0]["rel_gap"] <= args.rtol and rows[0]["identical"] and rows[1]["identical"]
+    world.end(started)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m optcc_mpi.lab.ddp``: the same as ``optcc-mpi lab ddp``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m optcc_mpi.lab.ddp",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.command_line = shlex.join([*parser.prog.split(), *argv])
+    try:
+        return run_args(args)
+    except ArgumentError as exc:
+        parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
