@@ -43,7 +43,7 @@ setup(
         Extension(
             "optcc_mpi._fastcall",
             sources=["optcc_mpi/_fastcall.c"],
-            extra_compile_args=["-O2", "-ffp-contract=off"],
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             # The module carries its source's digest (optcc_mpi.fastcall compares it
             # with the source beside it: an editable install keeps no stamp file).
             define_macros=[("FASTCALL_SOURCE", f'"{_digest("optcc_mpi/_fastcall.c")}"')],

@@ -1,11 +1,14 @@
 /* The compiled call path of a short AllReduce (optcc_mpi.fastcall).
  *
  * One function, fold(), does in C what optcc_mpi.collectives does in Python for the
- * commonest short call (two NumPy arrays, default arguments, data that travels in the
- * argument check): take both buffers, check them, write the 96-byte header and the data
- * into the check's block, call MPI_Allgather, compare every rank's header with its own
- * and reduce the gathered rows in rank order. The header is byte for byte the one the
- * Python path writes, so ranks on either path agree with each other.
+ * commonest short call (two NumPy arrays, default arguments): take both buffers, check
+ * them, write the 96-byte header into the check's block, call MPI_Allgather and compare
+ * every rank's header with its own. Up to the communicator's gather limit
+ * (optcc_mpi.crossover) the data travels in the block and the gathered rows are reduced
+ * in rank order; above it the library's MPI_Allreduce follows the check, in place as on
+ * the Python path (copy first, then MPI_IN_PLACE), with the canonical NaN after a float
+ * sum or product. The header is byte for byte the one the Python path writes, and the
+ * collectives are the same, so ranks on either path agree with each other.
  *
  * It never links MPI: the caller passes the address of the MPI_Allgather that mpi4py
  * itself calls and the size of the MPI library's handles (4 bytes for MPICH's integers,
@@ -28,6 +31,7 @@
 #define DONE 0
 #define GATHERED 1 /* agreed and gathered; the caller reduces */
 #define MISMATCH 2 /* the headers differ: every rank raises */
+#define LIBRARY 3  /* done by the check and the library's AllReduce */
 /* An MPI error code e from MPI_Allgather is answered as -1000 - e. */
 
 /* How the gathered rows are reduced here (0: by the caller). */
@@ -35,6 +39,18 @@ enum { RED_NONE = 0, RED_F32, RED_F64, RED_I32, RED_I64 };
 
 typedef int (*allgather_int)(const void *, int, int, void *, int, int, int);
 typedef int (*allgather_ptr)(const void *, int, void *, void *, int, void *, void *);
+typedef int (*allreduce_int)(const void *, void *, int, int, int, int);
+typedef int (*allreduce_ptr)(const void *, void *, int, void *, void *, void *);
+
+#define MAX_OPS 32
+
+/* The library's AllReduce of one (type, op): its handles, and the float width whose NaNs
+ * are made canonical afterwards (0: none). */
+typedef struct {
+    int on;
+    intptr_t datatype, op;
+    int nan_width;
+} library_entry;
 
 typedef struct {
     char format[8];
@@ -45,7 +61,7 @@ typedef struct {
 } fmt_entry;
 
 typedef struct {
-    void *allgather;
+    void *allgather, *allreduce, *in_place;
     int handle_size;
     intptr_t comm, byte_type;
     int p;
@@ -54,6 +70,7 @@ typedef struct {
     int64_t header[HEADER_FIELDS];
     int n_formats;
     fmt_entry formats[MAX_FORMATS];
+    library_entry library[MAX_FORMATS][MAX_OPS];
 } context;
 
 static const char *CAPSULE = "optcc_mpi._fastcall.context";
@@ -69,19 +86,22 @@ static void context_free(PyObject *capsule)
 }
 
 /* make(allgather, handle_size, comm, byte_type, p, capacity, fold_min, limit, block,
- *      gathered, header, formats) -> context
+ *      gathered, header, formats, allreduce, in_place, library) -> context
  * header: the 12 header fields with those of the call (count, dtype, op, bytes, room)
- * zero; formats: (buffer format, dtype code, itemsize, op mask, sum kind) per type. */
+ * zero; formats: (buffer format, dtype code, itemsize, op mask, sum kind) per type;
+ * library: (format index, op code, datatype handle, op handle, NaN width) per pair the
+ * library's AllReduce may take above the limit (none: every such call falls back). */
 static PyObject *make(PyObject *self, PyObject *args)
 {
     /* Handles as mpi4py gives them: unsigned (an MPICH int handle comes sign-extended). */
-    unsigned long long allgather, comm, byte_type;
+    unsigned long long allgather, comm, byte_type, allreduce, in_place;
     int handle_size, p;
     Py_ssize_t capacity, fold_min, limit;
-    PyObject *block, *gathered, *header, *formats;
-    if (!PyArg_ParseTuple(args, "KiKKinnnOOO!O!", &allgather, &handle_size, &comm,
+    PyObject *block, *gathered, *header, *formats, *library;
+    if (!PyArg_ParseTuple(args, "KiKKinnnOOO!O!KKO!", &allgather, &handle_size, &comm,
                           &byte_type, &p, &capacity, &fold_min, &limit, &block, &gathered,
-                          &PyTuple_Type, &header, &PyTuple_Type, &formats))
+                          &PyTuple_Type, &header, &PyTuple_Type, &formats, &allreduce,
+                          &in_place, &PyTuple_Type, &library))
         return NULL;
     if (handle_size != 4 && handle_size != (int)sizeof(void *)) {
         PyErr_Format(PyExc_ValueError, "unsupported MPI handle size %d", handle_size);
@@ -95,6 +115,8 @@ static PyObject *make(PyObject *self, PyObject *args)
     if (ctx == NULL)
         return PyErr_NoMemory();
     ctx->allgather = (void *)(uintptr_t)allgather;
+    ctx->allreduce = (void *)(uintptr_t)allreduce;
+    ctx->in_place = (void *)(uintptr_t)in_place;
     ctx->handle_size = handle_size;
     ctx->comm = (intptr_t)comm;
     ctx->byte_type = (intptr_t)byte_type;
@@ -122,6 +144,24 @@ static PyObject *make(PyObject *self, PyObject *args)
         strcpy(f->format, text);
         f->code = code;
         f->ops = ops;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(library); i++) {
+        int fi, op, width;
+        unsigned long long datatype, mpi_op;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(library, i), "iiKKi", &fi, &op, &datatype,
+                              &mpi_op, &width)
+            || fi < 0 || fi >= ctx->n_formats || op < 0 || op >= MAX_OPS
+            || (width != 0 && width != 4 && width != 8) || !allreduce) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "bad library entry");
+            PyMem_Free(ctx);
+            return NULL;
+        }
+        library_entry *e = &ctx->library[fi][op];
+        e->on = 1;
+        e->datatype = (intptr_t)datatype;
+        e->op = (intptr_t)mpi_op;
+        e->nan_width = width;
     }
     if (PyErr_Occurred()) {
         PyMem_Free(ctx);
@@ -162,12 +202,13 @@ static Py_ssize_t room_for(const context *ctx, Py_ssize_t nbytes)
 }
 
 /* out = rows[0] + rows[1] + ... in rank order, in the element type (the integers wrap,
- * as NumPy's do; unsigned arithmetic keeps that defined in C). */
+ * as NumPy's do; unsigned arithmetic keeps that defined in C). Each element is one IEEE
+ * addition per row whatever the compiler vectorises, so these are NumPy's bits. */
 #define SUM_ROWS(T)                                                                 \
     do {                                                                            \
-        T *o = (T *)out;                                                            \
-        const T *a = (const T *)(rows);                                             \
-        const T *b = (const T *)(rows + stride);                                    \
+        T *restrict o = (T *)out;                                                   \
+        const T *restrict a = (const T *)(rows);                                    \
+        const T *restrict b = (const T *)(rows + stride);                           \
         for (Py_ssize_t i = 0; i < n; i++)                                          \
             o[i] = a[i] + b[i];                                                     \
         for (int r = 2; r < p; r++) {                                               \
@@ -189,9 +230,36 @@ static void reduce_sum(int kind, char *out, const char *rows, Py_ssize_t stride,
     }
 }
 
+/* Every NaN of n floats of `width` bytes made the canonical quiet one (as
+ * optcc_mpi.reductions.canonical_nans: the library may pick either operand's NaN). A
+ * read-only scan first (x != x: vectorised, and NaNs are rare), then the rewrite if any. */
+#define CANONICAL_NANS(F, T, MAGNITUDE, INF, NAN_BITS)                              \
+    do {                                                                            \
+        const F *x = (const F *)buf;                                                \
+        int any = 0;                                                                \
+        for (Py_ssize_t i = 0; i < n; i++)                                          \
+            any |= x[i] != x[i];                                                    \
+        if (any) {                                                                  \
+            T *u = (T *)buf;                                                        \
+            for (Py_ssize_t i = 0; i < n; i++)                                      \
+                if ((u[i] & (MAGNITUDE)) > (INF))                                   \
+                    u[i] = (NAN_BITS);                                              \
+        }                                                                           \
+    } while (0)
+
+static __attribute__((noinline)) void canonical_nans(char *buf, Py_ssize_t n, int width)
+{
+    if (width == 4)
+        CANONICAL_NANS(float, uint32_t, 0x7FFFFFFFu, 0x7F800000u, 0x7FC00000u);
+    else if (width == 8)
+        CANONICAL_NANS(double, uint64_t, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull,
+                       0x7FF8000000000000ull);
+}
+
 /* fold(context, sendbuf, recvbuf, op code, compare) -> FALLBACK, DONE, GATHERED,
- * MISMATCH, or -1000 - e for an MPI error code e. Without compare (check=False) the
- * headers travel but are not read, as on the Python path. */
+ * MISMATCH, LIBRARY, or -1000 - e for an MPI error code e. Without compare (check=False)
+ * no check is compared: up to the limit the headers travel with the data but are not
+ * read, above it no check travels at all, as on the Python path. */
 static PyObject *fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
@@ -230,48 +298,88 @@ static PyObject *fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     Py_ssize_t nbytes = sb.len;
-    const char *s = sb.buf, *r = rb.buf;
+    const char *s = sb.buf;
+    char *r = rb.buf;
     if (f == NULL || sb.itemsize != f->itemsize || !(f->ops & (1u << op))
         || strcmp(rb.format ? rb.format : "B", format) != 0 || rb.len != nbytes
-        || nbytes == 0 || nbytes > ctx->capacity || room_for(ctx, nbytes) != ctx->capacity)
+        || nbytes == 0)
         goto out;
     /* Partly overlapping buffers are an error the Python path words. */
     if (s != r && s < r + nbytes && r < s + nbytes)
         goto out;
+    /* Above the gather limit: the check (which then leaves the least room, so this call
+     * must find it), then the library's AllReduce, for the pairs whose library reduction
+     * C may call (none while the limit is not decided: the Python path decides it). Up to
+     * the limit the data travels in a room agreed for this size. */
+    int library = nbytes > ctx->limit;
+    const library_entry *lib = &ctx->library[f - ctx->formats][op];
+    if (library) {
+        if (!lib->on || nbytes / f->itemsize > INT32_MAX
+            || (compare && ctx->capacity != ctx->fold_min))
+            goto out;
+    } else if (nbytes > ctx->capacity || room_for(ctx, nbytes) != ctx->capacity) {
+        goto out;
+    }
 
     Py_ssize_t width = ctx->block.len;
     char *block = ctx->block.buf, *gathered = ctx->gathered.buf;
-    int64_t header[HEADER_FIELDS];
-    memcpy(header, ctx->header, sizeof(header));
-    header[2] = nbytes / f->itemsize;
-    header[3] = f->code;
-    header[4] = op;
-    header[10] = nbytes;
-    header[11] = (int64_t)ctx->capacity * 4 + 3; /* foldable, and it folds */
-    memcpy(block, header, HEADER_BYTES);
-    memcpy(block + HEADER_BYTES, s, (size_t)nbytes);
-    int ierr;
-    Py_BEGIN_ALLOW_THREADS
-    if (ctx->handle_size == 4)
-        ierr = ((allgather_int)ctx->allgather)(block, (int)width, (int)ctx->byte_type,
-                                               gathered, (int)width, (int)ctx->byte_type,
-                                               (int)ctx->comm);
-    else
-        ierr = ((allgather_ptr)ctx->allgather)(block, (int)width, (void *)ctx->byte_type,
-                                               gathered, (int)width, (void *)ctx->byte_type,
-                                               (void *)ctx->comm);
-    Py_END_ALLOW_THREADS
-    if (ierr != 0) {
-        answer = -1000 - ierr;
+    int ierr = 0;
+    if (compare || !library) {
+        int64_t header[HEADER_FIELDS];
+        memcpy(header, ctx->header, sizeof(header));
+        header[2] = nbytes / f->itemsize;
+        header[3] = f->code;
+        header[4] = op;
+        header[10] = nbytes;
+        /* foldable; and whether it folds */
+        header[11] = (int64_t)ctx->capacity * 4 + 2 + (library ? 0 : 1);
+        memcpy(block, header, HEADER_BYTES);
+        if (!library)
+            memcpy(block + HEADER_BYTES, s, (size_t)nbytes);
+        Py_BEGIN_ALLOW_THREADS
+        if (ctx->handle_size == 4)
+            ierr = ((allgather_int)ctx->allgather)(block, (int)width, (int)ctx->byte_type,
+                                                   gathered, (int)width, (int)ctx->byte_type,
+                                                   (int)ctx->comm);
+        else
+            ierr = ((allgather_ptr)ctx->allgather)(block, (int)width, (void *)ctx->byte_type,
+                                                   gathered, (int)width,
+                                                   (void *)ctx->byte_type, (void *)ctx->comm);
+        Py_END_ALLOW_THREADS
+        if (ierr != 0) {
+            answer = -1000 - ierr;
+            goto out;
+        }
+        for (int q = 0; compare && q < ctx->p; q++) {
+            if (memcmp(gathered + (Py_ssize_t)q * width, block, HEADER_BYTES) != 0) {
+                answer = MISMATCH;
+                goto out;
+            }
+        }
+    }
+    if (library) {
+        int count = (int)(nbytes / f->itemsize);
+        if (r != s)
+            memcpy(r, s, (size_t)nbytes);
+        Py_BEGIN_ALLOW_THREADS
+        if (ctx->handle_size == 4)
+            ierr = ((allreduce_int)ctx->allreduce)(ctx->in_place, r, count, (int)lib->datatype,
+                                                   (int)lib->op, (int)ctx->comm);
+        else
+            ierr = ((allreduce_ptr)ctx->allreduce)(ctx->in_place, r, count,
+                                                   (void *)lib->datatype, (void *)lib->op,
+                                                   (void *)ctx->comm);
+        Py_END_ALLOW_THREADS
+        if (ierr != 0) {
+            answer = -1000 - ierr;
+            goto out;
+        }
+        if (lib->nan_width)
+            canonical_nans(r, nbytes / lib->nan_width, lib->nan_width);
+        answer = LIBRARY;
         goto out;
     }
     answer = GATHERED;
-    for (int q = 0; compare && q < ctx->p; q++) {
-        if (memcmp(gathered + (Py_ssize_t)q * width, block, HEADER_BYTES) != 0) {
-            answer = MISMATCH;
-            goto out;
-        }
-    }
     if (op == 0 && f->reduce_sum != RED_NONE) {
         reduce_sum(f->reduce_sum, rb.buf, gathered + HEADER_BYTES, width, ctx->p,
                    nbytes / f->itemsize);

@@ -28,6 +28,7 @@ from optcc_mpi.reductions import (
     canonical_nans,
     from_keys,
     key_dtype,
+    reduce_into,
     reduce_with,
     to_keys,
 )
@@ -82,14 +83,31 @@ class Backend:
         """``dst = op(dst, src)`` element-wise, in place."""
         raise NotImplementedError
 
+    def reduce_into(self, op: str, out: Any, a: Any, b: Any) -> None:
+        """``out = op(a, b)`` element-wise: the bits of :meth:`reduce` on ``out`` holding
+        ``a`` (the same operands in the same order). ``out`` may be ``a`` or ``b`` itself
+        (the same object), and must not overlap them otherwise. A backend that can write
+        the result elsewhere saves a copy (the executor reads a send buffer's first use
+        this way); this default copies."""
+        if out is b:
+            first = self.empty_like(a)
+            self.copyto(first, a)
+            self.reduce(op, first, b)
+            self.copyto(out, first)
+            return
+        if out is not a:
+            self.copyto(out, a)
+        self.reduce(op, out, b)
+
     # -- max/min keys and NaN (optcc_mpi.reductions), on the whole buffer ---------------------
     def has_keys(self, dtype: Any) -> bool:
         """Whether ``max``/``min`` on ``dtype`` go through integer keys."""
         return self.xp is not None and key_dtype(dtype) is not None
 
-    def to_keys(self, arr: Any, op: str) -> Any:
-        """Map float ``arr`` to its integer keys for ``op`` in place; the integer view."""
-        return to_keys(self.xp, arr, op)
+    def to_keys(self, arr: Any, op: str, src: Any = None) -> Any:
+        """Map float ``arr`` to its integer keys for ``op`` in place (or write the keys of
+        ``src`` into ``arr``); the integer view."""
+        return to_keys(self.xp, arr, op, src)
 
     def from_keys(self, keys: Any, dtype: Any, op: str) -> Any:
         """Inverse of :meth:`to_keys`, in place; the float view."""
@@ -156,6 +174,9 @@ class NumpyBackend(Backend):
     def reduce(self, op: str, dst: np.ndarray, src: np.ndarray) -> None:
         reduce_with(np, op, dst, src)
 
+    def reduce_into(self, op: str, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        reduce_into(np, op, out, a, b)
+
     def byte_view(self, arr: np.ndarray) -> np.ndarray:
         return arr.view(np.uint8)
 
@@ -201,6 +222,9 @@ class CupyBackend(Backend):
 
     def reduce(self, op: str, dst: Any, src: Any) -> None:
         reduce_with(self.cp, op, dst, src)
+
+    def reduce_into(self, op: str, out: Any, a: Any, b: Any) -> None:
+        reduce_into(self.cp, op, out, a, b)
 
     def synchronize(self) -> None:
         self.cp.cuda.get_current_stream().synchronize()
@@ -250,11 +274,14 @@ class TorchBackend(Backend):
     def reduce(self, op: str, dst: Any, src: Any) -> None:
         self.ops.reduce(op, dst, src)
 
+    def reduce_into(self, op: str, out: Any, a: Any, b: Any) -> None:
+        self.ops.reduce_into(op, out, a, b)
+
     def has_keys(self, dtype: Any) -> bool:
         return self.ops.key_dtype(dtype) is not None
 
-    def to_keys(self, arr: Any, op: str) -> Any:
-        return self.ops.to_keys(arr, op)
+    def to_keys(self, arr: Any, op: str, src: Any = None) -> Any:
+        return self.ops.to_keys(arr, op, src)
 
     def from_keys(self, keys: Any, dtype: Any, op: str) -> Any:
         return self.ops.from_keys(keys, dtype, op)

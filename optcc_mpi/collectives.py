@@ -25,13 +25,15 @@ Each phase is a function of a few named arguments, shared by every transport:
 
 Short calls
 -----------
-When the library's collective is what ``auto`` would run (short messages) and the data
-fits in the check's room, the data travels in the check itself and every rank reduces
-every rank's contribution in rank order: bit-identical on every rank by construction, one
-collective in all. The commonest short call over MPI (NumPy arrays, default arguments, a
-size that already travelled in the check) runs all of this in C (:mod:`optcc_mpi.fastcall`):
-the same header, the same collective, the same rank-order sums, at about the library's own
-latency.
+When the library's collective is what ``auto`` would run (short messages), up to the
+communicator's gather limit (:mod:`optcc_mpi.crossover`: measured once per communicator,
+the size above which the check plus the library's AllReduce beats gathering p times the
+bytes) the data travels in the check itself and every rank reduces every rank's
+contribution in rank order: bit-identical on every rank by construction, one collective in
+all. Above the limit the check carries only the header and the library's AllReduce
+follows. The commonest short call over MPI (NumPy arrays, default arguments, a size seen
+before) runs either in C (:mod:`optcc_mpi.fastcall`): the same header, the same
+collectives, the same rank-order sums, at about the library's own latency.
 
 With ``check=False`` the check is skipped (then the ranks must pass the same arguments,
 and ``check`` itself must be the same on every rank).
@@ -44,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi import algorithms, config, fastcall, protocol
+from optcc_mpi import algorithms, config, crossover, fastcall, protocol
 from optcc_mpi.algorithms._policy import SMALL_BYTES
 from optcc_mpi.backend import NUMPY, as_array, result_like
 from optcc_mpi.dtypes import CATEGORY, NAME_OF, OPS, VALID_PAIRS, dtype_name, op_name
@@ -64,6 +66,7 @@ from optcc_mpi.watch import LinkWatch
 __all__ = [
     "allreduce",
     "choose_algorithm",
+    "gather_limit",
     "last_stats",
     "SMALL_BYTES",
     "GATHER_MAX_P",
@@ -137,6 +140,17 @@ def last_stats() -> dict[str, Any]:
         "inline": inline,
         "transport": transport,
     }
+
+
+def gather_limit(comm: Any = None) -> int:
+    """The largest short message (bytes) that ``auto`` gathers from every rank and
+    reduces in rank order on ``comm`` (an mpi4py communicator, None for COMM_WORLD, or a
+    torch.distributed process group); above it the argument check carries only its
+    header and the library's AllReduce follows (:mod:`optcc_mpi.crossover`).
+
+    Measured (or read from ``$OPTCC_GATHER_LIMIT``) at the first call that needs it;
+    asking here decides it now if needed, which is collective: ask on every rank."""
+    return crossover.decide(_state(comm))
 
 
 def choose_algorithm(p: int, nbytes: int, links: Links) -> str:
@@ -275,6 +289,7 @@ class _Call:
         "sendbuf", "result", "flat_in", "flat_out", "backend", "in_place", "opn", "name",
         "count", "nbytes", "algorithm", "link_obj", "emu", "params", "check", "plan",
         "fold", "fields", "seen", "err", "epoch", "stats", "work", "keyed", "watched",
+        "library",
     )  # fmt: skip
 
     def __init__(
@@ -299,7 +314,7 @@ class _Call:
         self.epoch = 0.0
         self.stats: ExecStats | None = None
         self.work: Any = None
-        self.keyed = self.watched = False
+        self.keyed = self.watched = self.library = False
         self.link_obj = _HEALTHY
         self.emu: Emulation | None = None
         self.opn = op if type(op) is str and op in _OPSET else ""
@@ -554,27 +569,29 @@ def _run(st: CommState, call: _Call) -> None:
     the schedule on the executor."""
     p, backend, flat_out = st.size, call.backend, call.flat_out
     name_run, sched, coll_only = call.plan
-    if (
-        call.algorithm == "auto"
-        and coll_only
-        and call.emu is None
-        and 1 < p <= GATHER_MAX_P
-        and 0 < call.nbytes <= capacity(p, call.nbytes)
-    ):
+    short = call.algorithm == "auto" and coll_only and call.emu is None and 1 < p <= GATHER_MAX_P
+    if short and 0 < call.nbytes and _gathered(st, call.nbytes):
         # A short message that did not travel in the check (the first call of a size, a
         # device array, a tensor): gathered and reduced in rank order all the same, so
         # that what auto returns never depends on which calls came before.
         _gather_reduce(st, call.opn, call.flat_in, flat_out, backend)
         return
-    if not call.in_place:
+    # Out of place, the send buffer is read where the input is first needed (by the
+    # executor, by the keys' conversion) rather than copied into recvbuf first: one pass
+    # over memory less. A read-only one is copied: not every library sends from it.
+    source = None if call.in_place or not backend.writable(call.flat_in) else call.flat_in
+    if source is None and not call.in_place:
         backend.copyto(flat_out, call.flat_in)
     work = flat_out
     call.keyed = p > 1 and call.opn in ("max", "min") and backend.has_keys(flat_out.dtype)
     if call.keyed:
         # max/min on floats reduce order-preserving integer keys (optcc_mpi.reductions).
-        work = backend.to_keys(flat_out, call.opn)
+        work = backend.to_keys(flat_out, call.opn, source)
+        source = None
     call.work = work
     if p == 1:
+        if source is not None:
+            backend.copyto(flat_out, source)
         return
     pacer = call.emu.pacer(st.rank, p, call.link_obj) if call.emu is not None else None
     transport = st.transport
@@ -582,18 +599,34 @@ def _run(st: CommState, call: _Call) -> None:
     if coll_only and pacer is None and not transport.native(backend, wname, call.opn):
         # A library that cannot reduce this type as we do: every rank's data, reduced in
         # rank order on every rank.
-        _gather_reduce(st, call.opn, work, work, backend)
+        _gather_reduce(st, call.opn, work if source is None else source, work, backend)
         return
     if coll_only and pacer is None and not (backend.device and transport.sync_device):
-        # A schedule that is only the library's collective: call it directly.
+        # A schedule that is only the library's collective: call it directly (in place,
+        # as every rank must: MPI_IN_PLACE is all or none).
+        if source is not None:
+            backend.copyto(work, source)
         transport.allreduce_now(backend, work, wname, call.opn)
+        call.library = short and not call.keyed  # (the compiled path can take the next)
         return
     # Each rank reduces different parts: a floating-point warning or exception
     # (np.seterr) on one rank alone would leave the others waiting.
     with np.errstate(all="ignore"):
-        call.stats = execute(sched, work, comm=transport, op=call.opn, backend=backend, pacer=pacer)
+        call.stats = execute(
+            sched, work, comm=transport, op=call.opn, backend=backend, pacer=pacer, source=source
+        )
     if call.watched:
         _record_watch(st, call, sched, pacer)
+
+
+def _gathered(st: CommState, nbytes: int) -> bool:
+    """Whether a short message of ``nbytes`` is gathered and reduced in rank order (else
+    the library's AllReduce reduces it): up to the communicator's gather limit, decided
+    now if this is the first call that needs it (collective: every rank makes the same
+    call, agreed by the check or, without it, by the caller)."""
+    if nbytes <= FOLD_MIN:
+        return True
+    return nbytes <= capacity(st.size, nbytes, crossover.decide(st))
 
 
 def _record_watch(st: CommState, call: _Call, sched: Any, pacer: Any) -> None:
@@ -647,7 +680,7 @@ def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any
     if st.size <= GATHER_MAX_P:
         # The check's buffers, with the room for this call only: the next check restores
         # the one every rank agreed on (CommState.next_capacity).
-        cap = capacity(st.size, nbytes)
+        cap = capacity(st.size, nbytes, crossover.known(st))
         if cap != st.capacity or st.block is None:
             st.ensure_capacity(cap, HEADER_BYTES)
         if nbytes <= cap:
@@ -702,7 +735,12 @@ def _finish(st: CommState, call: _Call) -> Any:
         name_run, sched, call.stats, call.link_obj, call.emu, call.params, False,
         st.transport.name,
     )  # fmt: skip
-    if work is None and call.link_obj is _HEALTHY and not call.params and backend is NUMPY:
+    if (
+        (work is None or call.library)
+        and call.link_obj is _HEALTHY
+        and not call.params
+        and backend is NUMPY
+    ):
         _enable_compiled(st, call.flat_in.dtype, call.nbytes, call.plan)
     return call.result if call.result is not None else call.flat_out
 
@@ -805,8 +843,11 @@ def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Any) -> 
     if key not in st.folds:
         st.remember(st.folds, key, plan)
     if st.fast is None:
-        limit = max(FOLD_MIN, FOLD_TOTAL // st.size)
-        st.fast = fastcall.context(st, _COMPILED_HEADER, FOLD_MIN, limit)
+        # Until the gather limit is decided, the least room, and nothing for the library:
+        # the Python path decides it at the first call that needs it.
+        decided = st.gather_limit is not None
+        handles = st.transport.predefined if decided else None
+        st.fast = fastcall.context(st, _COMPILED_HEADER, FOLD_MIN, crossover.known(st), handles)
 
 
 def _try_compiled(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, check: bool) -> Any:
@@ -823,6 +864,14 @@ def _try_compiled(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, check: bool) -
     return None
 
 
+#: The communicator object of the last call the compiled path took, and its state: a loop
+#: over one communicator skips the lookup (:func:`_known`). Holding the object keeps its
+#: identity from being reused; a freed communicator's state has no compiled context (the
+#: MPI transport drops it when MPI frees the communicator), so its calls go to Python.
+_RECENT: list[Any] = [_HEALTHY, None]
+_OP_CODE = protocol.OP_CODE
+
+
 def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, check: bool) -> bool:
     """Run the call on the compiled path (:mod:`optcc_mpi.fastcall`) if it can take it;
     False when it declined, having touched nothing.
@@ -831,14 +880,24 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
     communicator's state exists with a context for its current check room, which the
     ranks agreed for this call (every rank derives it from the previous call's headers),
     no setting changes the call, and an earlier call of this size and type was one whose
-    data travels in that room (``auto`` hands it to the library). With ``check=False`` the
-    same gather runs without comparing the headers: the room is the one the Python path's
-    gather uses for this size (:func:`~optcc_mpi.protocol.capacity`), so ranks on either
-    path move blocks of one shape."""
-    st = _known(comm)
-    if st is None or st.fast is None or (check and st.next_capacity != st.capacity):
+    data travels in that room, or (above the gather limit, once decided) one that went to
+    the library's AllReduce after the check (``auto`` hands it to the library). With
+    ``check=False`` the same collectives run without comparing the headers: up to the limit
+    the room is the one the Python path's gather uses for this size
+    (:func:`~optcc_mpi.protocol.capacity`), so ranks on either path move blocks of one
+    shape; above it, the library's AllReduce alone."""
+    recent = _RECENT
+    if comm is recent[0]:
+        st = recent[1]
+    else:
+        st = _known(comm)
+        if st is None:
+            return False
+        recent[0], recent[1] = comm, st
+    fast = st.fast
+    if fast is None or (check and st.next_capacity != st.capacity):
         return False  # (without the check, the room is capacity()'s: the C side checks it)
-    opc = protocol.OP_CODE.get(op) if type(op) is str else None
+    opc = _OP_CODE.get(op) if type(op) is str else None
     rc = config.rc
     if opc is None or rc.links is not None or rc.emulate is not None:
         return False
@@ -847,11 +906,14 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
     plan = st.folds.get((nbytes, dtype))
     if plan is None:
         return False
-    answer = _FOLD(st.fast, sendbuf, recvbuf, opc, check)
+    answer = _FOLD(fast, sendbuf, recvbuf, opc, check)
     if answer == fastcall.FALLBACK:
         return False
+    inline = bool(check)
     if answer == fastcall.GATHERED:  # agreed; a reduction the C path leaves to NumPy
         protocol.reduce_gathered(st, op, dtype, nbytes, _numpy_flat(recvbuf, "recvbuf"))
+    elif answer == fastcall.LIBRARY:  # the check, then the library's AllReduce
+        inline = False
     elif answer == fastcall.MISMATCH:
         # As the Python path: every rank saw the same headers, so the same next room and
         # the same error (the ranks on the Python path raise it from the check).
@@ -870,5 +932,5 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
         protocol.disagreement(st, None, Mismatch(table=table), shown)
     elif answer != fastcall.DONE:
         raise RuntimeError(f"the compiled call path failed (code {answer})")
-    _last[0] = (plan[0], plan[1], None, _HEALTHY, None, None, bool(check), "mpi")
+    _last[0] = (plan[0], plan[1], None, _HEALTHY, None, None, inline, "mpi")
     return True

@@ -86,6 +86,14 @@ _ALL = (
         "flag",
     ),
     Variable(
+        "OPTCC_GATHER_LIMIT",
+        None,
+        "Largest short `auto` message gathered and reduced in rank order (a size, e.g. "
+        "`16K`; `0`: the least, 256 bytes); larger ones go to the library's AllReduce. "
+        "Default: measured per communicator (`optcc_mpi.crossover`). The same on every rank.",
+        "collectives",
+    ),
+    Variable(
         "OPTCC_CUDA_AWARE",
         None,
         "`1`/`0`: force whether the MPI library is taken as CUDA-aware (default: detected).",

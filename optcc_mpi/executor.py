@@ -43,6 +43,21 @@ a pool of temporary buffers reused across calls (a fresh large allocation costs 
 on first touch). Completed requests are removed by swapping with the last one, without
 rebuilding the lists.
 
+Out of place
+------------
+Given a separate, read-only *source* (``execute(..., source=sendbuf)``), buffer 0 starts
+empty instead of holding the input: an operation whose reads of buffer 0 precede every
+write of those elements (in dependency order) reads the source instead, so out of place
+costs no extra pass over memory (:class:`_Sourcing`, built once per plan). A send of such a
+range sends from the source; a receive-and-reduce into it receives straight into its
+target (no temporary) and then computes ``target = op(source, target)``, a local reduction
+``target = op(source, operand)`` (:meth:`~optcc_mpi.backend.Backend.reduce_into`: the same
+operands in the same order, so the bits of the in-place call). A target read partly before
+its first write is reduced piece by piece; only a send's or a copy's range read partly
+before and partly after its first write, and the ranges of the library's own AllReduce
+(``COLL``, in place by nature), are copied up front. Elements no operation writes are
+copied at the end.
+
 Every call records, per message, ``(op, peer, bytes, posted, completed)`` in
 :attr:`ExecStats.sends` and :attr:`ExecStats.recvs` (times in seconds from the start of
 the call, on ``time.perf_counter``): one tuple append per message, cheap enough to be
@@ -70,6 +85,11 @@ __all__ = ["ExecStats", "execute", "levels", "TAG_BASE"]
 
 #: Tags of our messages are TAG_BASE + channel, on a communicator of our own.
 TAG_BASE = 1000
+#: The index of the source (the send buffer of a call out of place) among a run's buffers:
+#: after buffer 0 (the result) and buffer 1 (the schedule's scratch).
+SOURCE = 2
+#: ``rbuf`` of a reduction whose target is read from the source in some pieces only.
+PIECES = -1
 
 
 @dataclass
@@ -205,10 +225,16 @@ class _Plan:
         "temp_pool",
         "level",
         "rounds",
+        "count",
+        "sourcing",
     )
 
     def __init__(self, schedule: Schedule, rank: int, itemsize: int) -> None:
         prog = schedule.program(rank)
+        self.count = schedule.count
+        #: How the program reads a separate send buffer (made on the first call out of
+        #: place, :meth:`sourced`).
+        self.sourcing: _Sourcing | None = None
         ops = prog.ops
         self.n = len(ops)
         cols = list(zip(*ops)) if ops else [()] * 8
@@ -242,6 +268,148 @@ class _Plan:
         # queue) order on both ends: libraries without tags (NCCL) match them by order.
         self.rounds = [by[lv] for lv in sorted(by)]
 
+    def sourced(self) -> _Sourcing:
+        """This program's reads of a separate send buffer (:class:`_Sourcing`), cached."""
+        if self.sourcing is None:
+            self.sourcing = _Sourcing(self)
+        return self.sourcing
+
+
+class _Sourcing:
+    """Where one rank's program reads buffer 0's initial contents from when they live in a
+    separate, read-only source (the module docstring's "Out of place").
+
+    Every element has a *first writer*: of the operations that write it, the first in
+    dependency order. The verifier rejects a program with two operations that touch an
+    element, one writing, and no dependency path between them, so every operation that
+    reads an element is ordered against its first writer: it reads the input if it comes
+    no later than that writer (the writer itself reads its own target when it reduces
+    into it), the written value otherwise. With every operation numbered in a topological
+    order, that is a comparison of two numbers per element, done per range of elements
+    that no operation's bounds split.
+
+    Attributes
+    ----------
+    rbuf : list of int
+        Per operation, the buffer its data comes from: a send's range, or a
+        receive-and-reduce's or local reduction's target as first operand (:data:`SOURCE`
+        when it is the input, the operation's own buffer otherwise, :data:`PIECES` for a
+        target partly written already).
+    sbuf : list of int
+        Per operation, the buffer of a local copy's or reduction's source operand.
+    pieces : dict
+        For each operation with ``rbuf`` :data:`PIECES`: ``(lo, hi, from source)`` per
+        piece of its target, in order.
+    pre, post : list of (lo, hi)
+        Element ranges copied from the source before the program runs (a send's or a
+        copy's read partly before and partly after the first write, or a ``COLL``'s) and
+        after it (never written).
+    """
+
+    __slots__ = ("rbuf", "sbuf", "pieces", "pre", "post")
+
+    def __init__(self, plan: _Plan) -> None:
+        n, count = plan.n, plan.count
+        self.rbuf = list(plan.buf)
+        self.sbuf = list(plan.sbuf)
+        self.pieces: dict[int, list[tuple[int, int, bool]]] = {}
+        if n == 0:
+            self.pre: list[tuple[int, int]] = []
+            self.post = [(0, count)] if count else []
+            return
+        pos = np.asarray(_topological(plan), dtype=np.int64)
+        kind = np.asarray(plan.kind, dtype=np.int64)
+        buf = np.asarray(plan.buf, dtype=np.int64)
+        lo = np.asarray(plan.lo, dtype=np.int64)
+        hi = np.asarray(plan.hi, dtype=np.int64)
+        sbuf = np.asarray(plan.sbuf, dtype=np.int64)
+        slo = np.asarray(plan.slo, dtype=np.int64)
+        on0 = buf == 0
+        writes = np.flatnonzero(on0 & (kind != SEND))
+        # Reads of buffer 0: a send's range, a reduction's target (COLL included), a local
+        # copy's or reduction's source operand.
+        data = np.flatnonzero(on0 & ((kind == SEND) | (kind == RECV_REDUCE) | (kind == REDUCE)))
+        colls = np.flatnonzero(on0 & (kind == COLL))
+        operands = np.flatnonzero((sbuf == 0) & ((kind == COPY) | (kind == REDUCE)))
+        r_op = np.concatenate([data, colls, operands])
+        r_lo = np.concatenate([lo[data], lo[colls], slo[operands]])
+        r_hi = r_lo + np.concatenate([(hi - lo)[data], (hi - lo)[colls], (hi - lo)[operands]])
+        # Elementary ranges: between consecutive bounds of any access (and 0, count).
+        bounds = np.unique(np.concatenate([[0, count], lo[writes], hi[writes], r_lo, r_hi]))
+        nseg = bounds.size - 1
+        # first[s]: the topological number of the first writer of range s (n: none); one
+        # sentinel more, for the reductions over ranges below.
+        first = np.full(nseg + 1, n, dtype=np.int64)
+        w_a = np.searchsorted(bounds, lo[writes])
+        w_n = np.searchsorted(bounds, hi[writes]) - w_a
+        starts = np.repeat(w_a - np.cumsum(w_n) + w_n, w_n) + np.arange(int(w_n.sum()))
+        np.minimum.at(first, starts, np.repeat(pos[writes], w_n))
+        a = np.searchsorted(bounds, r_lo)
+        b = np.searchsorted(bounds, r_hi)
+        pairs = np.stack([a, b], axis=1).ravel()
+        least = np.minimum.reduceat(first, pairs)[::2]
+        most = np.maximum.reduceat(first, pairs)[::2]
+        mine = pos[r_op]
+        fresh = least >= mine  # every element read before its first write
+        stale = most < mine  # every element read after its first write
+        copied = np.zeros(nseg, dtype=bool)
+        n_data, n_colls = data.size, colls.size
+        for j in np.flatnonzero(~stale).tolist():
+            i = int(r_op[j])
+            is_coll = n_data <= j < n_data + n_colls
+            if fresh[j] and not is_coll:
+                if j < n_data:
+                    self.rbuf[i] = SOURCE
+                else:
+                    self.sbuf[i] = SOURCE
+                continue
+            seg = np.arange(a[j], b[j])
+            early = first[seg] >= mine[j]
+            if j < n_data and plan.kind[i] != SEND:
+                # A reduction whose target is partly written already: reduced piece by
+                # piece, each from where its first operand lives.
+                edges = np.flatnonzero(np.diff(early.astype(np.int8))) + 1
+                cuts = [0, *edges.tolist(), seg.size]
+                self.rbuf[i] = PIECES
+                self.pieces[i] = [
+                    (int(bounds[seg[x]]), int(bounds[seg[y - 1] + 1]), bool(early[x]))
+                    for x, y in zip(cuts, cuts[1:])
+                ]
+                continue
+            # A send or a copy's operand read partly before the first write, or a COLL:
+            # copy the ranges read early up front.
+            copied[seg[early]] = True
+        self.pre = _ranges(bounds, copied)
+        self.post = _ranges(bounds, (first[:nseg] == n) & ~copied)
+
+
+def _topological(plan: _Plan) -> list[int]:
+    """Each operation's number in one topological order of the dependencies."""
+    waiting = plan.waiting.copy()
+    todo = deque(i for i in range(plan.n) if waiting[i] == 0)
+    pos = [-1] * plan.n
+    k = 0
+    while todo:
+        i = todo.popleft()
+        pos[i] = k
+        k += 1
+        for d in plan.dependents[i]:
+            waiting[d] -= 1
+            if waiting[d] == 0:
+                todo.append(d)
+    if k != plan.n:  # pragma: no cover - the builder rejects cycles
+        raise RuntimeError("the program's dependencies have a cycle")
+    return pos
+
+
+def _ranges(bounds: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
+    """The element ranges of the elementary ranges ``mask`` selects, adjacent ones merged."""
+    if not mask.any():
+        return []
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    starts, stops = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(int(bounds[x]), int(bounds[y])) for x, y in zip(starts, stops)]
+
 
 def _plan(schedule: Schedule, rank: int, itemsize: int) -> _Plan:
     cache = schedule.__dict__.setdefault("_exec_plans", {})
@@ -262,6 +430,7 @@ def execute(
     staging: bool | None = None,
     pacer: Any = None,
     trace: bool = False,
+    source: Any = None,
 ) -> ExecStats:
     """Execute this rank's program of ``schedule`` on ``buf``.
 
@@ -270,8 +439,8 @@ def execute(
     schedule : Schedule
         Built for the communicator's size and ``buf.size`` elements.
     buf : array
-        1-D contiguous array of ``backend`` holding this rank's input; holds the result
-        on return.
+        1-D contiguous array of ``backend`` holding this rank's input (unless ``source``
+        is given); holds the result on return.
     comm : Transport, mpi4py communicator or torch.distributed process group
         Where the messages travel (:func:`optcc_mpi.transports.of`: on a communicator,
         its private duplicate).
@@ -287,18 +456,30 @@ def execute(
     trace : bool
         Record per-operation times in ``ExecStats.trace`` (the per-message records in
         ``sends``/``recvs`` are always kept).
+    source : array, optional
+        This rank's input, when it is not in ``buf``: an array of ``backend`` of the same
+        type and size that is only read and must not overlap ``buf`` (the send buffer of
+        a call out of place). ``buf``'s contents on entry are then ignored; the result
+        is the same, bit for bit, as with ``buf`` holding the input (module docstring).
     """
     transport = comm if isinstance(comm, Transport) else transports.of(comm)
     plan = _plan(schedule, transport.rank, buf.dtype.itemsize)
     stats = ExecStats()
+    if source is buf:
+        source = None
     if plan.n == 0:
+        if source is not None:
+            backend.copyto(buf, source)
         return stats
+    if pacer is not None and transport.observe == "grouped":
+        raise ValueError(f"a {transport.name} transport cannot be paced (emulation)")
     if staging is None:
         staging = transport.staging(backend)
+    sourcing = plan.sourced() if source is not None else None
     run = _Run(schedule, plan, buf, transport, op, backend, staging, pacer, trace, stats)
+    if sourcing is not None:
+        run.read_from(source, sourcing)
     if transport.observe == "grouped":
-        if pacer is not None:
-            raise ValueError(f"a {transport.name} transport cannot be paced (emulation)")
         run.grouped()
     else:
         run.loop()
@@ -327,15 +508,17 @@ class _Run:
         self.stats = stats
         n = plan.n
         self.dtype = buf.dtype
-        self.buffers = [buf]
-        if schedule.scratch:
-            self.buffers.append(backend.empty(schedule.scratch, buf.dtype))
+        scratch = backend.empty(schedule.scratch, buf.dtype) if schedule.scratch else None
+        self.buffers = [buf, scratch]
         self.sync = backend.device and transport.sync_device
         # Byte views of the buffers, made once per call: a message is one slice of these.
         # (A device buffer bound for MPI is viewed only after synchronising, per message.)
-        self.raw = (
-            None if staging or self.sync else [transport.message(backend, b) for b in self.buffers]
-        )
+        self.raw = None if staging or self.sync else [self.bytes_of(b) for b in self.buffers]
+        # Per operation, where its data and its source operand come from (out of place:
+        # read_from).
+        self.rbuf, self.sbuf = plan.buf, plan.sbuf
+        self.pieces: dict[int, list[tuple[int, int, bool]]] = {}
+        self.unwritten: list[tuple[int, int]] = []
         self.pool = plan.temp_pool.setdefault(
             (backend.name, getattr(buf.dtype, "str", str(buf.dtype))), {}
         )
@@ -351,6 +534,27 @@ class _Run:
         self.completed = 0
         self.post_time = [0.0] * n
         self.t0 = stats.start = time.perf_counter()
+
+    def bytes_of(self, arr: Any) -> Any:
+        return None if arr is None else self.t.message(self.backend, arr)
+
+    def read_from(self, source: Any, sourcing: _Sourcing) -> None:
+        """Read buffer 0's initial contents from ``source`` (module docstring): the ranges
+        to copy up front are copied now, those never written when the program ends."""
+        self.buffers.append(source)
+        if self.raw is not None:
+            self.raw.append(self.bytes_of(source))
+        self.rbuf, self.sbuf, self.pieces = sourcing.rbuf, sourcing.sbuf, sourcing.pieces
+        buf = self.buffers[0]
+        for lo, hi in sourcing.pre:
+            self.backend.copyto(buf[lo:hi], source[lo:hi])
+        self.unwritten = sourcing.post
+
+    def copy_unwritten(self) -> None:
+        """The elements no operation wrote, from the source (nothing in place)."""
+        buf, source = self.buffers[0], self.buffers[-1]
+        for lo, hi in self.unwritten:
+            self.backend.copyto(buf[lo:hi], source[lo:hi])
 
     # -- bookkeeping ----------------------------------------------------------------------
     def finish(self, i: int) -> None:
@@ -375,6 +579,11 @@ class _Run:
             return self.raw[self.plan.buf[i]][self.plan.blo[i] : self.plan.bhi[i]]
         return self.t.message(self.backend, self.slice(i))
 
+    def sent(self, i: int) -> Any:
+        """The range send ``i`` reads: in its buffer, or in the source."""
+        plan = self.plan
+        return self.buffers[self.rbuf[i]][plan.lo[i] : plan.hi[i]]
+
     def take_temp(self, m: int) -> Any:
         free = self.pool.get(m)
         return free.pop() if free else self.backend.empty(m, self.dtype)
@@ -389,9 +598,12 @@ class _Run:
         if self.sync:
             self.backend.synchronize()
         if self.staging:
-            host = self.hosts[i] = self.backend.to_host(self.slice(i))
+            host = self.hosts[i] = self.backend.to_host(self.sent(i))
             return host.view(np.uint8)
-        return self.data(i)
+        if self.raw is not None:
+            plan = self.plan
+            return self.raw[self.rbuf[i]][plan.blo[i] : plan.bhi[i]]
+        return self.t.message(self.backend, self.sent(i))
 
     def recv_message(self, i: int) -> Any:
         plan = self.plan
@@ -400,8 +612,8 @@ class _Run:
         if self.staging:
             host = self.hosts[i] = np.empty(plan.hi[i] - plan.lo[i], dtype=self.dtype)
             return host.view(np.uint8)
-        if plan.kind[i] == RECV:
-            return self.data(i)
+        if plan.kind[i] == RECV or self.rbuf[i] == SOURCE:
+            return self.data(i)  # (the latter: its target's first write, from the input)
         temp = self.temps[i] = self.take_temp(plan.hi[i] - plan.lo[i])
         return self.t.message(self.backend, temp)
 
@@ -414,11 +626,11 @@ class _Run:
         self.post_time[i] = time.perf_counter()
         lo, hi, slo = plan.lo[i], plan.hi[i], plan.slo[i]
         dst = self.buffers[plan.buf[i]][lo:hi]
-        src = self.buffers[plan.sbuf[i]][slo : slo + (hi - lo)]
+        src = self.buffers[self.sbuf[i]][slo : slo + (hi - lo)]
         if plan.kind[i] == COPY:
             self.backend.copyto(dst, src)
         else:
-            self.backend.reduce(self.op, dst, src)
+            self.reduce_into_target(i, dst, src)
 
     def start_coll(self, i: int) -> None:
         target = self.slice(i)
@@ -503,21 +715,44 @@ class _Run:
         target = self.slice(i)
         m = plan.hi[i] - plan.lo[i]
         host = self.hosts.pop(i, None) if self.staging else None
-        if plan.kind[i] == RECV:
+        kind = plan.kind[i]
+        if kind == RECV or self.rbuf[i] == SOURCE:
             if host is not None:
                 backend.from_host(target, host)
+            if kind != RECV:
+                # Received into its target, whose input is still in the source: the input
+                # combined in as the first operand, as in place (no temporary either).
+                source = self.buffers[SOURCE][plan.lo[i] : plan.hi[i]]
+                backend.reduce_into(self.op, target, source, target)
         elif host is not None:
             if backend.device:
                 temp = self.take_temp(m)
                 backend.from_host(temp, host)
-                backend.reduce(self.op, target, temp)
+                self.reduce_into_target(i, target, temp)
                 self.pool.setdefault(m, []).append(temp)
             else:
-                backend.reduce(self.op, target, host)
+                self.reduce_into_target(i, target, host)
         else:
             temp = self.temps.pop(i)
-            backend.reduce(self.op, target, temp)
+            self.reduce_into_target(i, target, temp)
             self.pool.setdefault(m, []).append(temp)
+
+    def reduce_into_target(self, i: int, target: Any, got: Any) -> None:
+        """``target op= got``, or where this is the target's first write ``target =
+        op(input, got)`` straight from the source (out of place)."""
+        b, plan, backend = self.rbuf[i], self.plan, self.backend
+        if b == plan.buf[i]:
+            backend.reduce(self.op, target, got)
+        elif b == SOURCE:
+            backend.reduce_into(self.op, target, self.buffers[b][plan.lo[i] : plan.hi[i]], got)
+        else:
+            lo, source = plan.lo[i], self.buffers[SOURCE]
+            for a, z, early in self.pieces[i]:
+                part, operand = target[a - lo : z - lo], got[a - lo : z - lo]
+                if early:
+                    backend.reduce_into(self.op, part, source[a:z], operand)
+                else:
+                    backend.reduce(self.op, part, operand)
 
     def remove(self, idx: list[int]) -> list[int]:
         """Drop completed requests by index (swapping in the last one); their ops."""
@@ -569,6 +804,8 @@ class _Run:
             now = time.perf_counter()
             for i in done:
                 self.arrived(i, now)
+        if self.unwritten:
+            self.copy_unwritten()
         if self.backend.device and self.sync:
             self.backend.synchronize()
         stats.seconds = time.perf_counter() - self.t0
@@ -679,6 +916,8 @@ class _Run:
                     self.req_op.pop()
                 self.arrived(i, now)
             stats.max_in_flight = max(stats.max_in_flight, len(posts))
+        if self.unwritten:
+            self.copy_unwritten()
         if not self.tracing:
             # Times the host never saw are not measurements: keep the counts only.
             stats.sends.clear()

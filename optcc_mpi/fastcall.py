@@ -1,24 +1,29 @@
 """The compiled call path of a short AllReduce.
 
 A short :func:`optcc_mpi.allreduce` is one ``MPI_Allgather`` that carries the argument
-check and the data together (:mod:`optcc_mpi.collectives`). In Python the bookkeeping
-around that collective (validating two buffers, packing and comparing the headers,
-reducing the rows) costs about three times the collective itself at two ranks on shared
-memory. ``_fastcall.c`` does the same work in C for the commonest call: NumPy arrays for
-both ``sendbuf`` and ``recvbuf``, ``op`` given by name, every other argument at its
-default and neither ``$OPTCC_LINKS`` nor ``$OPTCC_EMULATE`` set, on a communicator of 2 to
+check and the data together, or, above the communicator's gather limit
+(:mod:`optcc_mpi.crossover`), the check alone followed by the library's ``MPI_Allreduce``
+(:mod:`optcc_mpi.collectives`). In Python the bookkeeping around those collectives
+(validating two buffers, packing and comparing the headers, reducing the rows) costs
+about three times the collective itself at two ranks on shared memory. ``_fastcall.c``
+does the same work in C for the commonest call: NumPy arrays for both ``sendbuf`` and
+``recvbuf``, ``op`` given by name, every other argument at its default and neither
+``$OPTCC_LINKS`` nor ``$OPTCC_EMULATE`` set, on a communicator of 2 to
 :data:`~optcc_mpi.collectives.GATHER_MAX_P` ranks whose last call left the check room this
-message needs. It writes the same header, byte for byte, as the Python path, so ranks on
-either path agree with each other, and it declines (before touching anything) whatever
-else it is given: the Python path then runs the whole call, errors included.
+message needs. Above the limit it takes the pairs of type and op whose library reduction
+is one of MPI's own (:func:`context`'s ``handles``), not a Python callback, and not one
+that goes through integer keys (max and min on floats). It writes the same header, byte
+for byte, as the Python path and calls the same collectives, so ranks on either path agree
+with each other, and it declines (before touching anything) whatever else it is given: the
+Python path then runs the whole call, errors included.
 
-The extension is optional and never links MPI. It calls the ``MPI_Allgather`` that
-mpi4py's own extension module resolves (looked up through that module's handle with
-``dlsym``, so it is the very library mpi4py uses, MPICH or Open MPI or the standard ABI),
-with handles of the size that library uses. Where the extension was not built (no C
-compiler), was built from another version of its source, or the MPI library's entry
-cannot be found, :func:`available` is False and the Python path runs every call, with
-the same results. ``OPTCC_FASTCALL=0`` turns it off.
+The extension is optional and never links MPI. It calls the ``MPI_Allgather`` and
+``MPI_Allreduce`` that mpi4py's own extension module resolves (looked up through that
+module's handle with ``dlsym``, so it is the very library mpi4py uses, MPICH or Open MPI
+or the standard ABI), with handles of the size that library uses. Where the extension
+was not built (no C compiler), was built from another version of its source, or the MPI
+library's entries cannot be found, :func:`available` is False and the Python path runs
+every call, with the same results. ``OPTCC_FASTCALL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,19 +35,20 @@ import importlib
 import importlib.machinery
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from optcc_mpi import config
-from optcc_mpi.dtypes import DTYPES, OPS, check_op_dtype
+from optcc_mpi.dtypes import CATEGORY, DTYPES, LOW_PRECISION, OPS, check_op_dtype
 from optcc_mpi.errors import ArgumentError
 
 __all__ = ["built", "available", "context", "fold_function", "reduce_kind", "sum_rows"]
 
 #: fold()'s answers (``_fastcall.c``).
-FALLBACK, DONE, GATHERED, MISMATCH = -1, 0, 1, 2
+FALLBACK, DONE, GATHERED, MISMATCH, LIBRARY = -1, 0, 1, 2, 3
 #: The rank-order sums done in C, by our dtype name (``_fastcall.c``'s RED_*).
 _SUM_KINDS = {"float32": 1, "float64": 2, "int32": 3, "int64": 4}
 
@@ -72,7 +78,8 @@ def _extension() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _module() -> Any:
-    """The extension and the address of mpi4py's MPI_Allgather, or None."""
+    """The extension, the addresses of mpi4py's MPI_Allgather and MPI_Allreduce and the
+    size of a handle, or None."""
     ext = _extension()
     if ext is None:
         return None
@@ -85,12 +92,13 @@ def _module() -> Any:
         # dlsym through mpi4py's own module finds the MPI library that module calls.
         lib = ctypes.CDLL(MPI.__file__, mode=mode)
         address = ctypes.cast(lib.MPI_Allgather, ctypes.c_void_p).value
+        reduce_at = ctypes.cast(lib.MPI_Allreduce, ctypes.c_void_p).value
     except (OSError, AttributeError):  # pragma: no cover - a platform without dlsym
         return None
     size = MPI._sizeof(MPI.Comm)
-    if not address or size not in (4, ctypes.sizeof(ctypes.c_void_p)):
+    if not address or not reduce_at or size not in (4, ctypes.sizeof(ctypes.c_void_p)):
         return None  # pragma: no cover
-    return ext, address, size
+    return ext, address, size, reduce_at
 
 
 def built() -> bool:
@@ -130,17 +138,26 @@ def _formats() -> tuple[tuple[str, int, int, int, int], ...]:
     return tuple(row for fmt, row in rows.items() if fmt not in clash)
 
 
-def context(st: Any, header: tuple[int, ...], fold_min: int, limit: int) -> Any:
+def context(
+    st: Any,
+    header: tuple[int, ...],
+    fold_min: int,
+    limit: int,
+    handles: Callable[[str, str], tuple[Any, Any] | None] | None = None,
+) -> Any:
     """The C context for communicator state ``st`` and its current check buffers, or
     None without the extension. ``header``: the 12 header fields, those of the call
-    zero."""
+    zero; ``limit``: the largest room (the gather limit); ``handles(dtype name, op)``:
+    the MPI datatype and op the library's AllReduce uses for that pair when both are
+    MPI's own, else None (None: calls above the limit are left to Python)."""
     mod = _module()
     private = getattr(st.transport, "private", None)
     if mod is None or private is None or st.block is None or not 1 < st.size:
         return None
     from mpi4py import MPI  # loaded already: _module() found it
 
-    ext, address, size = mod
+    ext, address, size, reduce_at = mod
+    formats = _formats()
     return ext.make(
         address,
         size,
@@ -153,14 +170,55 @@ def context(st: Any, header: tuple[int, ...], fold_min: int, limit: int) -> Any:
         st.block,
         st.gathered,
         header,
-        _formats(),
+        formats,
+        reduce_at,
+        int(MPI.IN_PLACE) & _MASK,
+        _library(formats, handles) if handles is not None else (),
     )
+
+
+_MASK = (1 << 64) - 1
+
+
+def _library(
+    formats: tuple[tuple[str, int, int, int, int], ...],
+    handles: Callable[[str, str], tuple[Any, Any] | None],
+) -> tuple[tuple[int, int, int, int, int], ...]:
+    """Per (format, op) the C path may hand to the library's AllReduce: (format index, op
+    code, datatype handle, op handle, width of the floats whose NaNs are made canonical
+    afterwards, as :func:`optcc_mpi.collectives` does). Not 16-bit floats (the library
+    reduces them with a Python callback), max/min on floats (they go through integer
+    keys), nor long doubles (no C canonical NaN here)."""
+    from mpi4py import MPI
+
+    names = list(DTYPES)
+    out = []
+    for i, (_fmt, code, _size, mask, _kind) in enumerate(formats):
+        name = names[code]
+        dt = DTYPES[name]
+        if dt in LOW_PRECISION or name in ("longdouble", "clongdouble"):
+            continue
+        floats = CATEGORY[name] in ("float", "complex")
+        for j, op in enumerate(OPS):
+            if not mask >> j & 1 or (floats and op in ("max", "min")):
+                continue
+            pair = handles(name, op)
+            if pair is None:
+                continue
+            datatype, mpi_op = pair
+            width = dt.itemsize // (2 if dt.kind == "c" else 1) if floats else 0
+            if op not in ("sum", "prod"):
+                width = 0
+            out.append(
+                (i, j, MPI._handleof(datatype) & _MASK, MPI._handleof(mpi_op) & _MASK, width)
+            )
+    return tuple(out)
 
 
 def fold_function() -> Any:
     """The compiled call, ``fold(context, sendbuf, recvbuf, op code, compare)`` answering
-    FALLBACK, DONE, GATHERED or MISMATCH (``_fastcall.c``), or None where the path is
-    off; the caller binds it once, so that a short call costs no lookup."""
+    FALLBACK, DONE, GATHERED, MISMATCH or LIBRARY (``_fastcall.c``), or None where the
+    path is off; the caller binds it once, so that a short call costs no lookup."""
     mod = _module()
     return mod[0].fold if mod is not None else None
 

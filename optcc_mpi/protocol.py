@@ -21,10 +21,13 @@ two, between :data:`~optcc_mpi.state.FOLD_MIN` and ``FOLD_TOTAL / p``): the bloc
 never depends on the arguments of the current call, so the check can never mismatch,
 whatever the ranks pass.
 
-When the library's collective is what ``auto`` would run (short messages) and the data
-fits in ``C``, the data travels in the check itself: every rank then holds every rank's
-contribution and reduces them locally in rank order (:func:`reduce_gathered`), so the
-result is bit-identical on every rank by construction and the call costs one collective.
+When the library's collective is what ``auto`` would run (short messages), the message is
+no larger than the communicator's gather limit (:mod:`optcc_mpi.crossover`, measured) and
+the data fits in ``C``, the data travels in the check itself: every rank then holds every
+rank's contribution and reduces them locally in rank order (:func:`reduce_gathered`), so
+the result is bit-identical on every rank by construction and the call costs one
+collective. The room never exceeds the gather limit, so a larger message leaves the least
+room for the next call and goes to the library's AllReduce.
 Nothing else travels with the data: a checksum riding in the reduced buffer would change
 what the reduction sees.
 
@@ -44,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi import agreement, fastcall
+from optcc_mpi import agreement, crossover, fastcall
 from optcc_mpi.dtypes import DTYPES, LOW_PRECISION, NAME_OF, OPS
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.reductions import reduce_with
@@ -108,10 +111,12 @@ class Mismatch(Exception):
         self.table, self.bounds = table, bounds
 
 
-def capacity(p: int, nbytes: int) -> int:
+def capacity(p: int, nbytes: int, limit: int | None = None) -> int:
     """Data room of the check for a message of ``nbytes``: the power of two from FOLD_MIN
-    up that holds it, or FOLD_MIN if none up to FOLD_TOTAL / p does."""
-    limit = max(FOLD_MIN, FOLD_TOTAL // max(p, 1))
+    up that holds it, or FOLD_MIN if none up to ``limit`` (the communicator's gather
+    limit; default FOLD_TOTAL / p) does."""
+    if limit is None:
+        limit = max(FOLD_MIN, FOLD_TOTAL // max(p, 1))
     cap = FOLD_MIN
     while cap < nbytes and cap * 2 <= limit:
         cap *= 2
@@ -160,7 +165,9 @@ def agree(
         st.ensure_capacity(st.next_capacity, HEADER_BYTES)
     cap = st.capacity
     nbytes = fields[10]
-    fold = foldable and nbytes <= cap
+    # Not above the gather limit (a room left larger by a watched call must not change
+    # how a message is reduced; until the limit is decided, the least room).
+    fold = foldable and nbytes <= cap and nbytes <= crossover.known(st)
     fields = fields[:11] + (cap * 4 + 2 * int(foldable) + int(fold),)
     hb = HEADER.pack(*fields)
     st.block_mv[:HEADER_BYTES] = hb
@@ -176,8 +183,12 @@ def agree(
     if err is None and heads.tobytes() == hb * p:
         # Room for the next call: this call's size if its data could travel with the
         # check, else the least (a large room would only slow the checks of calls whose
-        # data never travels with them; a watched call sets its own after running).
-        room = capacity(p, nbytes) if foldable else FOLD_MIN
+        # data never travels with them; a watched call sets its own after running). Every
+        # rank is here, with the same headers: the gather limit is decided now if this is
+        # the first call that needs it (collective).
+        room = FOLD_MIN
+        if foldable and nbytes > FOLD_MIN:
+            room = capacity(p, nbytes, crossover.decide(st))
         if room != cap:
             st.next_capacity = room
         return fold

@@ -32,6 +32,7 @@ __all__ = [
     "from_keys",
     "canonical_nans",
     "reduce_with",
+    "reduce_into",
     "TorchOps",
 ]
 
@@ -65,18 +66,20 @@ def _key_consts(dtype: np.dtype, op: str) -> tuple[np.dtype, Any, Any, Any, Any,
     return it, t(info.max), t(inf_bits), t(nan_bits), t(it.itemsize * 8 - 1), sentinel
 
 
-def to_keys(xp: Any, arr: Any, op: str) -> Any:
-    """Map a float array to integer keys for ``op`` ("max" or "min"), in place.
+def to_keys(xp: Any, arr: Any, op: str, src: Any = None) -> Any:
+    """Map a float array to integer keys for ``op`` ("max" or "min"), in place, or the
+    keys of ``src`` (same type and size) into ``arr`` (one pass instead of a copy first).
 
     Returns the integer view of ``arr`` holding the keys; :func:`from_keys` maps back.
     ``xp`` is the array module (NumPy or CuPy).
     """
     it, maxpos, inf_bits, _nan, shift, sentinel = _key_consts(arr.dtype, op)
     u = arr.view(it)
-    nan = (u & maxpos) > inf_bits
-    t = u >> shift  # arithmetic: all ones for negative numbers
+    s = u if src is None else src.view(it)
+    nan = (s & maxpos) > inf_bits
+    t = s >> shift  # arithmetic: all ones for negative numbers
     t &= maxpos
-    u ^= t
+    xp.bitwise_xor(s, t, out=u)
     xp.copyto(u, sentinel, where=nan)
     return u
 
@@ -110,9 +113,10 @@ def canonical_nans(xp: Any, arr: Any) -> None:
         xp.copyto(arr, dt.type("nan"), where=xp.isnan(arr))
 
 
-def _float_maxmin(xp: Any, op: str, dst: Any, src: Any) -> None:
+def _float_maxmin(xp: Any, op: str, dst: Any, src: Any, first: Any = None) -> None:
     it = _KEY_INFO[dst.dtype][0]
-    kd = to_keys(xp, dst.view(it).copy().view(dst.dtype), op)
+    a = dst if first is None else first
+    kd = to_keys(xp, a.view(it).copy().view(dst.dtype), op)
     ks = to_keys(xp, src.view(it).copy().view(src.dtype), op)
     (xp.maximum if op == "max" else xp.minimum)(kd, ks, out=kd)
     dst.view(it)[...] = from_keys(xp, kd, dst.dtype, op).view(it)
@@ -163,6 +167,33 @@ def reduce_with(xp: Any, op: str, dst: Any, src: Any) -> None:
         raise ArgumentError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
 
 
+def reduce_into(xp: Any, op: str, out: Any, a: Any, b: Any) -> None:
+    """``out = op(a, b)`` element-wise: the bits :func:`reduce_with` gives for ``out``
+    holding ``a`` (the same operands in the same order), without first copying ``a`` into
+    ``out``. ``out`` may be ``a`` or ``b`` itself; it must not overlap either otherwise."""
+    dt = out.dtype
+    if op in _ARITH:
+        fn = getattr(xp, _ARITH[op])
+        if dt in LOW_PRECISION:
+            f = a.astype(xp.float32)
+            fn(f, b.astype(xp.float32), out=f)
+            out[...] = f.astype(dt)
+        else:
+            fn(a, b, out=out)
+    elif (op == "max" or op == "min") and dt.kind in "iu":
+        (xp.maximum if op == "max" else xp.minimum)(a, b, out=out)
+    elif (op == "max" or op == "min") and dt in _KEY_INFO:
+        _float_maxmin(xp, op, out, b, first=a)
+    elif op in _LOGICAL:
+        out[...] = getattr(xp, _LOGICAL[op])(a, b)
+    elif op in _BITWISE:
+        getattr(xp, _BITWISE[op])(a, b, out=out)
+    else:  # long double max/min (and the error for an unknown op)
+        first = a.copy()
+        reduce_with(xp, op, first, b)
+        xp.copyto(out, first)
+
+
 class TorchOps:
     """The rules above for PyTorch tensors, computed by torch on the tensors' own device.
 
@@ -198,14 +229,16 @@ class TorchOps:
         sentinel = info.max if op == "max" else info.min
         return it, info.max, inf_bits, nan_bits, info.bits - 1, sentinel
 
-    def to_keys(self, arr: Any, op: str) -> Any:
-        """:func:`to_keys` for a tensor, in place; returns the integer view."""
+    def to_keys(self, arr: Any, op: str, src: Any = None) -> Any:
+        """:func:`to_keys` for a tensor, in place (or from ``src``); returns the integer
+        view."""
         it, maxpos, inf_bits, _nan, shift, sentinel = self._consts(arr.dtype, op)
         u = arr.view(it)
-        nan = (u & maxpos) > inf_bits
-        t = u >> shift  # arithmetic: all ones for negative numbers
+        s = u if src is None else src.view(it)
+        nan = (s & maxpos) > inf_bits
+        t = s >> shift  # arithmetic: all ones for negative numbers
         t &= maxpos
-        u ^= t
+        self.torch.bitwise_xor(s, t, out=u)
         u.masked_fill_(nan, sentinel)
         return u
 
@@ -264,3 +297,26 @@ class TorchOps:
             getattr(torch, _BITWISE[op])(dst, src, out=dst)
         else:
             raise ArgumentError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
+
+    def reduce_into(self, op: str, out: Any, a: Any, b: Any) -> None:
+        """``out = op(a, b)``: the bits of :meth:`reduce` on ``out`` holding ``a``,
+        without the copy; ``out`` may be ``a`` or ``b`` (:func:`reduce_into`)."""
+        torch = self.torch
+        if op == "sum" or op == "prod":
+            if out.dtype in self._low:
+                f = a.float()
+                (f.add_ if op == "sum" else f.mul_)(b.float())
+                out.copy_(f)
+            elif op == "sum" and out.is_complex():
+                real = torch.view_as_real
+                torch.add(real(a), real(b), out=real(out))
+            else:
+                (torch.add if op == "sum" else torch.mul)(a, b, out=out)
+        elif (op == "max" or op == "min") and out.dtype not in self._keys:
+            (torch.maximum if op == "max" else torch.minimum)(a, b, out=out)
+        elif op in _BITWISE:
+            getattr(torch, _BITWISE[op])(a, b, out=out)
+        else:  # float max/min (through the keys), logical: as reduce, on a copy
+            first = a.clone()
+            self.reduce(op, first, b)
+            out.copy_(first)

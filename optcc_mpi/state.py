@@ -4,9 +4,10 @@ The first collective call on a communicator makes its :class:`CommState` and han
 the communicator's transport (:attr:`optcc_mpi.transports.Transport.state`), which is
 cached with the communicator itself, so both are freed together. It holds what every
 later call would otherwise recompute: the link profile from ``$OPTCC_LINKS`` translated to
-this communicator's ranks, the probe's result, the watch, the schedules built, and the
+this communicator's ranks, the probe's result, the watch, the schedules built, the
 buffers of the argument check (:mod:`optcc_mpi.protocol`), including the short call's
-compiled path (:mod:`optcc_mpi.fastcall`).
+compiled path (:mod:`optcc_mpi.fastcall`), and the gather limit measured for it
+(:mod:`optcc_mpi.crossover`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class CommState:
         "plans",
         "folds",
         "fast",
+        "gather_limit",
         "__weakref__",
     )
 
@@ -73,6 +75,9 @@ class CommState:
         # check buffers (None until made, and again whenever they are reallocated).
         self.folds: dict[Any, Any] = {}
         self.fast: Any = None
+        #: The largest short message gathered rather than handed to the library's
+        #: AllReduce (optcc_mpi.crossover), once decided; the same on every rank.
+        self.gather_limit: int | None = None
 
     # -- OPTCC_LINKS, in the job's numbering ------------------------------------------------
     def links_from_env(self, text: str | None) -> Links:

@@ -57,7 +57,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "algorithms.*",
         ),
     ),  # fmt: skip
-    ("per-communicator state, agreement", ("state", "agreement")),
+    ("per-communicator state, agreement", ("state", "agreement", "crossover")),
     ("the check's protocol, the probe, the watch", ("protocol", "probe", "watch")),
     ("the collective entry points", ("collectives",)),
     (

@@ -407,7 +407,14 @@ def test_lab_mpi_tools_under_a_launcher(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [json.loads(x) for x in tr.read_text().splitlines()]
-    assert {r["method"] for r in rows} == {"executor", "sendrecv", "mpi"}
+    assert {r["method"] for r in rows} == {
+        "executor",
+        "executor in place",
+        "executor copy+in place",
+        "sendrecv",
+        "sendrecv in place",
+        "mpi",
+    }
     assert all(r["wrong"] == 0 for r in rows)
     cal = tmp_path / "cal.jsonl"
     res = run(

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi import collectives, config, fastcall
+from optcc_mpi import collectives, config, crossover, fastcall
 from optcc_mpi.collectives import last_stats
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
@@ -31,6 +30,7 @@ def answers(monkeypatch: pytest.MonkeyPatch) -> Counter:
     seen: Counter = Counter()
     names = {fastcall.FALLBACK: "fallback", fastcall.DONE: "done", fastcall.GATHERED: "gathered"}
     names[fastcall.MISMATCH] = "mismatch"
+    names[fastcall.LIBRARY] = "library"
     real = collectives._FOLD or fastcall.fold_function()
 
     def counted(*args: Any) -> int:
@@ -72,7 +72,8 @@ def test_short_calls_take_the_compiled_path(answers: Counter, dtype: str, n: int
     rank, p = comm.Get_rank(), comm.Get_size()
     if p == 1 or p > collectives.GATHER_MAX_P:
         pytest.skip("the compiled path serves 2 to GATHER_MAX_P ranks")
-    fits = n * np.dtype(dtype).itemsize <= max(FOLD_MIN, FOLD_TOTAL // p)
+    # Up to the communicator's gather limit (measured: asked here, on every rank).
+    fits = n * np.dtype(dtype).itemsize <= collectives.gather_limit()
     xs = _inputs(dtype, n, rank, p, seed=3)
     exact = np.sum(
         [x.astype(np.complex128 if dtype == "complex128" else np.float64) for x in xs], axis=0
@@ -95,9 +96,13 @@ def test_short_calls_take_the_compiled_path(answers: Counter, dtype: str, n: int
     # The first call of a size finds no context or the wrong room; from then on C takes it
     # (reducing in C for the four sums it has, else leaving the rows to NumPy).
     taken = answers["done"] + answers["gathered"]
-    if not fits:  # beyond the check's room: the library's AllReduce, from Python
+    if not fits:  # beyond the gather limit: the check, then the library's AllReduce
         assert taken == 0, answers
+        # from C where the library reduces with one of MPI's own ops (not float16's)
+        assert (answers["library"] >= 2) == (dtype != "float16"), answers
+        assert answers["mismatch"] == answers["mpi error"] == 0
         return
+    assert answers["library"] == 0
     assert taken >= 2, answers
     assert answers["mismatch"] == answers["mpi error"] == 0
     if dtype in ("float32", "float64", "int32", "int64"):
@@ -222,3 +227,176 @@ def test_a_loop_without_the_check(answers: Counter) -> None:
         assert answers["done"] >= 4, answers
     finally:
         comm.Free()
+
+
+# -- the gather limit: gathered up to it, the check and the library's AllReduce above -----------
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch):
+    """A communicator of its own (the limit is decided once per communicator), with
+    ``$OPTCC_GATHER_LIMIT`` unset unless a test sets it."""
+    monkeypatch.delenv("OPTCC_GATHER_LIMIT", raising=False)
+    config.reload()
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    comm.Free()
+
+
+def test_gather_limit_is_measured_once_and_agreed(fresh: Any) -> None:
+    p = fresh.Get_size()
+    if p == 1 or p > collectives.GATHER_MAX_P:
+        pytest.skip("gathering needs 2 to GATHER_MAX_P ranks")
+    limit = collectives.gather_limit(fresh)
+    assert limit in crossover.rooms(p)
+    assert len(set(fresh.allgather(limit))) == 1
+    assert collectives.gather_limit(fresh) == limit  # cached: no second measurement
+
+
+def test_every_rank_takes_the_same_decision(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank measures its own times (here: made up, different on every rank; only on
+    rank 0 is the library faster above some size); all ranks decide alike, from the
+    maximum over the ranks of every repetition."""
+    rank, p = fresh.Get_rank(), fresh.Get_size()
+    if p == 1 or p > collectives.GATHER_MAX_P:
+        pytest.skip("gathering needs 2 to GATHER_MAX_P ranks")
+    sizes = crossover.rooms(p)
+    n = np.asarray(sizes, dtype=np.float64)
+
+    def made_up(r: int) -> np.ndarray:
+        gather = 1e-6 + n * 1e-10 * (1 + r) + (n * 5e-10 * p if r == 0 else 0)
+        library = 2e-6 + n * 1e-10 * (1 + r)
+        return np.concatenate([gather, library])
+
+    monkeypatch.setattr(crossover, "_repetition", lambda cases: made_up(rank))
+    limit = collectives.gather_limit(fresh)
+    assert len(set(fresh.allgather(limit))) == 1
+    # What every rank must have decided: on the element-wise maximum over the ranks.
+    agreed = np.max([np.ceil(made_up(r) * 1e9) for r in range(p)], axis=0) * 1e-9
+    times = np.repeat(agreed.reshape(1, 2, len(sizes)), crossover.FIRST, axis=0)
+    ratio = crossover.verdicts(times)
+    assert limit == crossover.choose(sizes, ratio, np.ones_like(ratio))
+    assert limit < sizes[-1]  # (rank 0's times made the library win somewhere)
+
+
+def _exact(dtype: str, n: int, rank: int) -> np.ndarray:
+    """Small integers (exact in every type), NaN and signed zeros in floats."""
+    x = ((np.arange(n) * 7 + rank * 5) % 11 - 5).astype(dtype)
+    if np.dtype(dtype).kind in "fc":
+        x[3::97] = np.nan
+        x[5::89] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_both_sides_of_a_set_limit(
+    fresh: Any, answers: Counter, monkeypatch: pytest.MonkeyPatch, check: bool
+) -> None:
+    """``$OPTCC_GATHER_LIMIT=1K``: 1 KiB messages travel in the check (from the second
+    call of a size, in C), 4 KiB ones go to the library's AllReduce after the check (in C
+    from the second call, without a check when ``check=False``); the results are exact
+    and the same bits on every rank, in place and out of place."""
+    rank, p = fresh.Get_rank(), fresh.Get_size()
+    if p == 1 or p > collectives.GATHER_MAX_P:
+        pytest.skip("gathering needs 2 to GATHER_MAX_P ranks")
+    monkeypatch.setenv("OPTCC_GATHER_LIMIT", "1K")
+    config.reload()
+    assert collectives.gather_limit(fresh) == 1024
+    for dtype, op in [
+        ("float32", "sum"),
+        ("float64", "prod"),
+        ("int64", "max"),
+        ("complex64", "sum"),
+    ]:
+        for nbytes in (1024, 4096):
+            n = nbytes // np.dtype(dtype).itemsize
+            xs = [_exact(dtype, n, r) for r in range(p)]
+            want = collectives.allreduce(xs[rank], comm=fresh, op=op, check=check)
+            for call in range(4):
+                before = Counter(answers)
+                if call % 2:
+                    got = xs[rank].copy()
+                    collectives.allreduce(collectives.IN_PLACE, got, op=op, comm=fresh, check=check)
+                else:
+                    got = collectives.allreduce(
+                        xs[rank], np.empty_like(xs[rank]), op=op, comm=fresh, check=check
+                    )
+                np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+                _same_everywhere(got)
+                taken = answers - before
+                gathered = nbytes <= 1024
+                assert last_stats()["inline"] == (gathered and check), (dtype, nbytes, call)
+                if call == 0 and check:
+                    continue  # the first call after a change of size agrees the new room
+                assert taken["library"] == (not gathered), (dtype, nbytes, call, taken)
+                assert taken["done"] + taken["gathered"] == gathered, (dtype, nbytes, taken)
+        ref = np.sum([x.astype(np.complex128) for x in xs], axis=0) if op == "sum" else None
+        if ref is not None and dtype == "float32":
+            finite = ~np.isnan(ref)
+            np.testing.assert_array_equal(want[finite], ref[finite].real.astype(dtype))
+
+
+def test_library_calls_agree_across_paths(fresh: Any, answers: Counter, monkeypatch) -> None:
+    """Above the limit, rank 0 on the compiled path (NumPy arrays) and the others on the
+    Python path (``array.array``): the same collectives, the same bits, NaNs canonical."""
+    rank, p = fresh.Get_rank(), fresh.Get_size()
+    if p == 1 or p > collectives.GATHER_MAX_P:
+        pytest.skip("gathering needs 2 to GATHER_MAX_P ranks")
+    monkeypatch.setenv("OPTCC_GATHER_LIMIT", "512")
+    config.reload()
+    x = _exact("float64", 1000, rank)
+    x[7] = np.frombuffer(np.uint64(0x7FF8_0000_0000_0ABC + rank).tobytes(), np.float64)[0]
+    for check in (True, False, True, False, True):
+        if rank == 0:
+            got = collectives.allreduce(x, np.empty_like(x), comm=fresh, check=check)
+        else:
+            got = np.asarray(
+                collectives.allreduce(array.array("d", x.tobytes()), comm=fresh, check=check)
+            )
+        _same_everywhere(got)
+        assert got.view(np.uint64)[7] == 0x7FF8_0000_0000_0000  # the canonical NaN
+    if rank == 0:
+        assert answers["library"] >= 3, answers
+    else:
+        assert answers["library"] == 0
+
+
+def test_gather_limit_setting_must_agree(fresh: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$OPTCC_GATHER_LIMIT`` set differently on one rank: the same error on every rank
+    at the first call that needs it, nothing hangs, and a fresh communicator with it alike
+    works."""
+    rank, p = fresh.Get_rank(), fresh.Get_size()
+    if p == 1 or p > collectives.GATHER_MAX_P:
+        pytest.skip("needs two ranks to disagree")
+    monkeypatch.setenv("OPTCC_GATHER_LIMIT", "2K" if rank == 0 else "4K")
+    config.reload()
+    out = np.full(1000, 5.0)
+    with pytest.raises(ValueError, match="OPTCC_GATHER_LIMIT differs across ranks"):
+        collectives.allreduce(np.ones(1000), out, comm=fresh)
+    np.testing.assert_array_equal(out, 5.0)  # nothing written
+    monkeypatch.setenv("OPTCC_GATHER_LIMIT", "4K")
+    config.reload()
+    other = fresh.Dup()
+    try:
+        y = collectives.allreduce(np.ones(1000), comm=other)
+        np.testing.assert_array_equal(y, float(p))
+        assert collectives.gather_limit(other) == 4096
+    finally:
+        other.Free()
+
+
+def test_a_freed_communicator_is_refused(answers: Counter) -> None:
+    """The compiled path remembers the last communicator it served; once that one is
+    freed its calls go to the Python path, which refuses ``COMM_NULL`` (nothing reaches
+    the freed duplicate)."""
+    comm = MPI.COMM_WORLD.Dup()
+    p = comm.Get_size()
+    if p == 1 or p > collectives.GATHER_MAX_P:
+        comm.Free()
+        pytest.skip("the compiled path serves 2 to GATHER_MAX_P ranks")
+    x = np.ones(4)
+    for _ in range(4):
+        np.testing.assert_array_equal(optcc_mpi.allreduce(x, comm=comm), float(p))
+    assert answers["done"] >= 2
+    comm.Free()
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        optcc_mpi.allreduce(x, np.empty_like(x), comm=comm)
+    np.testing.assert_array_equal(optcc_mpi.allreduce(x), float(p))  # others still work

@@ -5,6 +5,7 @@ SCENARIO`` (no mpiexec, and mpi4py unimportable inside the ranks), then compares
 ranks wrote: every registered algorithm against a float64 reference and bit-identical on
 every rank, over gloo with both executor drivers (gloo's, and NCCL's level-by-level
 groups run over gloo, so that the code NCCL runs is exercised where there is no GPU);
+out of place giving the bits of in place (the executor reading the send buffer itself);
 bad input raising the same error on every rank with nothing modified; DDP with the hook
 against DDP's own all-reduce; and the hook refusing an MPI communicator that is not the
 process group (the "world of one" that torchrun's MPI singletons would give).
@@ -69,6 +70,22 @@ def test_every_algorithm_over_gloo(tmp_path: Path, n: int) -> None:
     for driver, result in ranks[0]["probes"].items():
         assert len(result["rates"]) == n and all(0 < r < float("inf") for r in result["rates"])
         assert all(other["probes"][driver] == result for other in ranks[1:]), driver
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n", [2, 3])
+def test_out_of_place_is_in_place_over_gloo(tmp_path: Path, n: int) -> None:
+    """Out of place (the executor reading the send buffer itself, no copy first) gives the
+    bits of in place over gloo, on both executor drivers, for every algorithm, and leaves
+    the send buffer as it was; the same bits on every rank."""
+    ranks = torchrun("out_of_place", n, tmp_path)
+    rows = ranks[0]["rows"]
+    assert {r["algorithm"] for r in rows} == {"auto", *algorithms.names()}
+    assert {r["driver"] for r in rows} == {"ordered", "grouped"}
+    for rank, rec in enumerate(ranks):
+        for row in rec["rows"]:
+            assert row["same"] and row["kept"], (rank, row)
+        assert [r["digest"] for r in rec["rows"]] == [r["digest"] for r in rows]
 
 
 @pytest.mark.timeout(600)

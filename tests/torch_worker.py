@@ -12,6 +12,11 @@ Scenarios
     and sizes, a degraded profile) and NumPy arrays, both executor drivers (the gloo one,
     and NCCL's level-by-level groups run over gloo): the largest error against a float64
     (or exact) reference and a digest of every result's bytes.
+``out_of_place``
+    Every algorithm and ``auto`` over gloo on both executor drivers: ``allreduce(t, out)``
+    (the executor reading the send tensor where the input is first needed) against
+    ``allreduce(IN_PLACE, t)``, bit for bit, tensors and NumPy arrays, and the send buffer
+    left as it was.
 ``errors``
     Bad input on one rank, or ranks that disagree: each rank's error message, and whether
     its tensor changed.
@@ -178,6 +183,67 @@ def collectives_scenario() -> dict:
     return {"rows": rows, "probes": probes, "mpi_loaded": "mpi4py.MPI" in sys.modules}
 
 
+def out_of_place_scenario() -> dict:
+    group = dist.group.WORLD
+    wire = transports.of(group)
+    rows = []
+    cases = [(torch.float32, "sum"), (torch.bfloat16, "sum"), (torch.float64, "max")]
+    cases += [(torch.int32, "sum"), (torch.float32, "prod")]
+    for driver in ("ordered", "grouped"):
+        wire.observe = driver
+        for alg in ["auto", *algorithms.names()]:
+            for links in (None, f"{P - 1}:0.5", "0:0.3"):
+                for dtype, op in cases:
+                    for n in (P + 1, 4099, 70001):
+                        x = inputs(dtype, n, seed=zlib.crc32(f"{dtype}{op}{n}".encode()))[RANK]
+                        if op == "prod":
+                            x = 1 + x.abs() / 8
+                        kept = x.clone()
+                        ref = x.clone()
+                        optcc_mpi.allreduce(
+                            optcc_mpi.IN_PLACE, ref, op=op, comm=group, algorithm=alg, links=links
+                        )
+                        out = torch.full_like(x, 3)
+                        optcc_mpi.allreduce(x, out, op=op, comm=group, algorithm=alg, links=links)
+                        rows.append(
+                            {
+                                "driver": driver,
+                                "algorithm": alg,
+                                "links": links,
+                                "dtype": str(dtype),
+                                "n": n,
+                                "same": bool(
+                                    torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+                                ),
+                                "kept": bool(
+                                    torch.equal(x.view(torch.uint8), kept.view(torch.uint8))
+                                ),
+                                "digest": digest(out.view(torch.uint8)),
+                            }
+                        )
+            xs = [x.numpy() for x in inputs(torch.float32, 70001, 9)]
+            ref = xs[RANK].copy()
+            optcc_mpi.allreduce(optcc_mpi.IN_PLACE, ref, comm=group, algorithm=alg, links="0:0.5")
+            out = np.zeros_like(ref)
+            optcc_mpi.allreduce(xs[RANK], out, comm=group, algorithm=alg, links="0:0.5")
+            rows.append(
+                {
+                    "driver": driver,
+                    "algorithm": alg,
+                    "links": "0:0.5",
+                    "dtype": "numpy float32",
+                    "n": 70001,
+                    "same": bool(np.array_equal(out.view(np.uint8), ref.view(np.uint8))),
+                    "kept": bool(
+                        np.array_equal(xs[RANK], inputs(torch.float32, 70001, 9)[RANK].numpy())
+                    ),
+                    "digest": digest(out),
+                }
+            )
+    wire.observe = "ordered"
+    return {"rows": rows}
+
+
 def errors_scenario() -> dict:
     out = {}
 
@@ -282,6 +348,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     result = {
         "collectives": collectives_scenario,
+        "out_of_place": out_of_place_scenario,
         "errors": errors_scenario,
         "ddp": ddp_scenario,
         "mismatch": mismatch_scenario,

@@ -10,12 +10,19 @@ machine load:
     ``optcc_mpi.allreduce(x, y)`` with default arguments (argument agreement included);
 ``allreduce check=False``
     the same without the agreement;
+``allreduce limit=SIZE``
+    (with ``--gather-limit SIZE``, repeatable) the default call on a communicator whose
+    gather limit is fixed to SIZE (``$OPTCC_GATHER_LIMIT``) instead of measured: what
+    gathering (a large limit) or the check plus the library's AllReduce (``0``) costs at
+    each size, in the same run;
 ``ring`` and ``Sendrecv ring``
     (with ``--p2p``) ``algorithm="ring"``, and a hand-written blocking ``Sendrecv`` ring
     with the same messages: their difference is the schedule's fixed cost per call.
 
 Each batch is ``--batch`` consecutive calls; the table gives the median, minimum and
-maximum over batches of the time per call, and the ratio of medians to MPI_Allreduce.
+maximum over batches of the time per call, and the ratio of medians to MPI_Allreduce. The
+header names the gather limit the default calls' communicator measured
+(:func:`optcc_mpi.collectives.gather_limit`); every row carries it.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from typing import Any
 import numpy as np
 
 import optcc_mpi
-from optcc_mpi.argtypes import int_at_least, sizes_arg
+from optcc_mpi import collectives, config
+from optcc_mpi.argtypes import int_at_least, size_arg, sizes_arg
+from optcc_mpi.units import format_size
 
 __all__ = ["measure", "add_arguments", "run_args", "main", "SUMMARY"]
 
@@ -61,12 +70,24 @@ def _sendrecv_ring(comm: Any, x: np.ndarray, y: np.ndarray) -> None:
         comm.Sendrecv(y[bounds[s] : bounds[s + 1]], nxt, 12, y[bounds[q] : bounds[q + 1]], prv, 12)
 
 
-def measure(comm: Any, sizes: list[int], iters: int, batch: int, p2p: bool) -> list[dict[str, Any]]:
+def measure(
+    comm: Any, sizes: list[int], iters: int, batch: int, p2p: bool, limits: list[int] = ()
+) -> list[dict[str, Any]]:
     """Time the variants (module docstring) at each size in bytes (float32 elements);
-    collective. Returns one row per (size, variant) on every rank."""
+    collective. ``limits``: gather limits to time besides the measured one. Returns one
+    row per (size, variant) on every rank."""
     from mpi4py import MPI
 
     mine = comm.Dup()  # the user's traffic of the baselines: not on our private duplicate
+    measured = collectives.gather_limit(mine)
+    fixed = {}
+    for limit in limits:
+        other = fixed[limit] = comm.Dup()
+        before, config.rc.gather_limit = config.rc.gather_limit, str(limit)
+        try:
+            collectives.gather_limit(other)  # decided now, from the setting
+        finally:
+            config.rc.gather_limit = before
     rows = []
     for size in sizes:
         n = max(1, size // 4)
@@ -79,6 +100,10 @@ def measure(comm: Any, sizes: list[int], iters: int, batch: int, p2p: bool) -> l
                 x, y, comm=mine, check=False
             ),
         }
+        for limit, other in fixed.items():
+            variants[f"allreduce limit={format_size(limit)}"] = lambda x=x, y=y, other=other: (
+                optcc_mpi.allreduce(x, y, comm=other)
+            )
         if p2p:
             variants["ring"] = lambda x=x, y=y: optcc_mpi.allreduce(
                 x, y, comm=mine, algorithm="ring"
@@ -115,9 +140,12 @@ def measure(comm: Any, sizes: list[int], iters: int, batch: int, p2p: bool) -> l
                     "ratio": med / ref if ref > 0 else float("nan"),
                     "batches": len(ts),
                     "batch": batch,
+                    "gather_limit": measured,
                 }
             )
     mine.Free()
+    for other in fixed.values():
+        other.Free()
     return rows
 
 
@@ -127,7 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "examples:\n"
         "  mpiexec -n 2 optcc-mpi lab percall --iters 2000 --batch 50\n"
-        "  mpiexec -n 4 optcc-mpi lab percall --sizes 4,1K,16K,64K --p2p --json pc.jsonl"
+        "  mpiexec -n 4 optcc-mpi lab percall --sizes 4,1K,16K,64K --p2p --json pc.jsonl\n"
+        "  mpiexec -n 2 optcc-mpi lab percall --sizes 4,16K,64K --gather-limit 0 "
+        "--gather-limit 128K"
     )
     parser.add_argument(
         "--sizes",
@@ -149,6 +179,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="calls per timed batch (20)",
     )
     parser.add_argument("--p2p", action="store_true", help="also time the ring schedule")
+    parser.add_argument(
+        "--gather-limit",
+        type=size_arg,
+        action="append",
+        default=[],
+        metavar="SIZE",
+        help="also time the default call with the gather limit fixed to SIZE (repeatable; "
+        "0: the least, so above 256 bytes the check plus MPI_Allreduce; 128K: gather all)",
+    )
     parser.add_argument("--json", help="append the rows as JSON lines to this file")
 
 
@@ -157,14 +196,18 @@ def run_args(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    rows = measure(comm, args.sizes, args.iters, args.batch, args.p2p)
+    rows = measure(comm, args.sizes, args.iters, args.batch, args.p2p, args.gather_limit)
     if comm.Get_rank() == 0:
         command = args.command_line
-        print(f"# {command}  (p={comm.Get_size()}, medians of batches of {args.batch})")
-        print(f"{'bytes':>7}  {'variant':<22} {'median us':>10} {'min':>8} {'max':>8} {'ratio':>6}")
+        limit = format_size(rows[0]["gather_limit"]) if rows else "?"
+        print(
+            f"# {command}  (p={comm.Get_size()}, medians of batches of {args.batch}, "
+            f"gather limit measured: {limit})"
+        )
+        print(f"{'bytes':>7}  {'variant':<24} {'median us':>10} {'min':>8} {'max':>8} {'ratio':>6}")
         for r in rows:
             print(
-                f"{r['bytes']:>7}  {r['variant']:<22} {r['median_us']:>10.2f} "
+                f"{r['bytes']:>7}  {r['variant']:<24} {r['median_us']:>10.2f} "
                 f"{r['min_us']:>8.2f} {r['max_us']:>8.2f} {r['ratio']:>6.2f}"
             )
         if args.json:

@@ -4,18 +4,26 @@ Run under MPI (shared memory or any network)::
 
     mpiexec -n 2 optcc-mpi lab transport -b 1M -e 256M -f 4 -n 5
 
-For every size it times, interleaved iteration by iteration so that all three see the same
+For every size it times, interleaved iteration by iteration so that all see the same
 machine load:
 
 ``executor``
-    ``optcc_mpi.allreduce(x, out, algorithm="ring")``: argument check, cached schedule,
-    our executor, everything a user pays.
+    ``optcc_mpi.allreduce(x, out, algorithm="ring")``, out of place: argument check, cached
+    schedule, our executor, everything a user pays.
+``executor in place``
+    ``optcc_mpi.allreduce(IN_PLACE, out, algorithm="ring")`` (``out`` refilled with the
+    input before each timed call, outside the timing).
+``executor copy+in place``
+    ``np.copyto(out, x)`` then the in-place call: what an out-of-place call cost before
+    the executor learnt to read the send buffer itself (the "before" of the same run).
 ``sendrecv``
     A hand-written blocking ring in NumPy: reduce-scatter then all-gather, one
     ``MPI_Sendrecv`` per step, the same reduction (``np.add`` into place) and the same
-    sections. What a careful user would write by hand; the target for the executor.
+    sections, after copying ``x`` into ``out``. What a careful user would write by hand.
+``sendrecv in place``
+    The same ring on ``out`` holding the input (no copy): the target for the executor.
 ``mpi``
-    The MPI library's own ``MPI_Allreduce``.
+    The MPI library's own ``MPI_Allreduce``, out of place.
 
 Every result is checked against the exact sum. Output: a text table on rank 0 and, with
 ``--out``, one JSON object per (method, size) with median, minimum and maximum over the
@@ -48,7 +56,16 @@ __all__ = ["sendrecv_ring", "run", "add_arguments", "run_args", "main", "SUMMARY
 #: What ``optcc-mpi lab --help`` says of this tool.
 SUMMARY = "executor ring vs hand-written Sendrecv ring vs MPI_Allreduce, large messages"
 
-METHODS = ("executor", "sendrecv", "mpi")
+METHODS = (
+    "executor",
+    "executor in place",
+    "executor copy+in place",
+    "sendrecv",
+    "sendrecv in place",
+    "mpi",
+)
+#: Methods whose buffer holds the input when called (refilled before each timed call).
+IN_PLACE_METHODS = ("executor in place", "sendrecv in place")
 
 
 def sendrecv_ring(comm: Any, x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> np.ndarray:
@@ -57,11 +74,12 @@ def sendrecv_ring(comm: Any, x: np.ndarray, out: np.ndarray, tmp: np.ndarray) ->
     ``tmp`` holds at least one section (``ceil(n / p)`` elements). Rank r sends section
     (r - t) mod p in reduce-scatter step t and adds what arrives from its left neighbour;
     it then owns section (r + 1) mod p, and the all-gather forwards sections around the
-    ring.
+    ring. ``x`` may be ``out`` (in place: no copy).
     """
 
     p, r = comm.Get_size(), comm.Get_rank()
-    np.copyto(out, x)
+    if x is not out:
+        np.copyto(out, x)
     if p == 1:
         return out
     b = split(0, x.size, p).tolist()
@@ -111,9 +129,22 @@ def run(
         out = np.empty_like(x)
         tmp = np.empty(-(-n // p) + 1, dtype=np.float32)
         ring = functools.partial(optcc_mpi.allreduce, x, out, comm=comm, algorithm="ring")
+        ring_ip = functools.partial(
+            optcc_mpi.allreduce, optcc_mpi.IN_PLACE, out, comm=comm, algorithm="ring"
+        )
+
+        def copy_then_ring(
+            ring_ip: Any = ring_ip, x: np.ndarray = x, out: np.ndarray = out
+        ) -> None:
+            np.copyto(out, x)
+            ring_ip()
+
         calls = {
             "executor": ring,
+            "executor in place": ring_ip,
+            "executor copy+in place": copy_then_ring,
             "sendrecv": functools.partial(sendrecv_ring, comm, x, out, tmp),
+            "sendrecv in place": functools.partial(sendrecv_ring, comm, out, out, tmp),
             "mpi": functools.partial(comm.Allreduce, x, out, op=MPI.SUM),
         }
         for c in chunks:
@@ -125,7 +156,10 @@ def run(
         load0 = _load()
         for it in range(warmup + iters):
             for m in methods:
-                out.fill(np.nan)
+                if m in IN_PLACE_METHODS:
+                    np.copyto(out, x)
+                else:
+                    out.fill(np.nan)
                 comm.Barrier()
                 t0 = time.perf_counter()
                 calls[m]()
@@ -214,13 +248,17 @@ def run_args(args: argparse.Namespace) -> int:
     rows = run(sizes, args.iters, args.warmup, comm, command, args.chunk)
     if comm.Get_rank() == 0:
         print(f"# {command}  (p={comm.Get_size()}, load {rows[0]['load'][0]:.1f})")
-        print(f"{'size':>10} {'method':>20} {'median ms':>10} {'min':>9} {'max':>9} {'vs sr':>6}")
+        print(
+            f"{'size':>10} {'method':>24} {'median ms':>10} {'min':>9} {'max':>9} "
+            f"{'vs sr':>6} {'vs sr in place':>14}"
+        )
         by = {(r["size"], r["method"]): r for r in rows}
         for r in rows:
             ref = by[(r["size"], "sendrecv")]["median_ms"]
+            ref_ip = by[(r["size"], "sendrecv in place")]["median_ms"]
             print(
-                f"{r['size']:>10} {r['method']:>20} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} "
-                f"{r['max_ms']:>9.2f} {r['median_ms'] / ref:>6.2f}"
+                f"{r['size']:>10} {r['method']:>24} {r['median_ms']:>10.2f} {r['min_ms']:>9.2f} "
+                f"{r['max_ms']:>9.2f} {r['median_ms'] / ref:>6.2f} {r['median_ms'] / ref_ip:>14.2f}"
                 + ("" if r["wrong"] == 0 else f"  WRONG {r['wrong']}")
             )
         if args.out:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi.backend import Backend, register_backend
-from optcc_mpi.reductions import reduce_with
+from optcc_mpi.reductions import reduce_into, reduce_with
 
 __all__ = ["HostDeviceArray", "FakeDeviceBackend", "UnsynchronizedError", "device_array"]
 
@@ -119,6 +119,12 @@ class FakeDeviceBackend(Backend):
 
     def reduce(self, op: str, dst: HostDeviceArray, src: HostDeviceArray) -> None:
         reduce_with(np, op, dst.host, src.host)
+        self.queued += 1
+
+    def reduce_into(
+        self, op: str, out: HostDeviceArray, a: HostDeviceArray, b: HostDeviceArray
+    ) -> None:
+        reduce_into(np, op, out.host, a.host, b.host)
         self.queued += 1
 
     def synchronize(self) -> None:

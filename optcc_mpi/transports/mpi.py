@@ -106,6 +106,13 @@ class MpiTransport(Transport):
             arr = arr.view(np.uint16)
         return self.private.Iallreduce(IN_PLACE, [arr, datatype], mpi_op)
 
+    def predefined(self, dtype_name: str, op: str) -> tuple[Any, Any] | None:
+        """The MPI datatype and op :meth:`allreduce` uses for this pair when both are
+        MPI's own (the compiled call path may then call ``MPI_Allreduce`` itself), else
+        None (a reduction MPI calls back into Python for)."""
+        datatype, mpi_op = mpi_datatype_and_op(dtype_name, op)
+        return (datatype, mpi_op) if mpi_op.is_predefined else None
+
     def wait(self, req: Any) -> None:
         req.Wait()
 
@@ -165,6 +172,8 @@ class MpiTransport(Transport):
 
 def _delete(comm: Any, keyval: Any, t: MpiTransport) -> None:
     BY_HANDLE.pop(t.handle, None)
+    if t.state is not None:
+        t.state.fast = None  # the compiled call path must not reach the freed duplicate
     t.free()
 
 

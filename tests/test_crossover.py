@@ -1,0 +1,195 @@
+"""The gather limit's decision (``optcc_mpi.crossover``), without MPI: which limit the
+measured times give, what ``$OPTCC_GATHER_LIMIT`` gives, and where nothing is measured.
+Decisions only, never times: the times here are made up. The collective side (every rank
+decides alike, both paths on either side of the limit) is ``tests/test_fastcall_mpi.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from optcc_mpi import config, crossover, protocol
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CommState
+
+SIZES = crossover.rooms(2)  # 256 B to 128 KiB
+
+
+def test_rooms() -> None:
+    assert SIZES[0] == FOLD_MIN and SIZES[-1] == FOLD_TOTAL // 2
+    assert all(b == 2 * a for a, b in zip(SIZES, SIZES[1:]))
+    assert crossover.rooms(64) == [FOLD_MIN << k for k in range(5)]  # to 4 KiB
+    assert crossover.rooms(4096) == [FOLD_MIN]
+    assert crossover.static(2) == FOLD_TOTAL // 2
+    # The measurement's block is the check's: header as protocol's.
+    assert crossover.HEADER_BYTES == protocol.HEADER_BYTES
+
+
+def _times(cross: int, spike: dict[int, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Gathering costs p times the bytes: cheaper below ``cross`` bytes, dearer above."""
+    n = np.asarray(SIZES, dtype=float)
+    gather = 2e-6 + n * 4e-10
+    library = 2e-6 + 4e-10 * cross + (n - cross) * 2e-10
+    for size, factor in (spike or {}).items():
+        gather[SIZES.index(size)] *= factor
+    return gather, library
+
+
+@pytest.mark.parametrize("cross", [1024, 16384, 65536])
+def test_limit_at_the_crossover(cross: int) -> None:
+    gather, library = _times(cross)
+    assert crossover.choose(SIZES, gather, library) == cross
+
+
+def test_one_way_always_faster() -> None:
+    n = np.asarray(SIZES, dtype=float)
+    assert crossover.choose(SIZES, n, 2 * n) == SIZES[-1]  # gather everything
+    assert crossover.choose(SIZES, 2 * n, n) == SIZES[0]  # the least room: 256 bytes
+
+
+def test_a_spike_at_one_size_does_not_move_the_limit() -> None:
+    """One size measured slow for gathering (disturbed, or a library's own threshold)
+    costs a little at that size; a limit below it would cost more at every size above."""
+    gather, library = _times(65536, spike={8192: 4.5})
+    assert gather[SIZES.index(8192)] > 1.3 * library[SIZES.index(8192)]
+    assert crossover.choose(SIZES, gather, library) == 65536
+
+
+def test_near_ties_go_to_gathering() -> None:
+    """Within the tolerance the larger limit wins (one collective, rank order)."""
+    n = np.asarray(SIZES, dtype=float)
+    gather = 1e-6 + n * 1e-10
+    library = gather / 1.03  # 3% faster everywhere: within TOLERANCE
+    assert crossover.choose(SIZES, gather, library) == SIZES[-1]
+    assert crossover.choose(SIZES, gather, gather / 1.2) == SIZES[0]
+    # Faster by 10% from 16 KiB on: the library from there.
+    library = np.where(n >= 16384, gather / 1.1, gather * 1.5)
+    assert crossover.choose(SIZES, gather, library) == 8192
+
+
+def test_choose_refuses_mismatched_times() -> None:
+    with pytest.raises(ArgumentError, match="one time per size"):
+        crossover.choose(SIZES, [1.0], [1.0, 2.0])
+
+
+class _Wire:
+    """A transport of one rank pretending to be ``size`` (max over ranks: itself)."""
+
+    def __init__(self, name: str = "mpi", size: int = 2) -> None:
+        self.name, self.size, self.rank = name, size, 0
+        self.maxed = 0
+
+    def allreduce_max(self, vec: np.ndarray) -> None:
+        self.maxed += 1
+
+
+def _state(wire: _Wire) -> CommState:
+    st = CommState.__new__(CommState)
+    st.transport, st.size, st.gather_limit, st.fast = wire, wire.size, None, object()
+    return st
+
+
+@pytest.fixture
+def setting(monkeypatch: pytest.MonkeyPatch):
+    def set_to(text: str | None) -> None:
+        if text is None:
+            monkeypatch.delenv("OPTCC_GATHER_LIMIT", raising=False)
+        else:
+            monkeypatch.setenv("OPTCC_GATHER_LIMIT", text)
+        config.reload()
+
+    return set_to
+
+
+def _made_up(monkeypatch: pytest.MonkeyPatch, repetitions: list[np.ndarray]) -> list[int]:
+    """The measurement's repetitions replaced by ``repetitions`` (each (2, sizes)), in
+    turn; returns the list the number of repetitions taken is appended to."""
+    taken: list[int] = []
+    monkeypatch.setattr(crossover, "_cases", lambda transport, sizes: [None] * len(sizes))
+
+    def one(cases: list[Any]) -> np.ndarray:
+        taken.append(1)
+        return repetitions[(len(taken) - 1) % len(repetitions)].ravel()
+
+    monkeypatch.setattr(crossover, "_repetition", one)
+    return taken
+
+
+def test_decide_measures_once(setting: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    setting(None)
+    taken = _made_up(monkeypatch, [np.stack(_times(8192))])
+    st = _state(_Wire())
+    assert crossover.known(st) == FOLD_MIN  # not decided yet: the least room
+    assert crossover.decide(st) == 8192
+    assert len(taken) == crossover.FIRST  # every repetition agreed: no more taken
+    assert st.transport.maxed == 1 + crossover.FIRST  # the setting, then each repetition
+    assert st.fast is None  # the compiled path's context is made again with the limit
+    assert crossover.decide(st) == 8192 and len(taken) == crossover.FIRST
+    assert crossover.known(st) == 8192
+    assert "8KiB" in crossover.describe(st)
+
+
+def test_repetitions_that_disagree_leave_sizes_to_gathering(
+    setting: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Load that makes the repetitions disagree (here: from 2 KiB up the faster way
+    alternates) gives those sizes no verdict: they are gathered, as before any
+    measurement; more repetitions were tried first."""
+    setting(None)
+    a = np.stack(_times(1024))  # the library faster from 2 KiB
+    b = np.stack(_times(1 << 20))  # gathering faster everywhere
+    taken = _made_up(monkeypatch, [a, b])
+    assert crossover.decide(_state(_Wire())) == crossover.static(2)
+    assert crossover.FIRST < len(taken) <= crossover.MOST  # (or until the budget ran out)
+    # Three of four repetitions agreeing is a verdict.
+    taken = _made_up(monkeypatch, [a, a, a, b])
+    assert crossover.decide(_state(_Wire())) == 1024
+
+
+def test_the_budget_bounds_the_measurement(setting: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine so loaded that one repetition takes the whole budget, measuring stops
+    there, and with too few repetitions for any verdict every size is gathered."""
+    setting(None)
+    slow = np.stack(_times(1024)) * (crossover.BUDGET / 1e-4)
+    taken = _made_up(monkeypatch, [slow])
+    assert crossover.decide(_state(_Wire())) == crossover.static(2)
+    assert len(taken) == 1
+
+
+def test_verdicts() -> None:
+    """The median of the per-repetition ratios where at least AGREE of the repetitions
+    agree on the faster way (or the two are within TOLERANCE), else a tie."""
+    g = np.array([[1.0, 1.0, 2.0], [1.0, 3.0, 2.0], [1.0, 1.0, 2.0], [1.0, 3.0, 0.5]])
+    times = np.stack([g, np.full_like(g, 2.0)], axis=1)  # library: 2.0 everywhere
+    v = crossover.verdicts(times)
+    np.testing.assert_allclose(v, [0.5, 1.0, 1.0])  # 0.5: all agree; then 2 of 4; then 3
+    # of 4 agree on "tie" (1.0): a tie
+    assert crossover.verdicts(times[:2]).tolist() == [1.0, 1.0, 1.0]  # too few to judge
+
+
+@pytest.mark.parametrize(
+    "text, limit", [("0", FOLD_MIN), ("3000", 2048), ("16K", 16384), ("1G", FOLD_TOTAL // 2)]
+)
+def test_setting_fixes_the_limit(
+    setting: Any, monkeypatch: pytest.MonkeyPatch, text: str, limit: int
+) -> None:
+    setting(text)
+    monkeypatch.setattr(crossover, "_cases", lambda *a: pytest.fail("measured"))
+    assert crossover.decide(_state(_Wire())) == limit
+
+
+def test_bad_setting(setting: Any) -> None:
+    setting("lots")
+    wire = _Wire()
+    with pytest.raises(ArgumentError, match="OPTCC_GATHER_LIMIT='lots'"):
+        crossover.decide(_state(wire))
+    assert wire.maxed == 1  # the other ranks heard of it in the same collective
+
+
+def test_nothing_measured_over_torch(setting: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    setting(None)
+    monkeypatch.setattr(crossover, "_cases", lambda *a: pytest.fail("measured"))
+    assert crossover.decide(_state(_Wire("gloo", 4))) == FOLD_TOTAL // 4
