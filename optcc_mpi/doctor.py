@@ -779,10 +779,72 @@ def diagnose(
     if not 0 < healthy_above <= 1:
         raise ArgumentError(f"healthy_above must be in (0, 1], not {healthy_above!r}")
     lay = the_plan.layout
-    p, n = lay.p, lay.n_nodes
     secs = _seconds(records)
-    reps = the_plan.repeats
-    # -- each rank alone: per repeat, its fastest message out and in
+    alone = _rank_rates(the_plan, secs, expect)
+    # Each node's NIC with all its ranks at once (the reference: one link's rate); with
+    # one rank per node that is the rank alone.
+    node = _node_fractions(the_plan, secs, expect) if lay.per_node > 1 else alone
+    intra = _intra_rates(the_plan, secs)
+    node_deg, verdicts = _verdicts(lay, alone, node, intra, healthy_above, judge_intra)
+    # An unresolved rank is still a slow link somewhere (at one of its ends).
+    degraded = bool(node_deg.any() or any(v != "healthy" for v in verdicts))
+    too_few = lay.n_nodes < 3 and expect is None
+    unmeasured = not (np.isfinite(alone.frac).all())
+    if degraded:
+        status = "degraded"
+    elif too_few or unmeasured:
+        status = "inconclusive"
+    else:
+        status = "healthy"
+    diag = Diagnosis(
+        status=status,
+        summary="",
+        ranks=_rank_rows(lay, alone, intra, verdicts),
+        nodes=_node_rows(lay, alone, node, node_deg, verdicts),
+        links=_profile(lay, alone, node, verdicts),
+        healthy_above=healthy_above,
+        reference="median" if expect is None else _rate(expect),
+        median_egress=alone.median_egress,
+        median_ingress=alone.median_ingress,
+        size=the_plan.size,
+        partners=the_plan.partners,
+        repeats=the_plan.repeats,
+        rounds=len(the_plan.rounds),
+        group=lay.group,
+    )
+    diag.summary = _summary(diag, too_few=too_few, unmeasured=unmeasured)
+    return diag
+
+
+@dataclass(frozen=True, eq=False)
+class _Rates:
+    """Per rank (or node): the fastest rates measured out and in (bytes/s; NaN: never
+    measured), their fractions of the reference, and the smaller fraction."""
+
+    egress: np.ndarray
+    ingress: np.ndarray
+    fe: np.ndarray
+    fi: np.ndarray
+    frac: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class _RankRates(_Rates):
+    """Each rank alone (the ``inter`` rounds), with what its verdict needs beyond the
+    rates: the references, the spread over repeats, and who it exchanged with."""
+
+    median_egress: float
+    median_ingress: float
+    per_repeat: np.ndarray
+    """(repeats, p): the fraction per repeat, against the same reference."""
+    pair: dict[tuple[int, int], float]
+    """Fastest rate per (sender, receiver)."""
+
+
+def _rank_rates(the_plan: Plan, secs: _Seconds, expect: float | None) -> _RankRates:
+    """Each rank alone: per repeat, its fastest message out and in; over the repeats,
+    the fastest (the estimator of the module docstring: noise only slows a link)."""
+    p, reps = the_plan.layout.p, the_plan.repeats
     eg_r = np.full((reps, p), math.nan)
     in_r = np.full((reps, p), math.nan)
     pair: dict[tuple[int, int], float] = {}
@@ -795,38 +857,26 @@ def diagnose(
         ingress = np.fmax.reduce(in_r, axis=0)
     fe, med_e = _fractions(egress, expect)
     fi, med_i = _fractions(ingress, expect)
-    frac = np.fmin(fe, fi)
     # Per repeat, the same fractions against the same reference: the spread.
     ref_e = expect if expect is not None else med_e
     ref_i = expect if expect is not None else med_i
     with np.errstate(invalid="ignore"):
         per_rep = np.fmin(np.minimum(eg_r / ref_e, 1.0), np.minimum(in_r / ref_i, 1.0))
+    return _RankRates(egress, ingress, fe, fi, np.fmin(fe, fi), med_e, med_i, per_rep, pair)
 
-    def explained(r: int) -> bool:
-        """Whether rank r's low rates could all be its partners': every partner of a
-        low direction was itself no faster than r (then either end may be slow)."""
-        low_e = fe[r] < healthy_above
-        low_i = fi[r] < healthy_above
-        ok = True
-        if low_e:
-            outs = [d for (s, d) in pair if s == r]
-            ok &= all(not (ingress[d] > egress[r] * _EXPLAIN) for d in outs)
-        if low_i:
-            ins = [s for (s, d) in pair if d == r]
-            ok &= all(not (egress[s] > ingress[r] * _EXPLAIN) for s in ins)
-        return bool((low_e or low_i) and ok)
 
-    # -- each node's NIC with all its ranks at once (the reference: one link's rate)
-    multi = lay.per_node > 1
-    if multi:
-        neg, nin = _node_rates(the_plan, secs)
-        nfe, _ = _fractions(neg, expect)
-        nfi, _ = _fractions(nin, expect)
-        nfrac = np.fmin(nfe, nfi)
-    else:
-        neg, nin, nfe, nfi, nfrac = egress, ingress, fe, fi, frac
+def _node_fractions(the_plan: Plan, secs: _Seconds, expect: float | None) -> _Rates:
+    """Each node's aggregate rates (:func:`_node_rates`) and their fractions."""
+    neg, nin = _node_rates(the_plan, secs)
+    nfe, _ = _fractions(neg, expect)
+    nfi, _ = _fractions(nin, expect)
+    return _Rates(neg, nin, nfe, nfi, np.fmin(nfe, nfi))
 
-    # -- inside each node
+
+def _intra_rates(the_plan: Plan, secs: _Seconds) -> _Rates:
+    """Inside each node: each rank's fastest message to and from its node's other
+    ranks, against the median intra-node rate (never ``expect``, a network rate)."""
+    p = the_plan.layout.p
     ieg = np.full(p, math.nan)
     iin = np.full(p, math.nan)
     for _rnd, s, d, v in _message_rates(the_plan, secs, "intra"):
@@ -834,30 +884,66 @@ def diagnose(
         iin[d] = np.fmax(iin[d], v)
     ife, _ = _fractions(ieg, None)
     ifi, _ = _fractions(iin, None)
-    ifrac = np.fmin(ife, ifi)
+    return _Rates(ieg, iin, ife, ifi, np.fmin(ife, ifi))
 
-    # -- verdicts
-    thr = healthy_above
-    node_deg = np.zeros(n, dtype=bool)
+
+def _explained(r: int, alone: _RankRates, thr: float) -> bool:
+    """Whether rank r's low rates could all be its partners': every partner of a low
+    direction was itself no faster than r (then either end may be slow)."""
+    low_e = alone.fe[r] < thr
+    low_i = alone.fi[r] < thr
+    ok = True
+    if low_e:
+        outs = [d for (s, d) in alone.pair if s == r]
+        ok &= all(not (alone.ingress[d] > alone.egress[r] * _EXPLAIN) for d in outs)
+    if low_i:
+        ins = [s for (s, d) in alone.pair if d == r]
+        ok &= all(not (alone.egress[s] > alone.ingress[r] * _EXPLAIN) for s in ins)
+    return bool((low_e or low_i) and ok)
+
+
+def _verdicts(
+    lay: Layout,
+    alone: _RankRates,
+    node: _Rates,
+    intra: _Rates,
+    thr: float,
+    judge_intra: bool,
+) -> tuple[np.ndarray, list[str]]:
+    """Which nodes are degraded, and every rank's verdict (:class:`RankRow`).
+
+    A node is degraded when its aggregate fraction is below ``thr`` or every one of its
+    ranks is (and no partner explains it); its ranks then say ``node`` (``degraded`` for a
+    node of one rank). Otherwise a rank below ``thr`` is ``degraded``, or ``unresolved``
+    where its partners were as slow; with ``judge_intra``, a slow intra-node rate says
+    ``intra``."""
+    multi = lay.per_node > 1
+    frac = alone.frac
+    node_deg = np.zeros(lay.n_nodes, dtype=bool)
     for a, members in enumerate(lay.members):
-        ranks_low = all(frac[r] < thr and not explained(r) for r in members)
-        node_deg[a] = bool((multi and nfrac[a] < thr) or ranks_low)
+        ranks_low = all(frac[r] < thr and not _explained(r, alone, thr) for r in members)
+        node_deg[a] = bool((multi and node.frac[a] < thr) or ranks_low)
     verdicts = []
-    for r in range(p):
+    for r in range(lay.p):
         if node_deg[lay.node[r]] and len(lay.members[lay.node[r]]) > 1:
             v = "node"
         elif node_deg[lay.node[r]]:
             v = "degraded"
         elif frac[r] < thr:
-            v = "unresolved" if explained(r) else "degraded"
-        elif judge_intra and ifrac[r] < thr:
+            v = "unresolved" if _explained(r, alone, thr) else "degraded"
+        elif judge_intra and intra.frac[r] < thr:
             v = "intra"
         else:
             v = "healthy"
         verdicts.append(v)
+    return node_deg, verdicts
+
+
+def _rank_rows(lay: Layout, alone: _RankRates, intra: _Rates, verdicts: list[str]) -> list[RankRow]:
+    """One :class:`RankRow` per rank, in rank order."""
     rank_rows = []
-    for r in range(p):
-        rep = per_rep[:, r]
+    for r in range(lay.p):
+        rep = alone.per_repeat[:, r]
         rep = rep[np.isfinite(rep)]
         spread = (float(rep.min()), float(rep.max())) if rep.size else (math.nan, math.nan)
         rank_rows.append(
@@ -866,18 +952,26 @@ def diagnose(
                 host=lay.hosts[r],
                 node=lay.names[lay.node[r]],
                 local_rank=int(lay.local[r]),
-                egress=float(egress[r]),
-                ingress=float(ingress[r]),
-                fraction_egress=float(fe[r]),
-                fraction_ingress=float(fi[r]),
-                fraction=float(frac[r]),
+                egress=float(alone.egress[r]),
+                ingress=float(alone.ingress[r]),
+                fraction_egress=float(alone.fe[r]),
+                fraction_ingress=float(alone.fi[r]),
+                fraction=float(alone.frac[r]),
                 spread=spread,
-                intra_egress=float(ieg[r]),
-                intra_ingress=float(iin[r]),
-                intra_fraction=float(ifrac[r]),
+                intra_egress=float(intra.egress[r]),
+                intra_ingress=float(intra.ingress[r]),
+                intra_fraction=float(intra.frac[r]),
                 verdict=verdicts[r],
             )
         )
+    return rank_rows
+
+
+def _node_rows(
+    lay: Layout, alone: _RankRates, node: _Rates, node_deg: np.ndarray, verdicts: list[str]
+) -> list[NodeRow]:
+    """One :class:`NodeRow` per node, slowest first (by the lowest of its own fraction
+    and its ranks')."""
     node_rows = []
     for a, members in enumerate(lay.members):
         vs = {verdicts[r] for r in members}
@@ -895,21 +989,29 @@ def diagnose(
             NodeRow(
                 name=lay.names[a],
                 ranks=list(members),
-                egress=float(neg[a]),
-                ingress=float(nin[a]),
-                fraction_egress=float(nfe[a]),
-                fraction_ingress=float(nfi[a]),
-                fraction=float(nfrac[a]),
+                egress=float(node.egress[a]),
+                ingress=float(node.ingress[a]),
+                fraction_egress=float(node.fe[a]),
+                fraction_ingress=float(node.fi[a]),
+                fraction=float(node.frac[a]),
                 verdict=nv,
             )
         )
+    frac = alone.frac
 
     def node_key(row: NodeRow) -> tuple[float, int]:
         worst = min([row.fraction, *(frac[r] for r in row.ranks)], key=lambda x: (math.isnan(x), x))
         return (worst if math.isfinite(worst) else 2.0, row.ranks[0])
 
     node_rows.sort(key=node_key)
-    # The planner's profile: a degraded node's ranks at its fraction, others at their own.
+    return node_rows
+
+
+def _profile(lay: Layout, alone: _RankRates, node: _Rates, verdicts: list[str]) -> Links:
+    """The planner's profile: a degraded node's ranks at its fraction, degraded ranks at
+    their own, at least 0.01 and rounded to two places."""
+    multi = lay.per_node > 1
+    frac, nfrac = alone.frac, node.frac
     prof: dict[int, float] = {}
     for r, v in enumerate(verdicts):
         if v == "node":
@@ -920,35 +1022,7 @@ def diagnose(
             continue
         if math.isfinite(f) and f < 1:
             prof[r] = max(0.01, round(float(f), 2))
-    # An unresolved rank is still a slow link somewhere (at one of its ends).
-    degraded = bool(node_deg.any() or any(v != "healthy" for v in verdicts))
-    too_few = n < 3 and expect is None
-    unmeasured = not (np.isfinite(frac).all())
-    if degraded:
-        status = "degraded"
-    elif too_few or unmeasured:
-        status = "inconclusive"
-    else:
-        status = "healthy"
-    ref_text = "median" if expect is None else _rate(expect)
-    diag = Diagnosis(
-        status=status,
-        summary="",
-        ranks=rank_rows,
-        nodes=node_rows,
-        links=Links(prof),
-        healthy_above=thr,
-        reference=ref_text,
-        median_egress=med_e,
-        median_ingress=med_i,
-        size=the_plan.size,
-        partners=the_plan.partners,
-        repeats=reps,
-        rounds=len(the_plan.rounds),
-        group=lay.group,
-    )
-    diag.summary = _summary(diag, too_few=too_few, unmeasured=unmeasured)
-    return diag
+    return Links(prof)
 
 
 def _summary(d: Diagnosis, *, too_few: bool, unmeasured: bool) -> str:
@@ -1087,7 +1161,55 @@ def doctor(
 
     wire = _private(comm)
     rank, p = _rank_size(wire)
-    err: str | None = None
+    # Check and agree: every rank checks its own parameters, then every rank learns every
+    # rank's verdict and raises the same error, before any measuring message.
+    params, err, emu, grp = _checked(
+        size=size,
+        partners=partners,
+        repeats=repeats,
+        healthy_above=healthy_above,
+        expect=expect,
+        group=group,
+        emulate=emulate,
+        judge_intra=judge_intra,
+    )
+    hosts = _agree(wire, params, err)
+    the_plan = plan(Layout(hosts, grp), size=size, partners=partners, repeats=repeats)
+    # Measure, then judge the same records on every rank.
+    bar = Progress(len(the_plan.rounds), "doctor", enabled=progress and rank == 0, unit="round")
+    t0 = time.perf_counter()
+    try:
+        mine = _measure(wire, the_plan, emu, rank, bar)
+    finally:
+        bar.close()
+    records = _allgather(wire, mine)
+    seconds = time.perf_counter() - t0
+    diag = diagnose(
+        the_plan, records, healthy_above=healthy_above, expect=expect, judge_intra=judge_intra
+    )
+    diag.seconds = seconds
+    _account(diag, records, emu)
+    if rank == 0:
+        writer = linklog.LinkLog(log) if log is not None else linklog.from_env()
+        if writer is not None:
+            writer.doctor(diag.to_dict(), p)
+    return diag
+
+
+def _checked(
+    *,
+    size: Any,
+    partners: Any,
+    repeats: Any,
+    healthy_above: float,
+    expect: float | None,
+    group: str | None,
+    emulate: Emulation | str | None,
+    judge_intra: bool,
+) -> tuple[tuple[Any, ...] | None, str | None, Emulation | None, str]:
+    """This rank's parameters checked (nothing is sent): ``(params, None, emulation,
+    group)``, where ``params`` is what every rank must agree on, or ``(None, error,
+    None, "host")``. An error is returned, not raised, so that every rank can raise it."""
     try:
         _check_params(size, partners, repeats)
         if not 0 < healthy_above <= 1:
@@ -1101,7 +1223,14 @@ def doctor(
         params = (int(size), int(partners), int(repeats), float(healthy_above), expect, grp,
                   str(emu) if emu is not None else None, bool(judge_intra))  # fmt: skip
     except (ValueError, TypeError) as exc:
-        err, params, emu, grp = f"{type(exc).__name__}: {exc}", None, None, "host"
+        return None, f"{type(exc).__name__}: {exc}", None, "host"
+    return params, None, emu, grp
+
+
+def _agree(wire: Any, params: tuple[Any, ...] | None, err: str | None) -> tuple[str, ...]:
+    """Every rank's host name, once every rank's parameters passed and are the same;
+    otherwise the same :class:`ArgumentError` on every rank (the first rank's error, or
+    the first rank whose parameters differ from rank 0's)."""
     seen = _allgather(wire, (socket.gethostname(), params, err))
     errors = [(r, e) for r, (_, _, e) in enumerate(seen) if e]
     if errors:
@@ -1113,34 +1242,21 @@ def doctor(
             f"doctor: rank {r} was called with {seen[r][1]}, rank 0 with {seen[0][1]}; every "
             "rank must pass the same parameters"
         )
-    layout = Layout(tuple(s[0] for s in seen), grp)
-    the_plan = plan(layout, size=size, partners=partners, repeats=repeats)
-    bar = Progress(len(the_plan.rounds), "doctor", enabled=progress and rank == 0, unit="round")
-    t0 = time.perf_counter()
-    try:
-        mine = _measure(wire, the_plan, emu, rank, bar)
-    finally:
-        bar.close()
-    records = _allgather(wire, mine)
-    seconds = time.perf_counter() - t0
-    diag = diagnose(
-        the_plan, records, healthy_above=healthy_above, expect=expect, judge_intra=judge_intra
-    )
-    diag.seconds = seconds
+    return tuple(s[0] for s in seen)
+
+
+def _account(diag: Diagnosis, records: Sequence[dict[str, Any]], emu: Emulation | None) -> None:
+    """Copy every rank's own accounting from ``records`` into ``diag``: bytes and
+    messages, and under emulation the seconds the virtual NICs were charged."""
     diag.bytes_sent = [int(r["bytes_sent"]) for r in records]
     diag.bytes_received = [int(r["bytes_received"]) for r in records]
     diag.messages_sent = [int(r["messages_sent"]) for r in records]
     diag.messages_received = [int(r["messages_received"]) for r in records]
     if emu is not None:
         diag.charged_seconds = [float(sum(r["charged"])) for r in records]
-        per_round = np.array([r["charged"] for r in records], dtype=float).reshape(p, -1)
+        per_round = np.array([r["charged"] for r in records], dtype=float).reshape(len(records), -1)
         diag.emulated_seconds = float(per_round.max(axis=0).sum())
         diag.emulate = str(emu)
-    if rank == 0:
-        writer = linklog.LinkLog(log) if log is not None else linklog.from_env()
-        if writer is not None:
-            writer.doctor(diag.to_dict(), p)
-    return diag
 
 
 # ---------------------------------------------------------------------------------- plot

@@ -238,141 +238,212 @@ def _op(s: Schedule, g: int) -> str:
 def _execute(
     s: Schedule, seg: _Segments, partner: np.ndarray, rep: Report, max_errors: int
 ) -> None:
-    words = (s.p + 63) // 64
-    full = np.zeros(words, dtype=np.uint64)
-    for r in range(s.p):
-        full[r // 64] |= np.uint64(1) << np.uint64(r % 64)
-    state = [np.zeros((s.p, n, words), dtype=np.uint64) for n in seg.size]
-    for r in range(s.p):
-        a, b = seg.run(0, 0, s.count)
-        state[0][r, a:b, r // 64] = np.uint64(1) << np.uint64(r % 64)
+    """Run ``s`` on contribution masks: whether every operation completes (rule 2) and
+    whether every element ends with every contribution exactly once (rule 4). Appends
+    to ``rep``; stops early at ``max_errors`` errors, or at the first collective whose
+    ranges differ between ranks (nothing after it can be trusted)."""
+    run = _Execution(s, seg, partner, rep)
+    if not run.run(max_errors):
+        return
+    if run.completed < s.n_ops:
+        _report_deadlock(s, run, rep)
+        return
+    _check_complete(s, seg, run.state[0], rep, max_errors)
 
-    n = s.n_ops
-    kind = s.kind.tolist()
-    rank = s.rank.tolist()
-    waiting = np.diff(s.dep_ptr).tolist()
-    qprev = s.queue_prev.tolist()
-    qnext = [-1] * n
-    for i, j in enumerate(qprev):
-        if j >= 0:
-            qnext[j] = i
-    dependents: list[list[int]] = [[] for _ in range(n)]
-    for op in range(n):
-        for d in s.deps(op).tolist():
-            dependents[d].append(op)
-    posted = [False] * n
-    done = [False] * n
-    coll_ops = [s.op_ids(r)[s.kind[s.op_ids(r)] == COLL].tolist() for r in range(s.p)]
-    coll_posted = [0] * s.p
-    coll_next = 0  # index of the next collective to complete
 
-    def read(r: int, buf: int, lo: int, hi: int, op: int) -> np.ndarray:
-        a, b = seg.run(buf, lo, hi)
-        val = state[buf][r, a:b].copy()
+class _Execution:
+    """The executor's rules played on masks (module docstring, rules 2 and 4): per rank
+    and buffer, the set of ranks whose contributions each elementary segment holds, and
+    which operations are posted and done.
+
+    An operation is *ready* when its dependencies completed and the operation before it
+    in its queue was posted; ready operations are posted from a work list in the order
+    they became ready. Rule 3 passed before this runs, so that order cannot change what
+    any operation reads."""
+
+    def __init__(self, s: Schedule, seg: _Segments, partner: np.ndarray, rep: Report) -> None:
+        self.s, self.seg, self.partner, self.rep = s, seg, partner, rep
+        words = (s.p + 63) // 64
+        # Every rank starts with its own contribution in every element of its buffer.
+        self.state = [np.zeros((s.p, n, words), dtype=np.uint64) for n in seg.size]
+        for r in range(s.p):
+            a, b = seg.run(0, 0, s.count)
+            self.state[0][r, a:b, r // 64] = np.uint64(1) << np.uint64(r % 64)
+        n = s.n_ops
+        # Python lists: the loop below touches them one element at a time.
+        self.kind = s.kind.tolist()
+        self.rank = s.rank.tolist()
+        self.waiting = np.diff(s.dep_ptr).tolist()
+        self.qprev = s.queue_prev.tolist()
+        self.qnext = [-1] * n
+        for i, j in enumerate(self.qprev):
+            if j >= 0:
+                self.qnext[j] = i
+        self.dependents: list[list[int]] = [[] for _ in range(n)]
+        for op in range(n):
+            for d in s.deps(op).tolist():
+                self.dependents[d].append(op)
+        self.posted = [False] * n
+        self.done = [False] * n
+        self.completed = 0
+        # Collectives complete in their order on every rank, once every rank posted one.
+        self.coll_ops = [s.op_ids(r)[s.kind[s.op_ids(r)] == COLL].tolist() for r in range(s.p)]
+        self.coll_posted = [0] * s.p
+        self.coll_next = 0  # index of the next collective to complete
+        self.work: deque[int] = deque(
+            op for op in range(n) if self.waiting[op] == 0 and self.qprev[op] < 0
+        )
+
+    def read(self, r: int, buf: int, lo: int, hi: int, op: int) -> np.ndarray:
+        """The masks of rank ``r``'s elements ``[lo, hi)`` of ``buf``, as ``op`` reads
+        them; an element holding no contribution is an error (rule 4)."""
+        a, b = self.seg.run(buf, lo, hi)
+        val = self.state[buf][r, a:b].copy()
         if b > a and not np.all(val.any(axis=-1)):
-            rep.errors.append(f"rank {r}: {_op(s, op)} reads elements holding no contribution")
+            self.rep.errors.append(
+                f"rank {r}: {_op(self.s, op)} reads elements holding no contribution"
+            )
         return val
 
-    def write(r: int, buf: int, lo: int, hi: int, val: np.ndarray, reduce: bool, op: int) -> None:
-        a, b = seg.run(buf, lo, hi)
-        cur = state[buf][r, a:b]
+    def write(
+        self, r: int, buf: int, lo: int, hi: int, val: np.ndarray, reduce: bool, op: int
+    ) -> None:
+        """Store ``val`` (``reduce``: combine it) into rank ``r``'s elements; combining a
+        contribution already there is an error (rule 4)."""
+        a, b = self.seg.run(buf, lo, hi)
+        cur = self.state[buf][r, a:b]
         if reduce:
             if np.any(cur & val):
-                rep.errors.append(
-                    f"rank {r}: {_op(s, op)} would count a contribution twice "
+                self.rep.errors.append(
+                    f"rank {r}: {_op(self.s, op)} would count a contribution twice "
                     f"(ranks {_ranks(np.bitwise_or.reduce(cur & val, axis=0))})"
                 )
             cur |= val
         else:
             cur[...] = val
 
-    work: deque[int] = deque(op for op in range(n) if waiting[op] == 0 and qprev[op] < 0)
-    completed = 0
-
-    def complete(op: int) -> None:
-        nonlocal completed
-        done[op] = True
-        completed += 1
-        for d in dependents[op]:
+    def complete(self, op: int) -> None:
+        """Mark ``op`` done; queue what became ready through it."""
+        self.done[op] = True
+        self.completed += 1
+        waiting, qprev, posted = self.waiting, self.qprev, self.posted
+        for d in self.dependents[op]:
             waiting[d] -= 1
             if waiting[d] == 0 and (qprev[d] < 0 or posted[qprev[d]]):
-                work.append(d)
+                self.work.append(d)
 
-    while work:
-        op = work.popleft()
-        if posted[op]:
-            continue
-        posted[op] = True
-        k = kind[op]
-        r = rank[op]
-        if k in (SEND, RECV, RECV_REDUCE):
-            nxt = qnext[op]
-            if nxt >= 0 and waiting[nxt] == 0:
-                work.append(nxt)
-            other = int(partner[op])
-            if posted[other]:
-                snd, rcv = (op, other) if k == SEND else (other, op)
-                val = read(rank[snd], int(s.buf[snd]), int(s.lo[snd]), int(s.hi[snd]), snd)
-                write(
-                    rank[rcv],
-                    int(s.buf[rcv]),
-                    int(s.lo[rcv]),
-                    int(s.hi[rcv]),
-                    val,
-                    kind[rcv] == RECV_REDUCE,
-                    rcv,
+    def run(self, max_errors: int) -> bool:
+        """Post ready operations until none is left; False where it stopped early (at
+        ``max_errors`` errors, or a collective whose ranges differ)."""
+        s, kind, rank, posted, work = self.s, self.kind, self.rank, self.posted, self.work
+        while work:
+            op = work.popleft()
+            if posted[op]:
+                continue
+            posted[op] = True
+            k = kind[op]
+            if k in (SEND, RECV, RECV_REDUCE):
+                self._message(op)
+            elif k in (COPY, REDUCE):
+                length = int(s.hi[op] - s.lo[op])
+                val = self.read(
+                    rank[op], int(s.sbuf[op]), int(s.slo[op]), int(s.slo[op]) + length, op
                 )
-                complete(snd)
-                complete(rcv)
-        elif k in (COPY, REDUCE):
-            length = int(s.hi[op] - s.lo[op])
-            val = read(r, int(s.sbuf[op]), int(s.slo[op]), int(s.slo[op]) + length, op)
-            write(r, int(s.buf[op]), int(s.lo[op]), int(s.hi[op]), val, k == REDUCE, op)
-            complete(op)
-        elif k == COLL:
-            coll_posted[r] += 1
-            while coll_next < min(coll_posted):
-                ops = [coll_ops[q][coll_next] for q in range(s.p)]
-                lo, hi = int(s.lo[ops[0]]), int(s.hi[ops[0]])
-                if any(int(s.lo[o]) != lo or int(s.hi[o]) != hi for o in ops):
-                    rep.errors.append(
-                        f"collective {coll_next} has different ranges on different ranks"
-                    )
-                    return
-                vals = [read(q, int(s.buf[o]), lo, hi, o) for q, o in enumerate(ops)]
-                total = np.zeros_like(vals[0])
-                for q, v in enumerate(vals):
-                    if np.any(total & v):
-                        rep.errors.append(
-                            f"collective {coll_next}: rank {q} adds a contribution twice"
-                        )
-                    total |= v
-                for q, o in enumerate(ops):
-                    write(q, int(s.buf[o]), lo, hi, total, False, o)
-                coll_next += 1
-                for o in ops:
-                    complete(o)
-        if len(rep.errors) >= max_errors:
+                self.write(
+                    rank[op], int(s.buf[op]), int(s.lo[op]), int(s.hi[op]), val, k == REDUCE, op
+                )
+                self.complete(op)
+            elif k == COLL:
+                self.coll_posted[rank[op]] += 1
+                if not self._collectives():
+                    return False
+            if len(self.rep.errors) >= max_errors:
+                return False
+        return True
+
+    def _message(self, op: int) -> None:
+        """A send or receive was posted: its queue's next may follow, and the message
+        completes if its partner was posted already."""
+        s, kind, rank = self.s, self.kind, self.rank
+        nxt = self.qnext[op]
+        if nxt >= 0 and self.waiting[nxt] == 0:
+            self.work.append(nxt)
+        other = int(self.partner[op])
+        if not self.posted[other]:
             return
+        snd, rcv = (op, other) if kind[op] == SEND else (other, op)
+        val = self.read(rank[snd], int(s.buf[snd]), int(s.lo[snd]), int(s.hi[snd]), snd)
+        self.write(
+            rank[rcv],
+            int(s.buf[rcv]),
+            int(s.lo[rcv]),
+            int(s.hi[rcv]),
+            val,
+            kind[rcv] == RECV_REDUCE,
+            rcv,
+        )
+        self.complete(snd)
+        self.complete(rcv)
 
-    if completed < n:
-        stuck = [op for op in range(n) if not done[op]]
-        rep.errors.append(f"deadlock: {len(stuck)} of {n} operations never complete")
-        for op in stuck[:5]:
-            why = []
-            deps_left = [d for d in s.deps(op).tolist() if not done[d]]
-            if deps_left:
-                why.append(f"waits for {', '.join(_op(s, d) for d in deps_left[:3])}")
-            elif qprev[op] >= 0 and not posted[qprev[op]]:
-                why.append(f"queued behind {_op(s, qprev[op])}")
-            elif partner[op] >= 0:
-                why.append(f"partner {_op(s, int(partner[op]))} never posted")
-            rep.errors.append(f"  rank {rank[op]}: {_op(s, op)} {'; '.join(why)}")
-        return
+    def _collectives(self) -> bool:
+        """Complete every collective that every rank has posted; False (and an error)
+        when one has different ranges on different ranks."""
+        s, rep = self.s, self.rep
+        while self.coll_next < min(self.coll_posted):
+            ops = [self.coll_ops[q][self.coll_next] for q in range(s.p)]
+            lo, hi = int(s.lo[ops[0]]), int(s.hi[ops[0]])
+            if any(int(s.lo[o]) != lo or int(s.hi[o]) != hi for o in ops):
+                rep.errors.append(
+                    f"collective {self.coll_next} has different ranges on different ranks"
+                )
+                return False
+            vals = [self.read(q, int(s.buf[o]), lo, hi, o) for q, o in enumerate(ops)]
+            total = np.zeros_like(vals[0])
+            for q, v in enumerate(vals):
+                if np.any(total & v):
+                    rep.errors.append(
+                        f"collective {self.coll_next}: rank {q} adds a contribution twice"
+                    )
+                total |= v
+            for q, o in enumerate(ops):
+                self.write(q, int(s.buf[o]), lo, hi, total, False, o)
+            self.coll_next += 1
+            for o in ops:
+                self.complete(o)
+        return True
 
+
+def _report_deadlock(s: Schedule, run: _Execution, rep: Report) -> None:
+    """Rule 2 failed: how many operations never complete, and why for the first five
+    (a dependency not done, a queue blocked behind an unposted operation, or a partner
+    never posted)."""
+    n = s.n_ops
+    done, posted, qprev, partner = run.done, run.posted, run.qprev, run.partner
+    stuck = [op for op in range(n) if not done[op]]
+    rep.errors.append(f"deadlock: {len(stuck)} of {n} operations never complete")
+    for op in stuck[:5]:
+        why = []
+        deps_left = [d for d in s.deps(op).tolist() if not done[d]]
+        if deps_left:
+            why.append(f"waits for {', '.join(_op(s, d) for d in deps_left[:3])}")
+        elif qprev[op] >= 0 and not posted[qprev[op]]:
+            why.append(f"queued behind {_op(s, qprev[op])}")
+        elif partner[op] >= 0:
+            why.append(f"partner {_op(s, int(partner[op]))} never posted")
+        rep.errors.append(f"  rank {run.rank[op]}: {_op(s, op)} {'; '.join(why)}")
+
+
+def _check_complete(
+    s: Schedule, seg: _Segments, state: np.ndarray, rep: Report, max_errors: int
+) -> None:
+    """Rule 4 at the end: every element of every rank's buffer (``state``, the masks of
+    buffer 0) holds every rank's contribution; the first element without, per rank."""
+    full = np.zeros(state.shape[-1], dtype=np.uint64)
+    for r in range(s.p):
+        full[r // 64] |= np.uint64(1) << np.uint64(r % 64)
     a, b = seg.run(0, 0, s.count)
     for r in range(s.p):
-        got = state[0][r, a:b]
+        got = state[r, a:b]
         missing = ~got & full
         if np.any(missing):
             bad = int(np.flatnonzero(np.any(missing, axis=-1))[0])

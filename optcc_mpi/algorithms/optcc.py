@@ -494,7 +494,7 @@ def auto_ramp(k: int, most: int = 8) -> int:
 
 def column_fold(a: int, pattern: str = "fold", m: int = 0, b: int = 1) -> bool:
     """Whether the ``m`` attached ranks fold whole column blocks into one owner of each
-    column (``_Pipeline._fold_columns``) rather than a section into every owner.
+    column (``_ColumnFold``) rather than a section into every owner.
 
     Only with several rows and the folding pattern, and only where it at least doubles
     the segments :data:`MAX_AUTO_OPS` allows (derived, ours): the column fold sends ``a``
@@ -546,105 +546,108 @@ def choose_segments(
 
 
 # ----------------------------------------------------------------------------- builder
+#
+# Four topics: where a segment's blocks, sections and scratch regions lie (_Geometry); the
+# owners' direct exchanges along the grid's rows and columns (_DirectExchange); the
+# attached ranks' traffic, a section into every owner (_OwnerFold, with the closer) or a
+# column block into one owner per column (_ColumnFold); and the pipeline that runs the
+# stages of every segment in order and paces them (_Pipeline). Operation ids follow the
+# order in which the stages are built, so that order is part of the schedule.
 
 
-class _Pipeline:
-    """Builds OptCC's segments into a :class:`ScheduleBuilder` (see the module docstring).
+@dataclass(frozen=True, eq=False)
+class _Geometry:
+    """Where each segment's data lies, and the scratch regions (:meth:`of`).
 
-    Both phases of the owners' reduce-scatter and all-gather are *direct* exchanges: in
-    slot t every member of a group sends to the member t places on, so no message waits
-    for another's arrival before it can leave (a ring's chain of a-1 hops would wait in
-    every busy NIC queue on its way, and with pipelined segments those queues are full).
-
-    Per segment, per owner: a *final* operation after which it holds the complete sum of
-    its section; per attached rank: the receives that finish its segment. These are what
-    the pipelining waits for.
+    ``blo``/``bhi`` (column c's block) and ``slo``/``shi`` (the section of the owner in
+    row i of column c) are (k, a, nb) arrays indexed like the grid. Scratch holds, per
+    phase (row, column), one region per segment slot and peer offset, then the attached
+    ranks' raw input, one region per segment slot and attached rank (one per owner's
+    slot with the column fold); slots rotate over the ``slots`` segments in flight.
     """
 
-    def __init__(
-        self,
-        b: ScheduleBuilder,
-        plan: OptccPlan,
+    k: int
+    blo: np.ndarray
+    bhi: np.ndarray
+    slo: np.ndarray
+    shi: np.ndarray
+    slots: int
+    row_base: int
+    row_stride: int
+    col_base: int
+    col_stride: int
+    fold_base: int
+    fold_stride: int
+    scratch_end: int
+
+    @classmethod
+    def of(
+        cls,
         grid: np.ndarray,
         col_share: np.ndarray,
         seg: np.ndarray,
         *,
-        pattern: str,
-        depth: int,
-        lag: int,
-        lookahead: int,
-        row_lag: int = 0,
-        ag_lag: int = 0,
-    ) -> None:
-        self.b = b
-        self.grid = grid  # (a, nb) ranks
-        self.a, self.nb = grid.shape
-        self.att = np.asarray(plan.attached, dtype=np.int64)
-        self.m = self.att.size
-        self.k = seg.size - 1
-        self.pattern = pattern
-        self.depth = depth
-        self.lag = lag
-        self.lookahead = lookahead
+        slots: int,
+        fold_regions: int,
+        fold_blocks: bool,
+    ) -> _Geometry:
+        """Cut segment boundaries ``seg`` into columns' blocks (by ``col_share``) and
+        those into the a sections of their rows; ``fold_regions`` raw regions per slot,
+        each a block (``fold_blocks``: the column fold) or a section."""
+        a, nb = grid.shape
+        k = seg.size - 1
         # Per segment: column c's block, then its a sections (one per row).
         cum = np.concatenate(([0.0], np.cumsum(col_share)))
         lo, hi = seg[:-1, None], seg[1:, None]
         blk = lo + np.round(cum[None, :] * (hi - lo)).astype(np.int64)  # (k, nb + 1)
         blk[:, -1] = seg[1:]
-        sec = split(blk[:, :-1], blk[:, 1:], self.a)  # (k, nb, a + 1)
+        sec = split(blk[:, :-1], blk[:, 1:], a)  # (k, nb, a + 1)
         # As (k, a, nb) arrays indexed like the grid.
-        self.blo = np.broadcast_to(blk[:, None, :-1], (self.k, self.a, self.nb))
-        self.bhi = np.broadcast_to(blk[:, None, 1:], (self.k, self.a, self.nb))
-        self.slo = np.ascontiguousarray(sec[:, :, :-1].transpose(0, 2, 1))
-        self.shi = np.ascontiguousarray(sec[:, :, 1:].transpose(0, 2, 1))
-        # Scratch: per phase, (segment slot, peer offset) regions; then per attached rank
-        # and segment slot one section. Slots rotate over the segments in flight.
-        self.slots = depth + lag + 3
-        max_blk = int(np.max(self.bhi - self.blo, initial=0))
-        max_sec = int(np.max(self.shi - self.slo, initial=0))
-        self.row_base, self.row_stride = 0, max_blk
-        self.col_base = self.slots * max(self.nb - 1, 0) * max_blk
-        self.col_stride = max_sec
-        self.fold_base = self.col_base + self.slots * max(self.a - 1, 0) * max_sec
-        # With several rows an attached rank folds a whole column block into one owner of
-        # the column (column_fold); otherwise one section into every owner.
-        self.colfold = column_fold(self.a, pattern, self.m, self.nb)
-        self.per_owner = -(-self.m // self.a)  # attached ranks an owner serves (column fold)
-        if self.colfold:
-            self.fold_stride = max_blk
-            self.scratch_end = self.fold_base + self.slots * self.per_owner * max_blk
-        else:
-            self.fold_stride = max_sec
-            self.scratch_end = self.fold_base + self.slots * self.m * max_sec
-        self.final: dict[int, np.ndarray] = {}
-        self.rs_row: dict[int, list[np.ndarray]] = {}
-        self.rs_col: dict[int, list[np.ndarray]] = {}
-        self.reads: dict[tuple[str, int], np.ndarray] = {}  # scratch readers, per segment
-        self.returns: dict[int, np.ndarray] = {}  # per segment, (m, a, nb) by owner
-        self.raw: dict[int, np.ndarray] = {}
-        self.fold_recv: dict[int, np.ndarray] = {}
-        self.done_owner: dict[int, np.ndarray] = {}
-        self.streams: dict[tuple[int, str], list[int]] = {}
-        self.row_done: dict[int, np.ndarray] = {}
-        self.ret_sends: dict[int, np.ndarray] = {}
-        self.row_lag = row_lag
-        self.ag_lag = ag_lag
+        blo = np.broadcast_to(blk[:, None, :-1], (k, a, nb))
+        bhi = np.broadcast_to(blk[:, None, 1:], (k, a, nb))
+        slo = np.ascontiguousarray(sec[:, :, :-1].transpose(0, 2, 1))
+        shi = np.ascontiguousarray(sec[:, :, 1:].transpose(0, 2, 1))
+        max_blk = int(np.max(bhi - blo, initial=0))
+        max_sec = int(np.max(shi - slo, initial=0))
+        col_base = slots * max(nb - 1, 0) * max_blk
+        fold_base = col_base + slots * max(a - 1, 0) * max_sec
+        fold_stride = max_blk if fold_blocks else max_sec
+        return cls(
+            k=k,
+            blo=blo,
+            bhi=bhi,
+            slo=slo,
+            shi=shi,
+            slots=slots,
+            row_base=0,
+            row_stride=max_blk,
+            col_base=col_base,
+            col_stride=max_sec,
+            fold_base=fold_base,
+            fold_stride=fold_stride,
+            scratch_end=fold_base + slots * fold_regions * fold_stride,
+        )
 
-    # -- helpers -----------------------------------------------------------------------
-    def _paced(self, rank: int, direction: str, ids: np.ndarray) -> None:
-        self.b.stream(ids, self.lookahead, self.streams.setdefault((rank, direction), []))
 
-    def closer_of(self, L: int) -> int | None:
-        if self.m == 0 or self.pattern == "fold":
-            return None
-        return L % self.m
+# Channels (reduce-scatter, all-gather) per phase.
+_CH = {"row": (_C_ROW_RS, _C_ROW_AG), "col": (_C_COL_RS, _C_COL_AG)}
 
-    def _order(self, u: int) -> np.ndarray:
-        """Owner positions (flattened grid) in the order attached rank ``u`` serves them:
-        rotated so that attached ranks address different owners at any moment."""
-        h = self.a * self.nb
-        start = (u * h) // max(self.m, 1)
-        return (np.arange(h) + start) % h
+
+class _DirectExchange:
+    """The owners' reduce-scatter and all-gather along the rows (``axis=1``) or columns
+    (``axis=0``) of the grid, both *direct*: in slot t every member of a group sends to
+    the member t places on, so no message waits for another's arrival before it can leave
+    (a ring's chain of a-1 hops would wait in every busy NIC queue on its way, and with
+    pipelined segments those queues are full)."""
+
+    def __init__(self, b: ScheduleBuilder, grid: np.ndarray, slots: int) -> None:
+        self.b = b
+        self.grid = grid
+        self.a, self.nb = grid.shape
+        self.slots = slots
+        # Per (phase, segment): the reduces that read its scratch regions, which the
+        # segment that reuses them waits for.
+        self.reads: dict[tuple[str, int], np.ndarray] = {}
 
     def _shifted(self, axis: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Index arrays (rows, cols), shape (n-1, a, nb): for slot t = 1..n-1 and member
@@ -660,7 +663,7 @@ class _Pipeline:
             (c + t) % self.nb, (n - 1, self.a, self.nb)
         )
 
-    def _rs_direct(
+    def reduce_scatter(
         self,
         L: int,
         axis: int,
@@ -673,13 +676,14 @@ class _Pipeline:
         send_deps: Any,
         reduce_after: Any,
     ) -> tuple[np.ndarray, Any]:
-        """Direct reduce-scatter along ``axis`` of the grid: every member ends with the
-        sum over its group of the range it owns (``own_lo``/``own_hi``, by member).
+        """Direct reduce-scatter of segment ``L`` along ``axis``: every member ends with
+        the sum over its group of the range it owns (``own_lo``/``own_hi``, by member).
 
         In slot t member x sends the range member x+t owns; x+t receives it into scratch
-        and adds it to its own range, slots in order (a fixed order: bit-reproducible
-        sums). Returns the sends, shape (n-1, a, nb) by slot and sender, and the last
-        reduce of each member (``reduce_after`` where there is none)."""
+        (``base``, one region of ``stride`` per segment slot and offset) and adds it to
+        its own range, slots in order (a fixed order: bit-reproducible sums). Returns the
+        sends, shape (n-1, a, nb) by slot and sender, and the last reduce of each member
+        (``reduce_after`` where there is none)."""
         b, G = self.b, self.grid
         n = G.shape[axis]
         if n < 2:
@@ -716,7 +720,7 @@ class _Pipeline:
         last = chained[-1]
         return sends, np.where(last >= 0, last, reduce_after)
 
-    def _ag_direct(
+    def all_gather(
         self,
         axis: int,
         own_lo: np.ndarray,
@@ -749,20 +753,118 @@ class _Pipeline:
         )
         return sids, rids
 
-    # -- stages ------------------------------------------------------------------------
-    def fold(self, L: int) -> None:
+
+class _Attached:
+    """The attached ranks' traffic (S2/S3 of the module docstring): raw input to the
+    owners, results back, each attached rank's messages paced per direction.
+
+    A subclass decides who takes what (:class:`_OwnerFold`, :class:`_ColumnFold`) through
+    the pipeline's hooks, each called at one point of a segment's stages: ``send_raw``
+    (built early, so the owners' receives are posted ahead), ``after_rows`` (the owners'
+    row reduce-scatter is done), ``after_columns`` (the column reduce-scatter is done:
+    every owner holds its section's sum over the owners), ``join_parts`` and
+    ``after_join`` (an owner holds its column's block again, after the column
+    all-gather)."""
+
+    def __init__(
+        self,
+        b: ScheduleBuilder,
+        grid: np.ndarray,
+        geo: _Geometry,
+        attached: np.ndarray,
+        *,
+        lag: int,
+        lookahead: int,
+    ) -> None:
+        self.b = b
+        self.grid = grid
+        self.a, self.nb = grid.shape
+        self.geo = geo
+        self.att = attached
+        self.m = attached.size
+        self.lag = lag
+        self.lookahead = lookahead
+        self.streams: dict[tuple[int, str], list[int]] = {}
+        self.reads: dict[int, np.ndarray] = {}  # per segment, the reduces of raw input
+        self.returns: dict[int, np.ndarray] = {}  # per segment, results sent back
+        self.raw: dict[int, np.ndarray] = {}  # per segment, the raw sends
+        self.fold_recv: dict[int, np.ndarray] = {}  # per segment, their receives
+
+    def _paced(self, rank: int, direction: str, ids: np.ndarray) -> None:
+        """At most ``lookahead`` of ``rank``'s messages in flight in ``direction``."""
+        self.b.stream(ids, self.lookahead, self.streams.setdefault((rank, direction), []))
+
+    def _done(self, u: int, L: int) -> Any:
+        """What attached rank ``u``'s raw sends of a later segment wait for: its results
+        of segment ``L``, position by position in its order."""
+        got = self.returns.get(L)
+        if L < 0 or got is None:
+            return -1
+        return [self._mine(got[u], u)]
+
+    def _mine(self, by_owner: np.ndarray, u: int) -> np.ndarray:
+        """``by_owner`` (one attached rank's row of an array) in ``u``'s order."""
+        raise NotImplementedError
+
+    def send_raw(self, L: int) -> None:
+        """The raw input of segment L into the owners' scratch."""
+        raise NotImplementedError
+
+    def after_rows(self, L: int, partial: Any) -> Any:
+        """Owners' work on segment L after the row reduce-scatter; returns each owner's
+        last operation on its block (``partial`` where there is none)."""
+        return partial
+
+    def after_columns(self, L: int, final: np.ndarray) -> np.ndarray:
+        """Work on segment L after the column reduce-scatter; returns each owner's
+        operation after which its section holds the global sum (``final`` if none)."""
+        return final
+
+    def join_parts(self, L: int) -> np.ndarray | None:
+        """Operations of segment L the owners' row all-gather must also wait for."""
+        return None
+
+    def after_join(self, L: int, ready: Any) -> None:
+        """Work on segment L once each owner holds its column's block (``ready``)."""
+        return None
+
+
+class _OwnerFold(_Attached):
+    """A section into every owner: each attached rank sends every owner its raw section
+    (*folds*), the owner adds it after the column reduce-scatter and returns the finished
+    section; with ``pattern="closer"`` one attached rank per segment *closes* instead
+    (the owners send it their partial sums, it adds its input and sends the global sums
+    back)."""
+
+    def __init__(self, *args: Any, pattern: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pattern = pattern
+        self.ret_sends: dict[int, np.ndarray] = {}  # per segment, (m, a, nb) by owner
+
+    def closer_of(self, L: int) -> int | None:
+        """The attached rank (index) that closes segment L, or None."""
+        if self.m == 0 or self.pattern == "fold":
+            return None
+        return L % self.m
+
+    def _order(self, u: int) -> np.ndarray:
+        """Owner positions (flattened grid) in the order attached rank ``u`` serves them:
+        rotated so that attached ranks address different owners at any moment."""
+        h = self.a * self.nb
+        start = (u * h) // max(self.m, 1)
+        return (np.arange(h) + start) % h
+
+    def _mine(self, by_owner: np.ndarray, u: int) -> np.ndarray:
+        return by_owner.ravel()[self._order(u)]
+
+    def send_raw(self, L: int) -> None:
         """Raw sections of segment L from every folding attached rank into the owners'
-        scratch (built early, so the owners' receives are posted ahead)."""
-        if L < 0 or L >= self.k or self.m == 0:
-            return
-        if self.colfold:
-            self._fold_columns(L)
-            return
-        b = self.b
+        scratch."""
+        b, geo = self.b, self.geo
         closer = self.closer_of(L)
-        slo, shi = self.slo[L].ravel(), self.shi[L].ravel()
-        slot = L % self.slots
-        old = self.reads.get(("fold", L - self.slots))
+        slo, shi = geo.slo[L].ravel(), geo.shi[L].ravel()
+        slot = L % geo.slots
+        old = self.reads.get(L - geo.slots)
         raw = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
         rec = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
         for u in range(self.m):
@@ -772,8 +874,8 @@ class _Pipeline:
             order = self._order(u)
             g = self.grid.ravel()[order]
             lo, hi = slo[order], shi[order]
-            off = self.fold_base + (slot * self.m + u) * self.fold_stride
-            sids = b.send(s, g, lo, hi, chan=_C_FOLD, deps=self._done_attached(u, L - self.lag))
+            off = geo.fold_base + (slot * self.m + u) * geo.fold_stride
+            sids = b.send(s, g, lo, hi, chan=_C_FOLD, deps=self._done(u, L - self.lag))
             rids = b.recv(
                 g,
                 s,
@@ -789,19 +891,105 @@ class _Pipeline:
         self.raw[L] = raw
         self.fold_recv[L] = rec
 
-    def _done_attached(self, u: int, L: int) -> Any:
-        """What attached rank ``u``'s raw sends of a later segment wait for: its results
-        of segment ``L``, position by position in its order."""
-        got = self.returns.get(L)
-        if L < 0 or got is None:
-            return -1
-        if self.colfold:
-            return [got[u][self._columns(u)]]
-        return [got[u].ravel()[self._order(u)]]
+    def after_columns(self, L: int, final: np.ndarray) -> np.ndarray:
+        """The owners add the raw sections, the closer closes, the folding ranks get
+        their results; returns each owner's operation after which it holds the global
+        sum of its section."""
+        final = self._add_raw(L, final)
+        rets = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
+        final = self._close(L, final, rets)
+        self._return(L, final, rets)
+        return final
 
-    # -- the column fold (several rows) ----------------------------------------------------
+    def _add_raw(self, L: int, final: np.ndarray) -> np.ndarray:
+        """S2/S3 fold: the owners add the raw sections in scratch, in attached-rank order
+        (a fixed order: bit-reproducible sums)."""
+        geo = self.geo
+        rec = self.fold_recv.pop(L, None)
+        reads = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
+        if rec is not None:
+            for u in range(self.m):
+                if (rec[u] < 0).all():
+                    continue
+                off = geo.fold_base + ((L % geo.slots) * self.m + u) * geo.fold_stride
+                red = self.b.reduce(
+                    self.grid, geo.slo[L], geo.shi[L], off, sbuf=1, deps=[rec[u], final]
+                )
+                final = np.where(red >= 0, red, final)
+                reads[u] = red
+        self.reads[L] = reads
+        return final
+
+    def _close(self, L: int, final: np.ndarray, rets: np.ndarray) -> np.ndarray:
+        """S2/S3 close: the owner sends the partial, the closer adds its input and
+        returns it (its receives recorded in ``rets``)."""
+        closer = self.closer_of(L)
+        if closer is None:
+            return final
+        b, geo = self.b, self.geo
+        s = int(self.att[closer])
+        order = self._order(closer)
+        g = self.grid.ravel()[order]
+        lo, hi = geo.slo[L].ravel()[order], geo.shi[L].ravel()[order]
+        fin = final.ravel()[order]
+        up_s, up_r = b.transfer(g, s, lo, hi, chan=_C_CLOSE, reduce=True, send_deps=fin)
+        dn_s, dn_r = b.transfer(s, g, lo, hi, chan=_C_CLOSE, send_deps=up_r, recv_deps=up_s)
+        self._paced(s, "recv", up_r)
+        self._paced(s, "send", dn_s)
+        final.ravel()[order] = np.where(dn_r >= 0, dn_r, fin)
+        rets[closer].ravel()[order] = dn_s
+        return final
+
+    def _return(self, L: int, final: np.ndarray, rets: np.ndarray) -> None:
+        """Returns to the folding ranks: each owner sends its finished section, which
+        overwrites the raw section once that has left."""
+        geo = self.geo
+        closer = self.closer_of(L)
+        raw = self.raw.pop(L, None)
+        ret_sends = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
+        for u in range(self.m):
+            if u == closer or raw is None:
+                continue
+            s = int(self.att[u])
+            order = self._order(u)
+            sids, rids = self.b.transfer(
+                self.grid.ravel()[order],
+                s,
+                geo.slo[L].ravel()[order],
+                geo.shi[L].ravel()[order],
+                chan=_C_RET,
+                send_deps=final.ravel()[order],
+                recv_deps=raw[u].ravel()[order],
+            )
+            self._paced(s, "recv", rids)
+            rets[u].ravel()[order] = rids
+            ret_sends[u].ravel()[order] = sids
+        self.returns[L] = rets
+        self.ret_sends[L] = ret_sends
+        self.returns.pop(L - self.lag - 1, None)
+
+    def join_parts(self, L: int) -> np.ndarray | None:
+        """The returns' sends of segment L: they read the section the column all-gather
+        is about to pass on, so the row all-gather waits for them too."""
+        return self.ret_sends.pop(L, None)
+
+
+class _ColumnFold(_Attached):
+    """A column block into one owner per column (:func:`column_fold`): attached rank u
+    sends column c's block to one owner of the column (:meth:`_row_of`), which adds it
+    to its row-reduced partial before the column reduce-scatter spreads it over the
+    column, and returns the finished block once the column all-gather gave it back. An
+    attached rank then sends one message per column instead of one per owner (``a`` times
+    fewer operations: at p = 1024 with half the ranks attached that is what bounded the
+    segments), and an owner still takes about ``m`` sections' worth per segment."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.per_owner = -(-self.m // self.a)  # attached ranks an owner serves
+
     def _columns(self, u: int) -> np.ndarray:
-        """Columns in the order attached rank ``u`` serves them (rotated, as ``_order``)."""
+        """Columns in the order attached rank ``u`` serves them (rotated, so that
+        attached ranks address different columns at any moment)."""
         return (np.arange(self.nb) + (u * self.nb) // max(self.m, 1)) % self.nb
 
     def _row_of(self, u: int, cols: np.ndarray, L: int) -> np.ndarray:
@@ -812,33 +1000,26 @@ class _Pipeline:
         row, ``u // a`` its slot."""
         return (u + cols + L) % self.a
 
-    def _fold_columns(self, L: int) -> None:
-        """Raw blocks of segment L: attached rank u sends column c's block to one owner of
-        the column (``_row_of``), which adds it to its row-reduced partial before the
-        column reduce-scatter spreads it over the column. An attached rank then sends one
-        message per column instead of one per owner (``a`` times fewer operations: at
-        p = 1024 with half the ranks attached that is what bounded the segments), and an
-        owner still takes about ``m`` sections' worth per segment."""
-        b = self.b
-        slot = L % self.slots
-        old = self.reads.get(("fold", L - self.slots))
+    def _mine(self, by_owner: np.ndarray, u: int) -> np.ndarray:
+        return by_owner[self._columns(u)]
+
+    def send_raw(self, L: int) -> None:
+        """Raw blocks of segment L, each into its owner's scratch slot ``u // a``."""
+        b, geo = self.b, self.geo
+        slot = L % geo.slots
+        old = self.reads.get(L - geo.slots)
         raw = np.full((self.m, self.nb), -1, dtype=np.int64)
         rec = np.full((self.per_owner, self.a, self.nb), -1, dtype=np.int64)
-        blo, bhi = self.blo[L][0], self.bhi[L][0]
+        blo, bhi = geo.blo[L][0], geo.bhi[L][0]
         for u in range(self.m):
             s = int(self.att[u])
             cols = self._columns(u)
             rows = self._row_of(u, cols, L)
             j = u // self.a
-            off = self.fold_base + (slot * self.per_owner + j) * self.fold_stride
+            off = geo.fold_base + (slot * self.per_owner + j) * geo.fold_stride
             lo, hi = blo[cols], bhi[cols]
             sids = b.send(
-                s,
-                self.grid[rows, cols],
-                lo,
-                hi,
-                chan=_C_FOLD,
-                deps=self._done_attached(u, L - self.lag),
+                s, self.grid[rows, cols], lo, hi, chan=_C_FOLD, deps=self._done(u, L - self.lag)
             )
             rids = b.recv(
                 self.grid[rows, cols],
@@ -855,34 +1036,36 @@ class _Pipeline:
         self.raw[L] = raw
         self.fold_recv[L] = rec
 
-    def _add_columns(self, L: int, partial: np.ndarray) -> np.ndarray:
+    def after_rows(self, L: int, partial: Any) -> np.ndarray:
         """The owners add the raw blocks of segment L to their row-reduced partials, slot by
         slot (a fixed order); returns each owner's last operation on its block."""
+        geo = self.geo
         rec = self.fold_recv.pop(L, None)
         reads = np.full((self.per_owner, self.a, self.nb), -1, dtype=np.int64)
         cur = np.broadcast_to(np.asarray(partial, dtype=np.int64), self.grid.shape).copy()
         if rec is not None:
-            blo, bhi = self.blo[L], self.bhi[L]
+            blo, bhi = geo.blo[L], geo.bhi[L]
             for j in range(self.per_owner):
                 got = rec[j] >= 0
                 if not got.any():
                     continue
-                off = self.fold_base + ((L % self.slots) * self.per_owner + j) * self.fold_stride
+                off = geo.fold_base + ((L % geo.slots) * self.per_owner + j) * geo.fold_stride
                 red = self.b.reduce(
                     self.grid[got], blo[got], bhi[got], off, sbuf=1, deps=[rec[j][got], cur[got]]
                 )
                 cur[got] = red
                 reads[j][got] = red
-        self.reads[("fold", L)] = reads
+        self.reads[L] = reads
         return cur
 
-    def _return_columns(self, L: int, ready: np.ndarray) -> None:
+    def after_join(self, L: int, ready: Any) -> None:
         """Each finished block back to the attached ranks that folded into its owner, once
         the owner holds the whole block (``ready``, by owner)."""
+        geo = self.geo
         raw = self.raw.pop(L, None)
         rets = np.full((self.m, self.nb), -1, dtype=np.int64)
         if raw is not None:
-            blo, bhi = self.blo[L][0], self.bhi[L][0]
+            blo, bhi = geo.blo[L][0], geo.bhi[L][0]
             for u in range(self.m):
                 s = int(self.att[u])
                 cols = self._columns(u)
@@ -901,117 +1084,145 @@ class _Pipeline:
         self.returns[L] = rets
         self.returns.pop(L - self.lag - 1, None)
 
+
+class _Pipeline:
+    """Builds OptCC's segments into a :class:`ScheduleBuilder` (see the module docstring):
+    per segment the owners' reduce-scatter (:meth:`front`), the attached ranks' traffic
+    (:class:`_Attached`) and the all-gather (:meth:`back`), pipelined by :meth:`run`.
+
+    Per segment, per owner: a *final* operation after which it holds the complete sum of
+    its section; per attached rank: the receives that finish its segment. These are what
+    the pipelining waits for.
+    """
+
+    def __init__(
+        self,
+        b: ScheduleBuilder,
+        plan: OptccPlan,
+        grid: np.ndarray,
+        col_share: np.ndarray,
+        seg: np.ndarray,
+        *,
+        pattern: str,
+        depth: int,
+        lag: int,
+        lookahead: int,
+        row_lag: int = 0,
+        ag_lag: int = 0,
+    ) -> None:
+        self.b = b
+        self.grid = grid  # (a, nb) ranks
+        self.a, self.nb = grid.shape
+        att = np.asarray(plan.attached, dtype=np.int64)
+        self.depth = depth
+        self.row_lag = row_lag
+        self.ag_lag = ag_lag
+        slots = depth + lag + 3  # segments whose scratch may be in use at once
+        # With several rows an attached rank folds a whole column block into one owner of
+        # the column (column_fold); otherwise one section into every owner.
+        colfold = column_fold(self.a, pattern, att.size, self.nb)
+        per_owner = -(-att.size // self.a)
+        self.geo = _Geometry.of(
+            grid,
+            col_share,
+            seg,
+            slots=slots,
+            fold_regions=per_owner if colfold else att.size,
+            fold_blocks=colfold,
+        )
+        self.k = self.geo.k
+        self.scratch_end = self.geo.scratch_end
+        self.exchange = _DirectExchange(b, grid, slots)
+        self.attached: _Attached
+        if colfold:
+            self.attached = _ColumnFold(b, grid, self.geo, att, lag=lag, lookahead=lookahead)
+        else:
+            self.attached = _OwnerFold(
+                b, grid, self.geo, att, lag=lag, lookahead=lookahead, pattern=pattern
+            )
+        self.final: dict[int, np.ndarray] = {}
+        self.rs_row: dict[int, list[np.ndarray]] = {}
+        self.rs_col: dict[int, list[np.ndarray]] = {}
+        self.done_owner: dict[int, np.ndarray] = {}
+        self.row_done: dict[int, np.ndarray] = {}
+
+    def run(self) -> None:
+        """Every segment's stages, staggered. Operation ids, and with them each rank's
+        program order, follow the order the stages are built: segment L's raw input comes
+        one step before its reduce-scatter (the owners' receives are posted ahead), and
+        its all-gather ``1 + ag_lag`` steps after it, behind the reduce-scatters of the
+        next segments that the attached ranks wait for."""
+        for tau in range(self.k + 2 + self.ag_lag):
+            self.fold(tau)
+            self.front(tau - 1)
+            self.back(tau - 2 - self.ag_lag)
+
+    def fold(self, L: int) -> None:
+        """The attached ranks' raw input of segment L into the owners' scratch (built
+        early, so the owners' receives are posted ahead)."""
+        if L < 0 or L >= self.k or self.attached.m == 0:
+            return
+        self.attached.send_raw(L)
+
     def front(self, L: int) -> None:
-        """Reduce-scatter of segment L, the attached ranks' folds or close, returns."""
+        """Reduce-scatter of segment L (S1), with the attached ranks' folds or close and
+        the returns where the attached ranks' pattern puts them."""
         if L < 0 or L >= self.k:
             return
-        b, G = self.b, self.grid
+        geo, G = self.geo, self.grid
+        # An owner starts segment L once it holds the result of segment L - depth (and,
+        # with row_lag, once its row reduce-scatter of segment L - row_lag is done).
         throttle: Any = self.done_owner.get(L - self.depth, -1)
         if self.row_lag and (L - self.row_lag) in self.row_done:
             throttle = [throttle, self.row_done[L - self.row_lag]]
-        blo, bhi, slo, shi = self.blo[L], self.bhi[L], self.slo[L], self.shi[L]
         # S1: along rows, each owner ends with its column's block; along columns, with
         # its section of that block.
-        self.rs_row[L], row_last = self._rs_direct(
+        self.rs_row[L], row_last = self.exchange.reduce_scatter(
             L,
             1,
-            blo,
-            bhi,
+            geo.blo[L],
+            geo.bhi[L],
             name="row",
-            base=self.row_base,
-            stride=self.row_stride,
+            base=geo.row_base,
+            stride=geo.row_stride,
             send_deps=throttle,
             reduce_after=-1,
         )
         self.row_done[L] = np.broadcast_to(np.asarray(row_last, dtype=np.int64), G.shape)
         self.row_done.pop(L - self.row_lag - 1, None)
-        if self.colfold:
-            row_last = self._add_columns(L, row_last)
-        self.rs_col[L], final = self._rs_direct(
+        row_last = self.attached.after_rows(L, row_last)
+        self.rs_col[L], final = self.exchange.reduce_scatter(
             L,
             0,
-            slo,
-            shi,
+            geo.slo[L],
+            geo.shi[L],
             name="col",
-            base=self.col_base,
-            stride=self.col_stride,
+            base=geo.col_base,
+            stride=geo.col_stride,
             send_deps=[row_last, throttle],
             reduce_after=row_last,
         )
         final = np.broadcast_to(np.asarray(final, dtype=np.int64), G.shape).copy()
-        if self.colfold:
-            self.final[L] = final
-            self.done_owner[L] = final
-            self.done_owner.pop(L - self.depth - self.ag_lag - 2, None)
-            return
-        # S2/S3 fold: the owners add the raw sections in scratch, in attached-rank order.
-        rec = self.fold_recv.pop(L, None)
-        reads = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
-        if rec is not None:
-            for u in range(self.m):
-                if (rec[u] < 0).all():
-                    continue
-                off = self.fold_base + ((L % self.slots) * self.m + u) * self.fold_stride
-                red = b.reduce(G, slo, shi, off, sbuf=1, deps=[rec[u], final])
-                final = np.where(red >= 0, red, final)
-                reads[u] = red
-        self.reads[("fold", L)] = reads
-        rets = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
-        # S2/S3 close: the owner sends the partial, the closer adds its input, returns it.
-        closer = self.closer_of(L)
-        if closer is not None:
-            s = int(self.att[closer])
-            order = self._order(closer)
-            g = G.ravel()[order]
-            lo, hi = slo.ravel()[order], shi.ravel()[order]
-            fin = final.ravel()[order]
-            up_s, up_r = b.transfer(g, s, lo, hi, chan=_C_CLOSE, reduce=True, send_deps=fin)
-            dn_s, dn_r = b.transfer(s, g, lo, hi, chan=_C_CLOSE, send_deps=up_r, recv_deps=up_s)
-            self._paced(s, "recv", up_r)
-            self._paced(s, "send", dn_s)
-            final.ravel()[order] = np.where(dn_r >= 0, dn_r, fin)
-            rets[closer].ravel()[order] = dn_s
-        # Returns to the folding ranks: each owner sends its finished section.
-        raw = self.raw.pop(L, None)
-        ret_sends = np.full((self.m, self.a, self.nb), -1, dtype=np.int64)
-        for u in range(self.m):
-            if u == closer or raw is None:
-                continue
-            s = int(self.att[u])
-            order = self._order(u)
-            sids, rids = b.transfer(
-                G.ravel()[order],
-                s,
-                slo.ravel()[order],
-                shi.ravel()[order],
-                chan=_C_RET,
-                send_deps=final.ravel()[order],
-                recv_deps=raw[u].ravel()[order],
-            )
-            self._paced(s, "recv", rids)
-            rets[u].ravel()[order] = rids
-            ret_sends[u].ravel()[order] = sids
-        self.returns[L] = rets
-        self.ret_sends[L] = ret_sends
-        self.returns.pop(L - self.lag - 1, None)
+        final = self.attached.after_columns(L, final)
         self.final[L] = final
         self.done_owner[L] = final
         self.done_owner.pop(L - self.depth - self.ag_lag - 2, None)
 
     def back(self, L: int) -> None:
-        """All-gather of segment L: along each column, then along each row."""
+        """All-gather of segment L (S4): along each column, then along each row."""
         if L < 0 or L >= self.k:
             return
+        geo = self.geo
         final: Any = self.final.pop(L)
         if self.ag_lag:
             # Defer the all-gather until this owner finished the reduce-scatter of a
             # later segment: reduce-scatters (which the attached ranks wait for) go first.
             later = self.done_owner.get(min(L + self.ag_lag, self.k - 1))
             final = [final, later if later is not None else -1]
-        sent, got = self._ag_direct(
+        sent, got = self.exchange.all_gather(
             0,
-            self.slo[L],
-            self.shi[L],
+            geo.slo[L],
+            geo.shi[L],
             name="col",
             send_deps=final,
             rs_sends=self.rs_col.pop(L),
@@ -1021,28 +1232,23 @@ class _Pipeline:
         # all-gather (its receives and sends) and the returns (their reads), so each row
         # send waits for one operation instead of a of them.
         deps: Any = final
-        ret_sends = self.ret_sends.pop(L, None)
+        ret_sends = self.attached.join_parts(L)
         if self.a > 1:
-            blo, bhi = self.blo[L], self.bhi[L]
+            blo, bhi = geo.blo[L], geo.bhi[L]
             parts: list[Any] = [final, *sent]
             parts += [np.roll(got[t - 1], t, axis=0) for t in range(1, self.a)]
             if ret_sends is not None:
                 parts += list(ret_sends)
             deps = self.b.copy(self.grid, blo, np.minimum(blo + 1, bhi), blo, deps=parts)
-        if self.colfold:
-            self._return_columns(L, deps)
-        self._ag_direct(
+        self.attached.after_join(L, deps)
+        self.exchange.all_gather(
             1,
-            self.blo[L],
-            self.bhi[L],
+            geo.blo[L],
+            geo.bhi[L],
             name="row",
             send_deps=deps,
             rs_sends=self.rs_row.pop(L),
         )
-
-
-# Channels (reduce-scatter, all-gather) per phase.
-_CH = {"row": (_C_ROW_RS, _C_ROW_AG), "col": (_C_COL_RS, _C_COL_AG)}
 
 
 @register(
@@ -1116,19 +1322,9 @@ def optcc(
     a, nb = _grid_shape(plan, grid)
     m = len(plan.attached)
     pat = "fold" if pattern == "auto" else pattern
-    floor = section_floor(transport)
-    kk = (
-        k
-        if k is not None
-        else choose_segments(count * itemsize, plan, a, section_bytes=floor, pattern=pat)
+    kk, ramp = _segments(
+        count * itemsize, plan, a, k=k, ramp=ramp, transport=transport, pattern=pat
     )
-    kk = max(1, int(kk))
-    if ramp is None:
-        # A transport with a fixed cost per message holds the ramp's smallest sections
-        # back (auto_ramp).
-        costly = transport is not None and floor > SECTION_BYTES
-        ramp = auto_ramp(kk, RAMP_MAX_NETWORK if costly else 8)
-    ramp = int(ramp)
     check_size("optcc", kk * _ops_per_segment(p, a, nb, m, pat) + 1, p=p, k=kk)
     params = dict(
         weights=plan.weights,
@@ -1161,8 +1357,33 @@ def optcc(
         ag_lag=ag_lag,
     )
     b.scratch = pipe.scratch_end
-    for tau in range(kk + 2 + ag_lag):
-        pipe.fold(tau)
-        pipe.front(tau - 1)
-        pipe.back(tau - 2 - ag_lag)
+    pipe.run()
     return b.build()
+
+
+def _segments(
+    nbytes: int,
+    plan: OptccPlan,
+    a: int,
+    *,
+    k: int | None,
+    ramp: int | None,
+    transport: str | Transport | None,
+    pattern: str,
+) -> tuple[int, int]:
+    """Segments and ramp segments of a buffer of ``nbytes``: ``k`` and ``ramp`` where
+    given, otherwise :func:`choose_segments` with the section floor of ``transport``
+    (:func:`section_floor`) and :func:`auto_ramp`."""
+    floor = section_floor(transport)
+    kk = (
+        k
+        if k is not None
+        else choose_segments(nbytes, plan, a, section_bytes=floor, pattern=pattern)
+    )
+    kk = max(1, int(kk))
+    if ramp is None:
+        # A transport with a fixed cost per message holds the ramp's smallest sections
+        # back (auto_ramp).
+        costly = transport is not None and floor > SECTION_BYTES
+        ramp = auto_ramp(kk, RAMP_MAX_NETWORK if costly else 8)
+    return kk, int(ramp)

@@ -36,6 +36,7 @@ finished chunks. Each degraded NIC then carries its tail once each way, as in R2
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -247,6 +248,93 @@ def r2ccl(
     else:
         transport_of(transport)  # the same error for an unknown transport
     links = links if links is not None else Links()
+    cut = _cut(
+        p,
+        count,
+        links,
+        itemsize=itemsize,
+        chunks=chunks,
+        chunk_bytes=chunk_bytes,
+        schedule=schedule,
+    )
+    b = ScheduleBuilder(
+        p,
+        count,
+        "r2ccl",
+        window=window,
+        tail=cut.tail,
+        chunks=chunks,
+        schedule=cut.schedule,
+        broadcast="ring" if cut.ring else "trees",
+        rounds=cut.per,
+    )
+    # 2. The main part: a ring AllReduce over all ranks.
+    add_ring_allreduce(b, range(p), 0, cut.main_hi, chunks=cut.main_chunks, chan=0)
+    main_end = b.next_id
+    if cut.tail == 0:
+        return b.build()
+    main = _Main(end=main_end, done=b.sinks(0))
+    # 3. The tail: (a) the healthy ranks' reduce-scatter, (b) the degraded ranks' raw
+    # chunks into the helpers, (c) the finished chunks back to everyone.
+    chunk = _TailChunks.of(cut, count)
+    join = _healthy_reduce_scatter(b, cut, chunk, links)
+    raw = _reduce_raw(b, cut, chunk, join)
+    _release_raw(b, cut, raw, main, window)
+    _broadcast_finished(b, cut, chunk, raw, join)
+    return b.build()
+
+
+# ------------------------------------------------------------------ the builder's phases
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """How one call is cut (what :func:`_cut` decides)."""
+
+    healthy: list[int]
+    """Ranks at the top rate: the helpers of the tail."""
+    degraded: list[int]
+    f: np.ndarray
+    """Per-rank rates (:meth:`Links.vector`)."""
+    loss: float
+    """X, the bandwidth lost at the worst rank, relative to the top rate."""
+    tail: int
+    """Elements of the tail ``[main_hi, count)``; 0 without a degraded rank."""
+    main_hi: int
+    main_chunks: int
+    """Chunks per section of the main ring."""
+    schedule: int
+    """The raw tail's overlap schedule, 0, 1 or 2 (the default resolved)."""
+    rs_chunks: int
+    """Messages per helper's section in the healthy ranks' reduce-scatter of the tail."""
+    per: int
+    """Chunks of the tail per helper (the rounds of the healthy ranks' broadcast ring)."""
+    ring: bool
+    """Whether the healthy ranks get the finished tail round a ring (else binomial trees)."""
+
+    @property
+    def h(self) -> int:
+        return len(self.healthy)
+
+    @property
+    def m(self) -> int:
+        return len(self.degraded)
+
+
+def _cut(
+    p: int,
+    count: int,
+    links: Links,
+    *,
+    itemsize: int,
+    chunks: int,
+    chunk_bytes: int,
+    schedule: int | None,
+) -> _Cut:
+    """Decide the sizes: the tail's share (step 1 of the module docstring), the main
+    ring's chunks, the overlap schedule, how finely the tail is cut, and whether the
+    finished tail goes round the healthy ranks' ring or down trees. Refuses a schedule
+    beyond the operation budget (:func:`optcc_mpi.schedule.check_size`)."""
     f = links.vector(p)
     degraded = [r for r in range(p) if f[r] < f.max()]
     healthy = [r for r in range(p) if f[r] == f.max()]
@@ -261,15 +349,27 @@ def r2ccl(
     # chunk_bytes each.
     rs_chunks = max(1, -(-tail * itemsize // max(1, h * chunk_bytes)))
     # Chunks per helper: K at least, and messages of at most chunk_bytes. The degraded
-    # ranks start one chunk apart (below), so the broadcast of the first chunk starts m
-    # chunks late: 16 m chunks keep that within the model's 1/K = 1/16.
+    # ranks start one chunk apart (_reduce_raw), so the broadcast of the first chunk starts
+    # m chunks late: 16 m chunks keep that within the model's 1/K = 1/16.
     per = max(-(-max(chunks, 16 * m) // max(h, 1)), rs_chunks)
+    per, ring = _broadcast_rounds(f, h, m, rs_chunks, per)
+    check_size("r2ccl", 4 * p * p * main_chunks + _tail_ops(h, m, rs_chunks, per), p=p, degraded=m)
+    return _Cut(
+        healthy, degraded, f, loss, tail, main_hi, main_chunks, schedule, rs_chunks, per, ring
+    )
 
-    def tail_ops(per: int) -> int:
-        # the tail's reduce-scatter and broadcast among the healthy ranks; raw and
-        # finished chunks to and from the degraded ranks (with slack); joins
-        return 2 * h * h * (rs_chunks + per) + 6 * m * h * per + h
 
+def _tail_ops(h: int, m: int, rs_chunks: int, per: int) -> int:
+    """Operations of the tail with ``per`` chunks per helper (an upper estimate)."""
+    # the tail's reduce-scatter and broadcast among the healthy ranks; raw and finished
+    # chunks to and from the degraded ranks (with slack); joins
+    return 2 * h * h * (rs_chunks + per) + 6 * m * h * per + h
+
+
+def _broadcast_rounds(f: np.ndarray, h: int, m: int, rs_chunks: int, per: int) -> tuple[int, bool]:
+    """Chunks per helper, raised to :data:`RING_ROUNDS` ``fmin / fmax`` where the budget
+    allows, and whether the healthy ranks get the finished tail round their ring (else
+    along binomial trees)."""
     # The healthy ranks get the finished tail round their ring in rounds of h chunks. The
     # last round leaves when the degraded ranks are done and takes about tail / per at
     # the healthy rate, against the model's T3 = tail / fmin: with per >= RING_ROUNDS
@@ -280,123 +380,179 @@ def r2ccl(
     # it allows fewer than half of them (beyond p = 1024), binomial trees: log2(h) hops
     # instead of h - 1, but they load the helpers the degraded ranks wait on.
     want = max(per, math.ceil(RING_ROUNDS * float(f.min() / f.max())))
-    # the most rounds with tail_ops(rounds) <= MAX_AUTO_OPS
+    # the most rounds with _tail_ops(rounds) <= MAX_AUTO_OPS
     fit = (MAX_AUTO_OPS - h - 2 * h * h * rs_chunks) // (2 * h * h + 6 * m * h)
     ring = 2 * max(per, fit) >= want
     per = max(per, min(want, fit)) if ring else per
-    check_size("r2ccl", 4 * p * p * main_chunks + tail_ops(per), p=p, degraded=m)
-    b = ScheduleBuilder(
-        p,
-        count,
-        "r2ccl",
-        window=window,
-        tail=tail,
-        chunks=chunks,
-        schedule=schedule,
-        broadcast="ring" if ring else "trees",
-        rounds=per,
-    )
-    add_ring_allreduce(b, range(p), 0, main_hi, chunks=main_chunks, chan=0)
-    main_end = b.next_id
-    if tail == 0:
-        return b.build()
-    main_done = b.sinks(0)  # what each rank's part of the main AllReduce ends with
+    return per, ring
 
-    H = np.asarray(healthy, dtype=np.int64)
-    D = np.asarray(degraded, dtype=np.int64)
-    # The tail in n_chunks = per * h chunks, numbered in the order the degraded ranks
-    # send them; chunk i's helper is H[i mod h], so consecutive chunks have different
-    # helpers. In the buffer helper j's chunks lie side by side (section j of the tail),
-    # so that the healthy ranks' reduce-scatter moves a section in messages of the ring's
-    # size however many chunks the reduce and broadcast need.
-    n_chunks = per * h
-    cb = split(main_hi, count, n_chunks)
-    i = np.arange(n_chunks)
-    at = (i % h) * per + i // h  # chunk i's place in the tail
-    lo, hi = cb[at], cb[at + 1]
-    helper = H[i % h]
 
-    # (a) The healthy ranks reduce-scatter the tail: each helper ends with the healthy
-    # sum of its own chunks (section j of the ring = the chunks of H[j]). Their
-    # all-gather is the broadcast of the finished chunks below, so the healthy ranks move
-    # the tail's all-gather once, not twice (a whole AllReduce here and the broadcast
-    # again: simulated, p = 16 with 8 ranks at 0.875, that took the healthy ranks to
-    # 2.094 n/B of traffic against 1.984, and R2CCL 5.3% above its model).
+@dataclass(frozen=True)
+class _Main:
+    """The main ring AllReduce, as the raw tail's release waits for it."""
+
+    end: int
+    """The first operation id after it."""
+    done: dict[int, np.ndarray]
+    """Per rank, the operations its part of it ends with."""
+
+
+@dataclass(frozen=True)
+class _TailChunks:
+    """The tail in ``n_chunks = per * h`` chunks, numbered in the order the degraded
+    ranks send them (:meth:`of`)."""
+
+    bounds: np.ndarray
+    """Chunk boundaries in buffer order (``n_chunks + 1``)."""
+    lo: np.ndarray
+    hi: np.ndarray
+    """Chunk i's elements ``[lo[i], hi[i])``."""
+    helper: np.ndarray
+    """Chunk i's helper: the healthy rank that reduces and broadcasts it."""
+
+    @property
+    def n(self) -> int:
+        return int(self.lo.size)
+
+    @classmethod
+    def of(cls, cut: _Cut, count: int) -> _TailChunks:
+        """Chunk i's helper is H[i mod h], so consecutive chunks have different helpers.
+        In the buffer helper j's chunks lie side by side (section j of the tail), so that
+        the healthy ranks' reduce-scatter moves a section in messages of the ring's size
+        however many chunks the reduce and broadcast need."""
+        h, per = cut.h, cut.per
+        n_chunks = per * h
+        cb = split(cut.main_hi, count, n_chunks)
+        i = np.arange(n_chunks)
+        at = (i % h) * per + i // h  # chunk i's place in the tail
+        H = np.asarray(cut.healthy, dtype=np.int64)
+        return cls(cb, cb[at], cb[at + 1], H[i % h])
+
+
+def _healthy_reduce_scatter(
+    b: ScheduleBuilder, cut: _Cut, chunk: _TailChunks, links: Links
+) -> np.ndarray:
+    """(a) The healthy ranks reduce-scatter the tail, paced beside the main ring; returns
+    per healthy rank its *join*: what later writes into its tail wait for."""
+    # Each helper ends with the healthy sum of its own chunks (section j of the ring =
+    # the chunks of H[j]). Their all-gather is the broadcast of the finished chunks
+    # (_broadcast_finished), so the healthy ranks move the tail's all-gather once, not
+    # twice (a whole AllReduce here and the broadcast again: simulated, p = 16 with 8
+    # ranks at 0.875, that took the healthy ranks to 2.094 n/B of traffic against 1.984,
+    # and R2CCL 5.3% above its model).
+    p, count, h, per = b.p, b.count, cut.h, cut.per
+    H = np.asarray(cut.healthy, dtype=np.int64)
     mark = b.next_id
     if h > 1:
-        sec = split(cb[:-1:per], cb[per::per], rs_chunks)  # (h, rs_chunks + 1)
+        cb = chunk.bounds
+        sec = split(cb[:-1:per], cb[per::per], cut.rs_chunks)  # (h, rs_chunks + 1)
         reduce_scatter(b, H, sec[:, :-1], sec[:, 1:], chan=1)
     sinks = b.sinks(mark)
     # Paced to end when the model's healthy AllReduce would (T2, with T1 if later),
     # scaled to the reduce-scatter's half of its traffic.
+    f, tail, loss = cut.f, cut.tail, cut.loss
     t1 = r2ccl_time(p, 1.0, 1.0, links, chunks=None) - tail / max(count, 1) / f.min()
     t2 = 2.0 * (h - 1) / h * (tail / max(count, 1)) / max(loss, 1e-12) if h > 1 else 0.0
     share = min(1.0, 0.5 * t2 / t1) if t1 > 0 else 1.0
-    _pace(b, healthy, (0, mark), (mark, b.next_id), share=share)
+    _pace(b, cut.healthy, (0, mark), (mark, b.next_id), share=share)
     # Per healthy rank, a one-element copy of its tail onto itself that waits for its
-    # reduce-scatter to be done with the tail: what later writes into its tail wait for.
+    # reduce-scatter to be done with the tail.
+    main_hi = cut.main_hi
     join = np.full(h, -1, dtype=np.int64)
-    for j, rank in enumerate(healthy):
+    for j, rank in enumerate(cut.healthy):
         join[j] = b.copy(rank, main_hi, main_hi + 1, main_hi)
         b.depend(join[j], sinks.get(rank, np.zeros(0, np.int64)))
+    return join
 
-    # (b) Reduce. Degraded rank u sends chunk i at step (i + u) mod n (n = n_chunks;
-    # it starts with chunk n - u): at any moment the degraded ranks send different chunks
-    # to different helpers, and chunk i is complete about m steps after it started, so
-    # the broadcast follows the reduce chunk by chunk (R2CCL's pipelining). A helper adds
-    # a chunk's contributions in their order of arrival, which is fixed (bit-reproducible
-    # sums): in round r chunk i comes from degraded rank (start_i + r) mod m, start_i
-    # being n - i for the last m - 1 chunks (some ranks send them first) and 0 otherwise.
-    # Created round by round, each rank's sends come out in its step order; the first
+
+@dataclass(frozen=True)
+class _Raw:
+    """The degraded ranks' raw chunks into the helpers (:func:`_reduce_raw`)."""
+
+    mark: int
+    """The first of their operations."""
+    by_rank: list[np.ndarray]
+    """Per degraded rank, its raw sends in its step order."""
+    of: np.ndarray
+    """(m, n_chunks): degraded rank v's raw send of chunk i."""
+    final: np.ndarray
+    """Per chunk, the operation after which its helper holds the finished chunk."""
+
+
+def _reduce_raw(b: ScheduleBuilder, cut: _Cut, chunk: _TailChunks, join: np.ndarray) -> _Raw:
+    """(b) Every degraded rank sends each raw chunk straight to its helper, which adds the
+    contributions in a fixed order; when they may leave is :func:`_release_raw`'s."""
+    # Degraded rank u sends chunk i at step (i + u) mod n (n = n_chunks; it starts with
+    # chunk n - u): at any moment the degraded ranks send different chunks to different
+    # helpers, and chunk i is complete about m steps after it started, so the broadcast
+    # follows the reduce chunk by chunk (R2CCL's pipelining). A helper adds a chunk's
+    # contributions in their order of arrival, which is fixed (bit-reproducible sums): in
+    # round r chunk i comes from degraded rank (start_i + r) mod m, start_i being n - i
+    # for the last m - 1 chunks (some ranks send them first) and 0 otherwise. Created
+    # round by round, each rank's sends come out in its step order; the first
     # contribution waits until the helper's healthy AllReduce is done with the tail.
+    h, m, n_chunks = cut.h, cut.m, chunk.n
+    D = np.asarray(cut.degraded, dtype=np.int64)
+    i = np.arange(n_chunks)
     start = np.where(i > n_chunks - m, n_chunks - i, 0)
-    raw_mark = b.next_id
-    raw_sends = []
+    mark = b.next_id
+    raw_of = np.full((m, n_chunks), -1, dtype=np.int64)
     by_rank: list[list[np.ndarray]] = [[] for _ in range(m)]
     prev = np.full(n_chunks, -1, dtype=np.int64)
     for r in range(m):
         u = (start + r) % m
-        sids, rids = b.transfer(D[u], helper, lo, hi, chan=2, reduce=True, recv_deps=prev)
+        sids, rids = b.transfer(
+            D[u], chunk.helper, chunk.lo, chunk.hi, chan=2, reduce=True, recv_deps=prev
+        )
         if r == 0:
             b.depend(rids, join[i % h])
         for v in range(m):
             by_rank[v].append(sids[u == v])
-        raw_sends.append(sids)
+        raw_of[u, i] = sids
         prev = np.where(rids >= 0, rids, prev)
-    final = prev  # per chunk: the helper holds the finished chunk
-    if schedule == 2:
+    return _Raw(mark, [np.concatenate(x) for x in by_rank], raw_of, prev)
+
+
+def _release_raw(b: ScheduleBuilder, cut: _Cut, raw: _Raw, main: _Main, window: int) -> None:
+    """When each degraded rank's raw sends leave: in its step order, ``window`` in flight,
+    and per the overlap schedule (``schedule`` of :func:`r2ccl`) paced by or after its
+    part of the main ring."""
+    if cut.schedule == 2:
         # Released in step with each degraded rank's own main-ring sends (ours): all of
         # them by RAW_SPREAD of the way (created round by round, a rank's raw sends are
         # in its step order).
-        _pace(b, degraded, (0, main_end), (raw_mark, b.next_id), share=RAW_SPREAD)
-    for v in range(m):
+        _pace(b, cut.degraded, (0, main.end), (raw.mark, b.next_id), share=RAW_SPREAD)
+    for v, rank in enumerate(cut.degraded):
         # Each degraded rank's sends in its step order, two in flight, starting once its
         # part of the main AllReduce is done (R2CCL's overlap schedule 1: the healthy
         # AllReduce of the tail runs beside the main one, reduce and broadcast after it).
-        mine = np.concatenate(by_rank[v])
+        mine = raw.by_rank[v]
         mine = mine[mine >= 0]
         b.chain(mine, window)
-        if schedule == 1:
-            done = main_done.get(int(D[v]), np.zeros(0, np.int64))
+        if cut.schedule == 1:
+            done = main.done.get(rank, np.zeros(0, np.int64))
             b.depend(mine[:window, None], done[None, :])
 
-    # (c) Broadcast: each helper sends a finished chunk straight to every degraded rank,
-    # which receives the chunks in the order they finish (0, 1, ...: a receive waiting
-    # for a late chunk would hold up the rest of its queue), each once its own raw chunk
-    # has left.
-    raw_of = np.full((m, n_chunks), -1, dtype=np.int64)
-    for r in range(m):
-        raw_of[(start + r) % m, i] = raw_sends[r]
-    for v in range(m):
-        b.transfer(helper, D[v], lo, hi, chan=3, send_deps=final, recv_deps=raw_of[v])
+
+def _broadcast_finished(
+    b: ScheduleBuilder, cut: _Cut, chunk: _TailChunks, raw: _Raw, join: np.ndarray
+) -> None:
+    """(c) Every finished chunk from its helper to every other rank."""
+    # Straight to every degraded rank, which receives the chunks in the order they
+    # finish (0, 1, ...: a receive waiting for a late chunk would hold up the rest of its
+    # queue), each once its own raw chunk has left.
+    for v, rank in enumerate(cut.degraded):
+        b.transfer(
+            chunk.helper, rank, chunk.lo, chunk.hi, chan=3, send_deps=raw.final, recv_deps=raw.of[v]
+        )
     # ... and to the other healthy ranks: along their ring, one round of h chunks after
     # the other in the order they finish (member j owns chunks j, j + h, ...), or, where
     # enough rounds would not fit the budget, along binomial trees.
-    if ring:
-        _ring_broadcast(b, H, lo, hi, final, join, per)
+    H = np.asarray(cut.healthy, dtype=np.int64)
+    if cut.ring:
+        _ring_broadcast(b, H, chunk.lo, chunk.hi, raw.final, join, cut.per)
     else:
-        _tree_broadcast(b, H, lo, hi, final, join)
-    return b.build()
+        _tree_broadcast(b, H, chunk.lo, chunk.hi, raw.final, join)
 
 
 def _ring_broadcast(
