@@ -426,3 +426,32 @@ def test_mpi_divergence_stops_every_rank_together():
     with pytest.raises(DivergenceError, match="10 times its best"):
         est.fit(X, y)
     MPI.COMM_WORLD.Barrier()  # every rank got here: none is left in an AllReduce
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        (np.ones((20, 1)), "one weight per row"),
+        (np.ones(19), "one weight per row"),
+        (-np.ones(20), "negative"),
+        (np.zeros(20), "zero for every row"),
+        (np.full(20, np.nan), "NaN"),
+    ],
+)
+def test_bad_sample_weight_is_refused_before_fitting(weights: np.ndarray, match: str) -> None:
+    """Bad weights raise ValueError with a message naming the problem, and leave the
+    estimator unfitted."""
+    X, y = make_glm_data("logistic", 20, 3, seed=0, dtype="float64")
+    est = CASGDClassifier(epochs=1)
+    with pytest.raises(ValueError, match=match):
+        est.fit(X, y, sample_weight=weights)
+    assert not hasattr(est, "coef_")
+
+
+def test_scalar_sample_weight_is_every_row() -> None:
+    """A number weighs every row alike: the same model as no weights at all (the loss's
+    weighted mean does not change when every weight is scaled)."""
+    X, y = make_glm_data("logistic", 40, 3, seed=1, dtype="float64")
+    a = CASGDClassifier(epochs=2).fit(X, y).coef_
+    b = CASGDClassifier(epochs=2).fit(X, y, sample_weight=2.5).coef_
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-9)

@@ -53,7 +53,7 @@ from mpi4py import MPI
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils.extmath import safe_sparse_dot
 from sklearn.utils.multiclass import check_classification_targets
-from sklearn.utils.validation import _check_sample_weight, check_is_fitted, validate_data
+from sklearn.utils.validation import check_array, check_is_fitted, validate_data
 
 from .. import agreement
 from ..errors import ArgumentError, ArgumentTypeError
@@ -282,7 +282,7 @@ class _BaseGLM(BaseEstimator):
         )
         sw = None
         if sample_weight is not None:
-            sw = _check_sample_weight(sample_weight, X, dtype=np.float64, ensure_non_negative=True)
+            sw = _weights(sample_weight, X.shape[0], non_negative=True)
         targets = self._encode_targets(y, sw)
         if self._model_name() != "logistic":
             get_model(self._model_name()).check_labels(targets)  # a clear error here
@@ -524,8 +524,31 @@ class GLM(RegressorMixin, _BaseGLM):
             raise ArgumentError(f"X has {z.shape[0]} rows but y has {y.shape[0]} values")
         sw = None
         if sample_weight is not None:
-            sw = _check_sample_weight(sample_weight, z[:, None], dtype=np.float64)
+            sw = _weights(sample_weight, z.shape[0])
         return mdl.d2(z, y, sw)
+
+
+def _weights(sample_weight: Any, n_rows: int, *, non_negative: bool = False) -> np.ndarray:
+    """``sample_weight`` as float64 of shape ``(n_rows,)``: a number is given to every row;
+    an array-like is validated by scikit-learn's public ``check_array`` (finite, numeric)
+    and must be one-dimensional with one weight per row. ``non_negative``: refuse a
+    negative weight (the losses are weighted sums that must stay convex).
+
+    Raises ValueError (scikit-learn's convention, which its estimator checks expect)."""
+    if isinstance(sample_weight, numbers.Number):
+        sample_weight = np.full(n_rows, float(sample_weight))
+    sw = check_array(
+        sample_weight, ensure_2d=False, dtype=np.float64, order="C", input_name="sample_weight"
+    )
+    if sw.ndim != 1 or sw.shape[0] != n_rows:
+        raise ArgumentError(
+            f"sample_weight has shape {sw.shape}; expected one weight per row, shape ({n_rows},)"
+        )
+    if non_negative and bool((sw < 0).any()):
+        raise ArgumentError(f"sample_weight has {int((sw < 0).sum())} negative value(s)")
+    if n_rows and not bool(sw.any()):
+        raise ArgumentError("sample_weight is zero for every row: nothing to fit or score")
+    return sw
 
 
 class CASGDRegressor(GLM):
