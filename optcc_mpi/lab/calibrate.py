@@ -28,7 +28,6 @@ follows from it) and to its cost model (``algorithms.get("ring").time(..., trans
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ from optcc_mpi.argtypes import int_at_least, positive_size_arg
 from optcc_mpi.backend import NumpyBackend
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import execute
+from optcc_mpi.lab.tools import append_rows, tool_main
 from optcc_mpi.schedule import ScheduleBuilder, split
 
 __all__ = ["measure", "add_arguments", "run_args", "main", "SUMMARY"]
@@ -219,23 +219,13 @@ def run_args(args: argparse.Namespace) -> int:
                 "p": comm.Get_size(),
                 **how,
             }
-            with open(args.json, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_rows(args.json, [row])
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m optcc_mpi.lab.calibrate``: the same as ``optcc-mpi lab calibrate``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.calibrate",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_args(args)
-    except ArgumentError as exc:
-        parser.error(str(exc))
+    return tool_main("optcc_mpi.lab.calibrate", add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,7 @@ parameter gap, the load average before and after, and the command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -51,6 +49,7 @@ from optcc_mpi.argtypes import float_above, int_at_least, links_or_probe_arg
 from optcc_mpi.collectives import last_stats
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.lab import testbed, world
+from optcc_mpi.lab.tools import append_rows, tool_main
 from optcc_mpi.links import Links
 
 __all__ = ["add_arguments", "run_args", "main", "SUMMARY", "measure"]
@@ -324,9 +323,7 @@ def run_args(args: argparse.Namespace) -> int:
             f"{rows[0]['identical']}, ddp {rows[1]['identical']}"
         )
         if args.out:
-            with open(args.out, "a") as fh:
-                for r in rows:
-                    fh.write(json.dumps(r) + "\n")
+            append_rows(args.out, rows)
             print(f"# appended {len(rows)} rows to {args.out}")
         sys.stdout.flush()
     ok = rows[0]["rel_gap"] <= args.rtol and rows[0]["identical"] and rows[1]["identical"]
@@ -336,18 +333,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m optcc_mpi.lab.ddp``: the same as ``optcc-mpi lab ddp``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.ddp",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    args.command_line = shlex.join([*parser.prog.split(), *argv])
-    try:
-        return run_args(args)
-    except ArgumentError as exc:
-        parser.error(str(exc))
+    return tool_main("optcc_mpi.lab.ddp", add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

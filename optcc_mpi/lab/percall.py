@@ -28,8 +28,6 @@ header names the gather limit the default calls' communicator measured
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
 import time
@@ -41,6 +39,7 @@ import numpy as np
 import optcc_mpi
 from optcc_mpi import collectives, config
 from optcc_mpi.argtypes import int_at_least, size_arg, sizes_arg
+from optcc_mpi.lab.tools import append_rows, tool_main
 from optcc_mpi.units import format_size
 
 __all__ = ["measure", "add_arguments", "run_args", "main", "SUMMARY"]
@@ -211,23 +210,13 @@ def run_args(args: argparse.Namespace) -> int:
                 f"{r['min_us']:>8.2f} {r['max_us']:>8.2f} {r['ratio']:>6.2f}"
             )
         if args.json:
-            with open(args.json, "a") as fh:
-                for r in rows:
-                    fh.write(json.dumps({**r, "command": command}) + "\n")
+            append_rows(args.json, ({**r, "command": command} for r in rows))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m optcc_mpi.lab.percall``: the same as ``optcc-mpi lab percall``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.percall",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    args.command_line = shlex.join([*parser.prog.split(), *argv])
-    return run_args(args)
+    return tool_main("optcc_mpi.lab.percall", add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

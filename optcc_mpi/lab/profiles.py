@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -35,6 +33,7 @@ from optcc_mpi import algorithms as registry
 from optcc_mpi.algorithms import optcc as optcc_alg
 from optcc_mpi.argtypes import alias, int_at_least, positive_size_arg, rate_arg
 from optcc_mpi.errors import ArgumentError
+from optcc_mpi.lab.tools import tool_main
 from optcc_mpi.links import Links
 from optcc_mpi.progress import Progress
 from optcc_mpi.simulate import simulate
@@ -405,18 +404,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m optcc_mpi.lab.profiles``: the same as ``optcc-mpi lab profiles``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.profiles",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    args.command_line = shlex.join([*parser.prog.split(), *argv])
-    try:
-        return run_args(args)
-    except ArgumentError as exc:
-        parser.error(str(exc))
+    return tool_main("optcc_mpi.lab.profiles", add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

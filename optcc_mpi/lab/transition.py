@@ -37,6 +37,7 @@ from optcc_mpi.collectives import last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.lab import testbed as tb
 from optcc_mpi.lab.report import algorithm_style
+from optcc_mpi.lab.tools import tool_main
 from optcc_mpi.links import Links
 from optcc_mpi.state import state_of
 
@@ -234,12 +235,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m optcc_mpi.lab.transition``: the same as ``optcc-mpi lab transition``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.transition",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run_args(parser.parse_args(argv))
+    return tool_main("optcc_mpi.lab.transition", add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -49,6 +47,7 @@ import optcc_mpi
 from optcc_mpi.argtypes import float_above, int_at_least, positive_size_arg, size_arg
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.lab.bench import sizes as size_list
+from optcc_mpi.lab.tools import append_rows, tool_main
 from optcc_mpi.schedule import split
 
 __all__ = ["sendrecv_ring", "run", "add_arguments", "run_args", "main", "SUMMARY"]
@@ -262,26 +261,13 @@ def run_args(args: argparse.Namespace) -> int:
                 + ("" if r["wrong"] == 0 else f"  WRONG {r['wrong']}")
             )
         if args.out:
-            with open(args.out, "a") as fh:
-                for r in rows:
-                    fh.write(json.dumps(r) + "\n")
+            append_rows(args.out, rows)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m optcc_mpi.lab.transport``: the same as ``optcc-mpi lab transport``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m optcc_mpi.lab.transport",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    args.command_line = shlex.join([*parser.prog.split(), *argv])
-    try:
-        return run_args(args)
-    except ArgumentError as exc:
-        parser.error(str(exc))
+    return tool_main("optcc_mpi.lab.transport", add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":
