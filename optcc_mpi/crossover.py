@@ -42,6 +42,7 @@ torch.distributed the limit stays ``FOLD_TOTAL / p`` unless set.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -49,12 +50,11 @@ import numpy as np
 from optcc_mpi import config, fastcall
 from optcc_mpi.backend import NUMPY
 from optcc_mpi.errors import ArgumentError
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CommState
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, HEADER_BYTES, CommState
 from optcc_mpi.units import format_size, parse_size
 
 __all__ = [
     "TOLERANCE",
-    "HEADER_BYTES",
     "rooms",
     "static",
     "known",
@@ -68,9 +68,6 @@ __all__ = [
 #: A limit whose worst case is within this factor of the best is as good as the best
 #: (then the largest such limit is chosen: gathering is one collective).
 TOLERANCE = 1.05
-#: The check's header (:data:`optcc_mpi.protocol.HEADER_BYTES`; that module imports this
-#: one).
-HEADER_BYTES = 96
 #: Calls timed together; the least repetitions for a verdict, and the most.
 CALLS, FIRST, MOST = 3, 3, 15
 #: Seconds of measuring (the agreed times, summed) after which no repetition is added.
@@ -219,8 +216,6 @@ def _compiled_ways(transport: Any, fold: Any, handles: Any, size: int) -> Any:
     """The compiled path's two ways for messages of ``size`` bytes: gathered in a room of
     that size, and the check then the library (a context whose limit is below any size),
     each on check buffers of its own; every rank writes the same header."""
-    from types import SimpleNamespace
-
     p = transport.size
     header = (0,) * 12
 

@@ -40,7 +40,6 @@ that every rank's exception names the rank and value at fault (:func:`disagreeme
 
 from __future__ import annotations
 
-import struct
 import zlib
 from functools import lru_cache
 from typing import Any
@@ -51,7 +50,7 @@ from optcc_mpi import agreement, crossover, fastcall
 from optcc_mpi.dtypes import DTYPES, LOW_PRECISION, NAME_OF, OPS
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CommState
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, HEADER, HEADER_BYTES, CommState
 
 __all__ = [
     "HEADER",
@@ -72,8 +71,6 @@ __all__ = [
     "disagreement",
 ]
 
-HEADER = struct.Struct("<12q")
-HEADER_BYTES = HEADER.size
 #: Identifies this version of the protocol (first header field).
 PROTOCOL = 0x0C7CC0002
 #: The header's fields, in order.

@@ -12,6 +12,7 @@ compiled path (:mod:`optcc_mpi.fastcall`), and the gather limit measured for it
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -21,8 +22,13 @@ from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 from optcc_mpi.transports import Transport
 
-__all__ = ["CommState", "state_of", "FOLD_MIN", "FOLD_TOTAL"]
+__all__ = ["CommState", "state_of", "FOLD_MIN", "FOLD_TOTAL", "HEADER", "HEADER_BYTES"]
 
+#: The argument check's header, 12 int64 fields (what each holds: optcc_mpi.protocol), at
+#: the start of the check's block; here, below both, so that the protocol and the gather
+#: limit's measurement (optcc_mpi.crossover) size the check's buffers from one definition.
+HEADER = struct.Struct("<12q")
+HEADER_BYTES = HEADER.size
 #: Fewest bytes of data the argument check carries (optcc_mpi.protocol).
 FOLD_MIN = 256
 #: Most bytes the check's gather moves per call, summed over ranks.
