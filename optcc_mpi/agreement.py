@@ -117,7 +117,8 @@ def agree(
     if isinstance(error, BaseException):
         if isinstance(error, (ValueError, TypeError)):
             error = error.with_traceback(None)
-        raise mark_everywhere(error, words) from None
+        # Where this rank's is the only failure, its own words tell the whole story.
+        raise mark_everywhere(error, str(error) if len(failed) == 1 else words) from None
     kind = ArgumentTypeError if typed and error is None else cls
     raise mark_everywhere(kind(words), words) from None
 

@@ -71,8 +71,8 @@ _EVERYWHERE = "_optcc_everywhere"
 
 
 def mark_everywhere(exc: BaseException, words: str) -> BaseException:
-    """Mark ``exc`` as raised on every rank of its job by design, ``words`` saying what
-    every rank that failed said (the same on every rank), and return it.
+    """Mark ``exc`` as raised on every rank of its job by design, ``words`` being what
+    the job should say about it once (what every rank that failed said), and return it.
 
     A command-line face prints such an error on one rank only and exits with the same
     status everywhere (``optcc_mpi.cli``), where an error of one rank alone must instead

@@ -54,7 +54,7 @@ def test_errors_raised_everywhere_are_marked_and_shown_without_the_check() -> No
             agreement.agree(comm, found, what="allreduce")
     except ValueError as exc:
         assert exc is found
-        assert everywhere(exc) == "allreduce: ValueError: rank 3 is outside 2 ranks"
+        assert everywhere(exc) == "rank 3 is outside 2 ranks"  # the only failure: its words
         text = "".join(traceback.format_exception(exc))
         assert "internal signal" not in text and "in check" not in text
     with pytest.raises(ArgumentError) as info:

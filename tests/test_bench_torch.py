@@ -152,6 +152,25 @@ def test_bench_over_gloo_under_mpiexec(tmp_path: Path) -> None:
     assert all(r["transport"] == "gloo" and r["wrong"] == 0 for r in rows), rows
 
 
+@pytest.mark.timeout(600)
+def test_an_error_every_worker_meets_is_printed_once_under_torchrun() -> None:
+    """A link profile naming rank 3 of 2: every worker raises it, worker 0 alone prints
+    it, every worker exits with status 2 and gives torchrun the same one line, which
+    torchrun's own failure report shows in place of a traceback (docs/bench.md)."""
+    done = torchrun(
+        2, str(NO_MPI), "optcc_mpi", "bench", "-b", "4K", "-e", "4K", "-n", "1",
+        "--links", "3:0.5", "--algorithms", "ring",
+    )  # fmt: skip
+    line = "optcc-mpi bench: error: link profile names rank 3, outside the communicator of size 2"
+    ours = [x for x in done.stderr.splitlines() if x.startswith("optcc-mpi bench:")]
+    assert done.returncode != 0 and len(ours) == 1 and ours[0].startswith(line), done.stderr
+    # torchrun stops the other workers once one has failed: one may be listed as ended
+    # by its signal (SIGTERM) if it had not yet left.
+    assert done.stderr.count(f"traceback : {line}") >= 1, done.stderr
+    assert done.stderr.count("exitcode  : 2") >= 1, done.stderr
+    assert "optcc_mpi/" not in done.stderr, done.stderr  # no traceback of ours
+
+
 # ------------------------------------------------------------------------------ doctor
 
 

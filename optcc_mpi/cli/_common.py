@@ -8,7 +8,10 @@ alike.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 
@@ -23,7 +26,7 @@ from optcc_mpi.argtypes import (
     rate_arg,
     typed_flag,
 )
-from optcc_mpi.errors import OptccError, TooLargeError
+from optcc_mpi.errors import OptccError, TooLargeError, everywhere
 from optcc_mpi.links import Links
 
 __all__ = [
@@ -32,6 +35,8 @@ __all__ = [
     "network_links",
     "TINY_FRACTION",
     "run_command",
+    "job_rank",
+    "torchrun_report",
 ]
 
 #: Below this fraction of the healthy rate a degraded rank is probably a typo (a loss
@@ -160,6 +165,57 @@ def _mpi_world_size() -> int:
         return 1
 
 
+#: Variables that name this process's rank before any communication starts: MPI
+#: launchers' (MPICH's hydra and Slurm's PMI plugins, Open MPI, PMIx), torchrun's, and
+#: srun's own (also without --mpi).
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID")
+
+
+def job_rank() -> int:
+    """This process's rank in its job, 0 when alone: MPI's rank while an MPI job of
+    several ranks runs, torch.distributed's while a process group does, else the
+    launcher's variable. Never starts anything. (Under torchrun a process that loaded
+    MPI is an MPI job of its own, rank 0 of 1: not the job's rank.)"""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if _mpi_world_size() > 1:
+        return int(mpi.COMM_WORLD.Get_rank())
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    for name in _RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _torch_world_size() -> int:
+    """Ranks of the running torch.distributed default group, or 1 (never starts one)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def torchrun_report(message: str) -> None:
+    """Give ``message`` to torchrun as this worker's reason for a non-zero exit status.
+
+    torchrun reports a worker's non-zero exit as a failure, with a "traceback" line per
+    failed worker; a worker that leaves its message in ``$TORCHELASTIC_ERROR_FILE`` (set by
+    torchrun) is shown with that message there instead of a pointer to torch's docs. Does
+    nothing outside torchrun.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as fh:
+            json.dump(record, fh)
+    except OSError:  # pragma: no cover - torchrun's own folder vanished: nothing to tell
+        pass
+
+
 def _abort(code: int, text: str) -> None:
     """Print ``text`` and abort every rank of the MPI job (as ``python -m mpi4py`` does)."""
     mpi = sys.modules["mpi4py.MPI"]
@@ -173,11 +229,28 @@ def _abort(code: int, text: str) -> None:
 
 
 def _fail(args: argparse.Namespace, exc: BaseException) -> int:
-    """A user error: one line, status 2 (the whole job aborts under MPI)."""
+    """A user error: one line, status 2.
+
+    An error every rank raises by design (marked by :mod:`optcc_mpi.agreement`, or found
+    before any communication started, from the command line every rank was given) is
+    printed by rank 0 alone, and every rank exits with status 2: no rank waits for
+    another, so nothing needs aborting. An error of one rank alone in a running job is
+    printed by that rank, which under MPI then aborts the whole job (the others may be
+    waiting for it in a collective); torchrun stops the other workers itself.
+    """
+    words = everywhere(exc)
+    running = max(_mpi_world_size(), _torch_world_size()) > 1
+    if words is not None or not running:
+        message = f"optcc-mpi {args.command}: error: {words if words is not None else exc}"
+        if job_rank() == 0:
+            print(message, file=sys.stderr)
+        torchrun_report(message)
+        return 2
     message = f"optcc-mpi {args.command}: error: {exc}"
     if _mpi_world_size() > 1:
         _abort(2, message)
-    print(message, file=sys.stderr)
+    print(f"[rank {job_rank()}] {message}", file=sys.stderr)
+    torchrun_report(message)
     return 2
 
 
