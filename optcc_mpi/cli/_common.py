@@ -14,6 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from optcc_mpi.argtypes import (
     StoreTyped,
@@ -37,6 +38,7 @@ __all__ = [
     "run_command",
     "job_rank",
     "torchrun_report",
+    "leave_now",
 ]
 
 #: Below this fraction of the healthy rate a degraded rank is probably a typo (a loss
@@ -214,6 +216,22 @@ def torchrun_report(message: str) -> None:
             json.dump(record, fh)
     except OSError:  # pragma: no cover - torchrun's own folder vanished: nothing to tell
         pass
+
+
+def leave_now(status: int) -> NoReturn:
+    """End this process at once with ``status``: output flushed, MPI finalised if it was
+    started, and no interpreter teardown (which takes seconds with torch loaded). For a
+    torchrun worker whose part is done, so that it has left before another worker's
+    non-zero status makes torchrun stop the ones still running."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception:  # pragma: no cover - leaving anyway
+        pass
+    os._exit(status)
 
 
 def _abort(code: int, text: str) -> None:
