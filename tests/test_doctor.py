@@ -662,3 +662,20 @@ def test_two_ranks_output_checked_first_then_judged_against_the_emulated_rate(
     assert {r["verdict"] for r in data["ranks"]} == {"unresolved"}
     assert "DEGRADED: the link between node" in done.stdout
     assert "(1 partner node; 2 repeats)" in done.stdout
+
+
+def test_the_job_script_defaults_to_enough_nodes_for_an_answer() -> None:
+    """jobs/doctor.sbatch as submitted without -N: one task on each of 3 nodes, the
+    fewest whose median names a slow one (and 3 ranks by hand, without Slurm); at that
+    layout a half-rate node is named and a healthy one cleared."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "jobs" / "doctor.sbatch").read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1))
+    per_node = int(re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", text, re.M).group(1))
+    by_hand = int(re.search(r"OPTCC_RANKS:-(\d+)", text).group(1))
+    assert nodes >= 3 and per_node == 1 and by_hand >= 3
+    the_plan = dr.plan(dr.Layout.uniform(nodes), size=MiB)
+    assert dr.diagnose(the_plan, synthetic(the_plan, {})).exit_status == dr.EXIT_HEALTHY
+    named = dr.diagnose(the_plan, synthetic(the_plan, {nodes - 1: 0.5}))
+    assert named.exit_status == dr.EXIT_DEGRADED and named.flagged == [nodes - 1]
