@@ -221,6 +221,31 @@ def test_lab_ddp_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_lab_ddp_under_emulation_charges_both_copies_the_same_network(tmp_path: Path) -> None:
+    """--emulate: the hook is told the emulated slow rank; the baseline averages with
+    the ring through the same hook on the same virtual NICs (every call of both paced by
+    the same emulation), the fault-free copy with every virtual NIC healthy; the
+    parameters still equal within rtol and are the same bits on every rank."""
+    out = tmp_path / "ddp.jsonl"
+    done = torchrun(
+        3, str(NO_MPI), "optcc_mpi", "lab", "ddp", "--width", "192", "--layers", "2",
+        "--steps", "4", "--bucket-mb", "0.05", "--emulate", "bw=200MB/s,degrade=2:0.5",
+        "--algorithm", "optcc", "--fault-free", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "'ddp' averages with the ring on the same virtual NICs" in done.stdout
+    hook, plain, healthy = _rows(out)
+    spec = "bw=200MB/s,degrade=2:0.5"
+    assert hook["network"] == plain["network"] == healthy["network"] == "emulation"
+    assert hook["links"] == "2:0.5" and set(hook["ran"]) == {"optcc"}
+    assert hook["paced"] == plain["paced"] == spec and hook["emulate"] == spec
+    assert set(plain["ran"]) == {"ring"} and plain["algorithm"] == "ring (the hook, emulated)"
+    assert set(healthy["ran"]) == {"ring"}
+    assert healthy["paced"] == "bw=200MB/s,degrade=healthy"
+    assert hook["rel_gap"] <= 1e-6 and hook["identical"] and plain["identical"]
+
+
+@pytest.mark.timeout(600)
 def test_hook_records_the_link_log(tmp_path: Path) -> None:
     """``comm_hook(links="watch", links_log=FILE)``: rank 0 records what the watch adopts
     (rank 1 emulated at half rate) and what the buckets ran; a log without the watch is
@@ -307,15 +332,22 @@ def test_bench_over_gloo_crosses_the_shaped_links(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_example_trains_under_torchrun_without_mpi() -> None:
+@pytest.mark.parametrize("emulate", [None, "bw=200MB/s"])
+def test_example_trains_under_torchrun_without_mpi(emulate: str | None) -> None:
+    """--compare against DDP's own all-reduce; under --emulate against the ring through
+    the same hook on the same virtual NICs (the slow rank of --links), step times beside."""
     example = ROOT / "examples" / "train_ddp.py"
     done = torchrun(
         2, str(NO_MPI), str(example), "--epochs", "2",
         "--links", "1:0.5", "--data", "synthetic", "--compare",
+        *(["--emulate", emulate] if emulate else []),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "parameters identical on all 2 ranks: True" in done.stdout
-    assert "links 1:0.5" in done.stdout and "DDP's own all-reduce" in done.stdout
+    assert "links 1:0.5" in done.stdout
+    baseline = "the ring, emulated like it" if emulate else "DDP's own all-reduce"
+    assert f"# {baseline}: test accuracy" in done.stdout
+    assert "# median step: optcc_mpi's hook" in done.stdout and f"ms, {baseline}" in done.stdout
 
 
 @pytest.mark.timeout(600)
