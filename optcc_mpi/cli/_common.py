@@ -234,6 +234,31 @@ def leave_now(status: int) -> NoReturn:
     os._exit(status)
 
 
+#: Seconds the ranks of a job wait for each other before leaving with an error.
+_MEET_SECONDS = 10.0
+
+
+def _meet() -> None:
+    """Wait (at most :data:`_MEET_SECONDS`) until every rank of the running job has come
+    here, so that no rank leaves before rank 0 has said why: a launcher ends the whole
+    job at the first non-zero exit (Open MPI's prterun, torchrun), which could stop rank
+    0 before its line is out. Only for errors every rank raises, which every rank brings
+    here; never waits longer than the limit, whatever the others do."""
+    deadline = time.monotonic() + _MEET_SECONDS
+    try:
+        if _mpi_world_size() > 1:
+            req = sys.modules["mpi4py.MPI"].COMM_WORLD.Ibarrier()
+            while not req.Test() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        elif _torch_world_size() > 1:
+            import datetime
+
+            dist = sys.modules["torch.distributed"]
+            dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=_MEET_SECONDS))
+    except Exception:  # pragma: no cover - leaving with the error anyway
+        pass
+
+
 def _abort(code: int, text: str) -> None:
     """Print ``text`` and abort every rank of the MPI job (as ``python -m mpi4py`` does)."""
     mpi = sys.modules["mpi4py.MPI"]
@@ -262,7 +287,10 @@ def _fail(args: argparse.Namespace, exc: BaseException) -> int:
         message = f"optcc-mpi {args.command}: error: {words if words is not None else exc}"
         if job_rank() == 0:
             print(message, file=sys.stderr)
+            sys.stderr.flush()
         torchrun_report(message)
+        if running:
+            _meet()
         return 2
     message = f"optcc-mpi {args.command}: error: {exc}"
     if _mpi_world_size() > 1:
