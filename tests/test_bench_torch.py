@@ -338,7 +338,7 @@ def test_example_trains_under_torchrun_without_mpi(emulate: str | None) -> None:
     the same hook on the same virtual NICs (the slow rank of --links), step times beside."""
     example = ROOT / "examples" / "train_ddp.py"
     done = torchrun(
-        2, str(NO_MPI), str(example), "--epochs", "2",
+        2, str(NO_MPI), str(example), "--epochs", "1" if emulate else "2",
         "--links", "1:0.5", "--data", "synthetic", "--compare",
         *(["--emulate", emulate] if emulate else []),
     )  # fmt: skip
