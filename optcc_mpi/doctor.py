@@ -174,7 +174,7 @@ RANK_VERDICTS = {
     "healthy": "every measurement at or above the threshold",
     "degraded": "this rank's own path is slow (its node is not)",
     "node": "its node's link is slow",
-    "intra": "slow inside its node (only with judge_intra)",
+    "intra": "slow inside its node (only with --judge-intra)",
     "unresolved": "slow, but every partner was as slow: cannot tell which end",
     "unmeasured": "no message of it crossed a network (a node alone)",
     "unjudged": "measured, with nothing to judge it against (fewer than 3 nodes and no "

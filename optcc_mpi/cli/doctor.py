@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,10 @@ time for any p, L and rate).
 
 def _statuses(table: dict[int, str]) -> str:
     """An exit-status table for the epilog, from the doctor's own (one source)."""
-    return "\n".join(f"  {code}  {text}" for code, text in sorted(table.items()))
+    return "\n".join(
+        textwrap.fill(text, 88, initial_indent=f"  {code}  ", subsequent_indent="     ")
+        for code, text in sorted(table.items())
+    )
 
 
 EPILOG = (
