@@ -65,7 +65,10 @@ typedef struct {
     int handle_size;
     intptr_t comm, byte_type;
     int p;
-    Py_ssize_t capacity, fold_min, limit;
+    /* The room of these buffers; the message sizes lo < n <= hi it serves (computed by
+     * optcc_mpi.state.served: this file holds no copy of the sizing rule); the least
+     * room; the gather limit. */
+    Py_ssize_t capacity, lo, hi, least, limit;
     Py_buffer block, gathered;
     int64_t header[HEADER_FIELDS];
     int n_formats;
@@ -85,7 +88,7 @@ static void context_free(PyObject *capsule)
     PyMem_Free(ctx);
 }
 
-/* make(allgather, handle_size, comm, byte_type, p, capacity, fold_min, limit, block,
+/* make(allgather, handle_size, comm, byte_type, p, capacity, lo, hi, least, limit, block,
  *      gathered, header, formats, allreduce, in_place, library) -> context
  * header: the 12 header fields with those of the call (count, dtype, op, bytes, room)
  * zero; formats: (buffer format, dtype code, itemsize, op mask, sum kind) per type;
@@ -96,10 +99,11 @@ static PyObject *make(PyObject *self, PyObject *args)
     /* Handles as mpi4py gives them: unsigned (an MPICH int handle comes sign-extended). */
     unsigned long long allgather, comm, byte_type, allreduce, in_place;
     int handle_size, p;
-    Py_ssize_t capacity, fold_min, limit;
+    Py_ssize_t capacity, lo, hi, least, limit;
     PyObject *block, *gathered, *header, *formats, *library;
-    if (!PyArg_ParseTuple(args, "KiKKinnnOOO!O!KKO!", &allgather, &handle_size, &comm,
-                          &byte_type, &p, &capacity, &fold_min, &limit, &block, &gathered,
+    if (!PyArg_ParseTuple(args, "KiKKinnnnnOOO!O!KKO!", &allgather, &handle_size, &comm,
+                          &byte_type, &p, &capacity, &lo, &hi, &least, &limit, &block,
+                          &gathered,
                           &PyTuple_Type, &header, &PyTuple_Type, &formats, &allreduce,
                           &in_place, &PyTuple_Type, &library))
         return NULL;
@@ -122,7 +126,9 @@ static PyObject *make(PyObject *self, PyObject *args)
     ctx->byte_type = (intptr_t)byte_type;
     ctx->p = p;
     ctx->capacity = capacity;
-    ctx->fold_min = fold_min;
+    ctx->lo = lo;
+    ctx->hi = hi;
+    ctx->least = least;
     ctx->limit = limit;
     for (int i = 0; i < HEADER_FIELDS; i++) {
         ctx->header[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(header, i));
@@ -190,15 +196,6 @@ static PyObject *make(PyObject *self, PyObject *args)
         PyMem_Free(ctx);
     }
     return capsule;
-}
-
-/* The check room a message of nbytes asks for (collectives._capacity). */
-static Py_ssize_t room_for(const context *ctx, Py_ssize_t nbytes)
-{
-    Py_ssize_t cap = ctx->fold_min;
-    while (cap < nbytes && cap * 2 <= ctx->limit)
-        cap *= 2;
-    return nbytes <= cap ? cap : ctx->fold_min;
 }
 
 /* out = rows[0] + rows[1] + ... in rank order, in the element type (the integers wrap,
@@ -315,10 +312,10 @@ static PyObject *fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     const library_entry *lib = &ctx->library[f - ctx->formats][op];
     if (library) {
         if (!lib->on || nbytes / f->itemsize > INT32_MAX
-            || (compare && ctx->capacity != ctx->fold_min))
+            || (compare && ctx->capacity != ctx->least))
             goto out;
-    } else if (nbytes > ctx->capacity || room_for(ctx, nbytes) != ctx->capacity) {
-        goto out;
+    } else if (!(ctx->lo < nbytes && nbytes <= ctx->hi)) {
+        goto out; /* a size whose room is not this one */
     }
 
     Py_ssize_t width = ctx->block.len;

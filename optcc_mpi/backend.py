@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import ml_dtypes
 import numpy as np
@@ -33,7 +33,12 @@ from optcc_mpi.reductions import (
     to_keys,
 )
 
+if TYPE_CHECKING:  # names for annotations: neither library is imported to run
+    import cupy
+    import torch
+
 __all__ = [
+    "Array",
     "Backend",
     "NumpyBackend",
     "CupyBackend",
@@ -46,6 +51,9 @@ __all__ = [
     "cupy_status",
     "get_cupy",
 ]
+
+#: A 1-D contiguous array of one backend: a NumPy or CuPy array, or a PyTorch tensor.
+Array = Union[np.ndarray, "torch.Tensor", "cupy.ndarray"]
 
 
 class Backend:

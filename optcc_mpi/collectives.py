@@ -41,33 +41,39 @@ and ``check`` itself must be the same on every rank).
 
 from __future__ import annotations
 
+import enum
+import functools
+from collections.abc import Mapping
 from time import perf_counter
 from typing import Any
 
 import numpy as np
 
-from optcc_mpi import algorithms, config, crossover, fastcall, protocol
+from optcc_mpi import algorithms, config, crossover, fastcall, protocol, transports
 from optcc_mpi.algorithms._policy import SMALL_BYTES
-from optcc_mpi.backend import NUMPY, as_array, result_like
+from optcc_mpi.backend import NUMPY, Array, Backend, as_array, result_like
+from optcc_mpi.communicators import CallRecord, CommState, Fold, Plan, Registry
 from optcc_mpi.dtypes import CATEGORY, NAME_OF, OPS, VALID_PAIRS, dtype_name, op_name
 from optcc_mpi.dtypes import check_op_dtype as _check_op_dtype
-from optcc_mpi.emulation import Emulation, forced_fraction
+from optcc_mpi.emulation import Emulation, Pacer, forced_fraction
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
-from optcc_mpi.probe import cached_probe
-from optcc_mpi.protocol import GATHER_MAX_P, HEADER_BYTES, Mismatch, capacity, code
+from optcc_mpi.probe import ProbeResult, probe
+from optcc_mpi.protocol import GATHER_MAX_P, Mismatch, code
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.schedule import COLL
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CommState, state_of
-from optcc_mpi.transports import BY_HANDLE, WORLD
-from optcc_mpi.watch import LinkWatch
+from optcc_mpi.schedule import COLL, Schedule
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, served
+from optcc_mpi.transports import Transport
 
 __all__ = [
     "allreduce",
+    "cached_probe",
     "choose_algorithm",
+    "comm_state",
     "gather_limit",
     "last_stats",
+    "CallRecord",
     "SMALL_BYTES",
     "GATHER_MAX_P",
 ]  # and IN_PLACE, ALGORITHMS (module __getattr__)
@@ -88,7 +94,8 @@ _NUMPY_CODE = code("numpy")
 _COMPILED_HEADER = (
     protocol.PROTOCOL, 0, 0, 0, 0, _AUTO_CODE, 0, 0, _NUMPY_CODE, 0, 0, 0
 )  # fmt: skip
-_last: list[Any] = [None]
+#: Every communicator's state, and the last call's record: the collectives' only state.
+_REGISTRY = Registry()
 
 
 class InPlaceType:
@@ -121,25 +128,31 @@ def _is_in_place(sendbuf: Any) -> bool:
     return sendbuf is None or type(sendbuf).__name__ == "InPlaceType"
 
 
-def last_stats() -> dict[str, Any]:
-    """What the last :func:`allreduce` on this process did: ``algorithm`` (the one that
-    ran), ``schedule``, ``stats`` (:class:`~optcc_mpi.executor.ExecStats`), ``links``,
-    ``emulate``, ``params``, ``inline`` (True when the data travelled with the argument
-    check) and ``transport`` (its library: ``mpi``, ``gloo``, ``nccl``)."""
-    rec = _last[0]
-    if rec is None:
-        return {}
-    name, sched, stats, links, emu, params, inline, transport = rec
-    return {
-        "algorithm": name,
-        "schedule": sched,
-        "stats": stats if stats is not None else ExecStats(),
-        "links": links,
-        "emulate": emu,
-        "params": dict(params or {}),
-        "inline": inline,
-        "transport": transport,
-    }
+def last_stats() -> Mapping[str, object]:
+    """What the last :func:`allreduce` on this process did, as a
+    :class:`~optcc_mpi.communicators.CallRecord` (read by attribute or by key):
+    ``algorithm`` (the one that ran), ``schedule``, ``stats``
+    (:class:`~optcc_mpi.executor.ExecStats`), ``links``, ``emulate``, ``params``,
+    ``inline`` (True when the data travelled with the argument check) and ``transport``
+    (its library: ``mpi``, ``gloo``, ``nccl``). Empty before the first call."""
+    rec = _REGISTRY.last
+    return rec if rec is not None else {}
+
+
+def comm_state(comm: Any = None) -> CommState:
+    """The collectives' state of ``comm`` (an mpi4py communicator, None for COMM_WORLD,
+    a torch.distributed process group, or a transport), made on first use (collective
+    then). For reading (the lab, tests): the collectives alone write it."""
+    return _state(comm)
+
+
+def cached_probe(comm: Any = None, *, emulate: Any = None, refresh: bool = False) -> ProbeResult:
+    """:func:`optcc_mpi.probe.probe` of ``comm``, once per communicator (kept with its
+    state; collective when it measures)."""
+    st = _state(comm)
+    if refresh or st.probe is None:
+        st.probe = probe(st.transport, emulate=emulate)
+    return st.probe
 
 
 def gather_limit(comm: Any = None) -> int:
@@ -150,7 +163,7 @@ def gather_limit(comm: Any = None) -> int:
 
     Measured (or read from ``$OPTCC_GATHER_LIMIT``) at the first call that needs it;
     asking here decides it now if needed, which is collective: ask on every rank."""
-    return crossover.decide(_state(comm))
+    return crossover.decide(_state(comm).check)
 
 
 def choose_algorithm(p: int, nbytes: int, links: Links) -> str:
@@ -249,7 +262,7 @@ def allreduce(
         and links is None
         and emulate is None
         and params is None
-        and _FOLD is not None
+        and _REGISTRY.fold is not None
     ):
         done = _try_compiled(sendbuf, recvbuf, op, comm, check)
         if done is not None:
@@ -265,19 +278,17 @@ def allreduce(
 
 def _known(comm: Any) -> CommState | None:
     """The state of an MPI communicator seen before (None: COMM_WORLD), found with one
-    dictionary lookup (:data:`optcc_mpi.transports.BY_HANDLE`); else None."""
+    dictionary lookup; else None."""
     if comm is None:
-        t = BY_HANDLE.get(WORLD[0]) if WORLD else None
-    else:
-        handle = getattr(comm, "handle", None)
-        t = BY_HANDLE.get(handle) if type(handle) is int else None
-    return t.state if t is not None else None
+        return _REGISTRY.known(None)
+    handle = getattr(comm, "handle", None)
+    return _REGISTRY.known(handle) if type(handle) is int else None
 
 
 def _state(comm: Any) -> CommState:
-    """The communicator's state (:func:`_known`, else :func:`~optcc_mpi.state.state_of`)."""
+    """The communicator's state (:func:`_known`, else made or found by its transport)."""
     st = _known(comm)
-    return st if st is not None else state_of(comm)
+    return st if st is not None else _REGISTRY.state(transports.of(comm))
 
 
 # -- phase 1: this rank's arguments --------------------------------------------------------------
@@ -299,26 +310,29 @@ class _Call:
         recvbuf: Any,
         op: Any,
         algorithm: str,
-        links: Any,
-        emulate: Any,
-        params: Any,
+        links: Links | str | None,
+        emulate: Emulation | str | None,
+        params: dict[str, Any] | None,
         check: bool,
     ) -> None:
         self.sendbuf, self.result = sendbuf, recvbuf
         self.algorithm, self.params, self.check = algorithm, params, check
-        self.plan: Any = None
+        self.plan: Plan | None = None
         self.fold = False
         self.fields: tuple[int, ...] = ()
         self.seen: np.ndarray | None = None  # the watch's observations, riding the check
         self.err: BaseException | None = None
         self.epoch = 0.0
         self.stats: ExecStats | None = None
-        self.work: Any = None
+        self.work: Array | None = None
         self.keyed = self.watched = self.library = False
         self.link_obj = _HEALTHY
         self.emu: Emulation | None = None
         self.opn = op if type(op) is str and op in _OPSET else ""
-        self.flat_in = self.flat_out = self.backend = None
+        self.flat_in: Any = None  # the send buffer as a flat array (None: rejected)
+        self.flat_out: Any = None
+        self.backend: Backend | None = None
+        self.in_place = False
         self.name = ""
         self.count = self.nbytes = 0
         try:
@@ -328,7 +342,7 @@ class _Call:
             self.err = exc
             self.fold = False
 
-    def _buffers(self, transport: Any, sendbuf: Any, recvbuf: Any) -> None:
+    def _buffers(self, transport: Transport, sendbuf: Any, recvbuf: Any) -> None:
         """The send and receive buffers as flat arrays of one backend."""
         in_place = _is_in_place(sendbuf) or sendbuf is recvbuf
         if type(sendbuf) is _NDARRAY and not in_place:
@@ -341,7 +355,7 @@ class _Call:
                 if flat_out.dtype != flat_in.dtype or flat_out.size != flat_in.size:
                     _same_shape(flat_in, flat_out)
                 if np.may_share_memory(flat_in, flat_out):
-                    in_place = _overlap(flat_in, flat_out) == "same"
+                    in_place = _overlap(flat_in, flat_out) is Overlap.SAME
                     if not in_place:
                         raise ArgumentError(
                             "sendbuf and recvbuf overlap; use IN_PLACE to reduce in place"
@@ -356,16 +370,16 @@ class _Call:
                     "sendbuf is IN_PLACE (or None) but no recvbuf was given: pass the "
                     "buffer to reduce in place as recvbuf"
                 )
-            flat_out, backend = as_array(recvbuf, what="recvbuf", tensors=transport.tensors)
+            flat_out, backend = as_array(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
             flat_in = flat_out
         else:
-            flat_in, backend = as_array(sendbuf, what="sendbuf", tensors=transport.tensors)
+            flat_in, backend = as_array(sendbuf, what="sendbuf", tensors=transport.caps.tensors)
             flat_out = None
             if recvbuf is not None:
                 flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
         if in_place and not backend.writable(flat_out):
             raise ArgumentError("recvbuf is read-only")
-        if transport.tensors:  # a library of its own kinds of memory (torch.distributed)
+        if transport.caps.tensors:  # a library of its own kinds of memory (torch.distributed)
             transport.check_backend(backend)
         self.flat_in, self.flat_out, self.backend = flat_in, flat_out, backend
         self.in_place = in_place
@@ -373,7 +387,9 @@ class _Call:
         self.count = int(flat_in.shape[0])
         self.nbytes = self.count * flat_in.dtype.itemsize
 
-    def _settings(self, st: CommState, op: Any, links: Any, emulate: Any) -> None:
+    def _settings(
+        self, st: CommState, op: Any, links: Links | str | None, emulate: Emulation | str | None
+    ) -> None:
         """The reduction, the algorithm's parameters, the link profile, the emulation,
         the plan where it is known already, and the header this rank sends."""
         if not self.opn:
@@ -401,7 +417,7 @@ class _Call:
             self.check
             and self.algorithm == "auto"
             and self.plan is not None
-            and self.plan[2]
+            and self.plan.library_only
             and self.backend is NUMPY
             and self.emu is None
             and 1 < p <= GATHER_MAX_P
@@ -414,7 +430,7 @@ class _Call:
         if link is WATCH:
             # What the last call measured rides in the check's data room (the data of a
             # watched call never does: its plan waits for the agreed profile).
-            self.seen = _watch_of(st).contribution()
+            self.seen = st.watch_made().contribution()
         lcode = (
             _PROBE_CODE
             if link is PROBE
@@ -461,9 +477,9 @@ def _agree(st: CommState, call: _Call) -> bool:
     if call.check and st.size > 1:
         data = call.flat_in if call.fold else None
         try:
-            inline = protocol.agree(st, call.fields, call.err, call.fold, data, call.seen)
+            inline = protocol.agree(st.check, call.fields, call.err, call.fold, data, call.seen)
         except Mismatch as mismatch:
-            protocol.disagreement(st, call.err, mismatch, call.shown())
+            protocol.disagreement(st.check, call.err, mismatch, call.shown())
         call.epoch = perf_counter()  # a collective just ended: about the same instant everywhere
         return inline
     if call.err is not None:
@@ -472,7 +488,7 @@ def _agree(st: CommState, call: _Call) -> bool:
 
 
 # -- phase 3: plan ------------------------------------------------------------------------------
-def _links_of(st: CommState, links: Any) -> Links:
+def _links_of(st: CommState, links: Links | str | None) -> Links:
     """This rank's link profile (PROBE for "probe", WATCH for "watch"), in the
     communicator's ranks."""
     if links is None:
@@ -496,20 +512,18 @@ def _links_of(st: CommState, links: Any) -> Links:
 
 def _emulation_from_env(text: str | None) -> Emulation | None:
     text = (text or "").strip()
-    if not text:
-        return None
-    hit = _EMULATIONS.get(text)
-    if hit is None:
-        hit = _EMULATIONS[text] = Emulation.parse(text)
-    return hit
+    return _parse_emulation(text) if text else None
 
 
-_EMULATIONS: dict[str, Emulation] = {}
+@functools.lru_cache(maxsize=32)
+def _parse_emulation(text: str) -> Emulation:
+    """``$OPTCC_EMULATE``'s value, parsed once per text (a pure function of it)."""
+    return Emulation.parse(text)
 
 
-def _plan(st: CommState, call: _Call, links: Links) -> tuple[str, Any, bool]:
-    """(algorithm that runs, its schedule, whether the schedule is only the library's
-    collective); cached per communicator.
+def _plan(st: CommState, call: _Call, links: Links) -> Plan:
+    """What the call runs (:class:`~optcc_mpi.communicators.Plan`); cached per
+    communicator.
 
     A builder that declares a ``transport`` parameter (and was not given one) is told the
     communicator's: ``"network"`` under emulation, else what the transport reports."""
@@ -529,7 +543,7 @@ def _plan(st: CommState, call: _Call, links: Links) -> tuple[str, Any, bool]:
         given["transport"] = "network" if emulated else st.transport.kind
     sched = algorithms.build(name, p, call.count, links, itemsize=itemsize, **given)
     coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
-    return st.remember(st.plans, key, (name, sched, coll_only))
+    return st.plans.put(key, Plan(name, sched, coll_only))
 
 
 def _plan_call(st: CommState, call: _Call) -> None:
@@ -537,16 +551,18 @@ def _plan_call(st: CommState, call: _Call) -> None:
     observations every rank gathered) and plan for it."""
     if call.link_obj is PROBE:
         # Every rank agreed on "probe" above, so all of them take part in it.
-        call.link_obj = cached_probe(st.transport, emulate=call.emu).links
+        if st.probe is None:
+            st.probe = probe(st.transport, emulate=call.emu)
+        call.link_obj = st.probe.links
         call.plan = _plan(st, call, call.link_obj)
     elif call.link_obj is WATCH:
         # Each rank brings its side of what its last call measured, and every rank reads
         # the same gathered rows, hence decides the same profile at the same call.
-        watch = _watch_of(st)
+        watch = st.watch_made()
         call.watched = True
         seen = call.seen
-        if seen is not None and protocol.extra_fits(st, seen.size):
-            rows = protocol.gathered_extra(st, seen.size)
+        if seen is not None and protocol.extra_fits(st.check, seen.size):
+            rows = protocol.gathered_extra(st.check, seen.size)
         else:  # no check ran, or its room was too small: one small collective more
             rows = np.array(st.transport.allgather(watch.contribution()), dtype=np.int64)
             call.epoch = perf_counter()
@@ -556,19 +572,12 @@ def _plan_call(st: CommState, call: _Call) -> None:
         call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
 
 
-def _watch_of(st: CommState) -> LinkWatch:
-    """The communicator's :class:`~optcc_mpi.watch.LinkWatch`, made on first use."""
-    if st.watch is None:
-        st.watch = LinkWatch(st.size)
-    return st.watch
-
-
 # -- phase 4: run -------------------------------------------------------------------------------
 def _run(st: CommState, call: _Call) -> None:
     """The data phase: gathered and reduced in rank order, the library's AllReduce, or
     the schedule on the executor."""
     p, backend, flat_out = st.size, call.backend, call.flat_out
-    name_run, sched, coll_only = call.plan
+    coll_only = call.plan.library_only
     short = call.algorithm == "auto" and coll_only and call.emu is None and 1 < p <= GATHER_MAX_P
     if short and 0 < call.nbytes and _gathered(st, call.nbytes):
         # A short message that did not travel in the check (the first call of a size, a
@@ -601,7 +610,7 @@ def _run(st: CommState, call: _Call) -> None:
         # rank order on every rank.
         _gather_reduce(st, call.opn, work if source is None else source, work, backend)
         return
-    if coll_only and pacer is None and not (backend.device and transport.sync_device):
+    if coll_only and pacer is None and not (backend.device and transport.caps.sync_device):
         # A schedule that is only the library's collective: call it directly (in place,
         # as every rank must: MPI_IN_PLACE is all or none).
         if source is not None:
@@ -611,6 +620,7 @@ def _run(st: CommState, call: _Call) -> None:
         return
     # Each rank reduces different parts: a floating-point warning or exception
     # (np.seterr) on one rank alone would leave the others waiting.
+    sched = call.plan.schedule
     with np.errstate(all="ignore"):
         call.stats = execute(
             sched, work, comm=transport, op=call.opn, backend=backend, pacer=pacer, source=source
@@ -626,12 +636,12 @@ def _gathered(st: CommState, nbytes: int) -> bool:
     call, agreed by the check or, without it, by the caller)."""
     if nbytes <= FOLD_MIN:
         return True
-    return nbytes <= capacity(st.size, nbytes, crossover.decide(st))
+    return nbytes <= room_for(st.size, nbytes, crossover.decide(st.check))
 
 
-def _record_watch(st: CommState, call: _Call, sched: Any, pacer: Any) -> None:
+def _record_watch(st: CommState, call: _Call, sched: Schedule, pacer: Pacer | None) -> None:
     """What this watched call measured, for the next call's check."""
-    watch = st.watch
+    watch = st.watch_made()
     stats = call.stats
     if pacer is None:
         watch.record_messages(st.rank, sched, call.work.dtype.itemsize, stats, call.epoch)
@@ -639,13 +649,15 @@ def _record_watch(st: CommState, call: _Call, sched: Any, pacer: Any) -> None:
         watch.record(st.rank, _timed_sends(stats, pacer), schedule=sched)
     # Room for what the next check carries (the same on every rank: it depends on the
     # schedule all of them ran).
-    room = 8 * watch.contribution_size()
+    need = 8 * watch.contribution_size()
     p = st.size
-    if p <= GATHER_MAX_P and room <= FOLD_TOTAL // p:
-        st.next_capacity = max(FOLD_MIN, 1 << (room - 1).bit_length())
+    if p <= GATHER_MAX_P and need <= FOLD_TOTAL // p:
+        room = room_for(p, need)
+        if need <= room:
+            st.check.agree_next(room)
 
 
-def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, float]]:
+def _timed_sends(stats: ExecStats, pacer: Pacer | None) -> list[tuple[int, int, float, float]]:
     """This call's paced sends as ``(peer, nbytes, busy from, busy until)`` for the watch.
 
     Under emulation the virtual NIC is what is slow, and its service time is what the pacer
@@ -654,14 +666,14 @@ def _timed_sends(stats: ExecStats, pacer: Any) -> list[tuple[int, int, float, fl
     show it). A pacer that charged nothing leaves the executor's records.
     """
     if pacer is None or not pacer.charged_to:
-        return [r[1:] for r in stats.sends]
+        return [(m.peer, m.nbytes, m.posted, m.completed) for m in stats.sends]
     sent: dict[int, int] = {}
-    for _, peer, nbytes, _, _ in stats.sends:
-        sent[peer] = sent.get(peer, 0) + nbytes
+    for m in stats.sends:
+        sent[m.peer] = sent.get(m.peer, 0) + m.nbytes
     return [(q, sent[q], 0.0, secs) for q, secs in pacer.charged_to.items() if q in sent]
 
 
-def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any) -> None:
+def _gather_reduce(st: CommState, opn: str, flat_in: Array, out: Array, backend: Backend) -> None:
     """Every rank's data gathered (through host memory) and reduced in rank order.
 
     ``out`` may be ``flat_in`` itself (the call is then in place). A transport that can
@@ -673,20 +685,19 @@ def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any
             backend.reduce(opn, out, rows[r])
         return
     host = flat_in if backend is NUMPY else backend.to_host(flat_in)
-    if backend.device and st.transport.sync_device:
+    if backend.device and st.transport.caps.sync_device:
         backend.synchronize()
     dtype = host.dtype
     nbytes = host.size * dtype.itemsize
     if st.size <= GATHER_MAX_P:
         # The check's buffers, with the room for this call only: the next check restores
-        # the one every rank agreed on (CommState.next_capacity).
-        cap = capacity(st.size, nbytes, crossover.known(st))
-        if cap != st.capacity or st.block is None:
-            st.ensure_capacity(cap, HEADER_BYTES)
+        # the one every rank agreed on (CheckState.agreed).
+        chk = st.check
+        cap = room_for(st.size, nbytes, chk.limit_known)
+        chk.use_room(cap)
         if nbytes <= cap:
-            views = st.views.get((dtype, nbytes)) or protocol.fold_views(st, dtype, nbytes)
-            np.copyto(views[0], host)
-            st.transport.allgather_block(st.block, st.gathered)
+            np.copyto(chk.views(dtype, nbytes)[0], host)
+            st.transport.allgather_block(chk.block, chk.gathered)
             _reduce_into(st, opn, dtype, nbytes, out, backend)
             return
     rows = np.empty((st.size, nbytes), dtype=np.uint8)
@@ -697,16 +708,18 @@ def _gather_reduce(st: CommState, opn: str, flat_in: Any, out: Any, backend: Any
     _put(out, total, backend)
 
 
-def _reduce_into(st: CommState, opn: str, dtype: Any, nbytes: int, out: Any, backend: Any) -> None:
+def _reduce_into(
+    st: CommState, opn: str, dtype: np.dtype, nbytes: int, out: Array, backend: Backend
+) -> None:
     if backend is NUMPY:
-        protocol.reduce_gathered(st, opn, dtype, nbytes, out)
+        protocol.reduce_gathered(st.check, opn, dtype, nbytes, out)
         return
     host = np.empty(nbytes // dtype.itemsize, dtype=dtype)
-    protocol.reduce_gathered(st, opn, dtype, nbytes, host)
+    protocol.reduce_gathered(st.check, opn, dtype, nbytes, host)
     _put(out, host, backend)
 
 
-def _put(out: Any, host: np.ndarray, backend: Any) -> None:
+def _put(out: Array, host: np.ndarray, backend: Backend) -> None:
     if backend is NUMPY:
         np.copyto(out, host)
     else:
@@ -717,12 +730,11 @@ def _put(out: Any, host: np.ndarray, backend: Any) -> None:
 
 # -- phase 5: finish ----------------------------------------------------------------------------
 def _finish(st: CommState, call: _Call) -> Any:
-    backend, work = call.backend, call.work
-    name_run, sched, coll_only = call.plan
+    backend, work, plan = call.backend, call.work, call.plan
     if call.keyed:
         backend.from_keys(work, call.flat_out.dtype, call.opn)
     elif (
-        coll_only
+        plan.library_only
         and work is not None
         and st.size > 1
         and call.opn in ("sum", "prod")
@@ -731,10 +743,16 @@ def _finish(st: CommState, call: _Call) -> Any:
         # Which NaN an addition returns depends on operand order, which the library may
         # vary by rank: make every NaN the canonical one.
         backend.canonical_nans(call.flat_out)
-    _last[0] = (
-        name_run, sched, call.stats, call.link_obj, call.emu, call.params, False,
+    _REGISTRY.last = CallRecord(
+        plan.algorithm,
+        plan.schedule,
+        call.stats if call.stats is not None else ExecStats(),
+        call.link_obj,
+        call.emu,
+        dict(call.params or {}),
+        False,
         st.transport.name,
-    )  # fmt: skip
+    )
     if (
         (work is None or call.library)
         and call.link_obj is _HEALTHY
@@ -749,21 +767,30 @@ def _finish_inline(st: CommState, call: _Call) -> Any:
     """The data travelled in the check: reduce every rank's rows in rank order."""
     if call.flat_out is None:
         call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
-    protocol.reduce_gathered(st, call.opn, call.flat_in.dtype, call.nbytes, call.flat_out)
+    protocol.reduce_gathered(st.check, call.opn, call.flat_in.dtype, call.nbytes, call.flat_out)
     plan = call.plan
-    _last[0] = (
-        plan[0], plan[1], None, call.link_obj, call.emu, call.params, True, st.transport.name
-    )  # fmt: skip
+    _REGISTRY.last = CallRecord(
+        plan.algorithm,
+        plan.schedule,
+        ExecStats(),
+        call.link_obj,
+        call.emu,
+        dict(call.params or {}),
+        True,
+        st.transport.name,
+    )
     if call.link_obj is _HEALTHY and call.emu is None and not call.params:
         _enable_compiled(st, call.flat_in.dtype, call.nbytes, plan)
     return call.result
 
 
 # -- buffers ------------------------------------------------------------------------------------
-def _recvbuf_for(transport: Any, flat_in: Any, recvbuf: Any, backend: Any) -> tuple[Any, bool]:
+def _recvbuf_for(
+    transport: Transport, flat_in: Array, recvbuf: Any, backend: Backend
+) -> tuple[Array, bool]:
     """``recvbuf`` as a flat array of ``sendbuf``'s kind, checked, and whether it is
     ``sendbuf``'s very memory (then the call is in place, as in mpi4py)."""
-    flat_out, out_backend = as_array(recvbuf, what="recvbuf", tensors=transport.tensors)
+    flat_out, out_backend = as_array(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
     if out_backend is not backend:
         raise ArgumentTypeError(
             f"sendbuf is a {backend.name} buffer but recvbuf a "
@@ -771,11 +798,11 @@ def _recvbuf_for(transport: Any, flat_in: Any, recvbuf: Any, backend: Any) -> tu
         )
     _same_shape(flat_in, flat_out)
     overlap = _overlap(flat_in, flat_out)
-    if overlap and overlap != "same":
+    if overlap is Overlap.PARTLY:
         raise ArgumentError("sendbuf and recvbuf overlap; use IN_PLACE to reduce in place")
     if not backend.writable(flat_out):
         raise ArgumentError("recvbuf is read-only")
-    return flat_out, overlap == "same"
+    return flat_out, overlap is Overlap.SAME
 
 
 def _same_shape(flat_in: Any, flat_out: Any) -> None:
@@ -801,53 +828,86 @@ def _numpy_flat(arr: np.ndarray, what: str) -> np.ndarray:
     return flat  # pragma: no cover
 
 
-def _overlap(a: Any, b: Any) -> str | bool:
-    """ "same" if ``a`` and ``b`` (1-D, same size and type) are the same memory, True if
-    they overlap otherwise, else False."""
+class Overlap(enum.Enum):
+    """How two buffers of the same size share memory."""
+
+    #: Not at all.
+    NONE = 0
+    #: They are the same memory (the call is in place).
+    SAME = 1
+    #: In part (an error).
+    PARTLY = 2
+
+
+def _overlap(a: Array, b: Array) -> Overlap:
+    """How ``a`` and ``b`` (1-D, same size and type) share memory."""
     if isinstance(a, np.ndarray):
         if not np.may_share_memory(a, b):
-            return False
+            return Overlap.NONE
         pa = a.__array_interface__["data"][0]
         pb = b.__array_interface__["data"][0]
-        return "same" if pa == pb else True
+        return Overlap.SAME if pa == pb else Overlap.PARTLY
     if hasattr(a, "data_ptr"):  # torch
         pa, pb = a.data_ptr(), b.data_ptr()
     else:
         pa = getattr(getattr(a, "data", None), "ptr", None)  # CuPy
         if pa is None:
-            return False
+            return Overlap.NONE
         pb = b.data.ptr
     if pa == pb:
-        return "same"
+        return Overlap.SAME
     n = a.shape[0] * a.dtype.itemsize
-    return bool(pa < pb + n and pb < pa + n)
+    return Overlap.PARTLY if pa < pb + n and pb < pa + n else Overlap.NONE
 
 
 # -- the compiled call path ----------------------------------------------------------------------
-#: The compiled call (:func:`optcc_mpi.fastcall.fold_function`), bound at the first MPI call
-#: that could use it (binding it loads MPI, which a torch-only job never does).
-_FOLD: Any = None
-
-
-def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Any) -> None:
+def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Plan) -> None:
     """After a short call whose data travelled in the check with default arguments:
     let the next such calls of this size and type take the compiled path."""
-    global _FOLD
-    if st.transport.name != "mpi":
+    if not isinstance(st.transport, fastcall.Compilable):
         return
-    if _FOLD is None:
-        _FOLD = fastcall.fold_function()
-        if _FOLD is None:
+    if _REGISTRY.fold is None:
+        # Bound at the first MPI call that could use it (binding it loads MPI, which a
+        # torch-only job never does).
+        _REGISTRY.fold = fastcall.fold_function()
+        if _REGISTRY.fold is None:
             return
     key = (nbytes, dtype)
     if key not in st.folds:
-        st.remember(st.folds, key, plan)
-    if st.fast is None:
-        # Until the gather limit is decided, the least room, and nothing for the library:
-        # the Python path decides it at the first call that needs it.
-        decided = st.gather_limit is not None
-        handles = st.transport.predefined if decided else None
-        st.fast = fastcall.context(st, _COMPILED_HEADER, FOLD_MIN, crossover.known(st), handles)
+        st.folds.put(key, _fold_entry(st, plan))
+    st.check.make_compiled(functools.partial(_compiled_context, st.transport))
+
+
+def _fold_entry(st: CommState, plan: Plan) -> Fold:
+    """The records of this plan's calls on the compiled path, made once: a call there
+    costs no allocation for its record."""
+    name = st.transport.name
+
+    def record(inline: bool) -> CallRecord:
+        return CallRecord(
+            plan.algorithm, plan.schedule, ExecStats(), _HEALTHY, None, {}, inline, name
+        )
+
+    return Fold(plan, record(True), record(False))
+
+
+def _compiled_context(transport: fastcall.Compilable, chk: CheckState) -> object | None:
+    """The compiled path's context over the check buffers of ``chk``. Until the gather
+    limit is decided: the least room, and nothing for the library (the Python path
+    decides the limit at the first call that needs it)."""
+    limit = chk.limit_known
+    handles = transport.predefined if chk.gather_limit is not None else None
+    return fastcall.context(
+        chk.transport,
+        chk.block,
+        chk.gathered,
+        chk.room,
+        _COMPILED_HEADER,
+        served(chk.size, chk.room, limit),
+        FOLD_MIN,
+        limit,
+        handles,
+    )
 
 
 def _try_compiled(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, check: bool) -> Any:
@@ -864,11 +924,6 @@ def _try_compiled(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, check: bool) -
     return None
 
 
-#: The communicator object of the last call the compiled path took, and its state: a loop
-#: over one communicator skips the lookup (:func:`_known`). Holding the object keeps its
-#: identity from being reused; a freed communicator's state has no compiled context (the
-#: MPI transport drops it when MPI frees the communicator), so its calls go to Python.
-_RECENT: list[Any] = [_HEALTHY, None]
 _OP_CODE = protocol.OP_CODE
 
 
@@ -884,41 +939,45 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
     the library's AllReduce after the check (``auto`` hands it to the library). With
     ``check=False`` the same collectives run without comparing the headers: up to the limit
     the room is the one the Python path's gather uses for this size
-    (:func:`~optcc_mpi.protocol.capacity`), so ranks on either path move blocks of one
-    shape; above it, the library's AllReduce alone."""
-    recent = _RECENT
-    if comm is recent[0]:
-        st = recent[1]
-    else:
+    (:func:`~optcc_mpi.state.room_for`), so ranks on either path move blocks of one
+    shape; above it, the library's AllReduce alone.
+
+    A loop over one communicator skips the lookup (:attr:`Registry.recent`). Holding the
+    communicator object keeps its identity from being reused; a freed communicator's state
+    has no compiled context (the registry drops it when the transport closes), so its
+    calls go to Python."""
+    recent_comm, st = _REGISTRY.recent
+    if comm is not recent_comm or st is None:
         st = _known(comm)
         if st is None:
             return False
-        recent[0], recent[1] = comm, st
-    fast = st.fast
-    if fast is None or (check and st.next_capacity != st.capacity):
-        return False  # (without the check, the room is capacity()'s: the C side checks it)
+        _REGISTRY.recent = (comm, st)
+    chk = st.check
+    fast = chk.compiled
+    if fast is None or (check and not chk.ready):
+        return False  # (without the check, the room is room_for()'s: the C side checks it)
     opc = _OP_CODE.get(op) if type(op) is str else None
     rc = config.rc
     if opc is None or rc.links is not None or rc.emulate is not None:
         return False
     dtype = sendbuf.dtype
     nbytes = sendbuf.nbytes
-    plan = st.folds.get((nbytes, dtype))
-    if plan is None:
+    entry = st.folds.get((nbytes, dtype))
+    if entry is None:
         return False
-    answer = _FOLD(fast, sendbuf, recvbuf, opc, check)
+    answer = _REGISTRY.fold(fast, sendbuf, recvbuf, opc, check)
     if answer == fastcall.FALLBACK:
         return False
     inline = bool(check)
     if answer == fastcall.GATHERED:  # agreed; a reduction the C path leaves to NumPy
-        protocol.reduce_gathered(st, op, dtype, nbytes, _numpy_flat(recvbuf, "recvbuf"))
+        protocol.reduce_gathered(chk, op, dtype, nbytes, _numpy_flat(recvbuf, "recvbuf"))
     elif answer == fastcall.LIBRARY:  # the check, then the library's AllReduce
         inline = False
     elif answer == fastcall.MISMATCH:
         # As the Python path: every rank saw the same headers, so the same next room and
         # the same error (the ranks on the Python path raise it from the check).
-        table = st.heads.copy().view("<i8")
-        st.next_capacity = FOLD_MIN
+        table = chk.heads.copy().view("<i8")
+        chk.agree_next(FOLD_MIN)
         shown = {
             "element count": str(sendbuf.size),
             "dtype": NAME_OF[dtype],
@@ -929,8 +988,8 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
             "backend": NUMPY.name,
             "params": "{}",
         }
-        protocol.disagreement(st, None, Mismatch(table=table), shown)
+        protocol.disagreement(chk, None, Mismatch(table=table), shown)
     elif answer != fastcall.DONE:
         raise RuntimeError(f"the compiled call path failed (code {answer})")
-    _last[0] = (plan[0], plan[1], None, _HEALTHY, None, None, inline, "mpi")
+    _REGISTRY.last = entry.gathered if inline else entry.library
     return True

@@ -42,22 +42,21 @@ torch.distributed the limit stays ``FOLD_TOTAL / p`` unless set.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from optcc_mpi import config, fastcall
 from optcc_mpi.backend import NUMPY
 from optcc_mpi.errors import ArgumentError
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, HEADER_BYTES, CommState
+from optcc_mpi.state import FOLD_MIN, HEADER_BYTES, CheckState, rooms, served
+from optcc_mpi.transports.base import Transport
 from optcc_mpi.units import format_size, parse_size
 
 __all__ = [
     "TOLERANCE",
-    "rooms",
     "static",
-    "known",
     "decide",
     "measure",
     "verdicts",
@@ -74,15 +73,8 @@ CALLS, FIRST, MOST = 3, 3, 15
 BUDGET = 0.05
 #: Share of the repetitions that must agree on which way is faster at a size.
 AGREE = 0.75
-
-
-def rooms(p: int) -> list[int]:
-    """The rooms the check can have on ``p`` ranks, smallest first."""
-    top = max(FOLD_MIN, FOLD_TOTAL // max(p, 1))
-    out = [FOLD_MIN]
-    while out[-1] * 2 <= top:
-        out.append(out[-1] * 2)
-    return out
+#: One way of moving a message: ``way(x, y)`` reduces ``x`` into ``y`` over the ranks.
+Way = Callable[[np.ndarray, np.ndarray], object]
 
 
 def static(p: int) -> int:
@@ -90,19 +82,14 @@ def static(p: int) -> int:
     return rooms(p)[-1]
 
 
-def known(st: CommState) -> int:
-    """The communicator's limit if decided, else the least (no collective)."""
-    return st.gather_limit if st.gather_limit is not None else FOLD_MIN
-
-
-def decide(st: CommState) -> int:
+def decide(st: CheckState) -> int:
     """The communicator's gather limit, decided now if it is not yet (collective then:
     every rank must call it at the same call, which every rank does since the calls that
     need it are agreed). Raises ArgumentError on every rank if ``$OPTCC_GATHER_LIMIT``
     differs across ranks or does not parse."""
     if st.gather_limit is not None:
         return st.gather_limit
-    choices = rooms(st.size)
+    choices = list(rooms(st.size))
     text = config.rc.gather_limit
     wanted, err = -1, None
     if text is not None:
@@ -124,17 +111,16 @@ def decide(st: CommState) -> int:
         )
     if wanted >= 0:
         limit = max([c for c in choices if c <= wanted] or [FOLD_MIN])
-    elif st.transport.name != "mpi" or st.size < 2:
+    elif not isinstance(st.transport, fastcall.Compilable) or st.size < 2:
         limit = choices[-1]
     else:
         ratio = verdicts(measure(st.transport, choices))
         limit = choose(choices, ratio, np.ones_like(ratio))
-    st.gather_limit = limit
-    st.fast = None  # the compiled path's context is made again, with the limit
+    st.decide_limit(limit)
     return limit
 
 
-def measure(transport: Any, sizes: list[int]) -> np.ndarray:
+def measure(transport: Transport, sizes: list[int]) -> np.ndarray:
     """Seconds per call of the two ways (module docstring) at each size, per repetition:
     shape (repetitions, 2, sizes), way 0 gathering the check's block with the data and
     reducing the rows in rank order, way 1 gathering the header then calling the library's
@@ -185,14 +171,23 @@ def _settled(times: np.ndarray) -> bool:
     return bool(np.all(_agreed(ratio, np.median(ratio, axis=0))))
 
 
-def _cases(transport: Any, sizes: list[int]) -> list[Any]:
+class _Case(NamedTuple):
+    """One size's buffers and its two ways of moving them."""
+
+    x: np.ndarray
+    y: np.ndarray
+    gathered: Way
+    library: Way
+
+
+def _cases(transport: Transport, sizes: list[int]) -> list[_Case]:
     """Buffers for both ways at each size, and the two ways as functions of them: the
     compiled call path's own (:mod:`optcc_mpi.fastcall`, on contexts of their own) where
     every rank has it, so that what is timed is what the calls will run, else the Python
     path's steps."""
     # Every rank must time the same way: one small collective says whether all can.
     fold = fastcall.fold_function()
-    handles = getattr(transport, "predefined", None)
+    handles = transport.predefined if isinstance(transport, fastcall.Compilable) else None
     flag = np.array([fold is None or handles is None], dtype=np.int64)
     transport.allreduce_max(flag)
     compiled = flag[0] == 0
@@ -208,24 +203,29 @@ def _cases(transport: Any, sizes: list[int]) -> list[Any]:
             ways = _python_ways(transport, size)
         for way in ways:  # warm up: first-touch pages, the library's own set-up
             way(x, y)
-        cases.append(((x, y), *ways))
+        cases.append(_Case(x, y, *ways))
     return cases
 
 
-def _compiled_ways(transport: Any, fold: Any, handles: Any, size: int) -> Any:
+def _compiled_ways(
+    transport: Transport,
+    fold: Callable[..., int],
+    handles: Callable[[str, str], tuple[object, object] | None],
+    size: int,
+) -> tuple[Way, Way] | None:
     """The compiled path's two ways for messages of ``size`` bytes: gathered in a room of
     that size, and the check then the library (a context whose limit is below any size),
     each on check buffers of its own; every rank writes the same header."""
     p = transport.size
     header = (0,) * 12
 
-    def context(room: int, limit: int) -> Any:
+    def context(room: int, limit: int) -> object | None:
         block = np.zeros(HEADER_BYTES + room, dtype=np.uint8)
         gathered = np.zeros((p, block.size), dtype=np.uint8)
-        fake = SimpleNamespace(
-            transport=transport, block=block, gathered=gathered, capacity=room, size=p
+        sizes = served(p, room, limit)
+        return fastcall.context(
+            transport, block, gathered, room, header, sizes, FOLD_MIN, limit, handles
         )
-        return fastcall.context(fake, header, FOLD_MIN, limit, handles)
 
     folded, checked = context(size, size), context(FOLD_MIN, 0)
     if folded is None or checked is None:
@@ -236,7 +236,7 @@ def _compiled_ways(transport: Any, fold: Any, handles: Any, size: int) -> Any:
     )
 
 
-def _python_ways(transport: Any, size: int) -> tuple[Any, Any]:
+def _python_ways(transport: Transport, size: int) -> tuple[Way, Way]:
     """The Python path's steps of the two ways for messages of ``size`` bytes."""
     p = transport.size
     head = np.zeros(HEADER_BYTES + FOLD_MIN, dtype=np.uint8)
@@ -264,24 +264,29 @@ def _python_ways(transport: Any, size: int) -> tuple[Any, Any]:
     return gathered, library
 
 
-def _repetition(cases: list[Any]) -> np.ndarray:
+def _repetition(cases: list[_Case]) -> np.ndarray:
     """This rank's seconds per call in one repetition, shape (2 * sizes,): size by size,
     the two ways back to back (each over CALLS calls); way 0's sizes first."""
     n = len(cases)
     out = np.empty(2 * n)
     clock = time.perf_counter
-    args, gathered, _ = cases[0]
-    gathered(*args)  # untimed: the ranks leave the previous collective at different times
-    for k, (args, gathered, library) in enumerate(cases):
-        for way, fn in enumerate((gathered, library)):
+    first = cases[0]
+    first.gathered(first.x, first.y)  # untimed: the ranks leave the last collective apart
+    for k, case in enumerate(cases):
+        for way, fn in enumerate((case.gathered, case.library)):
             t0 = clock()
             for _ in range(CALLS):
-                fn(*args)
+                fn(case.x, case.y)
             out[way * n + k] = (clock() - t0) / CALLS
     return out
 
 
-def choose(sizes: list[int], gather: Any, library: Any, tolerance: float = TOLERANCE) -> int:
+def choose(
+    sizes: Sequence[int],
+    gather: Sequence[float] | np.ndarray,
+    library: Sequence[float] | np.ndarray,
+    tolerance: float = TOLERANCE,
+) -> int:
     """The gather limit from per-size times (or ratios) of the two ways: of the limits
     ``sizes[j]`` (sizes up to it gathered, larger ones by the library), one whose total
     excess is least, the largest of them. A size's excess is how much slower its way is
@@ -305,7 +310,7 @@ def choose(sizes: list[int], gather: Any, library: Any, tolerance: float = TOLER
     return int(sizes[int(best.max())])
 
 
-def describe(st: CommState) -> str:
+def describe(st: CheckState) -> str:
     """One line on the communicator's limit, for messages and ``info``."""
     if st.gather_limit is None:
         return "gather limit not decided yet"

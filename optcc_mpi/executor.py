@@ -12,7 +12,8 @@ pipelined stages really overlap, and reacts to completions:
   arrives;
 * local copies and reductions run as soon as they are ready.
 
-How completions are seen is the transport's (``Transport.observe``):
+How completions are seen is the transport's (``Transport.caps.completion``,
+:class:`~optcc_mpi.transports.Completion`):
 
 ``"any"`` (MPI)
     ``Waitsome`` names whatever completed.
@@ -72,16 +73,16 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as _FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from optcc_mpi import transports
 from optcc_mpi.backend import Backend
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
-from optcc_mpi.transports.base import Transport
+from optcc_mpi.transports.base import Completion, Post, Transport
 
-__all__ = ["ExecStats", "execute", "levels", "TAG_BASE"]
+__all__ = ["ExecStats", "Message", "TraceEvent", "execute", "levels", "TAG_BASE"]
 
 #: Tags of our messages are TAG_BASE + channel, on a communicator of our own.
 TAG_BASE = 1000
@@ -92,12 +93,40 @@ SOURCE = 2
 PIECES = -1
 
 
+class Message(NamedTuple):
+    """One message a rank sent or received (:attr:`ExecStats.sends`, ``recvs``)."""
+
+    #: The operation's index in the schedule.
+    op: int
+    #: The other rank.
+    peer: int
+    #: Bytes moved.
+    nbytes: int
+    #: When it was handed to the library (seconds since :attr:`ExecStats.start`).
+    posted: float
+    #: When the library reported it done.
+    completed: float
+
+
+class TraceEvent(NamedTuple):
+    """One operation's times, when tracing (:attr:`ExecStats.trace`)."""
+
+    #: The operation's index in the schedule.
+    op: int
+    #: Its kind (:data:`optcc_mpi.schedule.SEND`, ...).
+    kind: int
+    #: When it was posted (seconds since the start of the call).
+    posted: float
+    #: When it completed.
+    completed: float
+
+
 @dataclass
 class ExecStats:
     """What one rank did while executing a schedule.
 
-    ``sends`` and ``recvs`` hold one tuple ``(op, peer, nbytes, posted, completed)`` per
-    message, in completion order; times are seconds since ``start`` (a
+    ``sends`` and ``recvs`` hold one :class:`Message` ``(op, peer, nbytes, posted,
+    completed)`` per message, in completion order; times are seconds since ``start`` (a
     ``time.perf_counter()`` value, so on one host the records of all ranks share a
     clock). ``posted`` is when the send or receive was handed to the library (for a paced
     send, when the virtual NIC released it), ``completed`` when the library reported it
@@ -112,10 +141,10 @@ class ExecStats:
     bytes_received: int = 0
     max_in_flight: int = 0
     start: float = 0.0
-    sends: list[tuple[int, int, int, float, float]] = field(default_factory=list)
-    recvs: list[tuple[int, int, int, float, float]] = field(default_factory=list)
-    trace: list[tuple[int, int, float, float]] = field(default_factory=list)
-    """With tracing: (op index, kind, post time, completion time) relative to the start."""
+    sends: list[Message] = field(default_factory=list)
+    recvs: list[Message] = field(default_factory=list)
+    trace: list[TraceEvent] = field(default_factory=list)
+    """With tracing: one :class:`TraceEvent` per operation, times relative to the start."""
 
 
 # -- levels -------------------------------------------------------------------------------------
@@ -253,7 +282,7 @@ class _Plan:
         self.temp_pool: dict[Any, dict[int, list[Any]]] = {}
         #: Levels of this rank's operations and the operations of each level, in an order
         #: both ends of every pair agree on: made on first use by a transport that needs
-        #: them (``observe`` "ordered" or "grouped").
+        #: them (completions ORDERED or GROUPED).
         self.level: list[int] | None = None
         self.rounds: list[list[int]] | None = None
 
@@ -471,7 +500,8 @@ def execute(
         if source is not None:
             backend.copyto(buf, source)
         return stats
-    if pacer is not None and transport.observe == "grouped":
+    grouped = transport.caps.completion is Completion.GROUPED
+    if pacer is not None and grouped:
         raise ValueError(f"a {transport.name} transport cannot be paced (emulation)")
     if staging is None:
         staging = transport.staging(backend)
@@ -479,7 +509,7 @@ def execute(
     run = _Run(schedule, plan, buf, transport, op, backend, staging, pacer, trace, stats)
     if sourcing is not None:
         run.read_from(source, sourcing)
-    if transport.observe == "grouped":
+    if grouped:
         run.grouped()
     else:
         run.loop()
@@ -510,7 +540,7 @@ class _Run:
         self.dtype = buf.dtype
         scratch = backend.empty(schedule.scratch, buf.dtype) if schedule.scratch else None
         self.buffers = [buf, scratch]
-        self.sync = backend.device and transport.sync_device
+        self.sync = backend.device and transport.caps.sync_device
         # Byte views of the buffers, made once per call: a message is one slice of these.
         # (A device buffer bound for MPI is viewed only after synchronising, per message.)
         self.raw = None if staging or self.sync else [self.bytes_of(b) for b in self.buffers]
@@ -562,7 +592,9 @@ class _Run:
         self.completed += 1
         if self.tracing:
             now = time.perf_counter() - self.t0
-            self.stats.trace.append((i, self.plan.kind[i], self.post_time[i] - self.t0, now))
+            self.stats.trace.append(
+                TraceEvent(i, self.plan.kind[i], self.post_time[i] - self.t0, now)
+            )
         waiting, qprev, posted, ready = self.waiting, self.plan.qprev, self.posted, self.ready
         for d in self.plan.dependents[i]:
             waiting[d] -= 1
@@ -678,7 +710,7 @@ class _Run:
         kind = plan.kind[i]
         if kind == SEND:
             stats.sends.append(
-                (i, plan.peer[i], plan.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
+                Message(i, plan.peer[i], plan.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
             )
             stats.messages_sent += 1
             stats.bytes_sent += plan.nbytes[i]
@@ -697,7 +729,7 @@ class _Run:
             self.finish(i)
             return
         stats.recvs.append(
-            (i, plan.peer[i], plan.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
+            Message(i, plan.peer[i], plan.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
         )
         stats.messages_received += 1
         stats.bytes_received += plan.nbytes[i]
@@ -780,7 +812,7 @@ class _Run:
     def loop(self) -> None:
         """Post what is ready, then see completions as the transport allows."""
         n, stats = self.plan.n, self.stats
-        ordered = self.t.observe == "ordered"
+        ordered = self.t.caps.completion is Completion.ORDERED
         if ordered:
             self.plan.leveled(self.schedule, self.t.rank)
         while self.completed < n:
@@ -892,9 +924,9 @@ class _Run:
             for i in ops:
                 k = kinds[i]
                 if k == SEND:
-                    posts.append((True, self.send_message(i), plan.peer[i], plan.tag[i]))
+                    posts.append(Post(True, self.send_message(i), plan.peer[i], plan.tag[i]))
                 elif k == RECV or k == RECV_REDUCE:
-                    posts.append((False, self.recv_message(i), plan.peer[i], plan.tag[i]))
+                    posts.append(Post(False, self.recv_message(i), plan.peer[i], plan.tag[i]))
             start = time.perf_counter()
             if posts:
                 for req in self.t.batch(posts):

@@ -31,26 +31,47 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import importlib
 import importlib.machinery
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from optcc_mpi import config
 from optcc_mpi.dtypes import CATEGORY, DTYPES, LOW_PRECISION, OPS, check_op_dtype
 from optcc_mpi.errors import ArgumentError
+from optcc_mpi.transports.base import Transport
 
-__all__ = ["built", "available", "context", "fold_function", "reduce_kind", "sum_rows"]
+__all__ = [
+    "Compilable",
+    "built",
+    "available",
+    "context",
+    "fold_function",
+    "reduce_kind",
+    "sum_rows",
+]
 
 #: fold()'s answers (``_fastcall.c``).
 FALLBACK, DONE, GATHERED, MISMATCH, LIBRARY = -1, 0, 1, 2, 3
 #: The rank-order sums done in C, by our dtype name (``_fastcall.c``'s RED_*).
 _SUM_KINDS = {"float32": 1, "float64": 2, "int32": 3, "int64": 4}
+
+
+@runtime_checkable
+class Compilable(Protocol):
+    """A transport the compiled path can drive (MPI's): it offers the mpi4py
+    communicator its calls travel on, and the handles of its library's AllReduce."""
+
+    private: Any
+
+    def predefined(self, dtype_name: str, op: str) -> tuple[Any, Any] | None:
+        """The MPI datatype and op of the library's AllReduce for this pair when both are
+        MPI's own, else None."""
+        ...
 
 
 def _built(here: Path) -> Any:
@@ -59,7 +80,7 @@ def _built(here: Path) -> Any:
     if not any((here / f"_fastcall{s}").exists() for s in importlib.machinery.EXTENSION_SUFFIXES):
         return None
     try:
-        ext = importlib.import_module("optcc_mpi._fastcall")
+        from optcc_mpi import _fastcall as ext  # the optional compiled extension
     except ImportError:  # pragma: no cover - a library built for another interpreter
         return None
     src = here / "_fastcall.c"
@@ -139,36 +160,67 @@ def _formats() -> tuple[tuple[str, int, int, int, int], ...]:
 
 
 def context(
-    st: Any,
+    transport: Transport,
+    block: np.ndarray,
+    gathered: np.ndarray,
+    room: int,
     header: tuple[int, ...],
-    fold_min: int,
+    sizes: tuple[int, int],
+    least: int,
     limit: int,
     handles: Callable[[str, str], tuple[Any, Any] | None] | None = None,
-) -> Any:
-    """The C context for communicator state ``st`` and its current check buffers, or
-    None without the extension. ``header``: the 12 header fields, those of the call
-    zero; ``limit``: the largest room (the gather limit); ``handles(dtype name, op)``:
-    the MPI datatype and op the library's AllReduce uses for that pair when both are
-    MPI's own, else None (None: calls above the limit are left to Python)."""
+) -> object | None:
+    """The C context for a communicator's check buffers, or None without the extension
+    (or for a transport that is not MPI's, or a single rank).
+
+    Parameters
+    ----------
+    transport : Transport
+        The communicator's MPI transport (its private duplicate carries the calls).
+    block, gathered : numpy.ndarray
+        The check's buffers: this rank's block (header, then ``room`` bytes) and every
+        rank's, one row each.
+    room : int
+        The check's room in these buffers.
+    header : tuple of int
+        The 12 header fields, those of the call zero.
+    sizes : (int, int)
+        ``(lo, hi)``: the message sizes ``lo < n <= hi`` this room serves
+        (:func:`optcc_mpi.state.served`): the C side takes its calls by this range, not
+        by a copy of the sizing rule.
+    least : int
+        The least room (after a call above the limit, the check has it).
+    limit : int
+        The gather limit: larger messages go to the library's AllReduce after the check.
+    handles : callable, optional
+        ``handles(dtype name, op)``: the MPI datatype and op the library's AllReduce uses
+        for that pair when both are MPI's own, else None (None: calls above the limit are
+        left to Python).
+    """
     mod = _module()
-    private = getattr(st.transport, "private", None)
-    if mod is None or private is None or st.block is None or not 1 < st.size:
+    if mod is None or not isinstance(transport, Compilable) or not 1 < transport.size:
+        return None
+    private = transport.private
+    if private is None:  # freed
         return None
     from mpi4py import MPI  # loaded already: _module() found it
 
     ext, address, size, reduce_at = mod
     formats = _formats()
+    lo, hi = sizes
     return ext.make(
         address,
         size,
         MPI._handleof(private),
         MPI._handleof(MPI.BYTE),
-        st.size,
-        st.capacity,
-        fold_min,
+        transport.size,
+        room,
+        lo,
+        hi,
+        least,
         limit,
-        st.block,
-        st.gathered,
+        block,
+        gathered,
         header,
         formats,
         reduce_at,

@@ -30,9 +30,9 @@ from optcc_mpi.emulation import Emulation
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import RECV, ScheduleBuilder
-from optcc_mpi.state import state_of
+from optcc_mpi.transports import of as transport_of
 
-__all__ = ["ProbeResult", "probe", "cached_probe", "HEALTHY_ABOVE"]
+__all__ = ["ProbeResult", "probe", "HEALTHY_ABOVE"]
 
 #: Measured fractions at or above this count as healthy. On the namespace testbed
 #: (2 shared cores) single measurements of healthy ranks vary by up to 20%.
@@ -93,12 +93,11 @@ def probe(
     healthy_above : float
         Fractions of the median rank's bandwidth at or above this count as healthy.
     """
-    st = state_of(comm)
-    p, rank = st.size, st.rank
+    wire = transport_of(comm)
+    p, rank = wire.size, wire.rank
     t_start = time.perf_counter()
     if p < 2:
         return ProbeResult(Links(), np.full(1, np.inf), np.full(1, np.inf), 0.0, nbytes)
-    wire = st.transport
     emu = Emulation.coerce(emulate)
     shifts = [1] if p == 2 else [1, 2]
     buf, backend = wire.scratch(nbytes)
@@ -126,11 +125,3 @@ def probe(
     frac = np.where(frac >= healthy_above, 1.0, np.round(frac, 2))
     links = Links({r: float(f) for r, f in enumerate(frac) if f < 1.0})
     return ProbeResult(links, send, recv, time.perf_counter() - t_start, nbytes, rates)
-
-
-def cached_probe(comm: Any, *, emulate: Any = None, refresh: bool = False) -> ProbeResult:
-    """:func:`probe` once per communicator (cached with the communicator's state)."""
-    st = state_of(comm)
-    if refresh or st.probe is None:
-        st.probe = probe(comm, emulate=emulate)
-    return st.probe

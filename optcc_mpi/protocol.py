@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import zlib
 from functools import lru_cache
-from typing import Any
 
 import numpy as np
 
@@ -50,7 +49,7 @@ from optcc_mpi import agreement, crossover, fastcall
 from optcc_mpi.dtypes import DTYPES, LOW_PRECISION, NAME_OF, OPS
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, HEADER, HEADER_BYTES, CommState
+from optcc_mpi.state import FOLD_MIN, HEADER, HEADER_BYTES, CheckState, room_for
 
 __all__ = [
     "HEADER",
@@ -62,11 +61,9 @@ __all__ = [
     "OP_CODE",
     "Mismatch",
     "code",
-    "capacity",
     "agree",
     "extra_fits",
     "gathered_extra",
-    "fold_views",
     "reduce_gathered",
     "disagreement",
 ]
@@ -101,45 +98,32 @@ def code(text: str) -> int:
 
 
 class Mismatch(Exception):
-    """Some rank failed or the ranks disagree (every rank raises it: all saw the same)."""
+    """Some rank failed or the ranks disagree (every rank raises it: all saw the same).
 
-    def __init__(self, table: Any = None, bounds: Any = None) -> None:
+    Parameters
+    ----------
+    table : numpy.ndarray, optional
+        Every rank's header fields, one row per rank (the gathered check).
+    bounds : tuple of numpy.ndarray, optional
+        The element-wise minimum and maximum of the fields over the ranks (the check
+        above :data:`GATHER_MAX_P` ranks).
+    """
+
+    def __init__(
+        self,
+        table: np.ndarray | None = None,
+        bounds: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         super().__init__()
         self.table, self.bounds = table, bounds
 
 
-def capacity(p: int, nbytes: int, limit: int | None = None) -> int:
-    """Data room of the check for a message of ``nbytes``: the power of two from FOLD_MIN
-    up that holds it, or FOLD_MIN if none up to ``limit`` (the communicator's gather
-    limit; default FOLD_TOTAL / p) does."""
-    if limit is None:
-        limit = max(FOLD_MIN, FOLD_TOTAL // max(p, 1))
-    cap = FOLD_MIN
-    while cap < nbytes and cap * 2 <= limit:
-        cap *= 2
-    return cap if nbytes <= cap else FOLD_MIN
-
-
-def fold_views(st: CommState, dtype: Any, nbytes: int) -> tuple[Any, list[Any]]:
-    """Typed views of the data room: this rank's block, and every rank's gathered row
-    (cached until the room changes)."""
-    lo, hi = HEADER_BYTES, HEADER_BYTES + nbytes
-    views = (
-        st.block[lo:hi].view(dtype),
-        [st.gathered[r, lo:hi].view(dtype) for r in range(st.size)],
-    )
-    if len(st.views) > 16:
-        st.views.clear()
-    st.views[(dtype, nbytes)] = views
-    return views
-
-
 def agree(
-    st: CommState,
+    st: CheckState,
     fields: tuple[int, ...],
     err: BaseException | None,
     foldable: bool,
-    data: Any,
+    data: np.ndarray | None,
     extra: np.ndarray | None = None,
 ) -> bool:
     """One collective of fixed shape; returns True if the data travelled with it (then
@@ -158,21 +142,17 @@ def agree(
         return False
     # The data room agreed at the previous call (the gathered blocks of that call were
     # read before it changed).
-    if st.next_capacity != st.capacity or st.block is None:
-        st.ensure_capacity(st.next_capacity, HEADER_BYTES)
-    cap = st.capacity
+    st.prepare()
+    cap = st.room
     nbytes = fields[10]
     # Not above the gather limit (a room left larger by a watched call must not change
     # how a message is reduced; until the limit is decided, the least room).
-    fold = foldable and nbytes <= cap and nbytes <= crossover.known(st)
+    fold = foldable and nbytes <= cap and nbytes <= st.limit_known
     fields = fields[:11] + (cap * 4 + 2 * int(foldable) + int(fold),)
     hb = HEADER.pack(*fields)
     st.block_mv[:HEADER_BYTES] = hb
-    if fold and nbytes:
-        views = st.views.get((data.dtype, nbytes))
-        if views is None:
-            views = fold_views(st, data.dtype, nbytes)
-        np.copyto(views[0], data)
+    if fold and nbytes and data is not None:
+        np.copyto(st.views(data.dtype, nbytes)[0], data)
     elif extra is not None and extra_fits(st, extra.size):
         st.block[HEADER_BYTES : HEADER_BYTES + 8 * extra.size].view("<i8")[:] = extra
     st.transport.allgather_block(st.block, st.gathered)
@@ -185,36 +165,36 @@ def agree(
         # the first call that needs it (collective).
         room = FOLD_MIN
         if foldable and nbytes > FOLD_MIN:
-            room = capacity(p, nbytes, crossover.decide(st))
-        if room != cap:
-            st.next_capacity = room
+            room = room_for(p, nbytes, crossover.decide(st))
+        st.agree_next(room)
         return fold
     table = heads.copy().view("<i8")  # (p, fields)
     # Every rank saw the same table: the same next room, then the same error.
-    st.next_capacity = FOLD_MIN
+    st.agree_next(FOLD_MIN)
     raise Mismatch(table=table)
 
 
-def extra_fits(st: CommState, n: int) -> bool:
+def extra_fits(st: CheckState, n: int) -> bool:
     """Whether ``n`` int64 travel in the check's data room (the same answer on every
     rank: the room and the size of the communicator are agreed)."""
-    return st.size <= GATHER_MAX_P and st.block is not None and 8 * n <= st.capacity
+    return st.size <= GATHER_MAX_P and st.fits(8 * n)
 
 
-def gathered_extra(st: CommState, n: int) -> np.ndarray:
+def gathered_extra(st: CheckState, n: int) -> np.ndarray:
     """Every rank's ``extra`` of the last check, one row per rank."""
     return st.gathered[:, HEADER_BYTES : HEADER_BYTES + 8 * n].view("<i8")
 
 
-def reduce_gathered(st: CommState, opn: str, dtype: Any, nbytes: int, out: Any) -> None:
+def reduce_gathered(
+    st: CheckState, opn: str, dtype: np.dtype, nbytes: int, out: np.ndarray
+) -> None:
     """Reduce every rank's data from the check's gather into ``out``, in rank order."""
     kind = fastcall.reduce_kind(NAME_OF.get(dtype, "")) if opn == "sum" else 0
     if kind and st.size > 1:
         # The loop of the compiled path, so that both paths give the same bits.
         fastcall.sum_rows(kind, out, st.gathered, HEADER_BYTES)
         return
-    views = st.views.get((dtype, nbytes))
-    rows = views[1] if views is not None else fold_views(st, dtype, nbytes)[1]
+    rows = st.views(dtype, nbytes)[1]
     if opn == "sum" and dtype not in LOW_PRECISION:
         np.add(rows[0], rows[1], out=out)
         for row in rows[2:]:
@@ -226,7 +206,7 @@ def reduce_gathered(st: CommState, opn: str, dtype: Any, nbytes: int, out: Any) 
 
 
 def disagreement(
-    st: CommState,
+    st: CheckState,
     err: BaseException | None,
     mismatch: Mismatch,
     shown: dict[str, str],

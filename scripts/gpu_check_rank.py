@@ -9,7 +9,7 @@
 
 With ``--device cuda`` the process group is NCCL and the tensors are CUDA tensors; with
 ``--device cpu`` (what ``gpu_check.py --cpu`` runs, to test the checks where there is no
-GPU) it is gloo, and the transport is made to use NCCL's executor driver (``observe =
+GPU) it is gloo, and the transport is made to use NCCL's executor driver (``caps.completion =
 "grouped"``: each level's messages posted as one group, nothing waited for on the host)
 so that the code NCCL runs is the code checked.
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import dataclasses
 import hashlib
 import json
 import os
@@ -55,6 +56,7 @@ import torch.distributed as dist  # noqa: E402
 import optcc_mpi  # noqa: E402
 import optcc_mpi.torch as ot  # noqa: E402
 from optcc_mpi import algorithms, collectives, transports  # noqa: E402
+from optcc_mpi.transports import Completion  # noqa: E402
 from optcc_mpi.backend import TorchBackend  # noqa: E402
 from optcc_mpi.reductions import reduce_with  # noqa: E402
 
@@ -233,7 +235,9 @@ class Rank:
         self.group = dist.group.WORLD
         self.wire = transports.of(self.group)
         if not self.cuda:
-            self.wire.observe = "grouped"  # NCCL's driver, run over gloo
+            self.wire.caps = dataclasses.replace(
+                self.wire.caps, completion=Completion("grouped")
+            )  # NCCL's driver, run over gloo
         self.groups = GroupCounter(self.wire)
         self.syncs = HostSyncs(self.cuda)
 
@@ -251,7 +255,7 @@ class Rank:
         return result, {
             "ran": stats.get("algorithm"),
             "transport": stats.get("transport"),
-            "observe": self.wire.observe,
+            "observe": self.wire.caps.completion.value,
             "syncs": self.syncs.syncs,
             "host_copies": self.syncs.host_copies,
             "messages": 0 if ex is None else ex.messages_sent + ex.messages_received,
@@ -391,7 +395,7 @@ def describe(me: Rank) -> dict[str, Any]:
         "device": str(me.device),
         "backend": me.backend,
         "torch": torch.__version__,
-        "observe": me.wire.observe,
+        "observe": me.wire.caps.completion.value,
     }
     if me.cuda:
         info["gpu"] = torch.cuda.get_device_name(me.device)

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -43,7 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("element types and reductions by name", ("dtypes",)),
     ("how reductions compute", ("reductions",)),
     ("array backends, link profiles", ("backend", "links", "linklog")),
-    ("models and emulation", ("model", "emulation", "fastcall")),
+    ("models and emulation", ("model", "emulation")),
     ("the schedule", ("schedule",)),
     (
         "the schedule's readers, transports, algorithms",
@@ -53,12 +54,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "executor",
             "transports",
             "transports.*",
+            "fastcall",
             "algorithms",
             "algorithms.*",
         ),
     ),  # fmt: skip
-    ("per-communicator state, agreement", ("state", "agreement", "crossover")),
+    ("the check's state per communicator, agreement", ("state", "agreement", "crossover")),
     ("the check's protocol, the probe, the watch", ("protocol", "probe", "watch")),
+    ("what the collectives keep per communicator", ("communicators",)),
     ("the collective entry points", ("collectives",)),
     (
         "faces: Comm, torch, doctor, testing, CA-SGD, data",
@@ -91,10 +94,10 @@ CORE = (
 )
 
 
-def _modules() -> list[tuple[str, Path]]:
+def _modules(pkg: Path = PKG) -> list[tuple[str, Path]]:
     out = []
-    for path in sorted(PKG.rglob("*.py")):
-        rel = path.relative_to(PKG.parent).with_suffix("")
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg.parent).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -120,6 +123,250 @@ def _imports(module: str, path: Path) -> set[str]:
     return names
 
 
+#: Where a module may import our own modules by a string (``importlib.import_module``,
+#: ``__import__``): the package's face, whose lazy names (``_EXPORTS``) the check resolves
+#: to the modules that define them, and the algorithm registry's discovery.
+STRING_IMPORTS = {"optcc_mpi", "optcc_mpi.algorithms"}
+#: Our compiled extensions: optional, imported inside functions like a heavy dependency.
+COMPILED = {"optcc_mpi._fastcall", "optcc_mpi._simcore"}
+
+
+class Edge(NamedTuple):
+    """One module's use of another: ``how`` is ``import`` (an import statement, at module
+    level or in a function), ``name`` (a name reached through the package or a module
+    bound by an import: ``optcc_mpi.allreduce``, ``from optcc_mpi import allreduce``,
+    ``from . import allreduce``, ``getattr(optcc_mpi, "allreduce")``) or ``string``
+    (``importlib.import_module("optcc_mpi.x")``)."""
+
+    source: str
+    target: str
+    in_function: bool
+    line: int
+    how: str
+
+
+class Graph(NamedTuple):
+    #: Module-level import edges, by module.
+    top: dict[str, set[str]]
+    #: Every edge, to our modules and (``<third party> name``) to others in functions.
+    edges: list[Edge]
+    #: Each module's module-level third-party imports.
+    third: dict[str, set[str]]
+    #: String imports the check cannot follow, or that stand outside STRING_IMPORTS.
+    strings: list[str]
+
+
+def _exports(pkg: Path) -> dict[str, dict[str, str]]:
+    """Per package, the lazy names its ``__init__`` resolves on access (an ``_EXPORTS``
+    dict literal: name -> defining module)."""
+    out: dict[str, dict[str, str]] = {}
+    for module, path in _modules(pkg):
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
+                and isinstance(node.value, ast.Dict)
+            ):
+                out[module] = {
+                    k.value: v.value
+                    for k, v in zip(node.value.keys, node.value.values)
+                    if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)
+                }
+    return out
+
+
+_STRING_IMPORTERS = {
+    "importlib.import_module",
+    "import_module",
+    "__import__",
+    "importlib.__import__",
+}
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]``; None for anything else."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(names)] if isinstance(node, ast.Name) else None
+
+
+class _Module:
+    """The uses of our modules in one module's source (:func:`_graph`)."""
+
+    def __init__(
+        self, module: str, path: Path, index: _Index, graph: Graph, source: str | None = None
+    ) -> None:
+        self.module, self.index, self.graph = module, index, graph
+        self.package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        #: Local names bound to one of our modules by an import.
+        self.bound: dict[str, str] = {}
+        graph.third[module] = set()
+        text = path.read_text() if source is None else source
+        self.visit(ast.parse(text, str(path)), False)
+
+    def add(self, target: str | None, fn: bool, line: int, how: str) -> None:
+        if target and target != self.module:
+            self.graph.edges.append(Edge(self.module, target, fn, line, how))
+            if not fn and how == "import":
+                self.graph.top.setdefault(self.module, set()).add(target)
+
+    def absolute(self, base: str, level: int) -> str:
+        if not level:
+            return base
+        parent = self.package.split(".")
+        parent = parent[: len(parent) - level + 1]
+        return ".".join(parent + ([base] if base else []))
+
+    def outside(self, name: str, fn: bool, line: int) -> None:
+        """An import of a module not ours."""
+        top = name.split(".")[0]
+        if not fn:
+            self.graph.third[self.module].add(top)
+        elif top not in sys.stdlib_module_names:
+            self.graph.edges.append(Edge(self.module, "<third party> " + top, True, line, "import"))
+
+    def visit(self, node: ast.AST, in_fn: bool) -> None:
+        for ch in ast.iter_child_nodes(node):
+            fn = in_fn or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(ch, ast.Import):
+                self.imported(ch, fn)
+            elif isinstance(ch, ast.ImportFrom):
+                self.imported_from(ch, fn)
+            elif isinstance(ch, ast.Attribute) and (names := _chain(ch)) is not None:
+                self.attribute(names, fn, ch.lineno)
+                continue  # a chain of names: nothing more inside
+            elif isinstance(ch, ast.Call):
+                self.call(ch, fn)
+            self.visit(ch, fn)
+
+    def imported(self, node: ast.Import, fn: bool) -> None:
+        ix = self.index
+        for a in node.names:
+            if a.name.split(".")[0] != ix.root:
+                self.outside(a.name, fn, node.lineno)
+                continue
+            target = ix.resolve(a.name)
+            self.add(target, fn, node.lineno, "import")
+            if a.asname:
+                self.bound[a.asname] = target or ix.root
+            else:
+                self.bound[a.name.split(".")[0]] = ix.root
+
+    def imported_from(self, node: ast.ImportFrom, fn: bool) -> None:
+        ix = self.index
+        base = self.absolute(node.module or "", node.level)
+        if base.split(".")[0] != ix.root:
+            if base:
+                self.outside(base, fn, node.lineno)
+            return
+        owner = ix.resolve(base) or ix.root
+        for a in node.names:
+            full = f"{base}.{a.name}"
+            if full in COMPILED:
+                self.graph.edges.append(
+                    Edge(self.module, "<compiled> " + full, fn, node.lineno, "import")
+                )
+                continue
+            target = ix.member(owner, a.name)
+            if full in ix.known:
+                # `from pkg import sub` imports the submodule, not the package's body.
+                self.add(target, fn, node.lineno, "import")
+                self.bound[a.asname or a.name] = full
+            elif target != owner:
+                # A lazy name of the package: the module that defines it.
+                self.add(owner, fn, node.lineno, "import")
+                self.add(target, fn, node.lineno, "name")
+            else:
+                self.add(owner, fn, node.lineno, "import")
+
+    def attribute(self, names: list[str], fn: bool, line: int) -> None:
+        start = self.bound.get(names[0])
+        if start is None:
+            return
+        target = start
+        for attr in names[1:]:
+            nxt = self.index.member(target, attr)
+            if nxt == target:
+                break
+            target = nxt
+        if target != start:
+            self.add(target, fn, line, "name")
+
+    def call(self, node: ast.Call, fn: bool) -> None:
+        name = ".".join(_chain(node.func) or [])
+        if name in ("getattr", "hasattr") and len(node.args) >= 2:
+            obj = _chain(node.args[0])
+            if obj and obj[0] in self.bound:
+                attr = node.args[1]
+                if isinstance(attr, ast.Constant) and isinstance(attr.value, str):
+                    self.attribute([*obj, attr.value], fn, node.lineno)
+                elif (
+                    self.index.is_package(self.bound[obj[0]]) and self.module not in STRING_IMPORTS
+                ):
+                    # (on a plain module, a computed name reaches only what that module
+                    # itself imported, which is checked there)
+                    self.graph.strings.append(
+                        f"{self.module}:{node.lineno} {name}() of one of our modules with a "
+                        "computed name"
+                    )
+            return
+        if name not in _STRING_IMPORTERS:
+            return
+        arg = node.args[0] if node.args else None
+        literal = arg.value if isinstance(arg, ast.Constant) else None
+        if isinstance(literal, str):
+            dots = len(literal) - len(literal.lstrip("."))
+            literal = self.absolute(literal[dots:], dots)
+            if literal.split(".")[0] != self.index.root:
+                return  # another package, by name
+            self.add(self.index.resolve(literal), fn, node.lineno, "string")
+        if self.module not in STRING_IMPORTS:
+            what = repr(literal) if isinstance(literal, str) else "a computed name"
+            self.graph.strings.append(f"{self.module}:{node.lineno} {name}({what})")
+
+
+class _Index:
+    """The package's modules and the lazy names of its packages."""
+
+    def __init__(self, pkg: Path) -> None:
+        self.root = pkg.name
+        self.known = {m for m, _ in _modules(pkg)}
+        self.exports = _exports(pkg)
+
+    def is_package(self, module: str) -> bool:
+        """Whether ``module`` has submodules or lazy names (a computed attribute of it
+        could be any of them)."""
+        return module in self.exports or any(m.startswith(module + ".") for m in self.known)
+
+    def resolve(self, name: str) -> str | None:
+        """The module of ours ``name`` is or is in."""
+        while name and name not in self.known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def member(self, base: str, attr: str) -> str:
+        """The module ``base.attr`` stands for: a submodule, a lazy name's defining
+        module, or ``base`` itself (a plain attribute)."""
+        sub = f"{base}.{attr}"
+        if sub in self.known:
+            return sub
+        return self.exports.get(base, {}).get(attr, base)
+
+
+def _graph(pkg: Path = PKG) -> Graph:
+    """Every use of one of our modules by another (:class:`Edge`), with names taken
+    through the package resolved to the modules that define them."""
+    index = _Index(pkg)
+    graph = Graph({}, [], {}, [])
+    for module, path in _modules(pkg):
+        _Module(module, path, index, graph)
+    return graph
+
+
 def _layer(module: str) -> int:
     name = module.removeprefix("optcc_mpi.")
     for i, (_, patterns) in enumerate(LAYERS):
@@ -129,73 +376,39 @@ def _layer(module: str) -> int:
     raise AssertionError(f"{module} is in no layer of LAYERS: add it")
 
 
-def _graph() -> tuple[dict[str, set[str]], list[tuple[str, str, bool, int]], dict[str, set[str]]]:
-    """Module-level edges, every edge ``(from, to, inside a function, line)``, and each
-    module's module-level third-party imports."""
-    known = {m for m, _ in _modules()}
-
-    def resolve(name: str) -> str | None:
-        while name and name not in known:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    top: dict[str, set[str]] = {}
-    edges: list[tuple[str, str, bool, int]] = []
-    third: dict[str, set[str]] = {}
-    for module, path in _modules():
-        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        third[module] = set()
-
-        def visit(node: ast.AST, in_fn: bool, module: str = module, package: str = package) -> None:
-            for ch in ast.iter_child_nodes(node):
-                fn = in_fn or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef))
-                names: list[str] = []
-                if isinstance(ch, ast.Import):
-                    names = [a.name for a in ch.names]
-                elif isinstance(ch, ast.ImportFrom):
-                    base = ch.module or ""
-                    if ch.level:
-                        parent = package.split(".")
-                        parent = parent[: len(parent) - ch.level + 1]
-                        base = ".".join(parent + ([base] if base else []))
-                    # `from pkg import sub` imports the submodule, not the package's body
-                    subs = [f"{base}.{a.name}" for a in ch.names]
-                    names = [n for n in subs if n in known] or [base]
-                for n in names:
-                    if n.split(".")[0] == "optcc_mpi":
-                        target = resolve(n)
-                        if target and target != module:
-                            edges.append((module, target, fn, ch.lineno))
-                            if not fn:
-                                top.setdefault(module, set()).add(target)
-                    elif not fn and n:
-                        third[module].add(n.split(".")[0])
-                    elif fn and n and n.split(".")[0] not in sys.stdlib_module_names:
-                        edges.append((module, "<third party> " + n.split(".")[0], True, ch.lineno))
-                visit(ch, fn, module, package)
-
-        visit(ast.parse(path.read_text(), str(path)), False)
-    return top, edges, third
+def _upward(graph: Graph) -> list[str]:
+    return sorted(
+        {
+            f"{e.source}:{e.line} {'uses' if e.how != 'import' else 'imports'} {e.target} "
+            f"({LAYERS[_layer(e.target)][0]}) from {LAYERS[_layer(e.source)][0]}"
+            + ("" if e.how == "import" else f" [{e.how}]")
+            for e in graph.edges
+            if not e.target.startswith("<") and _layer(e.target) > _layer(e.source)
+        }
+    )
 
 
 def test_layers_point_one_way() -> None:
-    """No module imports one of a higher layer, not even inside a function."""
-    _, edges, _ = _graph()
-    bad = [
-        f"{a}:{line} imports {b} ({LAYERS[_layer(b)][0]}) from {LAYERS[_layer(a)][0]}"
-        for a, b, _, line in edges
-        if not b.startswith("<") and _layer(b) > _layer(a)
-    ]
-    assert not bad, "upward imports:\n" + "\n".join(sorted(set(bad)))
+    """No module uses one of a higher layer: not by an import (even inside a function),
+    not by a name taken through the package or a bound module, not by a string."""
+    bad = _upward(_graph())
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_no_string_imports() -> None:
+    """Our modules are imported by import statements, which the check can read: by a
+    string only in the package's face and the algorithm registry."""
+    strings = _graph().strings
+    assert not strings, "\n".join(strings)
 
 
 def test_no_import_loop() -> None:
-    """The import graph (function-level imports included) has no cycle."""
-    _, edges, _ = _graph()
+    """The import graph (function-level imports and names taken through the package
+    included) has no cycle."""
     graph: dict[str, set[str]] = {}
-    for a, b, _, _ in edges:
-        if not b.startswith("<"):
-            graph.setdefault(a, set()).add(b)
+    for e in _graph().edges:
+        if not e.target.startswith("<"):
+            graph.setdefault(e.source, set()).add(e.target)
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -220,9 +433,10 @@ def test_no_import_loop() -> None:
 
 
 def test_function_level_imports_are_for_optional_dependencies() -> None:
-    """Inside functions: only the optional heavy dependencies, or a module of ours that
-    imports one at module level (directly or through its own imports)."""
-    top, edges, third = _graph()
+    """Inside functions: only the optional heavy dependencies and our compiled
+    extensions, or a module of ours that imports one at module level (directly or through
+    its own imports)."""
+    top, edges, third, _ = _graph()
 
     def heavy(m: str, seen: frozenset[str] = frozenset()) -> bool:
         if third.get(m, set()) & OPTIONAL:
@@ -230,15 +444,52 @@ def test_function_level_imports_are_for_optional_dependencies() -> None:
         return any(heavy(b, seen | {m}) for b in top.get(m, ()) if b not in seen)
 
     bad = []
-    for a, b, fn, line in edges:
-        if not fn:
+    for e in edges:
+        if not e.in_function or e.how != "import" or e.target.startswith("<compiled> "):
             continue
-        if b.startswith("<third party> "):
-            if b.split()[-1] not in OPTIONAL:
-                bad.append(f"{a}:{line} imports {b.split()[-1]} inside a function")
-        elif not heavy(b):
-            bad.append(f"{a}:{line} imports {b} inside a function (import it at the top)")
+        if e.target.startswith("<third party> "):
+            name = e.target.split()[-1].split(".")[0]
+            if name not in OPTIONAL:
+                bad.append(f"{e.source}:{e.line} imports {name} inside a function")
+        elif not heavy(e.target):
+            bad.append(
+                f"{e.source}:{e.line} imports {e.target} inside a function (import it at the top)"
+            )
     assert not bad, "\n".join(sorted(set(bad)))
+
+
+_FN = "\n\ndef _f():\n    return "
+BYPASSES = {
+    "attribute through the package": "import optcc_mpi\n" + _FN + "optcc_mpi.allreduce\n",
+    "a name from the package": "from optcc_mpi import allreduce  # noqa: F401\n",
+    "a relative name": "from . import allreduce  # noqa: F401\n",
+    "a string import": "import importlib\n"
+    + _FN
+    + "importlib.import_module('optcc_mpi.collectives')\n",
+    "getattr on the package": "import optcc_mpi\n" + _FN + "getattr(optcc_mpi, 'allreduce')\n",
+    "an alias of the package": "import optcc_mpi as o\n" + _FN + "o.collectives.allreduce\n",
+}
+
+
+@pytest.mark.parametrize("bypass", sorted(BYPASSES))
+def test_bypasses_are_caught(bypass: str) -> None:
+    """Each way a low module could reach the collectives through the package, appended
+    to ``schedule.py``'s source, fails the layer check (a string import also fails the
+    string check); the source as it is passes."""
+    path = PKG / "schedule.py"
+
+    def check(source: str) -> Graph:
+        graph = Graph({}, [], {}, [])
+        _Module("optcc_mpi.schedule", path, _Index(PKG), graph, source)
+        return graph
+
+    clean = check(path.read_text())
+    assert not _upward(clean) and not clean.strings
+    caught = check(path.read_text() + "\n" + BYPASSES[bypass])
+    found = _upward(caught)
+    assert found, f"{bypass} slipped past the layer check"
+    assert all("optcc_mpi.collectives" in f for f in found), found
+    assert bool(caught.strings) == (bypass == "a string import")
 
 
 def test_mpi_free_core() -> None:

@@ -13,16 +13,17 @@ import pytest
 
 from optcc_mpi import config, crossover, protocol
 from optcc_mpi.errors import ArgumentError
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CommState
+from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, rooms, served
 
-SIZES = crossover.rooms(2)  # 256 B to 128 KiB
+SIZES = list(rooms(2))  # 256 B to 128 KiB
 
 
 def test_rooms() -> None:
     assert SIZES[0] == FOLD_MIN and SIZES[-1] == FOLD_TOTAL // 2
     assert all(b == 2 * a for a, b in zip(SIZES, SIZES[1:]))
-    assert crossover.rooms(64) == [FOLD_MIN << k for k in range(5)]  # to 4 KiB
-    assert crossover.rooms(4096) == [FOLD_MIN]
+    assert rooms(64) == tuple(FOLD_MIN << k for k in range(5))  # to 4 KiB
+    assert rooms(4096) == (FOLD_MIN,)
+    assert rooms(2, 4096) == (256, 512, 1024, 2048, 4096)
     assert crossover.static(2) == FOLD_TOTAL // 2
     # The measurement's block is the check's: header as protocol's.
     assert crossover.HEADER_BYTES == protocol.HEADER_BYTES
@@ -75,20 +76,39 @@ def test_choose_refuses_mismatched_times() -> None:
         crossover.choose(SIZES, [1.0], [1.0, 2.0])
 
 
-class _Wire:
-    """A transport of one rank pretending to be ``size`` (max over ranks: itself)."""
+def test_room_for_and_served_are_one_rule() -> None:
+    """The room a message asks for, and the sizes a room serves (what the compiled path
+    is given instead of a copy of the rule), agree for every size and limit."""
+    for p in (2, 3, 8, 32):
+        for limit in (0, FOLD_MIN, 1000, 4096, FOLD_TOTAL // p):
+            table = rooms(p, limit) if limit else (FOLD_MIN,)
+            for n in range(1, 2 * table[-1] + 3, 37):
+                room = room_for(p, n, limit)
+                assert room in table
+                for r in table:
+                    lo, hi = served(p, r, limit)
+                    assert (lo < n <= hi) == (room == r and n <= r), (p, limit, n, r)
+    assert served(2, 8192, 4096) == (0, 0)  # a room above the limit serves nothing
 
-    def __init__(self, name: str = "mpi", size: int = 2) -> None:
-        self.name, self.size, self.rank = name, size, 0
+
+class _Wire:
+    """A transport of one rank pretending to be ``size`` (max over ranks: itself); with
+    ``compiled``, one the compiled path could drive (as MPI's), whose limit is measured."""
+
+    def __init__(self, compiled: bool = True, size: int = 2) -> None:
+        self.name, self.size, self.rank = "mpi" if compiled else "gloo", size, 0
         self.maxed = 0
+        if compiled:
+            self.private = None
+            self.predefined = lambda dtype_name, op: None
 
     def allreduce_max(self, vec: np.ndarray) -> None:
         self.maxed += 1
 
 
-def _state(wire: _Wire) -> CommState:
-    st = CommState.__new__(CommState)
-    st.transport, st.size, st.gather_limit, st.fast = wire, wire.size, None, object()
+def _state(wire: _Wire) -> CheckState:
+    st = CheckState(wire)  # type: ignore[arg-type]
+    st.make_compiled(lambda chk: object())
     return st
 
 
@@ -122,13 +142,14 @@ def test_decide_measures_once(setting: Any, monkeypatch: pytest.MonkeyPatch) -> 
     setting(None)
     taken = _made_up(monkeypatch, [np.stack(_times(8192))])
     st = _state(_Wire())
-    assert crossover.known(st) == FOLD_MIN  # not decided yet: the least room
+    assert st.compiled is not None
+    assert st.limit_known == FOLD_MIN  # not decided yet: the least room
     assert crossover.decide(st) == 8192
     assert len(taken) == crossover.FIRST  # every repetition agreed: no more taken
     assert st.transport.maxed == 1 + crossover.FIRST  # the setting, then each repetition
-    assert st.fast is None  # the compiled path's context is made again with the limit
+    assert st.compiled is None  # the compiled path's context is made again with the limit
     assert crossover.decide(st) == 8192 and len(taken) == crossover.FIRST
-    assert crossover.known(st) == 8192
+    assert st.limit_known == 8192
     assert "8KiB" in crossover.describe(st)
 
 
@@ -192,4 +213,4 @@ def test_bad_setting(setting: Any) -> None:
 def test_nothing_measured_over_torch(setting: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     setting(None)
     monkeypatch.setattr(crossover, "_cases", lambda *a: pytest.fail("measured"))
-    assert crossover.decide(_state(_Wire("gloo", 4))) == FOLD_TOTAL // 4
+    assert crossover.decide(_state(_Wire(compiled=False, size=4))) == FOLD_TOTAL // 4

@@ -5,6 +5,7 @@ place without a copy (results identical to in place on every driver, no more mem
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from optcc_mpi.collectives import last_stats
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import RECV, RECV_REDUCE, SEND
+from optcc_mpi.transports import Completion
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(300)]
@@ -145,7 +147,7 @@ def test_out_of_place_on_every_driver(observe: str) -> None:
     comm = MPI.COMM_WORLD
     rank, p = comm.Get_rank(), comm.Get_size()
     wire = copy.copy(transports.of(comm))
-    wire.observe = observe
+    wire.caps = dataclasses.replace(wire.caps, completion=Completion(observe))
     scheds = [
         algorithms.build(name, p, count, Links(links), itemsize=8, **small)
         for name in algorithms.names()

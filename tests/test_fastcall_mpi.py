@@ -18,6 +18,7 @@ import pytest
 import optcc_mpi
 from optcc_mpi import collectives, config, crossover, fastcall
 from optcc_mpi.collectives import last_stats
+from optcc_mpi.state import rooms
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
@@ -31,14 +32,14 @@ def answers(monkeypatch: pytest.MonkeyPatch) -> Counter:
     names = {fastcall.FALLBACK: "fallback", fastcall.DONE: "done", fastcall.GATHERED: "gathered"}
     names[fastcall.MISMATCH] = "mismatch"
     names[fastcall.LIBRARY] = "library"
-    real = collectives._FOLD or fastcall.fold_function()
+    real = collectives._REGISTRY.fold or fastcall.fold_function()
 
     def counted(*args: Any) -> int:
         answer = real(*args)
         seen[names.get(answer, "mpi error")] += 1
         return answer
 
-    monkeypatch.setattr(collectives, "_FOLD", counted)
+    monkeypatch.setattr(collectives._REGISTRY, "fold", counted)
     monkeypatch.delenv("OPTCC_LINKS", raising=False)
     config.reload()
     monkeypatch.delenv("OPTCC_EMULATE", raising=False)
@@ -246,7 +247,7 @@ def test_gather_limit_is_measured_once_and_agreed(fresh: Any) -> None:
     if p == 1 or p > collectives.GATHER_MAX_P:
         pytest.skip("gathering needs 2 to GATHER_MAX_P ranks")
     limit = collectives.gather_limit(fresh)
-    assert limit in crossover.rooms(p)
+    assert limit in rooms(p)
     assert len(set(fresh.allgather(limit))) == 1
     assert collectives.gather_limit(fresh) == limit  # cached: no second measurement
 
@@ -258,7 +259,7 @@ def test_every_rank_takes_the_same_decision(fresh: Any, monkeypatch: pytest.Monk
     rank, p = fresh.Get_rank(), fresh.Get_size()
     if p == 1 or p > collectives.GATHER_MAX_P:
         pytest.skip("gathering needs 2 to GATHER_MAX_P ranks")
-    sizes = crossover.rooms(p)
+    sizes = rooms(p)
     n = np.asarray(sizes, dtype=np.float64)
 
     def made_up(r: int) -> np.ndarray:

@@ -12,10 +12,9 @@ import pytest
 
 import optcc_mpi
 from optcc_mpi import linklog
-from optcc_mpi.collectives import _watch_of
+from optcc_mpi.collectives import comm_state
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
-from optcc_mpi.state import state_of
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi
@@ -38,7 +37,7 @@ def test_a_watched_run_leaves_a_record_of_what_it_adopted() -> None:
                 for _ in range(calls):
                     y = optcc_mpi.allreduce(x, comm=comm, links="watch", emulate=emu)
                     assert np.all(y == p * (p + 1) / 2)
-        changes = _watch_of(state_of(comm)).changes
+        changes = comm_state(comm).watch_made().changes
         comm.Free()
         world.Barrier()
         if rank == 0:

@@ -127,8 +127,7 @@ def test_allreduce_tells_the_ring_its_transport() -> None:
     from mpi4py import MPI
 
     import optcc_mpi
-    from optcc_mpi.collectives import last_stats
-    from optcc_mpi.state import state_of
+    from optcc_mpi.collectives import comm_state, last_stats
 
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
@@ -137,7 +136,7 @@ def test_allreduce_tells_the_ring_its_transport() -> None:
     on_one_node = local.Get_size() == p
     local.Free()
     expected = "shared-memory" if on_one_node else "network"
-    assert state_of(comm).transport.kind == expected
+    assert comm_state(comm).transport.kind == expected
     count = 3 * (NETWORK_MESSAGE_BYTES // 4) * p
     x = np.arange(count, dtype=np.float32) % 7 * (comm.rank + 1)
     y = optcc_mpi.allreduce(x, algorithm="ring")

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi.collectives import _watch_of, choose_algorithm, last_stats
+from optcc_mpi.collectives import choose_algorithm, comm_state, last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
 from optcc_mpi.protocol import extra_fits as _extra_fits
 from optcc_mpi.protocol import gathered_extra as _gathered_extra
-from optcc_mpi.state import state_of
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi
@@ -41,13 +40,13 @@ def test_watch_follows_a_link_that_degrades_and_recovers(check: bool) -> None:
     for truth, calls in phases:
         emu = Emulation(bw=100e6, degrade=truth)
         for _ in range(calls):
-            mine = _watch_of(state_of(comm)).contribution() if check else None
+            mine = comm_state(comm).watch_made().contribution() if check else None
             y = optcc_mpi.allreduce(x, comm=comm, links="watch", emulate=emu, check=check)
             assert np.all(y == expected)
-            if check and _extra_fits(state_of(comm), mine.size):
+            if check and _extra_fits(comm_state(comm).check, mine.size):
                 # What every rank brought is what the check's gathered room holds (from
                 # the second call on: each call leaves the room the next one needs).
-                rows = _gathered_extra(state_of(comm), mine.size)
+                rows = _gathered_extra(comm_state(comm).check, mine.size)
                 np.testing.assert_array_equal(rows[rank], mine)
                 np.testing.assert_array_equal(rows, np.array(comm.allgather(mine)))
                 rode += 1
@@ -98,12 +97,12 @@ def test_watch_pairs_both_ends_of_every_message_on_a_real_transport(check: bool)
     for _ in range(3):
         y = optcc_mpi.allreduce(x, comm=comm, links="watch", algorithm="ring", check=check)
         assert np.all(y == p * (p + 1) / 2)
-        watch = _watch_of(state_of(comm))
+        watch = comm_state(comm).watch_made()
         mine = watch.contribution()
         count = int(mine[p])
         assert count > 0 and np.all(mine[p + 2 : p + 2 + count] >= 0)  # every message timed
         if check:
-            assert state_of(comm).next_capacity >= 8 * mine.size  # rides on the next check
+            assert comm_state(comm).check.agreed >= 8 * mine.size  # rides on the next check
         rows = np.array(comm.allgather(mine))
         # Both ends of every message found (not asserted: that durations are positive;
         # in shared memory a message takes microseconds, less than the clock's skew).

@@ -30,6 +30,7 @@ Scenarios
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ import optcc_mpi  # noqa: E402
 import optcc_mpi.torch as ot  # noqa: E402
 from optcc_mpi import algorithms, collectives, transports  # noqa: E402
 from optcc_mpi.probe import probe  # noqa: E402
+from optcc_mpi.transports import Completion  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 P = int(os.environ["WORLD_SIZE"])
@@ -121,7 +123,9 @@ def collectives_scenario() -> dict:
     sizes = (1, P + 1, 1009, 70001)
     names = ["auto", *algorithms.names()]
     for driver in ("ordered", "grouped"):
-        wire.observe = driver  # NCCL's driver, run over gloo
+        wire.caps = dataclasses.replace(
+            wire.caps, completion=Completion(driver)
+        )  # NCCL's driver, run over gloo
         for alg in names:
             links = f"{P - 1}:0.5" if alg != "native" else None
             for dtype, op in cases:
@@ -173,13 +177,13 @@ def collectives_scenario() -> dict:
     # level on the host when tracing), and healthy links are healthy.
     probes = {}
     for driver in ("ordered", "grouped"):
-        wire.observe = driver
+        wire.caps = dataclasses.replace(wire.caps, completion=Completion(driver))
         result = probe(group, nbytes=1 << 20, repeats=2)
         probes[driver] = {
             "links": str(result.links),
             "rates": [float(x) for x in result.recv_rate],
         }
-    wire.observe = "ordered"
+    wire.caps = dataclasses.replace(wire.caps, completion=Completion("ordered"))
     return {"rows": rows, "probes": probes, "mpi_loaded": "mpi4py.MPI" in sys.modules}
 
 
@@ -190,7 +194,7 @@ def out_of_place_scenario() -> dict:
     cases = [(torch.float32, "sum"), (torch.bfloat16, "sum"), (torch.float64, "max")]
     cases += [(torch.int32, "sum"), (torch.float32, "prod")]
     for driver in ("ordered", "grouped"):
-        wire.observe = driver
+        wire.caps = dataclasses.replace(wire.caps, completion=Completion(driver))
         for alg in ["auto", *algorithms.names()]:
             for links in (None, f"{P - 1}:0.5", "0:0.3"):
                 for dtype, op in cases:
@@ -240,7 +244,7 @@ def out_of_place_scenario() -> dict:
                     "digest": digest(out),
                 }
             )
-    wire.observe = "ordered"
+    wire.caps = dataclasses.replace(wire.caps, completion=Completion("ordered"))
     return {"rows": rows}
 
 

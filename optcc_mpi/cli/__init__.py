@@ -8,29 +8,44 @@ package and exposes ``register(subparsers)``, which adds an ``argparse`` sub-par
 from __future__ import annotations
 
 import argparse
-import importlib
 import shlex
 import sys
+from types import ModuleType
 from typing import Any, NoReturn
 
+from optcc_mpi.cli import (
+    bench,
+    bench_glm,
+    data,
+    demo,
+    doctor,
+    info,
+    lab,
+    model,
+    report,
+    simulate,
+    sweep,
+    testbed,
+    train,
+)
 from optcc_mpi.cli._common import job_rank, run_command
 
-# Command modules, in the order ``--help`` lists them. Each is imported only when the
-# parser is built, so a command's heavy imports (MPI, h5py, matplotlib) stay local to it.
-COMMAND_MODULES = (
-    "info",
-    "model",
-    "simulate",
-    "demo",
-    "bench",
-    "testbed",
-    "data",
-    "train",
-    "bench_glm",
-    "report",
-    "sweep",
-    "doctor",
-    "lab",
+# Command modules, in the order ``--help`` lists them. A command's heavy imports (MPI,
+# h5py, matplotlib) stay inside its functions, so importing them all costs little.
+COMMANDS: tuple[ModuleType, ...] = (
+    info,
+    model,
+    simulate,
+    demo,
+    bench,
+    testbed,
+    data,
+    train,
+    bench_glm,
+    report,
+    sweep,
+    doctor,
+    lab,
 )
 
 
@@ -46,15 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            # A command whose module is not written yet is simply absent; a missing
-            # dependency *inside* a written module is a real error.
-            if exc.name == f"{__name__}.{name}":
-                continue
-            raise
+    for module in COMMANDS:
         module.register(sub)
     return parser
 

@@ -11,7 +11,8 @@ import argparse
 from typing import Any
 
 from optcc_mpi.argtypes import int_at_least, links_arg, positive_size_arg, ranks_arg
-from optcc_mpi.cli import main
+from optcc_mpi.cli import model as model_command
+from optcc_mpi.cli._common import run_command
 from optcc_mpi.lab import demo, testbed
 
 
@@ -59,7 +60,10 @@ def run(args: argparse.Namespace) -> int:
     model += ["--size", args.end if size == end else str(size), "--bw", args.rate]
     print(f"\nthe model of this run at its largest size ({demo.size_label(size)} per rank):")
     print("$ " + demo.shell_line([*demo.cli_argv(), *model]), flush=True)
-    main(model)
+    # That command, run here: its own parser, its own error handling.
+    parser = argparse.ArgumentParser(prog="optcc-mpi")
+    model_command.register(parser.add_subparsers(dest="command"))
+    run_command(parser.parse_args(model))
     return status
 
 

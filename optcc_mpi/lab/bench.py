@@ -44,12 +44,11 @@ import numpy as np
 
 import optcc_mpi
 from optcc_mpi import algorithms, config, model, transports
-from optcc_mpi.collectives import last_stats
+from optcc_mpi.collectives import cached_probe, last_stats
 from optcc_mpi.dtypes import DTYPES
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.lab import testbed, world
 from optcc_mpi.links import Links
-from optcc_mpi.probe import cached_probe
 
 __all__ = [
     "BenchConfig",

@@ -14,6 +14,7 @@ import platform
 import socket
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +122,8 @@ def versions() -> dict[str, Any]:
     }
     for name in ("numpy", "ml_dtypes", "h5py", "mpi4py", "scipy"):
         try:
-            out[name] = __import__(name).__version__
-        except ImportError:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
             out[name] = None
     out["hdf5"] = h5py.version.hdf5_version  # h5py is a dependency of the package
     return out

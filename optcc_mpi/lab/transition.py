@@ -33,13 +33,12 @@ import numpy as np
 import optcc_mpi
 from optcc_mpi import config
 from optcc_mpi.argtypes import StoreTyped, alias, emulation_arg, links_arg, positive_size_arg
-from optcc_mpi.collectives import last_stats
+from optcc_mpi.collectives import comm_state, last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.lab import testbed as tb
 from optcc_mpi.lab.report import algorithm_style
 from optcc_mpi.lab.tools import tool_main
 from optcc_mpi.links import Links
-from optcc_mpi.state import state_of
 
 __all__ = ["run", "plot", "add_arguments", "run_args", "main", "SUMMARY"]
 
@@ -104,7 +103,7 @@ def run(
             if not np.all(out == expected):
                 raise RuntimeError(f"rank {rank}: wrong sum at call {call}")
             st = last_stats()
-            watch = state_of(comm).watch
+            watch = comm_state(comm).watch
             measured = watch.measured if watch is not None else None
             rows.append(
                 {

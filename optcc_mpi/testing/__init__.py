@@ -10,6 +10,10 @@ One topic per module, the public names re-exported here:
 :mod:`optcc_mpi.testing.parametrize`
     :func:`parametrize_with_checks`: the contract as pytest tests, one per (algorithm,
     check). It imports pytest, so it is loaded only when that name is asked for.
+:mod:`optcc_mpi.testing.local`
+    :class:`~optcc_mpi.testing.local.LocalWorld`: ranks as threads of one process, over a
+    transport of the four required methods (``docs/transports.md``): every collective
+    runs over it without MPI or a process group.
 :mod:`optcc_mpi.testing.fake_device`
     A fake device array and backend (:func:`device_array`, :data:`FAKE_DEVICE`), so the
     GPU code paths run, and are checked for missing stream synchronisation, without a

@@ -11,40 +11,18 @@ that implements this page:
   tensors or NCCL on CUDA tensors (``isend``/``irecv``, ``batch_isend_irecv``, the
   group's ``all_reduce``).
 
-A third (CuPy's NCCL, UCC) is one more module implementing :class:`Transport`.
+A third (CuPy's NCCL, UCC) is one more module implementing :class:`Transport`; tests use
+an in-process one whose ranks are threads (:mod:`optcc_mpi.testing.local`).
 
-What a transport offers
------------------------
-Point-to-point
-    ``isend(data, peer, tag)`` and ``irecv(data, peer, tag)`` return a request; ``data``
-    is what :meth:`Transport.message` made of a backend's array. Requests complete in one
-    of two ways, which the transport declares with :attr:`Transport.observe`:
+The contract (:mod:`optcc_mpi.transports.base`, ``docs/transports.md``) fits on a page:
+four required methods (``isend``, ``irecv``, ``wait``, ``allgather``), capabilities
+declared as a typed record (:class:`Capabilities`: how completions are seen, device
+streams, tensors), and defaults for everything else (the library's own AllReduce, fixed
+blocks, barriers, ...). A transport keeps nothing of the layers above it: it says when
+its communicator goes away (:meth:`Transport.on_close`), and the collectives' registry
+(:mod:`optcc_mpi.communicators`) drops what it kept for it.
 
-    ``"any"``
-        :meth:`Transport.waitsome` blocks until at least one request completed and names
-        them (MPI).
-    ``"ordered"``
-        A completion is seen only by waiting for that request (gloo's ``Work.wait``);
-        the executor then always waits for the outstanding operation of lowest *level*
-        (:func:`optcc_mpi.executor.levels`), which can never deadlock for a schedule the
-        verifier accepts.
-    ``"grouped"``
-        Nothing is waited for on the host: the operations of each level are posted as one
-        group (``batch_isend_irecv``: ``ncclGroupStart``/``End``) and everything after
-        them is ordered by the device stream (NCCL).
-The library's own AllReduce
-    :meth:`Transport.allreduce` (the ``COLL`` operation of ``native``), with this
-    package's semantics or not at all (:meth:`Transport.native`).
-Control traffic
-    Small collectives for the argument check, the probe and the watch: objects
-    (:meth:`Transport.allgather`), fixed-size byte blocks (:meth:`Transport.allgather_block`),
-    an element-wise maximum of integers (:meth:`Transport.allreduce_max`) and a barrier.
-    They travel apart from the user's traffic (a private duplicate of the communicator, a
-    private process group), so that nothing of ours ever matches a message of theirs.
-
-Each transport object belongs to one communicator or group and is made once
-(:func:`of`); the per-communicator state of the collectives hangs on it
-(:attr:`Transport.state`, :mod:`optcc_mpi.state`).
+Each transport object belongs to one communicator or group and is made once (:func:`of`).
 """
 
 from __future__ import annotations
@@ -52,9 +30,9 @@ from __future__ import annotations
 from typing import Any
 
 from optcc_mpi.errors import ArgumentTypeError
-from optcc_mpi.transports.base import BY_HANDLE, WORLD, Transport
+from optcc_mpi.transports.base import WORLD, Capabilities, Completion, Post, Transport
 
-__all__ = ["Transport", "of", "BY_HANDLE", "WORLD"]
+__all__ = ["Transport", "Capabilities", "Completion", "Post", "of", "WORLD"]
 
 
 def of(comm: Any) -> Transport:

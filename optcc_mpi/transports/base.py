@@ -1,115 +1,237 @@
-"""The transport boundary itself: :class:`Transport`, what every transport implements
-(the package's docstring, :mod:`optcc_mpi.transports`, says what each part is for)."""
+"""The transport contract: what a library must offer for a schedule to run over it.
+
+A transport is one communicator (or process group) of one library, as the executor, the
+argument check, the probe and the watch see it. To add a library, subclass
+:class:`Transport` and implement the four required methods; everything else has a default
+that is correct, if not the fastest. ``docs/transports.md`` is this page with an example;
+:mod:`optcc_mpi.testing.local` is a complete transport in about a hundred lines (ranks as
+threads of one process), the minimum made concrete.
+
+Required
+--------
+``isend(data, peer, tag) -> Req`` and ``irecv(data, peer, tag) -> Req``
+    Start sending ``data`` to rank ``peer`` / receiving into it from ``peer``; ``data`` is
+    what :meth:`Transport.message` made of an array (by default a 1-D ``uint8`` view).
+    Messages between two ranks with the same tag must match in posting order.
+``wait(req)``
+    Block until ``req`` completed.
+``allgather(obj) -> list``
+    Every rank's small picklable ``obj``, in rank order (a collective).
+
+Declared
+--------
+:attr:`Transport.name`
+    The library, for messages and records (``"mpi"``, ``"gloo"``, ``"nccl"``).
+:attr:`Transport.caps`
+    :class:`Capabilities`: how completions are seen (:class:`Completion`), whether device
+    memory needs the current stream synchronised before the library reads it, whether
+    tensors stay tensors.
+``rank``, ``size``, ``kind``
+    Passed to ``Transport.__init__``: this process's rank, the number of ranks, and
+    ``"shared-memory"`` (every rank on one node) or ``"network"``.
+
+Optional, with defaults
+-----------------------
+``waitsome``/``testsome`` (:attr:`Completion.ANY` only: which requests completed;
+default: wait for the first / none known), ``batch`` (post several as one group; default:
+one by one), ``message``, ``scratch``, ``staging``, ``check_backend`` (which arrays it
+moves; default: host arrays), ``native``/``allreduce``/``allreduce_now`` (the library's
+own AllReduce where it reduces exactly as this package does; default: none, and every
+rank's data is gathered and reduced in rank order instead), ``allgather_block`` (fixed
+blocks of bytes; default: through :meth:`~Transport.allgather`), ``gather_rows``,
+``allreduce_max`` (default: through ``allgather``), ``barrier`` and ``quiet_barrier``
+(default: through ``allgather``), ``job_links`` (the job's rank numbering to this
+communicator's; default: the same), ``describe``.
+
+Provided
+--------
+:meth:`Transport.on_close` and :meth:`Transport.close`: a transport says when its
+communicator goes away (MPI frees it, a process group is destroyed), and whoever keeps
+state for it (the collectives' registry) drops that state then. A transport keeps nothing
+of the layers above it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from optcc_mpi.backend import NUMPY
+from optcc_mpi.backend import NUMPY, Array, Backend
 from optcc_mpi.links import Links
 
-__all__ = ["Transport", "BY_HANDLE", "WORLD"]
+__all__ = ["Transport", "Capabilities", "Completion", "Post", "Req", "WORLD"]
 
-#: The MPI transports made so far, by communicator handle (:mod:`.mpi` fills it): the
-#: short call's compiled path finds its communicator's state here without importing MPI.
-BY_HANDLE: dict[int, Transport] = {}
-#: ``[handle of MPI.COMM_WORLD]`` once the MPI transport is loaded.
+#: ``[handle of MPI.COMM_WORLD]`` once the MPI transport is loaded: the default
+#: communicator's handle, for the compiled call path's one-lookup search.
 WORLD: list[int] = []
 
+#: A transport's request: what its ``isend``/``irecv`` return and its ``wait`` takes.
+Req = TypeVar("Req")
 
-class Transport:
-    """One communicator or process group, as the schedule's readers see it (module
-    docstring). Subclasses set the attributes and implement the methods."""
 
-    #: The library: ``"mpi"``, ``"gloo"``, ``"nccl"``.
-    name = "abstract"
-    #: How completions are seen: ``"any"``, ``"ordered"`` or ``"grouped"``.
-    observe = "any"
+class Completion(enum.Enum):
+    """How a transport reports completed requests (what the executor's loop does)."""
+
+    #: :meth:`Transport.waitsome` blocks until some request completed and names them
+    #: (MPI's ``Waitsome``).
+    ANY = "any"
+    #: A completion is seen only by waiting for that request (gloo's ``Work.wait``): the
+    #: executor waits for the outstanding operation of lowest level, which cannot deadlock
+    #: for a schedule the verifier accepts.
+    ORDERED = "ordered"
+    #: Nothing is waited for on the host: each level's messages are posted as one group
+    #: (:meth:`Transport.batch`) and the device stream orders what follows (NCCL).
+    GROUPED = "grouped"
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a transport can do, as the layers above it need to know."""
+
+    #: How completions are seen.
+    completion: Completion = Completion.ORDERED
     #: Whether a device buffer needs the current stream synchronised before the library
     #: reads it (MPI: yes; NCCL orders itself after the current stream).
-    sync_device = True
-    #: Whether tensors stay tensors (:func:`optcc_mpi.backend.as_array`'s ``tensors``).
-    tensors = False
+    sync_device: bool = True
+    #: Whether tensors stay tensors (:func:`optcc_mpi.backend.as_array`'s ``tensors``),
+    #: rather than being seen as NumPy or CuPy arrays.
+    tensors: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Post:
+    """One operation of a group posted together (:meth:`Transport.batch`)."""
+
+    #: A send (else a receive).
+    send: bool
+    #: What :meth:`Transport.message` made of the array.
+    data: object
+    #: The other rank.
+    peer: int
+    #: The message's tag.
+    tag: int
+
+
+class Transport(Generic[Req]):
+    """One communicator or process group of one library (module docstring).
+
+    Parameters
+    ----------
+    rank, size : int
+        This process's rank and the number of ranks.
+    kind : str
+        ``"shared-memory"`` (every rank on one node) or ``"network"``: builders size
+        their messages from it.
+    """
+
+    #: The library: ``"mpi"``, ``"gloo"``, ``"nccl"``, ...
+    name: str = "abstract"
+    #: What the transport can do.
+    caps: Capabilities = Capabilities()
+    #: An integer naming the communicator for a fast lookup (MPI's handle), else None.
+    handle: int | None = None
+
+    #: The methods every transport implements (module docstring).
+    REQUIRED = ("isend", "irecv", "wait", "allgather")
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: object) -> None:
+        # A transport missing a required method fails where it is written, not in the
+        # middle of a collective.
+        super().__init_subclass__(**kwargs)
+        missing = [m for m in Transport.REQUIRED if getattr(cls, m) is getattr(Transport, m)]
+        if missing and not abstract:
+            raise TypeError(
+                f"transport {cls.__name__} must implement {', '.join(missing)} "
+                "(optcc_mpi.transports.base; or declare it abstract=True)"
+            )
 
     def __init__(self, rank: int, size: int, kind: str) -> None:
         self.rank = rank
         self.size = size
-        #: What joins the ranks: ``"shared-memory"`` (every rank on one node) or
-        #: ``"network"``; builders size their messages from it.
         self.kind = kind
-        #: The collectives' per-communicator state (:mod:`optcc_mpi.state`), made there.
-        self.state: Any = None
+        self._on_close: list[Callable[[], None]] = []
+        self._closed = False
 
-    # -- point-to-point ------------------------------------------------------------------
-    def message(self, backend: Any, arr: Any) -> Any:
+    # -- required ----------------------------------------------------------------------------
+    def isend(self, data: object, peer: int, tag: int) -> Req:
+        """Start sending ``data`` to ``peer``; its request."""
+        raise NotImplementedError(f"{type(self).__name__} must implement isend")
+
+    def irecv(self, data: object, peer: int, tag: int) -> Req:
+        """Start receiving into ``data`` from ``peer``; its request."""
+        raise NotImplementedError(f"{type(self).__name__} must implement irecv")
+
+    def wait(self, req: Req) -> None:
+        """Block until ``req`` completed."""
+        raise NotImplementedError(f"{type(self).__name__} must implement wait")
+
+    def allgather(self, obj: object) -> list[object]:
+        """Every rank's (small, picklable) ``obj``, in rank order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement allgather")
+
+    # -- completions (Completion.ANY) ---------------------------------------------------------
+    def waitsome(self, reqs: Sequence[Req]) -> list[int]:
+        """Indices of completed requests, blocking until there is one."""
+        self.wait(reqs[0])
+        return [0]
+
+    def testsome(self, reqs: Sequence[Req]) -> list[int]:
+        """Indices of completed requests, without blocking (none, where unknown)."""
+        return []
+
+    def batch(self, posts: Sequence[Post]) -> list[Req]:
+        """Post operations as one group; their requests, in order."""
+        return [(self.isend if p.send else self.irecv)(p.data, p.peer, p.tag) for p in posts]
+
+    # -- memory --------------------------------------------------------------------------------
+    def message(self, backend: Backend, arr: Array) -> object:
         """What :meth:`isend`/:meth:`irecv` take for the bytes of ``arr``."""
         return backend.byte_view(arr)
 
-    def scratch(self, nbytes: int) -> tuple[Any, Any]:
+    def scratch(self, nbytes: int) -> tuple[Array, Backend]:
         """A buffer of ``nbytes`` bytes this transport moves, and its backend (the
         probe's and the doctor's messages): host memory unless the library needs device
         memory."""
         return np.zeros(nbytes, dtype=np.uint8), NUMPY
 
-    def staging(self, backend: Any) -> bool:
+    def staging(self, backend: Backend) -> bool:
         """Whether messages of ``backend``'s arrays go through host copies."""
         return False
 
-    def isend(self, data: Any, peer: int, tag: int) -> Any:
-        raise NotImplementedError
+    def check_backend(self, backend: Backend) -> None:
+        """ArgumentError if this transport cannot move ``backend``'s arrays (checked
+        for transports whose :attr:`Capabilities.tensors` is set)."""
 
-    def irecv(self, data: Any, peer: int, tag: int) -> Any:
-        raise NotImplementedError
-
-    def waitsome(self, reqs: list[Any]) -> list[int]:
-        """Indices of completed requests, blocking until there is one (``observe="any"``)."""
-        raise NotImplementedError
-
-    def testsome(self, reqs: list[Any]) -> list[int]:
-        """Indices of completed requests, without blocking (``observe="any"``)."""
-        raise NotImplementedError
-
-    def wait(self, req: Any) -> None:
-        """Block until ``req`` completed (``observe="ordered"``)."""
-        raise NotImplementedError
-
-    def batch(self, posts: list[tuple[bool, Any, int, int]]) -> list[Any]:
-        """Post ``(is_send, data, peer, tag)`` operations as one group; their requests."""
-        return [(self.isend if s else self.irecv)(d, peer, tag) for s, d, peer, tag in posts]
-
-    def check_backend(self, backend: Any) -> None:
-        """ArgumentError if this transport cannot move ``backend``'s arrays."""
-
-    # -- the library's own AllReduce -------------------------------------------------------
-    def native(self, backend: Any, dtype_name: str, op: str) -> bool:
+    # -- the library's own AllReduce ----------------------------------------------------------
+    def native(self, backend: Backend, dtype_name: str, op: str) -> bool:
         """Whether :meth:`allreduce` reduces ``dtype_name`` with ``op`` exactly as this
         package does (else the caller gathers and reduces in rank order)."""
         return False
 
-    def allreduce(self, backend: Any, arr: Any, dtype_name: str, op: str) -> Any:
-        """Start the library's in-place AllReduce of ``arr``; a request (or None when it
-        completed already)."""
-        raise NotImplementedError
+    def allreduce(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> Req | None:
+        """Start the library's in-place AllReduce of ``arr``; a request (None when it
+        completed already). Called only where :meth:`native` said yes."""
+        raise NotImplementedError(f"{self.describe()} has no AllReduce of its own")
 
-    def allreduce_now(self, backend: Any, arr: Any, dtype_name: str, op: str) -> None:
+    def allreduce_now(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> None:
         """:meth:`allreduce`, completed before returning."""
         req = self.allreduce(backend, arr, dtype_name, op)
         if req is not None:
             self.wait(req)
 
-    # -- control traffic -------------------------------------------------------------------
-    def allgather(self, obj: Any) -> list[Any]:
-        """Every rank's (small, picklable) ``obj``, in rank order."""
-        raise NotImplementedError
-
+    # -- control traffic ----------------------------------------------------------------------
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
         """Every rank's ``block`` (1-D uint8, the same size everywhere) into the rows of
         ``out``."""
-        raise NotImplementedError
+        rows = self.allgather(block.tobytes())
+        for r, row in enumerate(rows):
+            out[r] = np.frombuffer(row, dtype=np.uint8)  # type: ignore[arg-type]
 
-    def gather_rows(self, backend: Any, arr: Any) -> Any:
+    def gather_rows(self, backend: Backend, arr: Array) -> Array | None:
         """Every rank's ``arr`` (1-D, the same size everywhere) as the rows of a 2-D array
         of ``backend``, gathered where it lives (on the device for device memory); None
         where this transport gathers through the host only."""
@@ -117,10 +239,12 @@ class Transport:
 
     def allreduce_max(self, vec: np.ndarray) -> None:
         """``vec`` (int64) replaced by its element-wise maximum over the ranks."""
-        raise NotImplementedError
+        rows = self.allgather(vec.tolist())
+        np.copyto(vec, np.max(np.array(rows, dtype=vec.dtype), axis=0))
 
     def barrier(self) -> None:
-        raise NotImplementedError
+        """Return once every rank has called it."""
+        self.allgather(None)
 
     def quiet_barrier(self) -> None:
         """A barrier that leaves the CPU to others while it waits, and ends at about the
@@ -135,3 +259,25 @@ class Transport:
     def describe(self) -> str:
         """One line for messages: the library and the size."""
         return f"{self.name} group of {self.size}"
+
+    # -- provided -----------------------------------------------------------------------------
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when the communicator goes away (:meth:`close`)."""
+        if self._closed:
+            callback()
+        else:
+            self._on_close.append(callback)
+
+    def close(self) -> None:
+        """The communicator went away: tell those who asked (:meth:`on_close`), once."""
+        if self._closed:
+            return
+        self._closed = True
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed

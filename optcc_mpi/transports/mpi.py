@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from optcc_mpi.dtypes import ALIASES, CATEGORY, DTYPES, LOW_PRECISION, check_op_
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.transports.base import BY_HANDLE, WORLD, Transport
+from optcc_mpi.transports.base import WORLD, Capabilities, Completion, Transport
 
 __all__ = [
     "MpiTransport",
@@ -48,15 +49,15 @@ __all__ = [
 IN_PLACE: Any = MPI.IN_PLACE
 WORLD.append(MPI.COMM_WORLD.handle)
 _KEYVAL: list[Any] = []
+#: The transports made so far, by communicator handle: found with one lookup.
+_BY_HANDLE: dict[int, MpiTransport] = {}
 
 
-class MpiTransport(Transport):
+class MpiTransport(Transport[MPI.Request]):
     """An mpi4py intracommunicator and its private duplicate (module docstring)."""
 
     name = "mpi"
-    observe = "any"
-    sync_device = True
-    tensors = False
+    caps = Capabilities(completion=Completion.ANY, sync_device=True, tensors=False)
 
     def __init__(self, comm: Any) -> None:
         size = comm.Get_size()
@@ -76,11 +77,24 @@ class MpiTransport(Transport):
         self.comm = comm
         self.handle = comm.handle
         self.private = private
-        # The library's calls themselves: a message costs no extra Python frame.
-        self.isend = private.Isend
-        self.irecv = private.Irecv
-        self.waitsome = MPI.Request.Waitsome
-        self.testsome = MPI.Request.Testsome
+        # The library's calls themselves, bound on the instance over the methods below: a
+        # message costs no extra Python frame.
+        self.isend = private.Isend  # type: ignore[method-assign]
+        self.irecv = private.Irecv  # type: ignore[method-assign]
+        self.waitsome = MPI.Request.Waitsome  # type: ignore[method-assign]
+        self.testsome = MPI.Request.Testsome  # type: ignore[method-assign]
+
+    def isend(self, data: object, peer: int, tag: int) -> MPI.Request:
+        return self.private.Isend(data, peer, tag)
+
+    def irecv(self, data: object, peer: int, tag: int) -> MPI.Request:
+        return self.private.Irecv(data, peer, tag)
+
+    def waitsome(self, reqs: Sequence[MPI.Request]) -> list[int]:
+        return MPI.Request.Waitsome(reqs) or []
+
+    def testsome(self, reqs: Sequence[MPI.Request]) -> list[int]:
+        return MPI.Request.Testsome(reqs) or []
 
     def free(self) -> None:
         """Free the private duplicate (called by MPI when the communicator is freed)."""
@@ -171,9 +185,8 @@ class MpiTransport(Transport):
 
 
 def _delete(comm: Any, keyval: Any, t: MpiTransport) -> None:
-    BY_HANDLE.pop(t.handle, None)
-    if t.state is not None:
-        t.state.fast = None  # the compiled call path must not reach the freed duplicate
+    _BY_HANDLE.pop(t.handle, None)
+    t.close()  # whoever keeps state for it drops it: nothing may reach the duplicate
     t.free()
 
 
@@ -214,7 +227,7 @@ def transport(comm: Any) -> MpiTransport:
         comm = MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):
         check_comm(comm)
-    t = BY_HANDLE.get(comm.handle)
+    t = _BY_HANDLE.get(comm.handle)
     if t is not None:
         return t
     check_comm(comm)
@@ -224,7 +237,7 @@ def transport(comm: Any) -> MpiTransport:
     if t is None:
         t = MpiTransport(comm)
         comm.Set_attr(_KEYVAL[0], t)
-    BY_HANDLE[t.handle] = t
+    _BY_HANDLE[t.handle] = t
     return t
 
 

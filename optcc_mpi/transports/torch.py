@@ -16,20 +16,22 @@ gloo
     CPU tensors (reduced by torch, :class:`~optcc_mpi.backend.TorchBackend`) and NumPy
     arrays (reduced by NumPy, their memory wrapped by ``torch.from_numpy``). A gloo
     request reports its completion only when waited for, so the executor waits for the
-    outstanding operation of lowest level (``observe = "ordered"``). gloo's messages are a
-    rendezvous: a send starts only once the receiver's "ready to receive" notice has
-    reached the sender, on the TCP connection between the two. Were the messages of both
-    directions on one connection, that notice would queue behind the receiver's own data
-    to the sender (a slow rank's whole backlog: on the testbed, rank 0 at half rate
+    outstanding operation of lowest level (completions
+    :attr:`~optcc_mpi.transports.Completion.ORDERED`). gloo's messages are a rendezvous:
+    a send starts only once the receiver's "ready to receive" notice has reached the
+    sender, on the TCP connection between the two. Were the messages of both directions
+    on one connection, that notice would queue behind the receiver's own data to the
+    sender (a slow rank's whole backlog: on the testbed, rank 0 at half rate
     received only 87% of its rate while its receives were posted); so each direction has
     a group, and the connection carrying a direction's data carries only notices the
     other way.
 NCCL
     CUDA tensors, which never leave the device: every level's messages are one NCCL group
     (``batch_isend_irecv``), waiting on it makes the current stream wait (not the host),
-    and the reductions that follow are queued on the current stream
-    (``observe = "grouped"``). NCCL matches messages between two ranks by order, not tag:
-    the executor posts each level's messages in an order both ends agree on.
+    and the reductions that follow are queued on the current stream (completions
+    :attr:`~optcc_mpi.transports.Completion.GROUPED`). NCCL matches messages between two
+    ranks by order, not tag: the executor posts each level's messages in an order both
+    ends agree on.
 
 The library's own AllReduce (``all_reduce``) is used where it reduces a type exactly as
 this package does (:meth:`TorchTransport.native`); elsewhere every rank's data is
@@ -42,6 +44,7 @@ is translated to the group's ranks, and ranks outside it are dropped.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +54,7 @@ import torch.distributed as dist
 from optcc_mpi.backend import torch_backend
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.transports.base import Transport
+from optcc_mpi.transports.base import Capabilities, Completion, Post, Transport
 
 __all__ = ["TorchTransport", "transport", "group_of"]
 
@@ -109,11 +112,8 @@ def group_of(group: Any) -> Any:
     return group
 
 
-class TorchTransport(Transport):
+class TorchTransport(Transport["dist.Work"]):
     """A torch.distributed process group and its private groups (module docstring)."""
-
-    sync_device = False
-    tensors = True
 
     def __init__(self, group: Any) -> None:
         library = str(dist.get_backend(group)).lower()
@@ -123,7 +123,8 @@ class TorchTransport(Transport):
                 "or nccl (CUDA)"
             )
         self.name = library
-        self.observe = "grouped" if library == "nccl" else "ordered"
+        completion = Completion.GROUPED if library == "nccl" else Completion.ORDERED
+        self.caps = Capabilities(completion=completion, sync_device=False, tensors=True)
         ranks = dist.get_process_group_ranks(group)
         self.group = group
         self.global_ranks = list(ranks)
@@ -190,14 +191,15 @@ class TorchTransport(Transport):
     def wait(self, req: Any) -> None:
         req.wait()
 
-    def batch(self, posts: list[tuple[bool, Any, int, int]]) -> list[Any]:
+    def batch(self, posts: Sequence[Post]) -> list[Any]:
         # One batch per carrying group (torch wants one group per batch); NCCL has one.
         by: dict[Any, list[Any]] = {}
-        for is_send, data, peer, tag in posts:
-            group = self._carrier(self.rank, peer) if is_send else self._carrier(peer, self.rank)
-            op = dist.isend if is_send else dist.irecv
+        for post in posts:
+            peer = post.peer
+            group = self._carrier(self.rank, peer) if post.send else self._carrier(peer, self.rank)
+            op = dist.isend if post.send else dist.irecv
             by.setdefault(group, []).append(
-                dist.P2POp(op, data, group=group, group_peer=peer, tag=tag)
+                dist.P2POp(op, post.data, group=group, group_peer=peer, tag=post.tag)
             )
         return [req for ops in by.values() for req in dist.batch_isend_irecv(ops)]
 
