@@ -25,6 +25,19 @@ It also runs under an MPI launcher, which starts torch.distributed from the MPI 
     mpiexec -n 4 python -m mpi4py examples/train_ddp.py --links 1:0.5
     srun --mpi=pmi2 -n 4 python -m mpi4py examples/train_ddp.py --links 1:0.5
 
+On one machine, without root, ``--emulate`` puts every rank behind a virtual NIC
+(:mod:`optcc_mpi.emulation`), the slow ranks those of ``--links`` (or of the spec's own
+``degrade=``), so the gain of routing around a slow link shows on a laptop::
+
+    torchrun --standalone --nproc-per-node 4 examples/train_ddp.py \
+        --emulate bw=100MB/s --links 0:0.5 --compare
+
+With ``--compare`` the second run stands for DDP's own all-reduce: without emulation it
+is DDP's default (gloo's all_reduce); under emulation gloo's own traffic cannot be paced,
+so it averages with the ring through the same hook on the same virtual NICs (gloo's
+all_reduce runs a ring, held back like it by the slowest link), and both runs pay the
+same emulated network. The median step times of both are printed.
+
 The process group is gloo on the CPU. ``--device cuda`` uses NCCL, one GPU per rank
 (``LOCAL_RANK``); that path has not run on a GPU yet (docs/torch.md). ``--links watch``
 learns the slow link from the training's own messages, and ``--links-log FILE`` records
@@ -40,12 +53,13 @@ import os
 import sys
 import time
 import zlib
+from statistics import median
 
 import torch
 import torch.distributed as dist
 
 import optcc_mpi.torch as ot
-from optcc_mpi import algorithms, collectives
+from optcc_mpi import Emulation, Links, algorithms, collectives, config
 
 #: Variables an MPI launcher gives its ranks (torchrun sets RANK and WORLD_SIZE instead).
 MPI_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -115,12 +129,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--compare",
         action="store_true",
-        help="also train with DDP's default all-reduce and print the largest parameter gap",
+        help="also train with DDP's default all-reduce (under --emulate: the ring through "
+        "the same hook on the same virtual NICs) and print the step times and the largest "
+        "parameter gap",
+    )
+    ap.add_argument(
+        "--emulate",
+        default=None,
+        metavar="bw=RATE[,latency=TIME][,degrade=RANK:FRACTION]",
+        help="software-emulated links (no root): virtual NICs of RATE, the ranks of "
+        "--links (or of degrade=) slowed",
     )
     args = ap.parse_args(argv)
     if args.links_log and str(args.links or "").strip().lower() != "watch":
         ap.error("--links-log records what --links watch adopts; add --links watch")
+    if args.emulate is not None:
+        try:
+            args.emulate = emulated(Emulation.parse(args.emulate), args.links)
+        except ValueError as exc:
+            ap.error(f"--emulate {args.emulate}: {exc}")
+        if args.links is None:
+            args.links = str(args.emulate.degrade)  # the hook is told the emulated truth
     return args
+
+
+def emulated(emu: Emulation, links: str | None) -> Emulation:
+    """The emulation with its slow ranks made explicit: its own ``degrade=``, else
+    ``--links`` (unless ``probe``/``watch``, which learn them), else none."""
+    if emu.degrade is not None:
+        return emu
+    learn = str(links or "").strip().lower() in ("", "probe", "watch")
+    return Emulation(emu.bw, emu.latency, Links() if learn else Links.parse(links))
 
 
 def _positive(text: str) -> int:
@@ -207,9 +246,10 @@ def make_model(seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.
 # -- training -----------------------------------------------------------------------------------
 def train(
     args: argparse.Namespace, data: tuple[torch.Tensor, ...], hook: object, verbose: bool
-) -> tuple[torch.Tensor, float]:
-    """Train for ``args.epochs``; the final parameters as one float64 vector, and the
-    accuracy on the test images (every rank evaluates its share; the counts are summed)."""
+) -> tuple[torch.Tensor, float, list[float]]:
+    """Train for ``args.epochs``; the final parameters as one float64 vector, the
+    accuracy on the test images (every rank evaluates its share; the counts are summed),
+    and every step's time on the slowest rank."""
     rank, p = dist.get_rank(), dist.get_world_size()
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -233,16 +273,19 @@ def train(
             flush=True,
         )
         print(f"{'epoch':>5} {'loss':>10} {'ms/step':>8}  allreduce (last bucket)", flush=True)
+    times = []
     for epoch in range(args.epochs):
         for step in range(steps):
             lo = step * args.batch
             xb, yb = xs[lo : lo + args.batch], ys[lo : lo + args.batch]
+            dist.barrier()  # every rank starts the step together: its time is the step's
             t0 = time.perf_counter()
             loss = torch.nn.functional.cross_entropy(model(xb).float(), yb)
             opt.zero_grad()
             loss.backward()  # the hook averages the gradient buckets here
             opt.step()
             dt = time.perf_counter() - t0
+            times.append(dt)
             if step == steps - 1:
                 # What the hook ran for the last bucket (read before the next call).
                 st = collectives.last_stats() if hook is not None else {}
@@ -256,7 +299,8 @@ def train(
         right = (model(xt).argmax(dim=1) == yt).sum().double().reshape(1)
         counts = ot.allreduce(torch.cat([right, torch.tensor([float(len(yt))], device=device)]))
     params = torch.cat([q.detach().reshape(-1).double().cpu() for q in model.parameters()])
-    return params, (counts[0] / counts[1]).item()
+    slowest = ot.allreduce(torch.tensor(times, dtype=torch.float64), op="max")
+    return params, (counts[0] / counts[1]).item(), slowest.tolist()
 
 
 def _min_over_ranks(value: int, device: torch.device) -> int:
@@ -269,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     start_process_group(args.device)
     rank = dist.get_rank()
+    if args.emulate is not None:
+        config.rc.emulate = str(args.emulate)  # every AllReduce of this process, paced
     try:
         # The hook checks its arguments now (on every rank alike), before any training.
         hook = ot.comm_hook(algorithm=args.algorithm, links=args.links, links_log=args.links_log)
         data = load_data(args.data, args.seed)
-        ours, accuracy = train(args, data, hook, verbose=True)
+        ours, accuracy, our_times = train(args, data, hook, verbose=True)
         digests = [None] * dist.get_world_size()
         dist.all_gather_object(digests, zlib.crc32(ours.numpy().tobytes()))
         same = len(set(digests)) == 1
@@ -281,12 +327,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# test accuracy: {accuracy:.3f}", flush=True)
             print(f"# parameters identical on all {len(digests)} ranks: {same}", flush=True)
         if args.compare:
-            theirs, acc = train(args, data, None, verbose=False)
+            # Under emulation DDP's own gloo traffic would not be paced: the ring through
+            # the same hook on the same virtual NICs stands for it (the module docstring).
+            plain = None if args.emulate is None else ot.comm_hook("ring", links=args.links)
+            name = "DDP's own all-reduce" if plain is None else "the ring, emulated like it"
+            theirs, acc, their_times = train(args, data, plain, verbose=False)
             gap = (ours - theirs).abs().max().item()
             if rank == 0:
+                a, b = median(our_times[1:]), median(their_times[1:])
                 print(
-                    f"# DDP's own all-reduce: test accuracy {acc:.3f}; largest parameter gap "
-                    f"to it {gap:.3g}",
+                    f"# {name}: test accuracy {acc:.3f}; largest parameter gap to it "
+                    f"{gap:.3g}\n# median step: optcc_mpi's hook {a * 1e3:.1f} ms, {name} "
+                    f"{b * 1e3:.1f} ms: {a / b:.2f}x",
                     flush=True,
                 )
         return 0 if same else 1

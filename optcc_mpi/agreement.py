@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from optcc_mpi import transports
-from optcc_mpi.errors import ArgumentError, ArgumentTypeError
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError, mark_everywhere
 
 __all__ = ["agree", "agree_fields", "describe_ranks", "run_everywhere"]
 
@@ -104,15 +104,23 @@ def agree(
             typed = typed or verdict[0]
     if not failed:
         return [p for _, p in verdicts]
-    if isinstance(error, BaseException):
-        raise error
     if comm.size == 1:
         words = next(iter(failed))
     else:
         words = "; ".join(f"{m} ({describe_ranks(rs, comm.size)})" for m, rs in failed.items())
-    raise (ArgumentTypeError if typed and error is None else cls)(
-        f"{what}: {words}" if what else words
-    )
+    words = f"{what}: {words}" if what else words
+    # Every rank raises, by design: marked so that a command prints it once. Raised
+    # "from None": an agreement is often reached while handling the signal that a check
+    # failed (protocol.Mismatch), which is no part of the user's error. A bad argument
+    # (ValueError, TypeError) is shown from this call alone: the frames of the check that
+    # found it say nothing its message does not; anything else keeps them.
+    if isinstance(error, BaseException):
+        if isinstance(error, (ValueError, TypeError)):
+            error = error.with_traceback(None)
+        # Where this rank's is the only failure, its own words tell the whole story.
+        raise mark_everywhere(error, str(error) if len(failed) == 1 else words) from None
+    kind = ArgumentTypeError if typed and error is None else cls
+    raise mark_everywhere(kind(words), words) from None
 
 
 def run_everywhere(

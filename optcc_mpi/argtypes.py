@@ -29,6 +29,7 @@ __all__ = [
     "positive_size_arg",
     "sizes_arg",
     "rate_arg",
+    "rate_with_unit_arg",
     "duration_arg",
     "links_arg",
     "links_or_probe_arg",
@@ -66,6 +67,21 @@ def _wrap(fn: Callable[[str], Any], what: str) -> Callable[[str], Any]:
 size_arg = _wrap(parse_size, "size")
 #: Bytes per second from ``25GB/s``, ``400mbit`` (:func:`optcc_mpi.units.parse_rate`).
 rate_arg = _wrap(parse_rate, "bandwidth")
+
+
+def rate_with_unit_arg(text: str) -> float:
+    """A rate that names its unit (argparse type): ``10gbit``, ``1.25GB/s``, ``400mbit``.
+    A bare number is refused: read as bytes per second, ``100`` would be 0.0008 Mbit/s
+    where 100 Gbit/s was surely meant."""
+    try:
+        float(text)
+    except ValueError:
+        return rate_arg(text)
+    raise argparse.ArgumentTypeError(
+        f"{text!r} has no unit; a rate needs one, e.g. {text}gbit, {text}mbit or {text}GB/s"
+    )
+
+
 #: Seconds from ``20us``, ``1.5ms`` (:func:`optcc_mpi.units.parse_duration`).
 duration_arg = _wrap(parse_duration, "duration")
 #: A link profile ``RANK:FRACTION[,...]`` (:meth:`optcc_mpi.links.Links.parse`).

@@ -54,6 +54,20 @@ median rank (node), which assumes fewer than half of them are degraded, or to
 the per-repeat fractions is reported beside it. A rank whose low rate every one of its
 partners could explain (their own rates were no faster) is *unresolved*, not blamed.
 
+Fewer than three nodes
+----------------------
+The median of two links cannot say whether either is slow, and with two nodes every
+message crosses both ends, so the measurements alone never say *which* end is slow. The
+doctor then judges against an expected rate, the first it has of: ``expect``; under
+emulation, the virtual NIC's rate; the speed every node's interface reports (a physical
+device's ``/sys/class/net/IF/speed``; the highest one, since a link may have come up
+slower on one end); an earlier healthy record's median link (``baseline``). Against it
+the link between the two is judged healthy or degraded; its slow end is named where the
+ends differ in what the system reports of them (one interface reporting a lower speed
+than the other's), otherwise both ends say ``unresolved`` and the summary says that the
+ends cannot be told apart. Without any expected rate the verdict is ``inconclusive`` and
+its one line says what to pass.
+
 A node is degraded when its aggregate fraction is below the threshold, or when every one
 of its ranks is; its ranks then say ``node``, and the summary names the node, not a rank.
 A rank below the threshold on a healthy node is blamed alone (one rail of a multi-NIC
@@ -87,7 +101,7 @@ import numpy as np
 from optcc_mpi import linklog, transports
 from optcc_mpi.backend import NUMPY
 from optcc_mpi.emulation import Emulation
-from optcc_mpi.errors import ArgumentError
+from optcc_mpi.errors import ArgumentError, mark_everywhere
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.progress import Progress
@@ -101,8 +115,14 @@ __all__ = [
     "DEFAULT_REPEATS",
     "HEALTHY_ABOVE",
     "EXIT_HEALTHY",
+    "EXIT_ERROR",
     "EXIT_DEGRADED",
     "EXIT_INCONCLUSIVE",
+    "EXIT_STATUSES",
+    "CHECK_STATUSES",
+    "RANK_VERDICTS",
+    "interface_speed",
+    "baseline_rate",
     "Layout",
     "Round",
     "Plan",
@@ -125,10 +145,43 @@ DEFAULT_REPEATS = 5
 #: Fractions of the reference at or above this are healthy. A link at 0.7 is found with
 #: room for the testbed's measurement error; healthy links measure 0.9 or more there.
 HEALTHY_ABOVE = 0.8
-#: Exit statuses of ``optcc-mpi doctor`` (2: an error, as for every command).
+#: Exit statuses of ``optcc-mpi doctor`` (:data:`EXIT_STATUSES` says what each means).
 EXIT_HEALTHY = 0
+EXIT_ERROR = 2
 EXIT_DEGRADED = 3
 EXIT_INCONCLUSIVE = 4
+#: What each exit status of a measuring run means: ``--help``, docs/doctor.md and the
+#: code say the same (tests/test_doctor.py checks the first two against this table).
+EXIT_STATUSES = {
+    EXIT_HEALTHY: "healthy: every link measured and at or above the threshold",
+    EXIT_ERROR: "an error: bad arguments, an output path that cannot be written, a world "
+    "of one rank (no launcher, or srun without --mpi), MPI or gloo could not start",
+    EXIT_DEGRADED: "a link is degraded: a node or rank named, or a slow link whose end "
+    "cannot be told (unresolved)",
+    EXIT_INCONCLUSIVE: "inconclusive: nothing to judge against (fewer than 3 nodes and no "
+    "expected rate), or ranks not measured (a single node)",
+}
+#: What each exit status of ``--check`` (one host's verdict in a doctor's JSON) means.
+CHECK_STATUSES = {
+    EXIT_HEALTHY: "every rank of the host was measured and healthy",
+    EXIT_ERROR: "an error: no such file, or not a doctor's JSON",
+    EXIT_DEGRADED: "the host was named: its link or one of its ranks' paths is degraded",
+    EXIT_INCONCLUSIVE: "the host was not named and not cleared: unresolved (a slow link with "
+    "it at one end), unmeasured, unjudged, or not in the file",
+}
+#: Verdicts of a rank (:class:`RankRow`), each with what it means.
+RANK_VERDICTS = {
+    "healthy": "every measurement at or above the threshold",
+    "degraded": "this rank's own path is slow (its node is not)",
+    "node": "its node's link is slow",
+    "intra": "slow inside its node (only with --judge-intra)",
+    "unresolved": "slow, but every partner was as slow: cannot tell which end",
+    "unmeasured": "no message of it crossed a network (a node alone)",
+    "unjudged": "measured, with nothing to judge it against (fewer than 3 nodes and no "
+    "expected rate)",
+}
+#: Verdicts that name a slow link somewhere: the run's status is then ``degraded``.
+SLOW_VERDICTS = ("degraded", "node", "intra", "unresolved")
 #: A partner whose own rate is within this factor of a rank's low rate may have been
 #: what limited it.
 _EXPLAIN = 1.15
@@ -418,6 +471,133 @@ def estimate(
     }
 
 
+# ----------------------------------------------------- what the system says of the links
+
+#: Variables that name the interface a transport's traffic leaves by (gloo's and NCCL's
+#: sockets, UCX's devices, Open MPI's TCP transport), in the order they are read.
+IFACE_VARIABLES = (
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "UCX_NET_DEVICES",
+    "OMPI_MCA_btl_tcp_if_include",
+)
+
+
+def _default_iface(root: Path) -> str | None:
+    """The interface of the default route (``/proc/net/route``), if any."""
+    try:
+        lines = (root / "proc/net/route").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        cols = line.split()
+        if len(cols) > 1 and cols[1] == "00000000":
+            return cols[0]
+    return None
+
+
+def interface_speed(
+    iface: str | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    root: str | Path = "/",
+) -> tuple[str | None, float]:
+    """The interface this host's traffic leaves by and the speed the system reports for
+    it, in bytes/s (NaN where it reports none).
+
+    The interface is ``iface``, else the first one named by :data:`IFACE_VARIABLES` (an
+    exclusion list, ``^...``, or a device port such as ``mlx5_0:1`` names no interface),
+    else the default route's. Its speed is ``/sys/class/net/IF/speed`` (Mbit/s) where
+    that is a physical device (``IF/device`` exists) reporting a positive number:
+    virtual devices (veth, bridges, tunnels, loopback) report a nominal figure or none,
+    and the links of a network-namespace testbed are shaped below what their veths say.
+    ``root`` replaces ``/`` (tests).
+    """
+    import os
+
+    base = Path(root)
+    env = dict(os.environ) if env is None else env
+    name = iface
+    if name is None:
+        for var in IFACE_VARIABLES:
+            first = env.get(var, "").split(",")[0].strip()
+            if first and not first.startswith("^") and ":" not in first:
+                name = first
+                break
+    if name is None:
+        name = _default_iface(base)
+    if name is None:
+        return None, math.nan
+    dev = base / "sys/class/net" / name
+    try:
+        mbit = float((dev / "speed").read_text().strip())
+    except (OSError, ValueError):
+        return name, math.nan
+    if not (dev / "device").exists() or not mbit > 0 or not math.isfinite(mbit):
+        return name, math.nan
+    return name, mbit * 1e6 / 8
+
+
+def baseline_rate(path: str | Path) -> float:
+    """The healthy link rate (bytes/s) of an earlier doctor's ``--json``: the slower of
+    its median egress and ingress, from a run whose verdict was healthy.
+
+    Raises
+    ------
+    ArgumentError
+        The file is missing, not a doctor's JSON, or its verdict was not healthy (a
+        degraded or inconclusive run's median says nothing of a healthy link).
+    """
+    import json
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+        status = data["status"]
+        rate = min(float(data["median_egress"]), float(data["median_ingress"]))
+    except FileNotFoundError:
+        raise ArgumentError(f"--baseline {p}: no such file") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ArgumentError(f"--baseline {p} is not a doctor's --json ({exc})") from None
+    if status != "healthy":
+        raise ArgumentError(
+            f"--baseline {p}: that run was {status}, not healthy; its median is no healthy "
+            "link's rate"
+        )
+    if not (rate > 0 and math.isfinite(rate)):
+        raise ArgumentError(f"--baseline {p}: no median rate in it")
+    return rate
+
+
+def reference(
+    n_nodes: int,
+    *,
+    expect: float | None = None,
+    emulated: float | None = None,
+    speeds: Sequence[float] = (),
+    ifaces: Sequence[str | None] = (),
+    baseline: float | None = None,
+) -> tuple[float | None, str]:
+    """The rate a link is judged against and where it came from: ``(None, "median")`` to
+    judge against the median link (3 nodes or more, no ``expect``), else the first of
+    ``expect``, the emulated rate, the interfaces' reported ``speeds`` (one per node; all
+    must report one: the highest), the ``baseline`` (module docstring), or ``(None,
+    "none")`` when fewer than 3 nodes have none of them."""
+    if expect is not None:
+        return float(expect), "--expect"
+    if n_nodes >= 3:
+        return None, "median"
+    if emulated:
+        return float(emulated), "the emulated rate"
+    sp = np.asarray(speeds, dtype=float)
+    if sp.size and np.isfinite(sp).all():
+        names = sorted({str(i) for i in ifaces if i}) or ["?"]
+        return float(sp.max()), f"the speed {'/'.join(names)} reports"
+    if baseline is not None:
+        return float(baseline), "an earlier healthy record"
+    return None, "none"
+
+
 # ------------------------------------------------------------ communication (only here)
 
 
@@ -520,8 +700,9 @@ class RankRow:
     intra_ingress: float
     intra_fraction: float
     verdict: str
-    """``healthy``, ``degraded`` (this rank's own path), ``node`` (its node's link is
-    degraded), ``intra`` (slow within its node) or ``unresolved``."""
+    """One of :data:`RANK_VERDICTS`: ``healthy``, ``degraded`` (this rank's own path),
+    ``node`` (its node's link is degraded), ``intra`` (slow within its node),
+    ``unresolved``, ``unmeasured`` or ``unjudged``."""
 
 
 @dataclass
@@ -538,7 +719,12 @@ class NodeRow:
     fraction: float
     verdict: str
     """``healthy``, ``degraded`` (its link), ``ranks`` (some of its ranks' paths),
-    ``intra`` (within the node) or ``unresolved``."""
+    ``intra`` (within the node), ``unresolved``, ``unmeasured`` or ``unjudged``."""
+    interface: str | None = None
+    """The interface its traffic leaves by (:func:`interface_speed`), as the lowest rank
+    of the node found it."""
+    reported: float = math.nan
+    """The speed the system reports for that interface (bytes/s; NaN: none)."""
 
 
 @dataclass
@@ -575,6 +761,28 @@ class Diagnosis:
     of the most any rank's virtual NIC was charged (no clock involved)."""
     group: str = "host"
     emulate: str | None = None
+    reference_source: str = "median"
+    """Where the reference came from: ``median``, ``--expect``, ``the emulated rate``,
+    ``the speed IF reports``, ``an earlier healthy record``, or ``none`` (fewer than 3
+    nodes and no expected rate)."""
+    node_partners: int = 0
+    """Partner nodes every rank really had (the plan's node shifts: at most nodes - 1)."""
+    local_partners: int = 0
+    """Partners inside its node (the plan's local shifts; 0 at one rank per node)."""
+
+    def header(self) -> str:
+        """The line above the table: what was sent, counted as it really ran."""
+        k, kl, p, n = self.node_partners, self.local_partners, len(self.ranks), len(self.nodes)
+        who = f"{k} partner node{'s' if k != 1 else ''}" if k else "no partner node"
+        if kl:
+            who += f", {kl} partner{'s' if kl != 1 else ''} inside its node"
+        sent = max(self.bytes_sent, default=0) / 2**20
+        return (
+            f"# optcc-mpi doctor: {p} rank{'s' if p != 1 else ''} on {n} "
+            f"node{'s' if n != 1 else ''}, {self.rounds} rounds of "
+            f"{self.size / 2**20:g} MiB messages ({who}; {self.repeats} repeats), "
+            f"{sent:.0f} MiB sent per rank, {self.seconds:.1f} s"
+        )
 
     @property
     def exit_status(self) -> int:
@@ -586,8 +794,8 @@ class Diagnosis:
 
     @property
     def flagged(self) -> list[int]:
-        """Ranks whose verdict is not ``healthy``, slowest first."""
-        rows = [r for r in self.ranks if r.verdict != "healthy"]
+        """Ranks whose verdict names a slow link (:data:`SLOW_VERDICTS`), slowest first."""
+        rows = [r for r in self.ranks if r.verdict in SLOW_VERDICTS]
         return [r.rank for r in sorted(rows, key=_rank_key)]
 
     def to_dict(self) -> dict[str, Any]:
@@ -608,6 +816,9 @@ class Diagnosis:
             "seconds": self.seconds,
             "group": self.group,
             "emulate": self.emulate,
+            "reference_source": self.reference_source,
+            "node_partners": self.node_partners,
+            "local_partners": self.local_partners,
             "nodes": [vars(n) for n in self.nodes],
             "ranks": [vars(r) for r in self.ranks],
             "bytes_sent": self.bytes_sent,
@@ -756,6 +967,9 @@ def diagnose(
     healthy_above: float = HEALTHY_ABOVE,
     expect: float | None = None,
     judge_intra: bool = False,
+    source: str | None = None,
+    speeds: Sequence[float] | None = None,
+    ifaces: Sequence[str | None] | None = None,
 ) -> Diagnosis:
     """The verdicts from every rank's record of :func:`_measure` (a pure function: every
     rank computes the same).
@@ -769,16 +983,27 @@ def diagnose(
     healthy_above : float
         Fractions at or above this are healthy.
     expect : float, optional
-        Reference rate (bytes/s) instead of the median.
+        Reference rate (bytes/s) instead of the median (:func:`reference`).
     judge_intra : bool
         Flag ranks whose intra-node rate is below the threshold of the median one (off by
         default: the intra-node messages are host memory copies, whose rate follows the
         load on the node's CPUs; on the 2-core testbed it ranged over 0.16-1 of the
         median from one run to the next).
+    source : str, optional
+        Where ``expect`` came from (:func:`reference`; default ``--expect`` when given).
+    speeds, ifaces : sequence, optional
+        Per node, the speed its interface reports (bytes/s, NaN: none) and the
+        interface's name (:func:`interface_speed`): a slow link's end is named where
+        only one end reports less than the others.
     """
     if not 0 < healthy_above <= 1:
         raise ArgumentError(f"healthy_above must be in (0, 1], not {healthy_above!r}")
     lay = the_plan.layout
+    if source is None:
+        source = "median" if expect is None else "--expect"
+    sp = np.full(lay.n_nodes, math.nan) if speeds is None else np.asarray(speeds, dtype=float)
+    if sp.shape != (lay.n_nodes,):
+        raise ArgumentError(f"speeds: one per node ({lay.n_nodes}), not {sp.shape}")
     secs = _seconds(records)
     alone = _rank_rates(the_plan, secs, expect)
     # Each node's NIC with all its ranks at once (the reference: one link's rate); with
@@ -786,24 +1011,45 @@ def diagnose(
     node = _node_fractions(the_plan, secs, expect) if lay.per_node > 1 else alone
     intra = _intra_rates(the_plan, secs)
     node_deg, verdicts = _verdicts(lay, alone, node, intra, healthy_above, judge_intra)
-    # An unresolved rank is still a slow link somewhere (at one of its ends).
-    degraded = bool(node_deg.any() or any(v != "healthy" for v in verdicts))
+    verdicts = _resolve_ends(lay, alone, verdicts, sp, healthy_above)
+    for a, members in enumerate(lay.members):  # a node all of whose ranks are now named
+        if not node_deg[a] and all(verdicts[r] == "degraded" for r in members):
+            node_deg[a] = True
+            for r in members:
+                verdicts[r] = "node" if len(members) > 1 else "degraded"
+    # Fewer than 3 nodes with nothing to judge against: measured, not judged.
     too_few = lay.n_nodes < 3 and expect is None
-    unmeasured = not (np.isfinite(alone.frac).all())
-    if degraded:
+    if too_few:  # (intra-node verdicts are judged against the intra-node median)
+        node_deg[:] = False
+        verdicts = [v if v in ("unmeasured", "intra") else "unjudged" for v in verdicts]
+    # An unresolved rank is still a slow link somewhere (at one of its ends).
+    slow = bool(node_deg.any() or any(v in SLOW_VERDICTS for v in verdicts))
+    if slow:
         status = "degraded"
-    elif too_few or unmeasured:
+    elif too_few or "unmeasured" in verdicts:
         status = "inconclusive"
     else:
         status = "healthy"
+    ranks = _rank_rows(lay, alone, intra, verdicts)
+    nodes = _node_rows(lay, alone, node, node_deg, verdicts)
+    names = list(ifaces) if ifaces is not None else [None] * lay.n_nodes
+    index = {n: i for i, n in enumerate(lay.names)}
+    for row in nodes:
+        row.interface, row.reported = names[index[row.name]], float(sp[index[row.name]])
+    if too_few:  # a fraction of the median of two links would look like a verdict
+        for r in ranks:
+            r.fraction_egress = r.fraction_ingress = r.fraction = math.nan
+            r.spread = (math.nan, math.nan)
+        for n in nodes:
+            n.fraction_egress = n.fraction_ingress = n.fraction = math.nan
     diag = Diagnosis(
         status=status,
         summary="",
-        ranks=_rank_rows(lay, alone, intra, verdicts),
-        nodes=_node_rows(lay, alone, node, node_deg, verdicts),
+        ranks=ranks,
+        nodes=nodes,
         links=_profile(lay, alone, node, verdicts),
         healthy_above=healthy_above,
-        reference="median" if expect is None else _rate(expect),
+        reference="median" if source == "median" else "none" if too_few else _rate(expect),
         median_egress=alone.median_egress,
         median_ingress=alone.median_ingress,
         size=the_plan.size,
@@ -811,9 +1057,36 @@ def diagnose(
         repeats=the_plan.repeats,
         rounds=len(the_plan.rounds),
         group=lay.group,
+        reference_source="none" if too_few else source,
+        node_partners=len(the_plan.shifts),
+        local_partners=len(the_plan.local_shifts),
     )
-    diag.summary = _summary(diag, too_few=too_few, unmeasured=unmeasured)
+    diag.summary = _summary(diag, lay)
     return diag
+
+
+def _resolve_ends(
+    lay: Layout, alone: _RankRates, verdicts: list[str], speeds: np.ndarray, thr: float
+) -> list[str]:
+    """Unresolved ranks told apart by what the system reports of their ends: where every
+    node reports an interface speed, an unresolved rank on a node reporting below
+    ``thr`` of the highest is the slow end (``degraded``); an unresolved rank whose every
+    partner is then named, on a node reporting full speed, was only held back by them
+    (``healthy``)."""
+    if "unresolved" not in verdicts or not np.isfinite(speeds).all():
+        return verdicts
+    low = speeds < thr * speeds.max()
+    out = list(verdicts)
+    for r, v in enumerate(verdicts):
+        if v == "unresolved" and low[lay.node[r]]:
+            out[r] = "degraded"
+    for r, v in enumerate(verdicts):
+        if v != "unresolved" or low[lay.node[r]]:
+            continue
+        partners = {d for (s, d) in alone.pair if s == r} | {s for (s, d) in alone.pair if d == r}
+        if partners and all(out[q] in ("degraded", "node") for q in partners):
+            out[r] = "healthy"
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -916,7 +1189,8 @@ def _verdicts(
     ranks is (and no partner explains it); its ranks then say ``node`` (``degraded`` for a
     node of one rank). Otherwise a rank below ``thr`` is ``degraded``, or ``unresolved``
     where its partners were as slow; with ``judge_intra``, a slow intra-node rate says
-    ``intra``."""
+    ``intra``. A rank none of whose messages crossed a network (a node alone) is
+    ``unmeasured``, never ``healthy``."""
     multi = lay.per_node > 1
     frac = alone.frac
     node_deg = np.zeros(lay.n_nodes, dtype=bool)
@@ -933,6 +1207,8 @@ def _verdicts(
             v = "unresolved" if _explained(r, alone, thr) else "degraded"
         elif judge_intra and intra.frac[r] < thr:
             v = "intra"
+        elif not math.isfinite(frac[r]):
+            v = "unmeasured"
         else:
             v = "healthy"
         verdicts.append(v)
@@ -983,6 +1259,10 @@ def _node_rows(
             nv = "intra"
         elif "unresolved" in vs:
             nv = "unresolved"
+        elif vs == {"unmeasured"}:
+            nv = "unmeasured"
+        elif vs <= {"unjudged", "unmeasured"}:
+            nv = "unjudged"
         else:
             nv = "healthy"
         node_rows.append(
@@ -1025,13 +1305,14 @@ def _profile(lay: Layout, alone: _RankRates, node: _Rates, verdicts: list[str]) 
     return Links(prof)
 
 
-def _summary(d: Diagnosis, *, too_few: bool, unmeasured: bool) -> str:
-    """The one-line verdict: what is slow, then the reference and the threshold."""
+def _summary(d: Diagnosis, lay: Layout) -> str:
+    """The one-line verdict: what is slow (or why nothing could be judged), then the
+    reference and the threshold."""
     n_nodes, p = len(d.nodes), len(d.ranks)
-    if d.reference == "median":
+    if d.reference_source == "median":
         ref = f"the median link ({_rate(d.median_egress)} out, {_rate(d.median_ingress)} in)"
     else:
-        ref = f"the expected {d.reference}"
+        ref = f"the expected {d.reference} ({d.reference_source})"
     tail = f"threshold {d.healthy_above:.2f} of {ref}"
     by_rank = {r.rank: r for r in d.ranks}
     if d.status == "healthy":
@@ -1040,31 +1321,69 @@ def _summary(d: Diagnosis, *, too_few: bool, unmeasured: bool) -> str:
             f"HEALTHY: {n_nodes} nodes ({p} ranks), every link at {worst.fraction:.2f} or "
             f"more; {tail}"
         )
+    if d.status == "inconclusive":
+        if n_nodes == 1:
+            return (
+                f"INCONCLUSIVE: 1 node ({lay.hosts[0]}, {p} ranks): no link between nodes "
+                "to measure (the intra-node rates are in the table); run one task per node "
+                "on 3 or more nodes, or emulate links on this machine with --emulate "
+                "bw=RATE[,degrade=RANK:FRACTION] (every rank its own virtual NIC)"
+            )
+        if d.reference_source == "none":
+            return (
+                f"INCONCLUSIVE: {n_nodes} nodes and nothing to judge their link against (the "
+                "median of two links cannot say whether either is slow): give --expect RATE "
+                "(what one link should carry, e.g. --expect 10gbit) or --baseline FILE (an "
+                "earlier healthy doctor --json), or run on 3 or more nodes"
+            )
+        missing = [r.rank for r in d.ranks if r.verdict == "unmeasured"]
+        return f"INCONCLUSIVE: {_ranks_text(missing)} not measured; {tail}"
     parts = []
-    if all(r.verdict != "healthy" for r in d.ranks) and p > 1:
+    slow = [r for r in d.ranks if r.verdict in SLOW_VERDICTS]
+    if len(slow) == p and p > 1 and n_nodes > 2:
         lo = min(r.fraction for r in d.ranks)
         hi = max(r.fraction for r in d.ranks)
         parts.append(f"every link is slow ({lo:.2f}-{hi:.2f})")
+    elif n_nodes == 2 and slow and all(r.verdict == "unresolved" for r in slow):
+        a, b = d.nodes if d.nodes[0].ranks[0] < d.nodes[1].ranks[0] else d.nodes[::-1]
+        worst = min(slow, key=_rank_key)
+        return (
+            f"DEGRADED: the link between node {a.name} ({_ranks_text(a.ranks)}) and node "
+            f"{b.name} ({_ranks_text(b.ranks)}) at {worst.fraction:.2f} (egress "
+            f"{_frac(worst.fraction_egress)}, ingress {_frac(worst.fraction_ingress)}); with 2 "
+            "nodes every message crosses both ends, so which end is slow cannot be measured "
+            f"(a third node would tell); {tail}"
+        )
     for node in d.nodes if not parts else ():
         if node.verdict == "degraded":
+            said = ""
+            if math.isfinite(node.reported) and any(
+                math.isfinite(n.reported) and n.reported > node.reported for n in d.nodes
+            ):
+                said = f"; {node.interface} reports {_rate(node.reported)}"
             if len(node.ranks) == 1:
                 r = by_rank[node.ranks[0]]
                 parts.append(
                     f"node {node.name} (rank {r.rank}) at {r.fraction:.2f} (egress "
-                    f"{_frac(r.fraction_egress)}, ingress {_frac(r.fraction_ingress)})"
+                    f"{_frac(r.fraction_egress)}, ingress {_frac(r.fraction_ingress)}){said}"
                 )
             else:
                 parts.append(
                     f"node {node.name} ({len(node.ranks)} ranks: {_ranklist(node.ranks)}) at "
                     f"{node.fraction:.2f} (egress {_frac(node.fraction_egress)}, ingress "
-                    f"{_frac(node.fraction_ingress)})"
+                    f"{_frac(node.fraction_ingress)}){said}"
                 )
             continue  # its ranks are named with it
         for r in sorted((by_rank[x] for x in node.ranks), key=_rank_key):
             if r.verdict == "degraded":
+                said = ""
+                if math.isfinite(node.reported) and any(
+                    math.isfinite(n.reported) and n.reported > node.reported for n in d.nodes
+                ):
+                    said = f"; {node.interface} reports {_rate(node.reported)}"
                 parts.append(
                     f"rank {r.rank} (node {node.name}, local rank {r.local_rank}) at "
-                    f"{r.fraction:.2f}"
+                    f"{r.fraction:.2f}{said}"
                 )
             elif r.verdict == "intra":
                 parts.append(
@@ -1076,18 +1395,12 @@ def _summary(d: Diagnosis, *, too_few: bool, unmeasured: bool) -> str:
                     f"rank {r.rank} (node {node.name}) at {r.fraction:.2f}, but every partner "
                     "was as slow"
                 )
-    if d.status == "degraded":
-        return f"DEGRADED: {'; '.join(parts)}; {tail}"
-    why = []
-    if too_few:
-        why.append(
-            f"{n_nodes} node{'s' if n_nodes != 1 else ''}: the median of fewer than 3 cannot "
-            "name the slow one (give --expect RATE)"
-        )
-    if unmeasured:
-        why.append("some ranks were not measured")
-    why.extend(parts)
-    return f"INCONCLUSIVE: {'; '.join(why)}; {tail}"
+    return f"DEGRADED: {'; '.join(parts)}; {tail}"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 3``, ``ranks 0,1``, ``ranks 0-7``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranklist(ranks)}"
 
 
 def _ranklist(ranks: Sequence[int]) -> str:
@@ -1113,6 +1426,8 @@ def doctor(
     judge_intra: bool = False,
     log: str | Path | None = None,
     progress: bool = False,
+    baseline: float | None = None,
+    iface: str | None = None,
 ) -> Diagnosis:
     """Measure every link and say which are degraded (collective on ``comm``).
 
@@ -1131,7 +1446,9 @@ def doctor(
         Fractions of the reference at or above this are healthy.
     expect : float, optional
         The rate in bytes/s one link should carry (a node's NIC, or a rank's own rail),
-        instead of the median link; needed to judge fewer than 3 nodes.
+        instead of the median link. Fewer than 3 nodes need an expected rate: without
+        this one, the emulated rate, the interfaces' reported speed or ``baseline``
+        (module docstring, :func:`reference`).
     group : {"host", "rank"}, optional
         What shares a NIC: ranks on one host (default), or nothing (``"rank"``, the
         default under emulation, whose virtual NICs are per rank).
@@ -1146,6 +1463,12 @@ def doctor(
         default ``$OPTCC_LINKS_LOG``, if set.
     progress : bool
         Show a progress bar on rank 0.
+    baseline : float, optional
+        A healthy link's rate (bytes/s) from an earlier record (:func:`baseline_rate`),
+        the expected rate of fewer than 3 nodes where nothing else gives one.
+    iface : str, optional
+        The interface whose reported speed is read (:func:`interface_speed`; default:
+        the one the transports' variables name, else the default route's).
 
     Returns
     -------
@@ -1156,11 +1479,17 @@ def doctor(
     ------
     ArgumentError
         On every rank, before any message, when a parameter is bad or differs between
-        ranks.
+        ranks, or when the communicator has one rank (no link to measure).
     """
 
     wire = _private(comm)
     rank, p = _rank_size(wire)
+    if p == 1:
+        raise ArgumentError(
+            "doctor: a world of one rank has no link to measure; run it on every rank of a "
+            "job, one rank per node (mpiexec, srun --mpi=..., torchrun), or emulate links "
+            "on one machine with several ranks and emulate='bw=RATE'"
+        )
     # Check and agree: every rank checks its own parameters, then every rank learns every
     # rank's verdict and raises the same error, before any measuring message.
     params, err, emu, grp = _checked(
@@ -1172,9 +1501,24 @@ def doctor(
         group=group,
         emulate=emulate,
         judge_intra=judge_intra,
+        baseline=baseline,
+        iface=iface,
     )
-    hosts = _agree(wire, params, err)
-    the_plan = plan(Layout(hosts, grp), size=size, partners=partners, repeats=repeats)
+    hosts, nics = _agree(wire, params, err, iface)
+    layout = Layout(hosts, grp)
+    the_plan = plan(layout, size=size, partners=partners, repeats=repeats)
+    # Per node, its lowest rank's interface and reported speed.
+    first = [m[0] for m in layout.members]
+    ifaces = [nics[r][0] for r in first]
+    speeds = [nics[r][1] for r in first]
+    ref, source = reference(
+        layout.n_nodes,
+        expect=expect,
+        emulated=emu.bw if emu is not None else None,
+        speeds=speeds,
+        ifaces=ifaces,
+        baseline=baseline,
+    )
     # Measure, then judge the same records on every rank.
     bar = Progress(len(the_plan.rounds), "doctor", enabled=progress and rank == 0, unit="round")
     t0 = time.perf_counter()
@@ -1185,8 +1529,9 @@ def doctor(
     records = _allgather(wire, mine)
     seconds = time.perf_counter() - t0
     diag = diagnose(
-        the_plan, records, healthy_above=healthy_above, expect=expect, judge_intra=judge_intra
-    )
+        the_plan, records, healthy_above=healthy_above, expect=ref, judge_intra=judge_intra,
+        source=source if ref is not None else None, speeds=speeds, ifaces=ifaces,
+    )  # fmt: skip
     diag.seconds = seconds
     _account(diag, records, emu)
     if rank == 0:
@@ -1206,6 +1551,8 @@ def _checked(
     group: str | None,
     emulate: Emulation | str | None,
     judge_intra: bool,
+    baseline: float | None = None,
+    iface: str | None = None,
 ) -> tuple[tuple[Any, ...] | None, str | None, Emulation | None, str]:
     """This rank's parameters checked (nothing is sent): ``(params, None, emulation,
     group)``, where ``params`` is what every rank must agree on, or ``(None, error,
@@ -1214,35 +1561,46 @@ def _checked(
         _check_params(size, partners, repeats)
         if not 0 < healthy_above <= 1:
             raise ArgumentError(f"healthy_above must be in (0, 1], not {healthy_above!r}")
-        if expect is not None and not (expect > 0 and math.isfinite(expect)):
-            raise ArgumentError(f"expect must be a positive rate in bytes/s, not {expect!r}")
+        for name, rate in (("expect", expect), ("baseline", baseline)):
+            if rate is not None and not (rate > 0 and math.isfinite(rate)):
+                raise ArgumentError(f"{name} must be a positive rate in bytes/s, not {rate!r}")
+        if iface is not None and (not isinstance(iface, str) or not iface or "/" in iface):
+            raise ArgumentError(f"iface must be an interface name, not {iface!r}")
         emu = Emulation.coerce(emulate)
         grp = group if group is not None else ("rank" if emu is not None else "host")
         if grp not in ("host", "rank"):
             raise ArgumentError(f"group must be 'host' or 'rank', not {grp!r}")
         params = (int(size), int(partners), int(repeats), float(healthy_above), expect, grp,
-                  str(emu) if emu is not None else None, bool(judge_intra))  # fmt: skip
+                  str(emu) if emu is not None else None, bool(judge_intra), baseline,
+                  iface)  # fmt: skip
     except (ValueError, TypeError) as exc:
         return None, f"{type(exc).__name__}: {exc}", None, "host"
     return params, None, emu, grp
 
 
-def _agree(wire: Any, params: tuple[Any, ...] | None, err: str | None) -> tuple[str, ...]:
-    """Every rank's host name, once every rank's parameters passed and are the same;
-    otherwise the same :class:`ArgumentError` on every rank (the first rank's error, or
-    the first rank whose parameters differ from rank 0's)."""
-    seen = _allgather(wire, (socket.gethostname(), params, err))
-    errors = [(r, e) for r, (_, _, e) in enumerate(seen) if e]
+def _agree(
+    wire: Any, params: tuple[Any, ...] | None, err: str | None, iface: str | None
+) -> tuple[tuple[str, ...], list[tuple[str | None, float]]]:
+    """Every rank's host name and interface (:func:`interface_speed`), once every rank's
+    parameters passed and are the same; otherwise the same :class:`ArgumentError` on
+    every rank (the first rank's error, or the first rank whose parameters differ from
+    rank 0's), marked as raised everywhere (a command prints it once)."""
+    nic = interface_speed(iface) if err is None else (None, math.nan)
+    seen = _allgather(wire, (socket.gethostname(), params, err, nic))
+    errors = [(r, e) for r, (_, _, e, _) in enumerate(seen) if e]
+    text = None
     if errors:
         r, e = errors[0]
-        raise ArgumentError(f"doctor: rank {r}: {e}")
-    if any(s[1] != params for s in seen):
+        text = f"doctor: rank {r}: {e}" if wire.size > 1 else f"doctor: {e}"
+    elif any(s[1] != params for s in seen):
         r = next(r for r, s in enumerate(seen) if s[1] != seen[0][1])
-        raise ArgumentError(
+        text = (
             f"doctor: rank {r} was called with {seen[r][1]}, rank 0 with {seen[0][1]}; every "
             "rank must pass the same parameters"
         )
-    return tuple(s[0] for s in seen)
+    if text is not None:
+        raise mark_everywhere(ArgumentError(text), text)
+    return tuple(s[0] for s in seen), [s[3] for s in seen]
 
 
 def _account(diag: Diagnosis, records: Sequence[dict[str, Any]], emu: Emulation | None) -> None:
@@ -1289,6 +1647,8 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
         "node": "tab:red",
         "intra": "tab:orange",
         "unresolved": "tab:gray",
+        "unjudged": "tab:blue",
+        "unmeasured": "0.85",
     }
     col = [colors.get(by_rank[r].verdict, "tab:gray") for r in order]
     ax.bar(x - 0.2, np.nan_to_num(fe), 0.4, color=col, alpha=0.9, label="egress")

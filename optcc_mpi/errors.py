@@ -19,6 +19,8 @@ __all__ = [
     "TestbedError",
     "MPIUnavailableError",
     "TooLargeError",
+    "mark_everywhere",
+    "everywhere",
 ]
 
 
@@ -62,3 +64,26 @@ class MPIUnavailableError(OptccError, ImportError):
 
 class TooLargeError(OptccError, MemoryError):
     """A request would need more memory than allowed (raised before allocating it)."""
+
+
+#: The attribute :func:`mark_everywhere` sets on an exception.
+_EVERYWHERE = "_optcc_everywhere"
+
+
+def mark_everywhere(exc: BaseException, words: str) -> BaseException:
+    """Mark ``exc`` as raised on every rank of its job by design, ``words`` being what
+    the job should say about it once (what every rank that failed said), and return it.
+
+    A command-line face prints such an error on one rank only and exits with the same
+    status everywhere (``optcc_mpi.cli``), where an error of one rank alone must instead
+    stop the whole job. :mod:`optcc_mpi.agreement` marks what it raises.
+    """
+    setattr(exc, _EVERYWHERE, words)
+    return exc
+
+
+def everywhere(exc: BaseException) -> str | None:
+    """The words :func:`mark_everywhere` gave ``exc``, or None if it was not raised on
+    every rank by design."""
+    words = getattr(exc, _EVERYWHERE, None)
+    return words if isinstance(words, str) else None

@@ -30,6 +30,39 @@ def test_single_process() -> None:
     assert lo.tolist() == [3, -4] and hi.tolist() == [3, -4]
 
 
+def test_errors_raised_everywhere_are_marked_and_shown_without_the_check() -> None:
+    """What agree raises is marked as raised on every rank (a command prints it once),
+    with the words of every failed rank; a bad argument's traceback starts at agree, with
+    no chained exception of the library's own handling in front of it."""
+    import traceback
+
+    from optcc_mpi.errors import everywhere
+
+    comm = MPI.COMM_SELF
+
+    def check() -> None:
+        raise ValueError("rank 3 is outside 2 ranks")
+
+    try:
+        check()
+    except ValueError as exc:
+        found = exc
+    try:
+        try:
+            raise KeyError("internal signal")
+        except KeyError:
+            agreement.agree(comm, found, what="allreduce")
+    except ValueError as exc:
+        assert exc is found
+        assert everywhere(exc) == "rank 3 is outside 2 ranks"  # the only failure: its words
+        text = "".join(traceback.format_exception(exc))
+        assert "internal signal" not in text and "in check" not in text
+    with pytest.raises(ArgumentError) as info:
+        agreement.agree(comm, "broken")
+    assert everywhere(info.value) == "broken"
+    assert everywhere(ValueError("not agreed")) is None
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_one_rank_fails() -> None:

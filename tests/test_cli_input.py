@@ -1,5 +1,6 @@
 """Command-line input: bad values fail at once, quoting what the user typed; under MPI an
-error on one rank ends the whole job instead of leaving the others hanging."""
+error on one rank ends the whole job instead of leaving the others hanging, and an error
+every rank meets (a bad command line, a bad argument the ranks agree on) is printed once."""
 
 from __future__ import annotations
 
@@ -89,3 +90,31 @@ def test_error_on_one_rank_aborts_the_job() -> None:
     assert res.returncode != 0
     assert "aborting all ranks" in res.stderr
     assert "OPTCC_LINKS" in res.stderr or "zero" in res.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("args", "once"),
+    [
+        # found before MPI starts, from the command line every rank was given
+        (["-b", "8M", "-e", "1M"], "-e/--end 1048576 is smaller than -b/--begin 8388608"),
+        # argparse's own usage error
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        # found inside the collective, on every rank alike (an agreement)
+        (["-b", "4K", "-e", "4K", "-n", "1", "--links", "3:0.5", "--algorithms", "ring"],
+         "link profile names rank 3, outside the communicator of size 2"),
+    ],
+)  # fmt: skip
+def test_an_error_every_rank_meets_is_printed_once(args: list[str], once: str) -> None:
+    """Every rank raises it by design: rank 0 prints it, every rank exits with status 2,
+    and nothing is aborted (no rank waits for another)."""
+    from optcc_mpi.lab import launch
+
+    cmd = [*launch.launcher_argv(2), *EXE, "bench", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count(once) == 1, res.stderr
+    assert res.stderr.count("usage:") == (1 if "--bogus" in args else 0), res.stderr
+    # Nothing aborted (Open MPI's launcher still reports the non-zero exit in a box).
+    assert "aborting all ranks" not in res.stderr and "MPI_Abort" not in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr

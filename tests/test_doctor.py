@@ -10,6 +10,8 @@ the runs on real shaped links in tests/test_testbed.py.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -404,3 +406,276 @@ def test_command_under_mpiexec_prints_json_alone_and_exits_degraded(tmp_path: Pa
     data = json.loads(done.stdout)
     assert data["status"] == "degraded" and data["links"].startswith("1:")
     assert "DEGRADED: node" in done.stderr and png.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------ fewer than 3 nodes, one node
+
+
+def test_the_header_counts_the_partners_that_ran() -> None:
+    """One partner node where only one exists; none, and one inside its node, on a
+    single host (the issue's `mpiexec -n 2` on one machine)."""
+
+    def header(lay: dr.Layout, expect: float | None = BW) -> str:
+        the_plan = dr.plan(lay, size=MiB)
+        return dr.diagnose(the_plan, synthetic(the_plan, {}), expect=expect).header()
+
+    assert "2 ranks on 2 nodes" in header(dr.Layout.uniform(2))
+    assert "(1 partner node; 5 repeats)" in header(dr.Layout.uniform(2))
+    assert "(3 partner nodes; 5 repeats)" in header(dr.Layout.uniform(8))
+    alone = header(dr.Layout(("h", "h")))
+    assert "2 ranks on 1 node," in alone
+    assert "(no partner node, 1 partner inside its node; 5 repeats)" in alone
+
+
+def test_a_node_alone_is_unmeasured_not_healthy() -> None:
+    the_plan = dr.plan(dr.Layout(("h", "h", "h")), size=MiB)
+    diag = dr.diagnose(the_plan, synthetic(the_plan, {}))
+    assert set(verdicts(diag).values()) == {"unmeasured"} and diag.nodes[0].verdict == "unmeasured"
+    assert diag.status == "inconclusive" and diag.exit_status == dr.EXIT_INCONCLUSIVE
+    assert diag.flagged == [] and diag.links.healthy
+    assert diag.summary.startswith("INCONCLUSIVE: 1 node (h, 3 ranks): no link between nodes")
+    assert "--emulate" in diag.summary and "\n" not in diag.summary
+    assert "UNMEASURED" in diag.table() and "healthy" not in diag.table().split("\n", 2)[2]
+    # With --judge-intra the intra-node paths are still judged (against their median).
+    recs = synthetic(the_plan, {})
+    rows = recs[2]["rows"]
+    rows[:, 2] *= 4
+    judged = dr.diagnose(the_plan, recs, judge_intra=True)
+    assert verdicts(judged)[2] == "intra" and judged.status == "degraded"
+
+
+def test_two_nodes_with_nothing_to_judge_against_say_what_to_pass_in_one_line() -> None:
+    the_plan = dr.plan(dr.Layout.uniform(2), size=MiB)
+    diag = dr.diagnose(the_plan, synthetic(the_plan, {1: 0.5}))
+    assert set(verdicts(diag).values()) == {"unjudged"}
+    assert diag.status == "inconclusive" and diag.exit_status == dr.EXIT_INCONCLUSIVE
+    assert diag.reference_source == "none"
+    assert "\n" not in diag.summary and diag.summary.startswith("INCONCLUSIVE: 2 nodes")
+    assert "--expect RATE" in diag.summary and "--baseline FILE" in diag.summary
+    # No fraction of the median of two links, which would read as a verdict.
+    assert all(r.fraction != r.fraction for r in diag.ranks)  # NaN
+    assert diag.ranks[0].egress == pytest.approx(BW / 2)  # the rates are still shown
+
+
+def test_two_nodes_against_an_expected_rate() -> None:
+    """Judged healthy or degraded against the rate; a slow link's end cannot be told from
+    the messages (both cross both ends): both unresolved, the link named, exit 3."""
+    the_plan = dr.plan(dr.Layout.uniform(2), size=MiB)
+    fine = dr.diagnose(the_plan, synthetic(the_plan, {}), expect=BW, source="the emulated rate")
+    assert fine.status == "healthy" and fine.exit_status == dr.EXIT_HEALTHY
+    assert "(the emulated rate)" in fine.summary
+    diag = dr.diagnose(the_plan, synthetic(the_plan, {1: 0.5}), expect=BW, source="--expect")
+    assert set(verdicts(diag).values()) == {"unresolved"}
+    assert diag.status == "degraded" and diag.exit_status == dr.EXIT_DEGRADED
+    assert diag.summary.startswith("DEGRADED: the link between node n0 (rank 0) and node n1")
+    assert "which end is slow cannot be measured" in diag.summary and "\n" not in diag.summary
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_two_nodes_the_interfaces_reported_speeds_name_the_slow_end(slow: int) -> None:
+    """One interface reporting less than the other's (a link that came up at a lower
+    speed) is the end named; the other end is healthy, held back only by it."""
+    the_plan = dr.plan(dr.Layout.uniform(2), size=MiB)
+    speeds = [BW, BW]
+    speeds[slow] = BW / 2
+    ref, source = dr.reference(2, speeds=speeds, ifaces=["eth1", "eth1"])
+    assert ref == BW and source == "the speed eth1 reports"
+    diag = dr.diagnose(
+        the_plan, synthetic(the_plan, {slow: 0.5}), expect=ref, source=source,
+        speeds=speeds, ifaces=["eth1", "eth1"],
+    )  # fmt: skip
+    assert verdicts(diag) == {slow: "degraded", 1 - slow: "healthy"}
+    assert diag.flagged == [slow] and diag.exit_status == dr.EXIT_DEGRADED
+    assert f"node n{slow} (rank {slow}) at 0.50" in diag.summary
+    assert "eth1 reports 200 Mbit/s" in diag.summary
+    assert diag.to_dict()["nodes"][0]["reported"] in (BW / 2, BW)
+
+
+def test_where_the_expected_rate_comes_from() -> None:
+    speeds, names = [BW, 2 * BW], ["eth0", "eth0"]
+    assert dr.reference(5) == (None, "median")
+    assert dr.reference(5, speeds=speeds, baseline=3.0) == (None, "median")
+    assert dr.reference(5, expect=7.0) == (7.0, "--expect")
+    assert dr.reference(2, expect=7.0, emulated=9.0, speeds=speeds) == (7.0, "--expect")
+    assert dr.reference(2, emulated=9.0, speeds=speeds) == (9.0, "the emulated rate")
+    assert dr.reference(2, speeds=speeds, ifaces=names, baseline=3.0)[0] == 2 * BW
+    # Every node must report a speed; else the baseline, else nothing.
+    assert dr.reference(2, speeds=[BW, np.nan], baseline=3.0) == (3.0, "an earlier healthy record")
+    assert dr.reference(2, speeds=[BW, np.nan]) == (None, "none")
+
+
+def test_interface_speed_reads_what_a_physical_device_reports(tmp_path: Path) -> None:
+    net = tmp_path / "sys/class/net"
+    for name, speed, physical in (("eth0", "10000", True), ("veth1", "10000", False),
+                                  ("eth2", "-1", True), ("ib0", "100000", True)):  # fmt: skip
+        (net / name).mkdir(parents=True)
+        (net / name / "speed").write_text(speed + "\n")
+        if physical:
+            (net / name / "device").mkdir()
+    (tmp_path / "proc/net").mkdir(parents=True)
+    route = "Iface\tDestination\tGateway\nib0\t000200C0\t0\neth0\t00000000\t010200C0\n"
+    (tmp_path / "proc/net/route").write_text(route)
+
+    def speed(**kw: object) -> tuple:
+        return dr.interface_speed(root=tmp_path, **kw)  # type: ignore[arg-type]
+
+    assert speed(env={}) == ("eth0", 10e9 / 8)  # the default route's
+    assert speed(env={"GLOO_SOCKET_IFNAME": "ib0"}) == ("ib0", 100e9 / 8)
+    assert speed(env={"UCX_NET_DEVICES": "mlx5_0:1", "OMPI_MCA_btl_tcp_if_include": "ib0"}) == (
+        "ib0", 100e9 / 8,
+    )  # fmt: skip
+    assert speed(env={"NCCL_SOCKET_IFNAME": "^lo"})[0] == "eth0"  # an exclusion names none
+    name, rate = speed(iface="veth1", env={})  # virtual: its figure means nothing
+    assert name == "veth1" and rate != rate
+    assert speed(iface="eth2", env={})[1] != speed(iface="eth2", env={})[1]  # -1: none
+    assert speed(iface="nothere", env={})[0] == "nothere"
+
+
+def test_baseline_is_an_earlier_healthy_run(tmp_path: Path) -> None:
+    the_plan = dr.plan(dr.Layout.uniform(4), size=MiB)
+    healthy = dr.diagnose(the_plan, synthetic(the_plan, {}))
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(healthy.to_dict()))
+    assert dr.baseline_rate(path) == pytest.approx(BW, rel=1e-5)
+    bad = dr.diagnose(the_plan, synthetic(the_plan, {1: 0.5}))
+    path.write_text(json.dumps(bad.to_dict()))
+    with pytest.raises(ArgumentError, match="that run was degraded, not healthy"):
+        dr.baseline_rate(path)
+    with pytest.raises(ArgumentError, match="no such file"):
+        dr.baseline_rate(tmp_path / "none.json")
+    path.write_text("{}")
+    with pytest.raises(ArgumentError, match="not a doctor's --json"):
+        dr.baseline_rate(path)
+
+
+# ------------------------------------------------------------------- the command's words
+
+
+def test_check_reports_each_verdict_as_it_is(tmp_path: Path, capsys) -> None:
+    """--check: named degraded 3, healthy 0; unresolved, unmeasured, unjudged and a host
+    not in the file 4 (neither named nor cleared), each said as such."""
+    path = tmp_path / "d.json"
+
+    def check(diag: dr.Diagnosis, host: str) -> tuple[int, str]:
+        path.write_text(json.dumps(diag.to_dict()))
+        status = cli_main(["doctor", "--check", str(path), "--host", host])
+        return status, capsys.readouterr().out
+
+    two = dr.plan(dr.Layout.uniform(2), size=MiB)
+    unresolved = dr.diagnose(two, synthetic(two, {1: 0.5}), expect=BW)
+    status, out = check(unresolved, "n0")
+    assert status == dr.EXIT_INCONCLUSIVE and out.startswith("n0: UNRESOLVED (rank 0 unresolved")
+    status, out = check(dr.diagnose(two, synthetic(two, {1: 0.5})), "n1")
+    assert status == dr.EXIT_INCONCLUSIVE and out.startswith("n1: UNJUDGED")
+    alone = dr.plan(dr.Layout(("h", "h")), size=MiB)
+    status, out = check(dr.diagnose(alone, synthetic(alone, {})), "h")
+    assert status == dr.EXIT_INCONCLUSIVE and out.startswith("h: UNMEASURED")
+    four = dr.plan(dr.Layout.uniform(4), size=MiB)
+    degraded = dr.diagnose(four, synthetic(four, {2: 0.5}))
+    assert check(degraded, "n2")[0] == dr.EXIT_DEGRADED
+    assert check(degraded, "n1") == (dr.EXIT_HEALTHY, f"n1: healthy in {path} (1 ranks)\n")
+    # A record written before "unmeasured" existed called such ranks healthy.
+    data = dr.diagnose(alone, synthetic(alone, {})).to_dict()
+    for r in data["ranks"]:
+        r["verdict"] = "healthy"
+    path.write_text(json.dumps(data))
+    assert cli_main(["doctor", "--check", str(path), "--host", "h"]) == dr.EXIT_INCONCLUSIVE
+
+
+def test_help_docs_and_code_agree_on_every_exit_status(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli_main(["doctor", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "doctor.md").read_text()
+    for table in (dr.EXIT_STATUSES, dr.CHECK_STATUSES):
+        for code, meaning in table.items():
+            assert f"{code} {meaning}" in text, meaning
+            assert f"| {code} | {meaning} |" in docs, meaning
+    for name, meaning in dr.RANK_VERDICTS.items():
+        assert f"{name} {meaning}" in text
+        assert f"| `{name}` | {meaning} |" in docs, name
+    # What the code returns for each status is the table's.
+    assert {dr.EXIT_HEALTHY, dr.EXIT_ERROR, dr.EXIT_DEGRADED, dr.EXIT_INCONCLUSIVE} == set(
+        dr.EXIT_STATUSES
+    )
+
+
+def test_rates_need_a_unit(capsys) -> None:
+    for argv in (["--expect", "100"], ["--estimate", "--bw", "10"]):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["doctor", *argv])
+        assert exc.value.code == 2
+        assert "has no unit; a rate needs one" in capsys.readouterr().err
+    assert cli_main(["doctor", "--estimate", "--p", "8", "--bw", "100gbit"]) == 0
+
+
+def _alone(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    from optcc_mpi.lab import launch
+
+    cmd = [sys.executable, "-m", "optcc_mpi", "doctor", *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env={**launch.clean_env(), **env}
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_world_of_one_is_named_with_what_to_run_instead() -> None:
+    """No launcher: exit 2 and the launchers to use. srun without --mpi (SLURM_NTASKS=4,
+    each task an MPI job of one): named as such, and said once (by task 0)."""
+    plain = _alone({})
+    assert plain.returncode == dr.EXIT_ERROR
+    assert plain.stderr.count("error: 1 rank: no link to measure") == 1, plain.stderr
+    assert "srun --mpi=pmi2" in plain.stderr and "--emulate" in plain.stderr
+    srun = _alone({"SLURM_NTASKS": "4", "SLURM_PROCID": "0"})
+    assert srun.returncode == dr.EXIT_ERROR
+    assert "srun started 4 tasks (SLURM_NTASKS=4), but each is an MPI job of one" in srun.stderr
+    other = _alone({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"})
+    assert other.returncode == dr.EXIT_ERROR and other.stderr == ""
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_output_checked_first_then_judged_against_the_emulated_rate(
+    tmp_path: Path,
+) -> None:
+    """At 2 ranks: an output path that cannot be written fails before anything is
+    measured (once, exit 2); then the issue's case, rank 1 at half of the emulated rate:
+    judged against that rate, the link between the two degraded, exit 3."""
+    from optcc_mpi.lab import launch
+
+    env = {**launch.clean_env(), "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
+    cmd = [*launch.launcher_argv(2), sys.executable, "-m", "optcc_mpi", "doctor", "--no-progress"]
+    cmd += ["--emulate", "bw=50MB/s,degrade=1:0.5", "--size", "1M", "--repeats", "2"]
+    bad = subprocess.run(
+        [*cmd, "--json", str(tmp_path / "no" / "d.json")], capture_output=True, text=True,
+        timeout=240, env=env,
+    )  # fmt: skip
+    assert bad.returncode == dr.EXIT_ERROR, bad.stderr
+    assert bad.stderr.count("--json") == 1 and "nothing measured" in bad.stderr
+    assert "rounds" not in bad.stdout
+    out = tmp_path / "d.json"
+    done = subprocess.run(
+        [*cmd, "--json", str(out)], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == dr.EXIT_DEGRADED, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    assert data["reference_source"] == "the emulated rate" and data["node_partners"] == 1
+    assert {r["verdict"] for r in data["ranks"]} == {"unresolved"}
+    assert "DEGRADED: the link between node" in done.stdout
+    assert "(1 partner node; 2 repeats)" in done.stdout
+
+
+def test_the_job_script_defaults_to_enough_nodes_for_an_answer() -> None:
+    """jobs/doctor.sbatch as submitted without -N: one task on each of 3 nodes, the
+    fewest whose median names a slow one (and 3 ranks by hand, without Slurm); at that
+    layout a half-rate node is named and a healthy one cleared."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "jobs" / "doctor.sbatch").read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1))
+    per_node = int(re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", text, re.M).group(1))
+    by_hand = int(re.search(r"OPTCC_RANKS:-(\d+)", text).group(1))
+    assert nodes >= 3 and per_node == 1 and by_hand >= 3
+    the_plan = dr.plan(dr.Layout.uniform(nodes), size=MiB)
+    assert dr.diagnose(the_plan, synthetic(the_plan, {})).exit_status == dr.EXIT_HEALTHY
+    named = dr.diagnose(the_plan, synthetic(the_plan, {nodes - 1: 0.5}))
+    assert named.exit_status == dr.EXIT_DEGRADED and named.flagged == [nodes - 1]

@@ -11,7 +11,7 @@ import argparse
 import shlex
 import sys
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 from optcc_mpi.cli import (
     bench,
@@ -28,7 +28,7 @@ from optcc_mpi.cli import (
     testbed,
     train,
 )
-from optcc_mpi.cli._common import run_command
+from optcc_mpi.cli._common import job_rank, run_command
 
 # Command modules, in the order ``--help`` lists them. A command's heavy imports (MPI,
 # h5py, matplotlib) stay inside its functions, so importing them all costs little.
@@ -75,6 +75,13 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.set_defaults(usage_parser=self)
+
+    def error(self, message: str) -> NoReturn:
+        """Usage and ``message`` on standard error, status 2; under a launcher every rank
+        parsed the same command line, so rank 0 alone says what is wrong with it."""
+        if job_rank() != 0:
+            self.exit(2)
+        super().error(message)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,9 +8,13 @@ alike.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from optcc_mpi.argtypes import (
     StoreTyped,
@@ -23,7 +27,7 @@ from optcc_mpi.argtypes import (
     rate_arg,
     typed_flag,
 )
-from optcc_mpi.errors import OptccError, TooLargeError
+from optcc_mpi.errors import OptccError, TooLargeError, everywhere
 from optcc_mpi.links import Links
 
 __all__ = [
@@ -32,6 +36,9 @@ __all__ = [
     "network_links",
     "TINY_FRACTION",
     "run_command",
+    "job_rank",
+    "torchrun_report",
+    "leave_now",
 ]
 
 #: Below this fraction of the healthy rate a degraded rank is probably a typo (a loss
@@ -160,6 +167,98 @@ def _mpi_world_size() -> int:
         return 1
 
 
+#: Variables that name this process's rank before any communication starts: MPI
+#: launchers' (MPICH's hydra and Slurm's PMI plugins, Open MPI, PMIx), torchrun's, and
+#: srun's own (also without --mpi).
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID")
+
+
+def job_rank() -> int:
+    """This process's rank in its job, 0 when alone: MPI's rank while an MPI job of
+    several ranks runs, torch.distributed's while a process group does, else the
+    launcher's variable. Never starts anything. (Under torchrun a process that loaded
+    MPI is an MPI job of its own, rank 0 of 1: not the job's rank.)"""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if _mpi_world_size() > 1:
+        return int(mpi.COMM_WORLD.Get_rank())
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    for name in _RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _torch_world_size() -> int:
+    """Ranks of the running torch.distributed default group, or 1 (never starts one)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def torchrun_report(message: str) -> None:
+    """Give ``message`` to torchrun as this worker's reason for a non-zero exit status.
+
+    torchrun reports a worker's non-zero exit as a failure, with a "traceback" line per
+    failed worker; a worker that leaves its message in ``$TORCHELASTIC_ERROR_FILE`` (set by
+    torchrun) is shown with that message there instead of a pointer to torch's docs. Does
+    nothing outside torchrun.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as fh:
+            json.dump(record, fh)
+    except OSError:  # pragma: no cover - torchrun's own folder vanished: nothing to tell
+        pass
+
+
+def leave_now(status: int) -> NoReturn:
+    """End this process at once with ``status``: output flushed, MPI finalised if it was
+    started, and no interpreter teardown (which takes seconds with torch loaded). For a
+    torchrun worker whose part is done, so that it has left before another worker's
+    non-zero status makes torchrun stop the ones still running."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception:  # pragma: no cover - leaving anyway
+        pass
+    os._exit(status)
+
+
+#: Seconds the ranks of a job wait for each other before leaving with an error.
+_MEET_SECONDS = 10.0
+
+
+def _meet() -> None:
+    """Wait (at most :data:`_MEET_SECONDS`) until every rank of the running job has come
+    here, so that no rank leaves before rank 0 has said why: a launcher ends the whole
+    job at the first non-zero exit (Open MPI's prterun, torchrun), which could stop rank
+    0 before its line is out. Only for errors every rank raises, which every rank brings
+    here; never waits longer than the limit, whatever the others do."""
+    deadline = time.monotonic() + _MEET_SECONDS
+    try:
+        if _mpi_world_size() > 1:
+            req = sys.modules["mpi4py.MPI"].COMM_WORLD.Ibarrier()
+            while not req.Test() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        elif _torch_world_size() > 1:
+            import datetime
+
+            dist = sys.modules["torch.distributed"]
+            dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=_MEET_SECONDS))
+    except Exception:  # pragma: no cover - leaving with the error anyway
+        pass
+
+
 def _abort(code: int, text: str) -> None:
     """Print ``text`` and abort every rank of the MPI job (as ``python -m mpi4py`` does)."""
     mpi = sys.modules["mpi4py.MPI"]
@@ -173,11 +272,31 @@ def _abort(code: int, text: str) -> None:
 
 
 def _fail(args: argparse.Namespace, exc: BaseException) -> int:
-    """A user error: one line, status 2 (the whole job aborts under MPI)."""
+    """A user error: one line, status 2.
+
+    An error every rank raises by design (marked by :mod:`optcc_mpi.agreement`, or found
+    before any communication started, from the command line every rank was given) is
+    printed by rank 0 alone, and every rank exits with status 2: no rank waits for
+    another, so nothing needs aborting. An error of one rank alone in a running job is
+    printed by that rank, which under MPI then aborts the whole job (the others may be
+    waiting for it in a collective); torchrun stops the other workers itself.
+    """
+    words = everywhere(exc)
+    running = max(_mpi_world_size(), _torch_world_size()) > 1
+    if words is not None or not running:
+        message = f"optcc-mpi {args.command}: error: {words if words is not None else exc}"
+        if job_rank() == 0:
+            print(message, file=sys.stderr)
+            sys.stderr.flush()
+        torchrun_report(message)
+        if running:
+            _meet()
+        return 2
     message = f"optcc-mpi {args.command}: error: {exc}"
     if _mpi_world_size() > 1:
         _abort(2, message)
-    print(message, file=sys.stderr)
+    print(f"[rank {job_rank()}] {message}", file=sys.stderr)
+    torchrun_report(message)
     return 2
 
 

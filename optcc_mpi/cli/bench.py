@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from typing import Any
 
 from optcc_mpi import algorithms, transports
@@ -122,6 +123,13 @@ def run(args: argparse.Namespace) -> int:
             + (f", emulate: {cfg.emulate}" if cfg.emulate else "")
         )
         print(bench.table(rows))
+        for note in bench.notes(rows):
+            print(
+                textwrap.fill(
+                    note, 96, initial_indent="# note: ", subsequent_indent="#   ",
+                    break_on_hyphens=False,
+                )
+            )  # fmt: skip
         wrong = sum(r["wrong"] for r in rows)
         print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
         if args.trace:

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
+from optcc_mpi import config, linklog, transports
 from optcc_mpi import doctor as dr
-from optcc_mpi import linklog, transports
 from optcc_mpi.argtypes import (
     alias,
     duration_arg,
     emulation_arg,
     int_at_least,
     positive_size_arg,
-    rate_arg,
+    rate_with_unit_arg,
 )
+from optcc_mpi.cli._common import leave_now, torchrun_report
+from optcc_mpi.errors import mark_everywhere
 from optcc_mpi.lab import world
 
 DESCRIPTION = """\
@@ -42,17 +46,37 @@ flows share its NIC) and the intra-node rounds: about 2 L times as long. At p = 
 time for any p, L and rate).
 """
 
-EPILOG = """\
-verdicts:
-  healthy     every measurement of the link at or above the threshold (default 0.80)
-  degraded    this rank's own path is slow (one rail of a node whose others are fine)
-  node        this rank's node's link is slow (all of its ranks, or all at once)
-  intra       slow inside its node (shared memory), not on the network; --judge-intra
-  unresolved  slow, but every partner was as slow: cannot tell which end
 
-exit status:
-  0  healthy    3  a link is degraded    4  inconclusive (fewer than 3 nodes without
-  --expect, or a slow rank whose partners were all slow too)    2  an error
+def _statuses(table: dict[int, str]) -> str:
+    """An exit-status table for the epilog, from the doctor's own (one source)."""
+    return "\n".join(
+        textwrap.fill(text, 88, initial_indent=f"  {code}  ", subsequent_indent="     ")
+        for code, text in sorted(table.items())
+    )
+
+
+EPILOG = (
+    "verdicts (per rank):\n"
+    + "\n".join(f"  {name:<11} {text}" for name, text in dr.RANK_VERDICTS.items())
+    + """
+
+fewer than 3 nodes: the median of two links cannot say whether either is slow, so the
+link is judged against an expected rate: --expect, else the emulated rate (--emulate),
+else the speed every node's interface reports (a physical NIC's
+/sys/class/net/IF/speed; --iface), else --baseline (an earlier healthy run's --json).
+With 2 nodes every message crosses both ends: the slow end is named only where the two
+interfaces report different speeds; otherwise the verdict is the link between them.
+
+exit status (the same on every rank; under torchrun rank 0's alone, the others exit 0,
+and torchrun itself exits 1 when rank 0 does not exit 0):
+"""
+    + _statuses(dr.EXIT_STATUSES)
+    + """
+
+exit status of --check:
+"""
+    + _statuses(dr.CHECK_STATUSES)
+    + """
 
 examples:
   # 16 nodes, one task each; the JSON for a health check, a plot for people
@@ -60,6 +84,9 @@ examples:
 
   # one task per GPU: the 8 ranks of a node share its NIC(s); nodes are named
   srun --mpi=pmi2 -N 4 --ntasks-per-node=8 optcc-mpi doctor
+
+  # two nodes: judged against the rate a link should carry
+  srun --mpi=pmi2 -N 2 --ntasks-per-node=1 optcc-mpi doctor --expect 100gbit
 
   # on the namespace testbed (root): rank 0's link at half rate
   optcc-mpi testbed up --ranks 8 --rate 400mbit --degrade 0:0.5
@@ -69,7 +96,7 @@ examples:
   mpiexec -n 4 optcc-mpi doctor --emulate bw=200MB/s,degrade=2:0.5
 
   # a PyTorch job's launcher, no MPI: the messages travel over gloo
-  torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+  torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m optcc_mpi doctor
   torchrun --standalone --nproc-per-node 4 -m optcc_mpi doctor --emulate bw=200MB/s,degrade=2:0.5
 
@@ -77,11 +104,12 @@ examples:
   optcc-mpi doctor --estimate --p 64 --bw 10gbit
   optcc-mpi doctor --estimate --p 64 --ranks-per-node 8 --bw 100gbit --size 64M
 
-  # a node's own health check, from the last job's JSON (exit 3 if this host is flagged)
+  # a node's own health check, from the last job's JSON (exit 3 if this host is named)
   optcc-mpi doctor --check /shared/doctor.json
 
 See docs/doctor.md (Slurm health checks and prologs, what it cannot see).
 """
+)
 
 
 def _fraction(text: str) -> float:
@@ -156,11 +184,27 @@ def register(subparsers: Any) -> None:
     )
     v.add_argument(
         "--expect",
-        type=rate_arg,
+        type=rate_with_unit_arg,
         default=None,
         metavar="RATE",
-        help="judge against the rate one link should carry (e.g. 10gbit: a node's NIC, or "
-        "a rank's own rail) instead of the median link; needed with fewer than 3 nodes",
+        help="judge against the rate one link should carry (with its unit: 10gbit, "
+        "1.25GB/s; a node's NIC, or a rank's own rail) instead of the median link",
+    )
+    v.add_argument(
+        "--baseline",
+        metavar="FILE.json",
+        default=None,
+        help="an earlier healthy run's --json: its median link is the expected rate where "
+        "fewer than 3 nodes leave nothing else to judge against",
+    )
+    v.add_argument(
+        "--iface",
+        default=None,
+        metavar="NAME",
+        help="the interface whose reported speed is the expected rate of fewer than 3 "
+        "nodes (default: the one $GLOO_SOCKET_IFNAME, $NCCL_SOCKET_IFNAME, "
+        "$UCX_NET_DEVICES or $OMPI_MCA_btl_tcp_if_include names, else the default "
+        "route's)",
     )
     v.add_argument(
         "--judge-intra",
@@ -197,7 +241,9 @@ def register(subparsers: Any) -> None:
         default=1,
         help="ranks sharing a node's NIC (default 1)",
     )
-    e.add_argument("--bw", type=rate_arg, default=10e9 / 8, help="link rate (default 10gbit)")
+    e.add_argument(
+        "--bw", type=rate_with_unit_arg, default=10e9 / 8, help="link rate (default 10gbit)"
+    )
     e.add_argument(
         "--latency",
         type=duration_arg,
@@ -208,7 +254,8 @@ def register(subparsers: Any) -> None:
     c.add_argument(
         "--check",
         metavar="FILE.json",
-        help="read a doctor's --json and exit 3 if HOST was flagged, 0 if not (no MPI)",
+        help="read a doctor's --json and say what it found of HOST: exit 0 healthy, 3 named "
+        "degraded, 4 neither (no MPI; statuses below)",
     )
     c.add_argument(
         "--host",
@@ -225,7 +272,23 @@ def run(args: argparse.Namespace) -> int:
     if args.estimate:
         return _estimate(args)
     comm, started = world.start(args.transport)
-    rank = transports.of(comm).rank
+    ctrl = transports.of(comm)
+    rank = ctrl.rank
+    if ctrl.size == 1:
+        raise ValueError(_alone())
+    # Before anything is measured: rank 0 (which writes every output) checks where it will
+    # write and reads the baseline, and every rank learns the outcome.
+    problem: str | None = None
+    base: float | None = None
+    if rank == 0:
+        try:
+            _check_outputs(args)
+            base = dr.baseline_rate(args.baseline) if args.baseline else None
+        except (ValueError, OSError) as exc:
+            problem = str(exc)
+    problem, base = ctrl.allgather((problem, base))[0]
+    if problem is not None:
+        raise mark_everywhere(ValueError(problem), problem)
     with linklog.recording(args.links_log):
         diag = dr.doctor(
             comm,
@@ -238,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
             emulate=args.emulate,
             judge_intra=args.judge_intra,
             progress=not args.no_progress and not args.quiet,
+            baseline=base,
+            iface=args.iface,
         )
     if rank == 0:
         # With --json - the JSON alone goes to standard output; the table to standard error.
@@ -245,13 +310,7 @@ def run(args: argparse.Namespace) -> int:
         if args.quiet:
             print(diag.summary, file=out)
         else:
-            print(
-                f"# optcc-mpi doctor: {len(diag.ranks)} ranks on {len(diag.nodes)} nodes, "
-                f"{diag.rounds} rounds of {args.size / 2**20:g} MiB messages "
-                f"({args.partners} partners x {args.repeats} repeats), "
-                f"{max(diag.bytes_sent) / 2**20:.0f} MiB sent per rank, {diag.seconds:.1f} s",
-                file=out,
-            )
+            print(diag.header(), file=out)
             print(diag.table(), file=out)
         if args.json:
             text = json.dumps(diag.to_dict(), indent=1)
@@ -265,7 +324,68 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {dr.plot(diag, args.plot)}", file=out)
     sys.stdout.flush()
     world.end(started)
-    return diag.exit_status
+    status = diag.exit_status
+    if world.launcher() == "torchrun":
+        # torchrun reports every worker that exits non-zero as a failure of its own, with a
+        # block each, and stops the workers still running once one has failed (listing
+        # them as ended by SIGTERM): rank 0 alone carries the verdict (its summary in that
+        # block), and the others leave at once, before rank 0 can have failed.
+        if rank == 0:
+            if status != dr.EXIT_HEALTHY:
+                torchrun_report(diag.summary)
+            return status
+        leave_now(dr.EXIT_HEALTHY)
+    return status
+
+
+def _alone() -> str:
+    """What to run instead, in a world of one rank."""
+    tasks = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NPROCS") or ""
+    if tasks.isdigit() and int(tasks) > 1:
+        return (
+            f"srun started {tasks} tasks (SLURM_NTASKS={tasks}), but each is an MPI job of "
+            "one rank, so there is no link to measure: srun needs the MPI plugin of the MPI "
+            "library mpi4py loads, e.g. `srun --mpi=pmi2 optcc-mpi doctor` for MPICH, "
+            "`--mpi=pmix` for Open MPI (`srun --mpi=list` shows the plugins); "
+            "jobs/doctor.sbatch picks it"
+        )
+    return (
+        "1 rank: no link to measure. Run it on every node of a job, one task per node: "
+        "`srun --mpi=pmi2 -N 3 --ntasks-per-node=1 optcc-mpi doctor`, `mpiexec -n 3 -hosts "
+        "a,b,c optcc-mpi doctor`, or `torchrun --nnodes 3 --nproc-per-node 1 "
+        "--rdzv-backend c10d --rdzv-endpoint a:29500 -m optcc_mpi doctor`; on one machine, "
+        "emulated links: `mpiexec -n 4 optcc-mpi doctor --emulate bw=200MB/s,degrade=2:0.5`"
+    )
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every file the run will write can be written (ValueError naming the flag if not),
+    and --plot can draw: checked before anything is measured."""
+    targets = [("--json", args.json), ("--plot", args.plot)]
+    for flag, name in targets:
+        if not name or name == "-":
+            continue
+        path = Path(name)
+        folder = path.parent
+        if path.is_dir():
+            raise ValueError(f"{flag} {name} is a folder; give a file name")
+        if not folder.is_dir():
+            raise ValueError(f"{flag} {name}: no folder {folder} to write it in (nothing measured)")
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ValueError(f"{flag} {name}: not writable here (nothing measured)")
+    log = args.links_log or config.get(linklog.ENV_LINKS_LOG)
+    if log:
+        try:
+            linklog.LinkLog(log)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"--links-log {log}: {exc}") from None
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "--plot needs matplotlib (pip install matplotlib); nothing measured"
+            ) from None
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -298,7 +418,8 @@ def _frac(row: dict[str, Any]) -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
-
+    """One host's verdict in a doctor's JSON: named degraded (3), healthy (0), or neither
+    (4: unresolved, unmeasured, unjudged, not in the file)."""
     path = Path(args.check)
     if not path.is_file():
         raise FileNotFoundError(f"no doctor result {path}")
@@ -310,13 +431,33 @@ def _check(args: argparse.Namespace) -> int:
         raise ValueError(f"{path} is not the --json of optcc-mpi doctor ({exc})") from None
     host = args.host or socket.gethostname()
     mine = [r for r in ranks if r.get("host") == host]
+    summary = data.get("summary", "")
     if not mine:
         print(f"{host}: not in {path} (measured: {', '.join(n['name'] for n in nodes)})")
         return dr.EXIT_INCONCLUSIVE
-    bad = [r for r in mine if r.get("verdict") not in ("healthy", "unresolved")]
-    if bad:
-        what = ", ".join(f"rank {r['rank']} {r['verdict']} at {_frac(r)}" for r in bad)
-        print(f"{host}: DEGRADED ({what}); {data.get('summary', '')}")
+
+    def verdict(r: dict[str, Any]) -> str:
+        # A record from before "unmeasured" existed called an unmeasured rank healthy.
+        v = str(r.get("verdict"))
+        return "unmeasured" if v == "healthy" and r.get("fraction") is None else v
+
+    def said(rows: list[dict[str, Any]]) -> str:
+        return ", ".join(f"rank {r['rank']} {verdict(r)} at {_frac(r)}" for r in rows)
+
+    named = [r for r in mine if verdict(r) in ("degraded", "node", "intra")]
+    if named:
+        print(f"{host}: DEGRADED ({said(named)}); {summary}")
         return dr.EXIT_DEGRADED
+    unresolved = [r for r in mine if verdict(r) == "unresolved"]
+    if unresolved:
+        print(
+            f"{host}: UNRESOLVED ({said(unresolved)}): a slow link with this host at one "
+            f"end, its slow end not told; {summary}"
+        )
+        return dr.EXIT_INCONCLUSIVE
+    other = [r for r in mine if verdict(r) != "healthy"]
+    if other:
+        print(f"{host}: {verdict(other[0]).upper()} ({said(other)}); {summary}")
+        return dr.EXIT_INCONCLUSIVE
     print(f"{host}: healthy in {path} ({len(mine)} ranks)")
     return dr.EXIT_HEALTHY

@@ -55,6 +55,7 @@ __all__ = [
     "sizes",
     "run",
     "table",
+    "notes",
     "write",
     "utilisation",
     "union_length",
@@ -616,6 +617,58 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """What the table's ratios cannot show by themselves: where the lower bound is the
+    ring's own time, so that no algorithm can beat the ring (``p = 2``, or no degraded
+    rank), a ratio above 1 is the network's, not an algorithm's defect. One entry per
+    case met, without the ``# `` the table's notes are printed with.
+
+    The model (docs/model.md): the bound is ``n/B max(1/f_min, 2(p-1)/sum f)``, the ring
+    ``2(p-1)/p n/B / f_min``. At ``p = 2`` both are ``n/B / f_min``: each rank must send
+    its whole message through the slow link and receive the whole result through it, and
+    with one partner there is nothing to route around. With every link healthy both are
+    the fault-free ring's time.
+    """
+    out: list[str] = []
+    seen: set[tuple[int, str]] = set()
+    for r in rows:
+        if r["algorithm"] == "ring (fault-free)" or r.get("p", 0) < 2:
+            continue
+        p, prof = int(r["p"]), str(r["links"])
+        if (p, prof) in seen:
+            continue
+        seen.add((p, prof))
+        links = Links.coerce(prof)
+        bound = model.lower_bound(p, 1.0, 1.0, links)
+        ring = model.fault_free(p, 1.0, 1.0) / model.fractions(links, p).min()
+        if bound < ring * (1 - 1e-9):
+            continue
+        if links.healthy:
+            out.append(
+                "no degraded rank: the lower bound is the fault-free ring's own time, so no "
+                "algorithm can beat the ring here (x ff-ring 1.00 at best); give --links "
+                "RANK:FRACTION (or --emulate ...,degrade=RANK:FRACTION) to compare them on a "
+                "degraded network"
+            )
+        elif p == 2:
+            slow = 1.0 / model.fractions(links, p).min()
+            out.append(
+                f"p = 2: the lower bound equals the ring's time on this degraded network, "
+                f"{slow:.3g}x the fault-free ring (each rank sends its whole message through "
+                "the slow link and receives the whole result through it: with one partner "
+                "there is nothing to route around), so OptCC cannot beat the ring at 2 ranks "
+                "and a ratio near that is the network's, not a defect. From 3 ranks on it "
+                "can: one rank at half rate bounds the time at p/(p-1) of the fault-free ring "
+                "(1.5x at 3 ranks, 1.33x at 4) against the ring's 2x"
+            )
+        else:
+            out.append(
+                f"the lower bound equals the ring's time on {prof} at {p} ranks: no algorithm "
+                "can beat the ring on this network"
+            )
+    return out
 
 
 def write(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:

@@ -28,6 +28,17 @@ model's parameters must be the same bits on every rank; exit status 1 otherwise.
 ``--fault-free`` also times plain DDP with every link healthy (the testbed's shaping
 switched off for those steps), the reference a degraded link is judged against.
 
+``--emulate bw=RATE[,latency=TIME][,degrade=RANK:FRACTION]`` runs on software-emulated
+links instead (:mod:`optcc_mpi.emulation`; one machine, no root): every rank a virtual
+NIC of that rate, the slow ranks those of ``degrade=`` (else of ``--links``), and the
+hook is told them (``--links`` defaults to them, as to the testbed's shaping). Plain
+DDP's gloo traffic cannot be paced by the emulation, so there ``ddp`` is DDP averaging
+its buckets with the **ring** through the same hook, on the same virtual NICs: the ring
+is what gloo's ``all_reduce`` runs, and like it the ring waits at every step for the
+slowest link. Both copies then pay the same emulated network and differ only in the
+algorithm (docs/testbed.md compares this with the testbed on the same profile).
+``ddp fault-free`` is that ring with every virtual NIC healthy.
+
 Output: a table on rank 0 and, with ``--out``, one JSON object per mode: median, minimum
 and maximum step time, the steps, the parameters and buckets, what the hook ran, the
 parameter gap, the load average before and after, and the command.
@@ -36,6 +47,7 @@ parameter gap, the load average before and after, and the command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -45,8 +57,9 @@ from collections import Counter
 from typing import Any
 
 from optcc_mpi import algorithms, config, transports
-from optcc_mpi.argtypes import float_above, int_at_least, links_or_probe_arg
+from optcc_mpi.argtypes import emulation_arg, float_above, int_at_least, links_or_probe_arg
 from optcc_mpi.collectives import last_stats
+from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.lab import testbed, world
 from optcc_mpi.lab.tools import append_rows, tool_main
@@ -79,12 +92,17 @@ def _load() -> float:
 
 
 class _Trainer:
-    """One DDP copy of the model, its optimiser and its per-rank data stream."""
+    """One DDP copy of the model, its optimiser and its per-rank data stream; under
+    emulation, the emulated network its averaging runs on (``emulate``: the spec that
+    ``$OPTCC_EMULATE`` holds during its steps)."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, hook: Any) -> None:
+    def __init__(
+        self, args: argparse.Namespace, rank: int, hook: Any, emulate: str | None = None
+    ) -> None:
         import torch
 
         self.torch = torch
+        self.emulate = emulate
         self.model = torch.nn.parallel.DistributedDataParallel(
             _model(args.width, args.layers, args.seed), bucket_cap_mb=args.bucket_mb
         )
@@ -109,11 +127,24 @@ class _Trainer:
         return torch.cat([q.detach().reshape(-1).double() for q in self.model.parameters()])
 
 
-def _links(given: Any) -> Any:
-    """The hook's link profile: as given, else the testbed's shaping in force (its
-    truth), else None (``$OPTCC_LINKS``)."""
+def _emulated(emulate: Emulation | None, given: Any) -> Emulation | None:
+    """The emulated network with its truth made explicit: ``degrade=`` as given, else
+    the ``--links`` profile (not ``probe``/``watch``, which learn; then every virtual NIC
+    is healthy unless ``degrade=`` says otherwise)."""
+    if emulate is None or emulate.degrade is not None:
+        return emulate
+    learn = isinstance(given, str) and given.strip().lower() in ("probe", "watch")
+    truth = Links() if given is None or learn else Links.coerce(given)
+    return dataclasses.replace(emulate, degrade=truth)
+
+
+def _links(given: Any, emulate: Emulation | None = None) -> Any:
+    """The hook's link profile: as given, else the emulated truth or the testbed's
+    shaping in force, else None (``$OPTCC_LINKS``)."""
     if given is not None:
         return given
+    if emulate is not None and emulate.degrade is not None:
+        return str(emulate.degrade)
     if config.get("OPTCC_TESTBED_NAME"):
         bed = testbed.current()
         if bed is not None:
@@ -130,27 +161,33 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     wire = transports.of(group)
     rank, p = wire.rank, wire.size
-    links = _links(args.links)
-    inner = ot.comm_hook(algorithm=args.algorithm, links=links)
-    ran: list[str] = []  # what the hook ran for each bucket of the last step
-    used: list[str] = ["-"]  # the link profile the hook's last call ran with
-
-    def hook(state: Any, bucket: Any) -> Any:
-        if bucket.index() == 0:
-            ran.clear()
-        fut = inner(state, bucket)
-        st = last_stats()
-        ran.append(str(st.get("algorithm")))
-        used[0] = str(st.get("links"))
-        return fut
-
-    # DDP reads the hook's annotations; keep the inner hook's real objects.
-    hook.__annotations__ = dict(inner.__annotations__)
-    trainers = {"hook": _Trainer(args, rank, hook), "ddp": _Trainer(args, rank, None)}
+    emu = _emulated(getattr(args, "emulate", None), args.links)
+    links = _links(args.links, emu)
+    hook, seen = _recorded(ot.comm_hook(algorithm=args.algorithm, links=links))
+    spec = str(emu) if emu is not None else None
+    # Under emulation the baseline averages with the ring on the same virtual NICs (gloo's
+    # own traffic cannot be paced): the module docstring says why that is fair.
+    plain, plain_seen = (
+        (None, None)
+        if emu is None
+        else _recorded(ot.comm_hook(algorithm="ring", links=str(emu.degrade)))
+    )
+    trainers = {
+        "hook": _Trainer(args, rank, hook, spec),
+        "ddp": _Trainer(args, rank, plain, spec),
+    }
+    records = {"hook": seen, "ddp": plain_seen}
     bed = testbed.current() if config.get("OPTCC_TESTBED_NAME") else None
     healthy: _Trainer | None = None
     if args.fault_free:
-        healthy = _Trainer(args, rank, None)
+        if emu is None:
+            healthy = _Trainer(args, rank, None)
+        else:
+            fine = dataclasses.replace(emu, degrade=Links())
+            ring, records["ddp fault-free"] = _recorded(
+                ot.comm_hook(algorithm="ring", links="healthy")
+            )
+            healthy = _Trainer(args, rank, ring, str(fine))
     load0 = _load()
     order = list(trainers)
     for step in range(args.steps):
@@ -174,11 +211,12 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
     # Every rank judges from the same gathered numbers: the worst rank's gap.
     rel = max(wire.allgather(gap / scale if scale > 0 else gap))
     n_params = ours.numel()
-    buckets = len(ran)
+    buckets = len(seen["ran"])
     load1 = _load()
     command = args.command_line
     rows = []
-    network = "testbed" if bed is not None else "none"
+    network = "testbed" if bed is not None else "emulation" if emu is not None else "none"
+    baseline = "ring (the hook, emulated)" if emu is not None else "gloo all_reduce"
     for name, tr in [*trainers.items(), *([("ddp fault-free", healthy)] if healthy else [])]:
         t = tr.times
         rows.append(
@@ -194,10 +232,13 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                 "bucket_mb": args.bucket_mb,
                 "buckets": buckets,
                 "batch": args.batch,
-                "algorithm": args.algorithm if name == "hook" else "gloo all_reduce",
-                "ran": dict(Counter(ran)) if name == "hook" else None,
-                "links": "healthy" if name == "ddp fault-free" else used[0],
+                "algorithm": args.algorithm if name == "hook" else baseline,
+                "ran": dict(Counter(records[name]["ran"])) if records.get(name) else None,
+                "links": "healthy" if name == "ddp fault-free" else seen["links"],
                 "network": network,
+                "emulate": tr.emulate,
+                # The emulation the last averaging call of this copy ran on (its pacer's).
+                "paced": records[name]["emulate"] if records.get(name) else None,
                 "testbed": bed.describe() if bed is not None else None,
                 "rel_gap": rel,
                 "rtol": args.rtol,
@@ -209,11 +250,41 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _recorded(inner: Any) -> tuple[Any, dict[str, Any]]:
+    """``inner`` (a DDP communication hook of optcc_mpi) and what its calls ran, kept in
+    the returned dict: ``ran`` (the algorithm of each bucket of the last step),
+    ``links`` and ``emulate`` (those of its last call)."""
+    seen: dict[str, Any] = {"ran": [], "links": "-", "emulate": None}
+
+    def hook(state: Any, bucket: Any) -> Any:
+        if bucket.index() == 0:
+            seen["ran"].clear()
+        fut = inner(state, bucket)
+        st = last_stats()
+        seen["ran"].append(str(st.get("algorithm")))
+        seen["links"] = str(st.get("links"))
+        emu = st.get("emulate")
+        seen["emulate"] = str(emu) if emu is not None else None
+        return fut
+
+    # DDP reads the hook's annotations; keep the inner hook's real objects.
+    hook.__annotations__ = dict(inner.__annotations__)
+    return hook, seen
+
+
 def _timed_step(wire: Any, tr: _Trainer, keep: bool) -> None:
-    """One step of ``tr`` from a barrier, timed on the slowest rank."""
+    """One step of ``tr`` from a barrier, timed on the slowest rank (under emulation on
+    its emulated network, set for this step only)."""
+    if tr.emulate is not None:
+        before = config.get("OPTCC_EMULATE")
+        config.rc.emulate = tr.emulate
     wire.barrier()
     t0 = time.perf_counter()
-    tr.step()
+    try:
+        tr.step()
+    finally:
+        if tr.emulate is not None:
+            config.rc.emulate = before
     dt = max(wire.allgather(time.perf_counter() - t0))
     if keep:
         tr.times.append(dt)
@@ -233,7 +304,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps 5\n"
         "  optcc-mpi testbed up --ranks 4 --rate 400mbit --links 0:0.5\n"
         "  optcc-mpi testbed run -- python -m optcc_mpi lab ddp --fault-free --out ddp.jsonl\n"
-        "  mpiexec -n 2 python -m optcc_mpi lab ddp --width 256 --layers 2 --steps 5"
+        "  mpiexec -n 2 python -m optcc_mpi lab ddp --width 256 --layers 2 --steps 5\n"
+        "  # no root, one machine: 100 MB/s virtual NICs, rank 0 at half rate\n"
+        "  torchrun --standalone --nproc-per-node 4 -m optcc_mpi lab ddp "
+        "--emulate bw=100MB/s,degrade=0:0.5 --width 1024 --steps 6"
     )
     parser.add_argument(
         "--width", type=int_at_least(1, "the width"), default=1600, help="hidden width (1600)"
@@ -278,9 +352,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the hook's link profile; default the testbed's shaping, else $OPTCC_LINKS",
     )
     parser.add_argument(
+        "--emulate",
+        type=emulation_arg,
+        default=None,
+        metavar="bw=RATE[,latency=TIME][,degrade=RANK:FRACTION]",
+        help="software-emulated links (no root): the slow ranks of degrade= (else of "
+        "--links), which the hook is told; then 'ddp' averages with the ring through the "
+        "same hook on the same virtual NICs (what gloo's all_reduce runs; gloo's own "
+        "traffic cannot be paced)",
+    )
+    parser.add_argument(
         "--fault-free",
         action="store_true",
-        help="also time plain DDP with every link healthy (on the testbed: shaping off)",
+        help="also time plain DDP with every link healthy (on the testbed: shaping off; "
+        "under --emulate: the ring on healthy virtual NICs)",
     )
     parser.add_argument(
         "--rtol",
@@ -309,6 +394,11 @@ def run_args(args: argparse.Namespace) -> int:
             f"batch {args.batch}, links {first['links']}, network {first['network']}, "
             f"load {first['load'][0]:.1f} -> {first['load'][1]:.1f}"
         )
+        if first["network"] == "emulation":
+            print(
+                f"# emulated: {first['emulate']}; 'ddp' averages with the ring on the same "
+                "virtual NICs (gloo's all_reduce runs a ring; its own traffic cannot be paced)"
+            )
         ref = next(r for r in rows if r["mode"] == "ddp")["step_ms"]
         print(f"{'mode':<16} {'median ms':>10} {'min':>9} {'max':>9} {'x ddp':>6}  ran")
         for r in rows:

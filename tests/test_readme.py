@@ -1,0 +1,164 @@
+"""README.md's code blocks run as written, each with the launch command beside it.
+
+The blocks are read from README.md at collection time, so this test follows whatever the
+README says today. What it expects of the README (and says, failing, where one is not
+met):
+
+* every fenced block names its language: ``sh`` (commands, run as a bash script, stopped
+  at the first that fails), ``python`` (run by the launch command of its first line) or
+  ``text`` (output, layouts, trees: not run);
+* a ``python`` block's first line is a comment holding its launch command, which names
+  the file the block is saved as: ``# mpiexec -n 4 python -m mpi4py allreduce_demo.py``;
+* a block that cannot run here (it needs root, a cluster, or half an hour) has
+  ``<!-- not run: REASON -->`` on the line before its fence;
+* a ``text`` block with ``<!-- expected output -->`` on the line before its fence is the
+  output of the nearest run block above it: every line of it that starts with a word
+  (letters and dashes, an optional colon: ``ring``, ``optcc``, ``DEGRADED:``, ``#``)
+  must start a line of what that block printed, so that a renamed row or a changed
+  verdict shows; numbers, which depend on the machine, are not compared.
+
+Each block runs in a fresh temporary folder with this environment's ``bin`` first on
+``PATH`` (``python``, ``mpiexec``, ``torchrun``, ``optcc-mpi`` are this checkout's),
+without any launcher's or ``OPTCC_*`` variables, under a time limit. On this 2-core
+machine all of them take about two minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+LANGUAGES = ("sh", "python", "text")
+NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
+EXPECTED = "<!-- expected output -->"
+FENCE = re.compile(r"^```(\S*)\s*$")
+#: A line of expected output that starts with a word is compared by that word.
+WORD = re.compile(r"^(#|[A-Za-z][A-Za-z-]*:?)(\s|$)")
+
+
+@dataclass
+class Block:
+    """One fenced block of the README."""
+
+    line: int
+    """Line of its opening fence (1-based)."""
+    lang: str
+    code: str
+    skip: str | None = None
+    """Why it is not run (from ``<!-- not run: ... -->``)."""
+    expected: bool = False
+    """Whether ``<!-- expected output -->`` precedes it."""
+    expected_of: int | None = None
+    """For expected output: the line of the run block it is the output of."""
+
+    @property
+    def runs(self) -> bool:
+        return self.lang in ("sh", "python") and self.skip is None
+
+
+def blocks(text: str) -> list[Block]:
+    """Every fenced block of ``text``, in order, with what the comments before it say."""
+    lines = text.splitlines()
+    out: list[Block] = []
+    i = 0
+    last_run: int | None = None
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, lang = i, m.group(1)
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("```"):
+            j += 1
+        before = lines[start - 1].strip() if start else ""
+        skip = NOT_RUN.match(before)
+        block = Block(start + 1, lang, "\n".join(lines[start + 1 : j]) + "\n")
+        block.skip = skip.group(1) if skip else None
+        if before == EXPECTED:
+            block.expected, block.expected_of = True, last_run
+        if block.runs:
+            last_run = block.line
+        out.append(block)
+        i = j + 1
+    return out
+
+
+ALL = blocks(README.read_text())
+RUN = [b for b in ALL if b.runs]
+
+
+def test_every_block_says_what_it_is() -> None:
+    """Languages from the list, launch commands on python blocks, reasons for what is
+    not run, expected output after something that runs."""
+    for b in ALL:
+        assert b.lang in LANGUAGES, f"README.md:{b.line}: fence without one of {LANGUAGES}"
+        if b.lang == "python":
+            first = b.code.splitlines()[0] if b.code.strip() else ""
+            assert first.startswith("# ") and re.search(r"\S+\.py\b", first), (
+                f"README.md:{b.line}: a python block starts with its launch command, "
+                "e.g. '# python demo.py'"
+            )
+        if b.expected:
+            assert b.lang == "text" and b.expected_of is not None, (
+                f"README.md:{b.line}: expected output is a text block after a block that runs"
+            )
+    assert sum(b.expected for b in ALL) >= 1
+    assert len(RUN) >= 4, "the quick start and the code examples run"
+    # What is not run is said in the test's output, so that nobody hides a block there.
+    print("not run:", [(b.line, b.skip) for b in ALL if b.skip])
+
+
+def _env() -> dict[str, str]:
+    from optcc_mpi.lab import launch
+
+    env = {k: v for k, v in launch.clean_env().items() if not k.startswith("OPTCC_")}
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "")])
+    env.update(MPIR_CVAR_CH4_PROGRESS_THROTTLE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _run(block: Block, where: Path) -> subprocess.CompletedProcess:
+    if block.lang == "python":
+        launch = block.code.splitlines()[0][2:].strip()
+        name = next(w for w in shlex.split(launch) if w.endswith(".py"))
+        (where / name).write_text(block.code)
+        script = launch
+    else:
+        script = block.code
+    return subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script],
+        cwd=where,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("block", RUN, ids=[f"line{b.line}-{b.lang}" for b in RUN])
+def test_block_runs_as_written(block: Block, tmp_path: Path) -> None:
+    done = _run(block, tmp_path)
+    shown = f"README.md:{block.line}:\n{block.code}\n--- stdout\n{done.stdout[-3000:]}"
+    shown += f"\n--- stderr\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, shown
+    printed = (done.stdout + done.stderr).splitlines()
+    for expect in (b for b in ALL if b.expected_of == block.line):
+        for line in expect.code.splitlines():
+            m = WORD.match(line)
+            if m and not any(p.startswith(m.group(1)) for p in printed):
+                pytest.fail(
+                    f"README.md:{expect.line}: the expected output has a line starting "
+                    f"{m.group(1)!r} that the block above did not print\n{shown}"
+                )
