@@ -27,15 +27,13 @@ Each transport object belongs to one communicator or group and is made once (:fu
 
 from __future__ import annotations
 
-from typing import Any
-
 from optcc_mpi.errors import ArgumentTypeError
 from optcc_mpi.transports.base import WORLD, Capabilities, Completion, Post, Transport
 
 __all__ = ["Transport", "Capabilities", "Completion", "Post", "of", "WORLD"]
 
 
-def of(comm: Any) -> Transport:
+def of(comm: object) -> Transport:
     """The transport of ``comm``: an mpi4py communicator (None: ``COMM_WORLD``), a
     ``torch.distributed`` process group, or a :class:`Transport` itself. Made once per
     communicator and cached with it.

@@ -71,6 +71,8 @@ WORLD: list[int] = []
 
 #: A transport's request: what its ``isend``/``irecv`` return and its ``wait`` takes.
 Req = TypeVar("Req")
+#: What :meth:`Transport.allgather` carries: the same kind of value from every rank.
+T = TypeVar("T")
 
 
 class Completion(enum.Enum):
@@ -169,7 +171,7 @@ class Transport(Generic[Req]):
         """Block until ``req`` completed."""
         raise NotImplementedError(f"{type(self).__name__} must implement wait")
 
-    def allgather(self, obj: object) -> list[object]:
+    def allgather(self, obj: T) -> list[T]:
         """Every rank's (small, picklable) ``obj``, in rank order."""
         raise NotImplementedError(f"{type(self).__name__} must implement allgather")
 
@@ -229,7 +231,7 @@ class Transport(Generic[Req]):
         ``out``."""
         rows = self.allgather(block.tobytes())
         for r, row in enumerate(rows):
-            out[r] = np.frombuffer(row, dtype=np.uint8)  # type: ignore[arg-type]
+            out[r] = np.frombuffer(row, dtype=np.uint8)
 
     def gather_rows(self, backend: Backend, arr: Array) -> Array | None:
         """Every rank's ``arr`` (1-D, the same size everywhere) as the rows of a 2-D array
