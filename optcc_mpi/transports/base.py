@@ -190,7 +190,7 @@ class Transport(Generic[Req]):
         return [(self.isend if p.send else self.irecv)(p.data, p.peer, p.tag) for p in posts]
 
     # -- memory --------------------------------------------------------------------------------
-    def message(self, backend: Backend, arr: Array) -> object:
+    def message(self, backend: Backend, arr: Array) -> Array:
         """What :meth:`isend`/:meth:`irecv` take for the bytes of ``arr``."""
         return backend.byte_view(arr)
 
@@ -214,16 +214,14 @@ class Transport(Generic[Req]):
         package does (else the caller gathers and reduces in rank order)."""
         return False
 
-    def allreduce(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> Req | None:
-        """Start the library's in-place AllReduce of ``arr``; a request (None when it
-        completed already). Called only where :meth:`native` said yes."""
+    def allreduce(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> Req:
+        """Start the library's in-place AllReduce of ``arr``; its request (the executor
+        waits for it as for a message's). Called only where :meth:`native` said yes."""
         raise NotImplementedError(f"{self.describe()} has no AllReduce of its own")
 
     def allreduce_now(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> None:
         """:meth:`allreduce`, completed before returning."""
-        req = self.allreduce(backend, arr, dtype_name, op)
-        if req is not None:
-            self.wait(req)
+        self.wait(self.allreduce(backend, arr, dtype_name, op))
 
     # -- control traffic ----------------------------------------------------------------------
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
