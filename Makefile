@@ -36,7 +36,7 @@ help:
 	@echo "               under Open MPI at $(OMPI_SIZES) ranks with the launching tests"
 	@echo "make gpu-check the GPU checks (CuPy and MPI; PyTorch with NCCL, 2+ GPUs for torchrun);"
 	@echo "               skips what is missing, exits 0 without a GPU (docs/gpu/README.md)"
-	@echo "make lint      ruff"
+	@echo "make lint      ruff, and mypy on the core"
 	@echo "make pypi-check  every pinned requirement resolves from PyPI alone (needs PyPI; CI)"
 
 install: $(STAMP) $(STAMP_OMPI)
@@ -112,9 +112,12 @@ demo: $(STAMP)
 demo-ompi: $(STAMP_OMPI)
 	$(VENV_OMPI)/bin/optcc-mpi demo
 
+# mypy checks the core (pyproject.toml [tool.mypy] lists it); its cache (.mypy_cache) keeps
+# a second run to seconds.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check optcc_mpi tests
 	$(VENV)/bin/ruff format --check optcc_mpi tests
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) $(VENV_OMPI) build *.egg-info .pytest_cache

@@ -50,6 +50,8 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+# Left open: each name is a different kind of object (a function, classes, a marker); naming
+# their types here would import the layers above this one (tests/test_architecture.py).
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

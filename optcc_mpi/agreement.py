@@ -21,17 +21,29 @@ fails, the error is reported through :func:`agree` as well.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar, cast, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from optcc_mpi import transports
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, mark_everywhere
 
-__all__ = ["agree", "agree_fields", "describe_ranks", "run_everywhere"]
+__all__ = ["agree", "agree_fields", "describe_ranks", "run_everywhere", "Group"]
 
 T = TypeVar("T")
+P = TypeVar("P")
+
+
+class Group(Protocol):
+    """The ranks that must agree, as :func:`agree` sees them: mpi4py's communicators and
+    :class:`~optcc_mpi.transports.Transport` both have these."""
+
+    @property
+    def size(self) -> int: ...
+
+    def allgather(self, obj: object, /) -> list[object]: ...
 
 
 def describe_ranks(ranks: list[int], size: int | None = None) -> str:
@@ -58,14 +70,35 @@ def _verdict(error: BaseException | str | None) -> tuple[bool, str] | None:
     return False, str(error)
 
 
+@overload
 def agree(
-    comm: Any,
+    comm: Group,
     error: BaseException | str | None,
-    payload: Any = None,
     *,
     what: str = "",
     cls: type[Exception] = ArgumentError,
-) -> list[Any]:
+) -> list[None]: ...
+
+
+@overload
+def agree(
+    comm: Group,
+    error: BaseException | str | None,
+    payload: P,
+    *,
+    what: str = "",
+    cls: type[Exception] = ArgumentError,
+) -> list[P]: ...
+
+
+def agree(
+    comm: Group,
+    error: BaseException | str | None,
+    payload: object = None,
+    *,
+    what: str = "",
+    cls: type[Exception] = ArgumentError,
+) -> Sequence[object]:
     """Share every rank's verdict and payload; raise on every rank if any rank failed.
 
     Parameters
@@ -95,7 +128,11 @@ def agree(
         On every rank when any rank failed: identical messages from several ranks are
         listed once with their ranks.
     """
-    verdicts = comm.allgather((_verdict(error), payload))
+    # Every rank sends the same pair: (its verdict, its payload).
+    verdicts = cast(
+        "list[tuple[tuple[bool, str] | None, object]]",
+        comm.allgather((_verdict(error), payload)),
+    )
     failed: dict[str, list[int]] = {}
     typed = False
     for rank, (verdict, _) in enumerate(verdicts):
@@ -124,7 +161,7 @@ def agree(
 
 
 def run_everywhere(
-    comm: Any, step: Callable[[], T], *, what: str = "", cls: type[Exception] = ArgumentError
+    comm: Group, step: Callable[[], T], *, what: str = "", cls: type[Exception] = ArgumentError
 ) -> T:
     """Run ``step()`` on every rank; if it raised on any rank, raise on every rank.
 
@@ -142,7 +179,9 @@ def run_everywhere(
     return result  # type: ignore[return-value]
 
 
-def agree_fields(transport: Any, fields: Any) -> tuple[np.ndarray, np.ndarray]:
+def agree_fields(
+    transport: transports.Communicator, fields: npt.ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
     """Minimum and maximum over the ranks of each integer field, in one collective.
 
     The vector ``(fields, -fields)`` is reduced with MAX

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Union
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union, cast
 
 import ml_dtypes
 import numpy as np
@@ -25,6 +26,7 @@ from optcc_mpi.dtypes import NAME_OF
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.reductions import (
     TorchOps,
+    XpArray,
     canonical_nans,
     from_keys,
     key_dtype,
@@ -33,13 +35,15 @@ from optcc_mpi.reductions import (
     to_keys,
 )
 
-if TYPE_CHECKING:  # names for annotations: neither library is imported to run
+if TYPE_CHECKING:  # names for annotations: none of these libraries is imported to run
     import cupy
     import torch
+    from mpi4py import MPI
 
 __all__ = [
     "Array",
     "Backend",
+    "XpBackend",
     "NumpyBackend",
     "CupyBackend",
     "TorchBackend",
@@ -54,44 +58,48 @@ __all__ = [
 
 #: A 1-D contiguous array of one backend: a NumPy or CuPy array, or a PyTorch tensor.
 Array = Union[np.ndarray, "torch.Tensor", "cupy.ndarray"]
+#: The array type and the element-type type of one backend (:class:`Backend`'s parameters).
+ArrayT = TypeVar("ArrayT")
+DTypeT = TypeVar("DTypeT")
 
 
-class Backend:
+class Backend(Generic[ArrayT, DTypeT]):
     """Operations on 1-D contiguous arrays of one array library.
 
-    Subclasses implement the methods for their library; ``device`` says whether the
-    memory lives on a GPU (then MPI calls need a synchronised stream, and staging through
-    host memory when the MPI library is not CUDA-aware).
+    Generic in the library's array type and its type of element types
+    (``Backend[np.ndarray, np.dtype]``, ``Backend[torch.Tensor, torch.dtype]``); subclasses
+    implement the methods for their library. Code that takes whichever backend owns a
+    user's buffer, not known until run time, writes a bare ``Backend`` and :data:`Array`
+    for its arrays. ``device`` says whether the memory lives on a GPU (then MPI calls
+    need a synchronised stream, and staging through host memory when the MPI library is
+    not CUDA-aware).
     """
 
     name = "abstract"
     device = False
-    #: The array module (NumPy-compatible API) for whole-buffer element-wise work, or None
-    #: when the backend offers only the methods below.
-    xp: Any = None
     #: Whether a transport may hand this backend's device memory to its library
     #: directly; None: the transport asks its library (:mod:`optcc_mpi.transports`).
     cuda_aware: bool | None = None
 
-    def owns(self, arr: Any) -> bool:
+    def owns(self, arr: object) -> bool:
         """True if ``arr`` is an array of this backend."""
         raise NotImplementedError
 
-    def empty(self, n: int, dtype: np.dtype) -> Any:
+    def empty(self, n: int, dtype: DTypeT) -> ArrayT:
         raise NotImplementedError
 
-    def empty_like(self, arr: Any) -> Any:
+    def empty_like(self, arr: ArrayT) -> ArrayT:
         """Uninitialised array with the shape, dtype and memory order of ``arr``."""
         raise NotImplementedError
 
-    def copyto(self, dst: Any, src: Any) -> None:
+    def copyto(self, dst: ArrayT, src: ArrayT) -> None:
         raise NotImplementedError
 
-    def reduce(self, op: str, dst: Any, src: Any) -> None:
+    def reduce(self, op: str, dst: ArrayT, src: ArrayT) -> None:
         """``dst = op(dst, src)`` element-wise, in place."""
         raise NotImplementedError
 
-    def reduce_into(self, op: str, out: Any, a: Any, b: Any) -> None:
+    def reduce_into(self, op: str, out: ArrayT, a: ArrayT, b: ArrayT) -> None:
         """``out = op(a, b)`` element-wise: the bits of :meth:`reduce` on ``out`` holding
         ``a`` (the same operands in the same order). ``out`` may be ``a`` or ``b`` itself
         (the same object), and must not overlap them otherwise. A backend that can write
@@ -108,66 +116,94 @@ class Backend:
         self.reduce(op, out, b)
 
     # -- max/min keys and NaN (optcc_mpi.reductions), on the whole buffer ---------------------
-    def has_keys(self, dtype: Any) -> bool:
-        """Whether ``max``/``min`` on ``dtype`` go through integer keys."""
-        return self.xp is not None and key_dtype(dtype) is not None
+    def has_keys(self, dtype: DTypeT) -> bool:
+        """Whether ``max``/``min`` on ``dtype`` go through integer keys (a backend that
+        reduces nothing itself: no)."""
+        return False
 
-    def to_keys(self, arr: Any, op: str, src: Any = None) -> Any:
+    def to_keys(self, arr: ArrayT, op: str, src: ArrayT | None = None) -> ArrayT:
         """Map float ``arr`` to its integer keys for ``op`` in place (or write the keys of
-        ``src`` into ``arr``); the integer view."""
-        return to_keys(self.xp, arr, op, src)
+        ``src`` into ``arr``); the integer view. Called where :meth:`has_keys` says so."""
+        raise NotImplementedError
 
-    def from_keys(self, keys: Any, dtype: Any, op: str) -> Any:
+    def from_keys(self, keys: ArrayT, dtype: DTypeT, op: str) -> ArrayT:
         """Inverse of :meth:`to_keys`, in place; the float view."""
-        return from_keys(self.xp, keys, dtype, op)
+        raise NotImplementedError
 
-    def canonical_nans(self, arr: Any) -> None:
+    def canonical_nans(self, arr: ArrayT) -> None:
         """Every NaN of float or complex ``arr`` made the canonical one, in place (a
-        backend without an array module reduces nothing itself: nothing to do)."""
-        if self.xp is not None:
-            canonical_nans(self.xp, arr)
+        backend that reduces nothing itself: nothing to do)."""
 
-    def dtype_name(self, arr: Any) -> str | None:
+    def dtype_name(self, arr: ArrayT) -> str | None:
         """Our name (:data:`optcc_mpi.dtypes.DTYPES`) of ``arr``'s element type, or None."""
-        return NAME_OF.get(arr.dtype)
+        raise NotImplementedError
 
-    def byte_view(self, arr: Any) -> Any:
+    def byte_view(self, arr: ArrayT) -> ArrayT:
         """``arr``'s memory as a 1-D array of bytes (no copy): what messages carry."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
         """Wait for queued work on the current stream (no-op on the host)."""
 
-    def to_host(self, arr: Any) -> np.ndarray:
+    def to_host(self, arr: ArrayT) -> np.ndarray:
         """A host (NumPy) copy of ``arr``."""
         raise NotImplementedError
 
-    def from_host(self, dst: Any, host: np.ndarray) -> None:
+    def from_host(self, dst: ArrayT, host: np.ndarray) -> None:
         """Copy host data into ``dst``."""
         raise NotImplementedError
 
-    def flat(self, arr: Any) -> Any:
+    def flat(self, arr: ArrayT) -> ArrayT:
         """``arr`` as a 1-D view in memory order (it must be contiguous)."""
-        return arr.ravel(order="K")
+        raise NotImplementedError
 
-    def contiguous(self, arr: Any) -> bool:
-        flags = arr.flags
-        return bool(flags.c_contiguous or flags.f_contiguous)
+    def contiguous(self, arr: ArrayT) -> bool:
+        raise NotImplementedError
 
-    def writable(self, arr: Any) -> bool:
+    def writable(self, arr: ArrayT) -> bool:
         return True
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
 
-class NumpyBackend(Backend):
+class XpBackend(Backend[XpArray, np.dtype]):
+    """A backend of NumPy's array API (NumPy, CuPy): the keys, the NaNs, names, views and
+    flags computed through the array module :attr:`xp`."""
+
+    #: The array module (NumPy-compatible API) for whole-buffer element-wise work.
+    xp: ModuleType
+
+    def has_keys(self, dtype: np.dtype) -> bool:
+        return key_dtype(dtype) is not None
+
+    def to_keys(self, arr: XpArray, op: str, src: XpArray | None = None) -> XpArray:
+        return to_keys(self.xp, arr, op, src)
+
+    def from_keys(self, keys: XpArray, dtype: np.dtype, op: str) -> XpArray:
+        return from_keys(self.xp, keys, dtype, op)
+
+    def canonical_nans(self, arr: XpArray) -> None:
+        canonical_nans(self.xp, arr)
+
+    def dtype_name(self, arr: XpArray) -> str | None:
+        return NAME_OF.get(arr.dtype)
+
+    def flat(self, arr: XpArray) -> XpArray:
+        return arr.ravel(order="K")
+
+    def contiguous(self, arr: XpArray) -> bool:
+        flags = arr.flags
+        return bool(flags.c_contiguous or flags.f_contiguous)
+
+
+class NumpyBackend(XpBackend[np.ndarray]):
     """Host memory, NumPy arrays."""
 
     name = "numpy"
     xp = np
 
-    def owns(self, arr: Any) -> bool:
+    def owns(self, arr: object) -> bool:
         return isinstance(arr, np.ndarray)
 
     def empty(self, n: int, dtype: np.dtype) -> np.ndarray:
@@ -199,7 +235,7 @@ class NumpyBackend(Backend):
         return bool(arr.flags.writeable)
 
 
-class CupyBackend(Backend):
+class CupyBackend(XpBackend["cupy.ndarray"]):
     """GPU memory, CuPy arrays; reductions run on the GPU.
 
     The executor synchronises the current stream before a buffer goes to a library that
@@ -216,38 +252,38 @@ class CupyBackend(Backend):
         self.cp = cupy
         self.xp = cupy
 
-    def owns(self, arr: Any) -> bool:
+    def owns(self, arr: object) -> bool:
         return isinstance(arr, self.cp.ndarray)
 
-    def empty(self, n: int, dtype: np.dtype) -> Any:
+    def empty(self, n: int, dtype: np.dtype) -> cupy.ndarray:
         return self.cp.empty(n, dtype=dtype)
 
-    def empty_like(self, arr: Any) -> Any:
+    def empty_like(self, arr: cupy.ndarray) -> cupy.ndarray:
         return self.cp.empty_like(arr)
 
-    def copyto(self, dst: Any, src: Any) -> None:
+    def copyto(self, dst: cupy.ndarray, src: cupy.ndarray) -> None:
         self.cp.copyto(dst, src)
 
-    def reduce(self, op: str, dst: Any, src: Any) -> None:
+    def reduce(self, op: str, dst: cupy.ndarray, src: cupy.ndarray) -> None:
         reduce_with(self.cp, op, dst, src)
 
-    def reduce_into(self, op: str, out: Any, a: Any, b: Any) -> None:
+    def reduce_into(self, op: str, out: cupy.ndarray, a: cupy.ndarray, b: cupy.ndarray) -> None:
         reduce_into(self.cp, op, out, a, b)
 
     def synchronize(self) -> None:
         self.cp.cuda.get_current_stream().synchronize()
 
-    def byte_view(self, arr: Any) -> Any:
+    def byte_view(self, arr: cupy.ndarray) -> cupy.ndarray:
         return arr.view(self.cp.uint8)
 
-    def to_host(self, arr: Any) -> np.ndarray:
+    def to_host(self, arr: cupy.ndarray) -> np.ndarray:
         return self.cp.asnumpy(arr)
 
-    def from_host(self, dst: Any, host: np.ndarray) -> None:
+    def from_host(self, dst: cupy.ndarray, host: np.ndarray) -> None:
         dst.set(host)
 
 
-class TorchBackend(Backend):
+class TorchBackend(Backend["torch.Tensor", "torch.dtype"]):
     """PyTorch tensors, kept as tensors: reductions by torch on the tensors' device.
 
     The torch.distributed transport moves tensors (:mod:`optcc_mpi.transports.torch`);
@@ -258,7 +294,7 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: torch.device | str) -> None:
         import torch  # only reached for tensors: torch stays optional
 
         self.torch = torch
@@ -267,66 +303,66 @@ class TorchBackend(Backend):
         self.ops = TorchOps(torch)
         self._names = {getattr(torch, n): n for n in _TORCH_DTYPES if hasattr(torch, n)}
 
-    def owns(self, arr: Any) -> bool:
+    def owns(self, arr: object) -> bool:
         return isinstance(arr, self.torch.Tensor) and arr.device == self.where
 
-    def empty(self, n: int, dtype: Any) -> Any:
+    def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return self.torch.empty(n, dtype=dtype, device=self.where)
 
-    def empty_like(self, arr: Any) -> Any:
+    def empty_like(self, arr: torch.Tensor) -> torch.Tensor:
         return self.torch.empty_like(arr, memory_format=self.torch.preserve_format)
 
-    def copyto(self, dst: Any, src: Any) -> None:
+    def copyto(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def reduce(self, op: str, dst: Any, src: Any) -> None:
+    def reduce(self, op: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.ops.reduce(op, dst, src)
 
-    def reduce_into(self, op: str, out: Any, a: Any, b: Any) -> None:
+    def reduce_into(self, op: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         self.ops.reduce_into(op, out, a, b)
 
-    def has_keys(self, dtype: Any) -> bool:
+    def has_keys(self, dtype: torch.dtype) -> bool:
         return self.ops.key_dtype(dtype) is not None
 
-    def to_keys(self, arr: Any, op: str, src: Any = None) -> Any:
+    def to_keys(self, arr: torch.Tensor, op: str, src: torch.Tensor | None = None) -> torch.Tensor:
         return self.ops.to_keys(arr, op, src)
 
-    def from_keys(self, keys: Any, dtype: Any, op: str) -> Any:
+    def from_keys(self, keys: torch.Tensor, dtype: torch.dtype, op: str) -> torch.Tensor:
         return self.ops.from_keys(keys, dtype, op)
 
-    def canonical_nans(self, arr: Any) -> None:
+    def canonical_nans(self, arr: torch.Tensor) -> None:
         self.ops.canonical_nans(arr)
 
-    def dtype_name(self, arr: Any) -> str | None:
+    def dtype_name(self, arr: torch.Tensor) -> str | None:
         return self._names.get(arr.dtype)
 
     def synchronize(self) -> None:
         if self.device:
             self.torch.cuda.current_stream(self.where).synchronize()
 
-    def byte_view(self, arr: Any) -> Any:
+    def byte_view(self, arr: torch.Tensor) -> torch.Tensor:
         return arr.view(self.torch.uint8)
 
-    def to_host(self, arr: Any) -> np.ndarray:
+    def to_host(self, arr: torch.Tensor) -> np.ndarray:
         flat = arr.detach().cpu()
         if flat.dtype == self.torch.bfloat16:
             return flat.view(self.torch.int16).numpy().view(ml_dtypes.bfloat16)
         return flat.numpy()
 
-    def from_host(self, dst: Any, host: np.ndarray) -> None:
+    def from_host(self, dst: torch.Tensor, host: np.ndarray) -> None:
         if host.dtype == np.dtype(ml_dtypes.bfloat16):
             src = self.torch.from_numpy(host.view(np.int16)).view(self.torch.bfloat16)
         else:
             src = self.torch.from_numpy(host)
         dst.copy_(src)
 
-    def flat(self, arr: Any) -> Any:
+    def flat(self, arr: torch.Tensor) -> torch.Tensor:
         return arr.detach().reshape(-1)
 
-    def contiguous(self, arr: Any) -> bool:
+    def contiguous(self, arr: torch.Tensor) -> bool:
         return bool(arr.is_contiguous())
 
-    def writable(self, arr: Any) -> bool:
+    def writable(self, arr: torch.Tensor) -> bool:
         return not (arr.is_conj() or arr.is_neg())
 
 
@@ -348,7 +384,7 @@ _TORCH_DTYPES = (
 
 
 @functools.lru_cache(maxsize=16)
-def torch_backend(device: Any) -> TorchBackend:
+def torch_backend(device: torch.device | str) -> TorchBackend:
     """The :class:`TorchBackend` of ``device`` (a ``torch.device`` or its name)."""
     return TorchBackend(device)
 
@@ -382,7 +418,7 @@ def _cupy_factory() -> Callable[[], Backend]:
     return register_backend(CupyBackend)
 
 
-def get_cupy() -> Any:
+def get_cupy() -> ModuleType | None:
     """The ``cupy`` module when a GPU is usable, else None (never raises)."""
     try:
         import cupy
@@ -395,7 +431,7 @@ def get_cupy() -> Any:
 
 
 # -- what users pass: arrays, buffers, mpi4py buffer specifications, tensors --------------------
-def _contiguous_flat(arr: Any, backend: Backend, what: str) -> Any:
+def _contiguous_flat(arr: Array, backend: Backend, what: str) -> Array:
     if not backend.contiguous(arr):
         raise ArgumentError(
             f"{what} is not contiguous; pass a contiguous array (e.g. np.ascontiguousarray)"
@@ -403,7 +439,7 @@ def _contiguous_flat(arr: Any, backend: Backend, what: str) -> Any:
     return backend.flat(arr)
 
 
-def as_array(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[Any, Backend]:
+def as_array(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[Array, Backend]:
     """A 1-D array over the memory of ``obj`` (no copy), and the backend that owns it.
 
     Accepted: NumPy and CuPy arrays of any shape and either memory order, if contiguous;
@@ -456,7 +492,7 @@ def as_array(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[
     return _contiguous_flat(arr, NUMPY, what), NUMPY
 
 
-def _from_cuda_interface(obj: Any, what: str) -> tuple[Any, Backend]:
+def _from_cuda_interface(obj: object, what: str) -> tuple[Array, Backend]:
     """A CuPy view (no copy) of an object exposing ``__cuda_array_interface__``."""
     cp = get_cupy()
     if cp is None:
@@ -473,7 +509,7 @@ def _from_cuda_interface(obj: Any, what: str) -> tuple[Any, Backend]:
     return _contiguous_flat(arr, inst, what), inst
 
 
-def _tensor(t: Any, what: str) -> tuple[Any, Backend]:
+def _tensor(t: torch.Tensor, what: str) -> tuple[torch.Tensor, TorchBackend]:
     """A tensor as a 1-D tensor of the same memory, and its device's torch backend."""
     import torch
 
@@ -495,7 +531,7 @@ def _tensor(t: Any, what: str) -> tuple[Any, Backend]:
     return t.detach().reshape(-1), inst
 
 
-def _from_torch(t: Any, what: str) -> Any:
+def _from_torch(t: torch.Tensor, what: str) -> Array:
     """A NumPy (CPU) or CuPy (CUDA) array sharing the memory of tensor ``t``."""
     import torch  # only reached for tensors, so torch stays optional
 
@@ -527,14 +563,14 @@ def _from_torch(t: Any, what: str) -> Any:
     raise ArgumentTypeError(f"{what}: tensors on {t.device.type} are not supported (cpu, cuda)")
 
 
-def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Any, Backend]:
+def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Array, Backend]:
     """An mpi4py buffer specification as a 1-D array of the datatype's elements."""
     from mpi4py import MPI
 
     n = len(msg)
-    count: Any = None
-    displ: Any = 0
-    datatype: Any = None
+    count: int | None = None
+    displ: int = 0
+    datatype: MPI.Datatype | None = None
     if n == 2:
         buf, second = msg
         if isinstance(second, MPI.Datatype):
@@ -560,7 +596,8 @@ def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Any, Backen
             "[buf, datatype] whose first item is the buffer; for numbers pass "
             "np.array([...])"
         )
-    raw, backend = as_array(buf, what=what)
+    seen, backend = as_array(buf, what=what)
+    raw = cast(np.ndarray, seen)  # not a tensor (tensors=False): NumPy's API (CuPy's too)
     dtype, per = (raw.dtype, 1) if datatype is None else _datatype_dtype(datatype, what)
     nbytes = raw.size * raw.dtype.itemsize
     if nbytes % dtype.itemsize:
@@ -580,7 +617,7 @@ def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Any, Backen
     return as_bytes[displ * size : (displ + count) * size].view(dtype), backend
 
 
-def _datatype_dtype(datatype: Any, what: str) -> tuple[np.dtype, int]:
+def _datatype_dtype(datatype: MPI.Datatype, what: str) -> tuple[np.dtype, int]:
     """NumPy dtype of a predefined MPI datatype (or a contiguous one of a predefined type),
     and how many elements of it one datatype item holds."""
     from mpi4py import MPI
@@ -608,7 +645,7 @@ def _datatype_dtype(datatype: Any, what: str) -> tuple[np.dtype, int]:
     return dt, per
 
 
-def result_like(obj: Any, flat: Any, backend: Backend) -> tuple[Any, Any]:
+def result_like(obj: Any, flat: Array, backend: Backend) -> tuple[Array, Array]:
     """A new result for input ``obj`` (whose 1-D view is ``flat``): the object returned to
     the caller, and its 1-D view. Arrays and tensors get one of their own kind, shape and
     memory order; other buffers a 1-D NumPy array of their element type."""
@@ -619,23 +656,23 @@ def result_like(obj: Any, flat: Any, backend: Backend) -> tuple[Any, Any]:
     if module == "torch" or module.startswith("torch."):
         import torch
 
-        out = torch.empty_like(obj, memory_format=torch.preserve_format)
-        return out, as_array(out, what="result", tensors=backend.name == "torch")[0]
+        made = torch.empty_like(obj, memory_format=torch.preserve_format)
+        return made, as_array(made, what="result", tensors=backend.name == "torch")[0]
     if backend is not NUMPY and not isinstance(obj, (list, tuple)) and backend.owns(obj):
-        out = backend.empty_like(obj)
-        return out, backend.flat(out)
-    out = backend.empty(flat.shape[0], flat.dtype)
-    return out, out
+        own = backend.empty_like(obj)
+        return own, backend.flat(own)
+    new = backend.empty(flat.shape[0], flat.dtype)
+    return new, new
 
 
 # -- environment probes -------------------------------------------------------------------------
-def cupy_status() -> dict[str, Any]:
+def cupy_status() -> dict[str, object]:
     """Whether CuPy imports, whether a GPU is usable, and versions (for ``optcc-mpi info``)."""
     try:
         import cupy
     except Exception as exc:  # ImportError, or a broken CUDA install
         return {"installed": False, "available": False, "reason": str(exc).splitlines()[0]}
-    status: dict[str, Any] = {"installed": True, "version": cupy.__version__}
+    status: dict[str, object] = {"installed": True, "version": cupy.__version__}
     try:
         status["available"] = bool(cupy.is_available())
         if status["available"]:

@@ -45,7 +45,7 @@ import enum
 import functools
 from collections.abc import Mapping
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -62,9 +62,17 @@ from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult, probe
 from optcc_mpi.protocol import GATHER_MAX_P, Mismatch, code
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.schedule import COLL, Schedule
+from optcc_mpi.schedule import COLL, Params, Schedule
 from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, served
-from optcc_mpi.transports import Transport
+from optcc_mpi.transports import Communicator, Transport
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    #: "auto" and every registered algorithm (computed on use: module ``__getattr__``).
+    ALGORITHMS: tuple[str, ...]
+    #: mpi4py's ``MPI.IN_PLACE`` where mpi4py loads, else ours (module ``__getattr__``).
+    IN_PLACE: MPI.InPlaceType | InPlaceType
 
 __all__ = [
     "allreduce",
@@ -105,7 +113,7 @@ class InPlaceType:
         return "IN_PLACE"
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name == "ALGORITHMS":
         # "auto" and every registered algorithm; computed on use, so that algorithms
         # registered later (entry points, tests) are included.
@@ -116,7 +124,7 @@ def __getattr__(name: str) -> Any:
         try:
             from mpi4py import MPI
         except (ImportError, RuntimeError):
-            value: Any = InPlaceType()
+            value: MPI.InPlaceType | InPlaceType = InPlaceType()
         else:
             value = MPI.IN_PLACE
         globals()["IN_PLACE"] = value
@@ -124,7 +132,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _is_in_place(sendbuf: Any) -> bool:
+def _is_in_place(sendbuf: object) -> bool:
     return sendbuf is None or type(sendbuf).__name__ == "InPlaceType"
 
 
@@ -139,14 +147,16 @@ def last_stats() -> Mapping[str, object]:
     return rec if rec is not None else {}
 
 
-def comm_state(comm: Any = None) -> CommState:
+def comm_state(comm: Communicator = None) -> CommState:
     """The collectives' state of ``comm`` (an mpi4py communicator, None for COMM_WORLD,
     a torch.distributed process group, or a transport), made on first use (collective
     then). For reading (the lab, tests): the collectives alone write it."""
     return _state(comm)
 
 
-def cached_probe(comm: Any = None, *, emulate: Any = None, refresh: bool = False) -> ProbeResult:
+def cached_probe(
+    comm: Communicator = None, *, emulate: Emulation | str | None = None, refresh: bool = False
+) -> ProbeResult:
     """:func:`optcc_mpi.probe.probe` of ``comm``, once per communicator (kept with its
     state; collective when it measures)."""
     st = _state(comm)
@@ -155,7 +165,7 @@ def cached_probe(comm: Any = None, *, emulate: Any = None, refresh: bool = False
     return st.probe
 
 
-def gather_limit(comm: Any = None) -> int:
+def gather_limit(comm: Communicator = None) -> int:
     """The largest short message (bytes) that ``auto`` gathers from every rank and
     reduces in rank order on ``comm`` (an mpi4py communicator, None for COMM_WORLD, or a
     torch.distributed process group); above it the argument check carries only its
@@ -185,17 +195,17 @@ def choose_algorithm(p: int, nbytes: int, links: Links) -> str:
 
 
 def allreduce(
-    sendbuf: Any,
+    sendbuf: Any,  # a user's buffer, any of the kinds below: classified by the check
     recvbuf: Any = None,
     *,
-    op: Any = "sum",
-    comm: Any = None,
+    op: str | MPI.Op = "sum",
+    comm: Communicator = None,
     algorithm: str = "auto",
     links: Links | str | None = None,
     emulate: Emulation | str | None = None,
-    params: dict[str, Any] | None = None,
+    params: Params | None = None,
     check: bool = True,
-) -> Any:
+) -> Any:  # recvbuf, or a new result of sendbuf's kind
     """Element-wise reduction of every rank's buffer, result on every rank.
 
     Parameters
@@ -276,7 +286,7 @@ def allreduce(
     return _finish(st, call)
 
 
-def _known(comm: Any) -> CommState | None:
+def _known(comm: object) -> CommState | None:
     """The state of an MPI communicator seen before (None: COMM_WORLD), found with one
     dictionary lookup; else None."""
     if comm is None:
@@ -285,7 +295,7 @@ def _known(comm: Any) -> CommState | None:
     return _REGISTRY.known(handle) if type(handle) is int else None
 
 
-def _state(comm: Any) -> CommState:
+def _state(comm: Communicator) -> CommState:
     """The communicator's state (:func:`_known`, else made or found by its transport)."""
     st = _known(comm)
     return st if st is not None else _REGISTRY.state(transports.of(comm))
@@ -308,11 +318,11 @@ class _Call:
         st: CommState,
         sendbuf: Any,
         recvbuf: Any,
-        op: Any,
+        op: str | MPI.Op,
         algorithm: str,
         links: Links | str | None,
         emulate: Emulation | str | None,
-        params: dict[str, Any] | None,
+        params: Params | None,
         check: bool,
     ) -> None:
         self.sendbuf, self.result = sendbuf, recvbuf
@@ -329,9 +339,12 @@ class _Call:
         self.link_obj = _HEALTHY
         self.emu: Emulation | None = None
         self.opn = op if type(op) is str and op in _OPSET else ""
-        self.flat_in: Any = None  # the send buffer as a flat array (None: rejected)
-        self.flat_out: Any = None
-        self.backend: Backend | None = None
+        # The buffers as flat arrays and their backend, set by _buffers; where this rank's
+        # arguments are rejected they stay unset (the call ends in the agreement, whose
+        # message reads the backend only if set: shown()).
+        self.flat_in: Array
+        self.flat_out: Array | None  # None until a result is made for it (_plan_call)
+        self.backend: Backend
         self.in_place = False
         self.name = ""
         self.count = self.nbytes = 0
@@ -344,6 +357,9 @@ class _Call:
 
     def _buffers(self, transport: Transport, sendbuf: Any, recvbuf: Any) -> None:
         """The send and receive buffers as flat arrays of one backend."""
+        flat_in: Array
+        flat_out: Array | None
+        backend: Backend
         in_place = _is_in_place(sendbuf) or sendbuf is recvbuf
         if type(sendbuf) is _NDARRAY and not in_place:
             # The commonest calls, checked inline (as_array does the same, slower).
@@ -388,7 +404,11 @@ class _Call:
         self.nbytes = self.count * flat_in.dtype.itemsize
 
     def _settings(
-        self, st: CommState, op: Any, links: Links | str | None, emulate: Emulation | str | None
+        self,
+        st: CommState,
+        op: str | MPI.Op,
+        links: Links | str | None,
+        emulate: Emulation | str | None,
     ) -> None:
         """The reduction, the algorithm's parameters, the link profile, the emulation,
         the plan where it is known already, and the header this rank sends."""
@@ -465,7 +485,7 @@ class _Call:
             "algorithm": repr(self.algorithm),
             "link profile": "probe" if link is PROBE else "watch" if link is WATCH else str(link),
             "emulation": str(self.emu or "none"),
-            "backend": self.backend.name if self.backend is not None else "?",
+            "backend": getattr(getattr(self, "backend", None), "name", "?"),
             "params": repr(self.params or {}),
         }
 
@@ -475,7 +495,8 @@ def _agree(st: CommState, call: _Call) -> bool:
     """The check (:mod:`optcc_mpi.protocol`); True when the data travelled in it. Raises
     the same error on every rank if any rank failed or the ranks disagree."""
     if call.check and st.size > 1:
-        data = call.flat_in if call.fold else None
+        # (Only NumPy arrays travel in the check: _settings decides fold.)
+        data = cast("np.ndarray | None", call.flat_in if call.fold else None)
         try:
             inline = protocol.agree(st.check, call.fields, call.err, call.fold, data, call.seen)
         except Mismatch as mismatch:
@@ -576,8 +597,9 @@ def _plan_call(st: CommState, call: _Call) -> None:
 def _run(st: CommState, call: _Call) -> None:
     """The data phase: gathered and reduced in rank order, the library's AllReduce, or
     the schedule on the executor."""
-    p, backend, flat_out = st.size, call.backend, call.flat_out
-    coll_only = call.plan.library_only
+    p, backend, flat_out, plan = st.size, call.backend, call.flat_out, call.plan
+    assert flat_out is not None and plan is not None  # made by now (_settings, _plan_call)
+    coll_only = plan.library_only
     short = call.algorithm == "auto" and coll_only and call.emu is None and 1 < p <= GATHER_MAX_P
     if short and 0 < call.nbytes and _gathered(st, call.nbytes):
         # A short message that did not travel in the check (the first call of a size, a
@@ -604,7 +626,7 @@ def _run(st: CommState, call: _Call) -> None:
         return
     pacer = call.emu.pacer(st.rank, p, call.link_obj) if call.emu is not None else None
     transport = st.transport
-    wname = backend.dtype_name(work) or NAME_OF[work.dtype]
+    wname = backend.dtype_name(work) or NAME_OF[cast(np.dtype, work.dtype)]
     if coll_only and pacer is None and not transport.native(backend, wname, call.opn):
         # A library that cannot reduce this type as we do: every rank's data, reduced in
         # rank order on every rank.
@@ -620,13 +642,13 @@ def _run(st: CommState, call: _Call) -> None:
         return
     # Each rank reduces different parts: a floating-point warning or exception
     # (np.seterr) on one rank alone would leave the others waiting.
-    sched = call.plan.schedule
+    sched = plan.schedule
     with np.errstate(all="ignore"):
-        call.stats = execute(
+        stats = call.stats = execute(
             sched, work, comm=transport, op=call.opn, backend=backend, pacer=pacer, source=source
         )
     if call.watched:
-        _record_watch(st, call, sched, pacer)
+        _record_watch(st, sched, work.dtype.itemsize, stats, call.epoch, pacer)
 
 
 def _gathered(st: CommState, nbytes: int) -> bool:
@@ -639,12 +661,19 @@ def _gathered(st: CommState, nbytes: int) -> bool:
     return nbytes <= room_for(st.size, nbytes, crossover.decide(st.check))
 
 
-def _record_watch(st: CommState, call: _Call, sched: Schedule, pacer: Pacer | None) -> None:
-    """What this watched call measured, for the next call's check."""
+def _record_watch(
+    st: CommState,
+    sched: Schedule,
+    itemsize: int,
+    stats: ExecStats,
+    epoch: float,
+    pacer: Pacer | None,
+) -> None:
+    """What this watched call (``sched`` on elements of ``itemsize`` bytes, which
+    recorded ``stats`` from ``epoch`` on) measured, for the next call's check."""
     watch = st.watch_made()
-    stats = call.stats
     if pacer is None:
-        watch.record_messages(st.rank, sched, call.work.dtype.itemsize, stats, call.epoch)
+        watch.record_messages(st.rank, sched, itemsize, stats, epoch)
     else:
         watch.record(st.rank, _timed_sends(stats, pacer), schedule=sched)
     # Room for what the next check carries (the same on every rank: it depends on the
@@ -684,7 +713,7 @@ def _gather_reduce(st: CommState, opn: str, flat_in: Array, out: Array, backend:
         for r in range(1, st.size):
             backend.reduce(opn, out, rows[r])
         return
-    host = flat_in if backend is NUMPY else backend.to_host(flat_in)
+    host = backend.to_host(flat_in)  # (NumPy's: the array itself)
     if backend.device and st.transport.caps.sync_device:
         backend.synchronize()
     dtype = host.dtype
@@ -712,7 +741,7 @@ def _reduce_into(
     st: CommState, opn: str, dtype: np.dtype, nbytes: int, out: Array, backend: Backend
 ) -> None:
     if backend is NUMPY:
-        protocol.reduce_gathered(st.check, opn, dtype, nbytes, out)
+        protocol.reduce_gathered(st.check, opn, dtype, nbytes, cast(np.ndarray, out))
         return
     host = np.empty(nbytes // dtype.itemsize, dtype=dtype)
     protocol.reduce_gathered(st.check, opn, dtype, nbytes, host)
@@ -721,7 +750,7 @@ def _reduce_into(
 
 def _put(out: Array, host: np.ndarray, backend: Backend) -> None:
     if backend is NUMPY:
-        np.copyto(out, host)
+        np.copyto(cast(np.ndarray, out), host)
     else:
         backend.from_host(out, host)
         if backend.device and backend.name != "torch":
@@ -729,10 +758,11 @@ def _put(out: Array, host: np.ndarray, backend: Backend) -> None:
 
 
 # -- phase 5: finish ----------------------------------------------------------------------------
-def _finish(st: CommState, call: _Call) -> Any:
-    backend, work, plan = call.backend, call.work, call.plan
+def _finish(st: CommState, call: _Call) -> Any:  # what allreduce returns
+    backend, work, plan, flat_out = call.backend, call.work, call.plan, call.flat_out
+    assert plan is not None and flat_out is not None  # made by now (_settings, _plan_call)
     if call.keyed:
-        backend.from_keys(work, call.flat_out.dtype, call.opn)
+        backend.from_keys(work, flat_out.dtype, call.opn)
     elif (
         plan.library_only
         and work is not None
@@ -759,16 +789,21 @@ def _finish(st: CommState, call: _Call) -> Any:
         and not call.params
         and backend is NUMPY
     ):
-        _enable_compiled(st, call.flat_in.dtype, call.nbytes, call.plan)
+        _enable_compiled(st, cast(np.ndarray, call.flat_in).dtype, call.nbytes, plan)
     return call.result if call.result is not None else call.flat_out
 
 
-def _finish_inline(st: CommState, call: _Call) -> Any:
+def _finish_inline(st: CommState, call: _Call) -> Any:  # what allreduce returns
     """The data travelled in the check: reduce every rank's rows in rank order."""
-    if call.flat_out is None:
-        call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
-    protocol.reduce_gathered(st.check, call.opn, call.flat_in.dtype, call.nbytes, call.flat_out)
+    # Only NumPy arrays travel in the check (_settings: fold), and only with a plan.
+    flat_in, flat_out = cast(np.ndarray, call.flat_in), cast("np.ndarray | None", call.flat_out)
+    if flat_out is None:
+        result, made = result_like(call.sendbuf, flat_in, call.backend)
+        call.result, call.flat_out = result, made
+        flat_out = cast(np.ndarray, made)
+    protocol.reduce_gathered(st.check, call.opn, flat_in.dtype, call.nbytes, flat_out)
     plan = call.plan
+    assert plan is not None
     _REGISTRY.last = CallRecord(
         plan.algorithm,
         plan.schedule,
@@ -780,7 +815,7 @@ def _finish_inline(st: CommState, call: _Call) -> Any:
         st.transport.name,
     )
     if call.link_obj is _HEALTHY and call.emu is None and not call.params:
-        _enable_compiled(st, call.flat_in.dtype, call.nbytes, plan)
+        _enable_compiled(st, flat_in.dtype, call.nbytes, plan)
     return call.result
 
 
@@ -805,7 +840,7 @@ def _recvbuf_for(
     return flat_out, overlap is Overlap.SAME
 
 
-def _same_shape(flat_in: Any, flat_out: Any) -> None:
+def _same_shape(flat_in: Array, flat_out: Array) -> None:
     """ArgumentError unless send and receive buffers have the same type and count."""
     if flat_out.dtype != flat_in.dtype:
         raise ArgumentError(
@@ -824,8 +859,8 @@ def _numpy_flat(arr: np.ndarray, what: str) -> np.ndarray:
         flags = arr.flags
         if flags.c_contiguous or flags.f_contiguous:
             return arr.ravel(order="K")
-    flat, _ = as_array(arr, what=what)  # raises the error
-    return flat  # pragma: no cover
+    as_array(arr, what=what)  # raises the error
+    raise AssertionError("unreachable: as_array refuses a non-contiguous array")  # pragma: no cover
 
 
 class Overlap(enum.Enum):
@@ -841,23 +876,28 @@ class Overlap(enum.Enum):
 
 def _overlap(a: Array, b: Array) -> Overlap:
     """How ``a`` and ``b`` (1-D, same size and type) share memory."""
-    if isinstance(a, np.ndarray):
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):  # (both, or neither)
         if not np.may_share_memory(a, b):
             return Overlap.NONE
         pa = a.__array_interface__["data"][0]
         pb = b.__array_interface__["data"][0]
         return Overlap.SAME if pa == pb else Overlap.PARTLY
-    if hasattr(a, "data_ptr"):  # torch
-        pa, pb = a.data_ptr(), b.data_ptr()
-    else:
-        pa = getattr(getattr(a, "data", None), "ptr", None)  # CuPy
-        if pa is None:
-            return Overlap.NONE
-        pb = b.data.ptr
+    pa, pb = _address(a), _address(b)
+    if pa is None or pb is None:
+        return Overlap.NONE
     if pa == pb:
         return Overlap.SAME
     n = a.shape[0] * a.dtype.itemsize
     return Overlap.PARTLY if pa < pb + n and pb < pa + n else Overlap.NONE
+
+
+def _address(arr: Array) -> int | None:
+    """Where a tensor's or a CuPy array's memory starts (None for other arrays)."""
+    data_ptr = getattr(arr, "data_ptr", None)
+    if data_ptr is not None:  # torch
+        return int(data_ptr())
+    ptr = getattr(getattr(arr, "data", None), "ptr", None)  # CuPy
+    return None if ptr is None else int(ptr)
 
 
 # -- the compiled call path ----------------------------------------------------------------------
@@ -910,7 +950,9 @@ def _compiled_context(transport: fastcall.Compilable, chk: CheckState) -> object
     )
 
 
-def _try_compiled(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, check: bool) -> Any:
+def _try_compiled(
+    sendbuf: Any, recvbuf: Any, op: str | MPI.Op, comm: Communicator, check: bool
+) -> np.ndarray | None:
     """The result if the compiled path took the call, else None (it declined, having
     touched nothing, and the Python path runs the call)."""
     if type(sendbuf) is _NDARRAY:
@@ -927,7 +969,9 @@ def _try_compiled(sendbuf: Any, recvbuf: Any, op: Any, comm: Any, check: bool) -
 _OP_CODE = protocol.OP_CODE
 
 
-def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, check: bool) -> bool:
+def _compiled(
+    sendbuf: np.ndarray, recvbuf: np.ndarray, op: str | MPI.Op, comm: Communicator, check: bool
+) -> bool:
     """Run the call on the compiled path (:mod:`optcc_mpi.fastcall`) if it can take it;
     False when it declined, having touched nothing.
 
@@ -956,7 +1000,9 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
     fast = chk.compiled
     if fast is None or (check and not chk.ready):
         return False  # (without the check, the room is room_for()'s: the C side checks it)
-    opc = _OP_CODE.get(op) if type(op) is str else None
+    if type(op) is not str:
+        return False
+    opc = _OP_CODE.get(op)
     rc = config.rc
     if opc is None or rc.links is not None or rc.emulate is not None:
         return False
@@ -965,7 +1011,8 @@ def _compiled(sendbuf: np.ndarray, recvbuf: np.ndarray, op: Any, comm: Any, chec
     entry = st.folds.get((nbytes, dtype))
     if entry is None:
         return False
-    answer = _REGISTRY.fold(fast, sendbuf, recvbuf, opc, check)
+    # allreduce() comes here only once fold is bound (not None): no check on this path.
+    answer = _REGISTRY.fold(fast, sendbuf, recvbuf, opc, check)  # type: ignore[misc]
     if answer == fastcall.FALLBACK:
         return False
     inline = bool(check)

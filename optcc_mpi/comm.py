@@ -16,19 +16,28 @@ private duplicate, ``$OPTCC_LINKS`` translated through the groups) is
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from mpi4py import MPI
 
 from optcc_mpi.collectives import allreduce
+from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
+from optcc_mpi.schedule import Params
 from optcc_mpi.transports.mpi import check_comm
 
 __all__ = ["Comm"]
 
 
-_UNSET: Any = object()
+class _Unset(enum.Enum):
+    """A setting not given to :class:`Comm` (then copied from the wrapped one)."""
+
+    UNSET = 0
+
+
+_UNSET = _Unset.UNSET
 
 
 class Comm(MPI.Intracomm):
@@ -61,25 +70,25 @@ class Comm(MPI.Intracomm):
 
     algorithm: str = "auto"
     links: Links | str | None = None
-    emulate: Any = None
-    params: dict[str, Any] | None = None
+    emulate: Emulation | str | None = None
+    params: Params | None = None
     check: bool = True
 
-    def __new__(cls, comm: Any = None, **settings: Any) -> Comm:
+    def __new__(cls, comm: MPI.Comm | None = None, **settings: object) -> Comm:
         # mpi4py's constructor takes only the communicator.
         return super().__new__(cls, check_comm(comm))
 
     def __init__(
         self,
-        comm: Any = None,
+        comm: MPI.Comm | None = None,
         *,
-        algorithm: str = _UNSET,
-        links: Links | str | None = _UNSET,
-        emulate: Any = _UNSET,
-        params: dict[str, Any] | None = _UNSET,
-        check: bool = _UNSET,
+        algorithm: str | _Unset = _UNSET,
+        links: Links | str | None | _Unset = _UNSET,
+        emulate: Emulation | str | None | _Unset = _UNSET,
+        params: Params | None | _Unset = _UNSET,
+        check: bool | _Unset = _UNSET,
     ) -> None:
-        given = {
+        given: dict[str, object] = {
             "algorithm": algorithm,
             "links": links,
             "emulate": emulate,
@@ -91,7 +100,9 @@ class Comm(MPI.Intracomm):
                 value = getattr(comm, name) if isinstance(comm, Comm) else getattr(Comm, name)
             setattr(self, name, value)
 
-    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:  # noqa: N802
+    def Allreduce(  # noqa: N802
+        self, sendbuf: Any, recvbuf: Any, op: MPI.Op | str | None = None
+    ) -> None:  # (buffers: a user's, classified by allreduce)
         """mpi4py's ``Comm.Allreduce``: reduce ``sendbuf`` of every rank into ``recvbuf``.
 
         ``sendbuf`` may be ``MPI.IN_PLACE`` or None (reduce ``recvbuf`` in place), as may

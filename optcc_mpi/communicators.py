@@ -25,13 +25,14 @@ Records
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats
+from optcc_mpi.fastcall import FoldCall
 from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult
 from optcc_mpi.schedule import Schedule
@@ -204,7 +205,7 @@ class Registry:
         self.last: CallRecord | None = None
         #: The compiled call (:func:`optcc_mpi.fastcall.fold_function`), bound at the
         #: first call that can use it; None until then or where there is none.
-        self.fold: Callable[..., int] | None = None
+        self.fold: FoldCall | None = None
 
     def state(self, transport: Transport) -> CommState:
         """The state of ``transport``'s communicator, made on first use."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 __all__ = ["Variable", "VARIABLES", "Settings", "rc", "get", "is_set", "reload", "markdown"]
 
@@ -192,7 +192,7 @@ def _text(var: Variable, raw: str | None) -> str | None:
     return raw if raw is not None and raw.strip() else var.default
 
 
-def _typed(var: Variable, text: str | None) -> Any:
+def _typed(var: Variable, text: str | None) -> str | bool | None:
     if var.kind == "flag":
         return None if text is None else text.strip() != "0"
     return text
@@ -205,7 +205,34 @@ class Settings:
     After the first read the values are plain instance attributes, so reading one costs
     what reading any attribute costs (the hot path reads two per call)."""
 
-    def __getattr__(self, attr: str) -> Any:
+    if TYPE_CHECKING:
+        # Each variable's attribute and its type, for the type checker: a ``"flag"`` is
+        # ``bool | None``, text ``str | None`` (tests/test_config.py holds this to the
+        # table above). Declared only: at run time the values live in the instance.
+        links: str | None
+        emulate: str | None
+        emulate_fraction: str | None
+        links_log: str | None
+        fastcall: bool | None
+        gather_limit: str | None
+        cuda_aware: bool | None
+        sim: str | None
+        cache: str | None
+        data_home: str | None
+        glm_exit_after: str | None
+        testbed_name: str | None
+        testbed_state_dir: str | None
+        mpiexec: str | None
+        launcher: str | None
+        srun_mpi: str | None
+        program: str | None
+        home: str | None
+        straggler_procids: str | None
+        straggler_nodeids: str | None
+        straggler_fraction: str | None
+        degrade_method: str | None
+
+    def __getattr__(self, attr: str) -> str | bool | None:
         # Only reached for a name that is not set yet: load everything, then look again.
         var = _BY_ATTR.get(attr)
         if var is None:
@@ -219,7 +246,7 @@ class Settings:
         for v in _ALL:
             self.__dict__[v.attr] = _typed(v, text[v.name])
 
-    def __setattr__(self, attr: str, value: Any) -> None:
+    def __setattr__(self, attr: str, value: str | bool | None) -> None:
         var = _BY_ATTR.get(attr)
         if var is None:
             raise AttributeError(_unknown(attr))

@@ -195,7 +195,7 @@ def _cases(transport: Transport, sizes: list[int]) -> list[_Case]:
     for size in sizes:
         x = np.arange(size // 4, dtype=np.float32)
         y = np.empty_like(x)
-        if compiled:
+        if compiled and fold is not None and handles is not None:  # (compiled: both are)
             ways = _compiled_ways(transport, fold, handles, size)
         else:
             ways = _python_ways(transport, size)
@@ -209,8 +209,8 @@ def _cases(transport: Transport, sizes: list[int]) -> list[_Case]:
 
 def _compiled_ways(
     transport: Transport,
-    fold: Callable[..., int],
-    handles: Callable[[str, str], tuple[object, object] | None],
+    fold: fastcall.FoldCall,
+    handles: fastcall.Handles,
     size: int,
 ) -> tuple[Way, Way] | None:
     """The compiled path's two ways for messages of ``size`` bytes: gathered in a room of

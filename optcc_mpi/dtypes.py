@@ -18,12 +18,16 @@ transport's (:mod:`optcc_mpi.transports`).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = [
     "DTYPES",
@@ -110,10 +114,10 @@ _OP_HINT = {
 }
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: object) -> str:
     """Our name (a key of :data:`DTYPES`) of a supported dtype; ArgumentError otherwise."""
     try:
-        dt = np.dtype(dtype)
+        dt = np.dtype(cast("npt.DTypeLike", dtype))  # NumPy reads it, or TypeError
     except TypeError:
         dt = None
     name = NAME_OF.get(dt) if dt is not None else None
@@ -127,7 +131,7 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def check_dtype(dtype: Any) -> np.dtype:
+def check_dtype(dtype: object) -> np.dtype:
     """The NumPy dtype for ``dtype`` (a dtype, type or name); ArgumentError naming it if
     unsupported."""
     if isinstance(dtype, str) and dtype in ALIASES:
@@ -142,7 +146,7 @@ def _mpi_ops() -> dict[int, str]:
     return {getattr(MPI, name.upper()).handle: name for name in OPS}
 
 
-def op_name(op: Any) -> str:
+def op_name(op: object) -> str:
     """The reduction named by ``op``: one of :data:`OPS` (any case), or an mpi4py
     ``MPI.Op`` such as ``MPI.SUM``. ArgumentError for anything else, naming it."""
     if isinstance(op, str):
@@ -155,6 +159,7 @@ def op_name(op: Any) -> str:
         name = _mpi_ops().get(handle)
         if name is not None:
             return name
+        op = cast("MPI.Op", op)  # (recognised above, without importing mpi4py)
         if not op.is_predefined:
             raise ArgumentError(
                 "user-defined MPI ops (MPI.Op.Create) are not supported: our schedules "
@@ -170,7 +175,7 @@ def op_name(op: Any) -> str:
     )
 
 
-def _mpi_op_label(op: Any) -> str:
+def _mpi_op_label(op: MPI.Op) -> str:
     from mpi4py import MPI
 
     for name in ("MAXLOC", "MINLOC", "REPLACE", "NO_OP"):
@@ -179,7 +184,7 @@ def _mpi_op_label(op: Any) -> str:
     return repr(op)
 
 
-def check_op(op: Any) -> str:
+def check_op(op: object) -> str:
     """``op``'s canonical name if it is a supported reduction; ArgumentError otherwise."""
     return op_name(op)
 
@@ -194,7 +199,7 @@ def check_op_dtype(op: str, dtype_name_: str) -> None:
 
 
 def _valid_pairs() -> frozenset[tuple[str, str]]:
-    pairs = set()
+    pairs: set[tuple[str, str]] = set()
     for op, cats in _OP_CATEGORIES.items():
         pairs.update((op, name) for name in DTYPES if CATEGORY[name] in cats)
     return frozenset(pairs)

@@ -73,14 +73,15 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as _FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Generic, NamedTuple, cast
 
 import numpy as np
 
 from optcc_mpi import transports
-from optcc_mpi.backend import Backend
+from optcc_mpi.backend import Array, Backend
+from optcc_mpi.emulation import Pacer
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
-from optcc_mpi.transports.base import Completion, Post, Transport
+from optcc_mpi.transports.base import Completion, Post, Req, Transport
 
 __all__ = ["ExecStats", "Message", "TraceEvent", "execute", "levels", "TAG_BASE"]
 
@@ -279,23 +280,27 @@ class _Plan:
         self.dependents = prog.dependents
         self.ready = [i for i in range(self.n) if self.waiting[i] == 0 and self.qprev[i] < 0]
         #: Free temporary receive buffers by (backend, dtype, elements), reused by calls.
-        self.temp_pool: dict[Any, dict[int, list[Any]]] = {}
+        self.temp_pool: dict[tuple[str, str], dict[int, list[Array]]] = {}
         #: Levels of this rank's operations and the operations of each level, in an order
         #: both ends of every pair agree on: made on first use by a transport that needs
         #: them (completions ORDERED or GROUPED).
         self.level: list[int] | None = None
         self.rounds: list[list[int]] | None = None
 
-    def leveled(self, schedule: Schedule, rank: int) -> None:
-        if self.level is not None:
-            return
-        self.level = levels(schedule)[schedule.op_ids(rank)].tolist()
-        by: dict[int, list[int]] = {}
-        for i, lv in enumerate(self.level):
-            by.setdefault(lv, []).append(i)
-        # Within a level, messages between two ranks are posted in (channel, position in
-        # queue) order on both ends: libraries without tags (NCCL) match them by order.
-        self.rounds = [by[lv] for lv in sorted(by)]
+    def leveled(self, schedule: Schedule, rank: int) -> tuple[list[int], list[list[int]]]:
+        """:attr:`level` and :attr:`rounds`, made on first use."""
+        level, rounds = self.level, self.rounds
+        if level is None or rounds is None:
+            level = levels(schedule)[schedule.op_ids(rank)].tolist()
+            by: dict[int, list[int]] = {}
+            for i, lv in enumerate(level):
+                by.setdefault(lv, []).append(i)
+            # Within a level, messages between two ranks are posted in (channel, position
+            # in queue) order on both ends: libraries without tags (NCCL) match them by
+            # order.
+            rounds = [by[lv] for lv in sorted(by)]
+            self.level, self.rounds = level, rounds
+        return level, rounds
 
     def sourced(self) -> _Sourcing:
         """This program's reads of a separate send buffer (:class:`_Sourcing`), cached."""
@@ -451,15 +456,15 @@ def _plan(schedule: Schedule, rank: int, itemsize: int) -> _Plan:
 
 def execute(
     schedule: Schedule,
-    buf: Any,
+    buf: Array,
     *,
-    comm: Any = None,
+    comm: transports.Communicator = None,
     op: str,
     backend: Backend,
     staging: bool | None = None,
-    pacer: Any = None,
+    pacer: Pacer | None = None,
     trace: bool = False,
-    source: Any = None,
+    source: Array | None = None,
 ) -> ExecStats:
     """Execute this rank's program of ``schedule`` on ``buf``.
 
@@ -516,20 +521,21 @@ def execute(
     return stats
 
 
-class _Run:
+class _Run(Generic[Req]):
     """One execution: the state the loop shares (a class, so that each step is a method
-    of a few lines rather than one function of several hundred)."""
+    of a few lines rather than one function of several hundred). Generic in the
+    transport's request type."""
 
     def __init__(
         self,
         schedule: Schedule,
         plan: _Plan,
-        buf: Any,
-        transport: Any,
+        buf: Array,
+        transport: Transport[Req],
         op: str,
         backend: Backend,
         staging: bool,
-        pacer: Any,
+        pacer: Pacer | None,
         trace: bool,
         stats: ExecStats,
     ) -> None:
@@ -538,8 +544,13 @@ class _Run:
         self.stats = stats
         n = plan.n
         self.dtype = buf.dtype
+        # Staged messages are NumPy arrays of NumPy's element type: staging is for device
+        # arrays of NumPy's API (CuPy's), never for tensors.
+        self.host_dtype = cast(np.dtype, buf.dtype)
         scratch = backend.empty(schedule.scratch, buf.dtype) if schedule.scratch else None
-        self.buffers = [buf, scratch]
+        # Buffer 1 is None where the schedule has no scratch: then no operation names it
+        # (the builder checks every range against its buffer's size).
+        self.buffers = [buf, cast(Array, scratch)]
         self.sync = backend.device and transport.caps.sync_device
         # Byte views of the buffers, made once per call: a message is one slice of these.
         # (A device buffer bound for MPI is viewed only after synchronising, per message.)
@@ -555,20 +566,21 @@ class _Run:
         self.waiting = plan.waiting.copy()
         self.posted = [False] * n
         self.ready: deque[int] = deque(plan.ready)
-        self.reqs: list[Any] = []
+        self.reqs: list[Req] = []
         self.req_op: list[int] = []  # op index of each request in reqs
-        self.temps: dict[int, Any] = {}  # op -> temporary receive buffer (RECV_REDUCE)
-        self.hosts: dict[int, Any] = {}  # op -> host staging copy
+        self.temps: dict[int, Array] = {}  # op -> temporary receive buffer (RECV_REDUCE)
+        self.hosts: dict[int, np.ndarray] = {}  # op -> host staging copy
+        self.level: list[int] = []  # each op's level, where completions are ORDERED
         self.timers: list[tuple[float, int, int, int]] = []  # (when, seq, action, op)
         self.seq = 0
         self.completed = 0
         self.post_time = [0.0] * n
         self.t0 = stats.start = time.perf_counter()
 
-    def bytes_of(self, arr: Any) -> Any:
+    def bytes_of(self, arr: Array) -> Array:
         return None if arr is None else self.t.message(self.backend, arr)
 
-    def read_from(self, source: Any, sourcing: _Sourcing) -> None:
+    def read_from(self, source: Array, sourcing: _Sourcing) -> None:
         """Read buffer 0's initial contents from ``source`` (module docstring): the ranges
         to copy up front are copied now, those never written when the program ends."""
         self.buffers.append(source)
@@ -601,32 +613,32 @@ class _Run:
             if waiting[d] == 0 and (qprev[d] < 0 or posted[qprev[d]]):
                 ready.append(d)
 
-    def slice(self, i: int) -> Any:
+    def slice(self, i: int) -> Array:
         plan = self.plan
         return self.buffers[plan.buf[i]][plan.lo[i] : plan.hi[i]]
 
-    def data(self, i: int) -> Any:
+    def data(self, i: int) -> Array:
         """What the transport moves for op ``i``, in place in its buffer."""
         if self.raw is not None:
             return self.raw[self.plan.buf[i]][self.plan.blo[i] : self.plan.bhi[i]]
         return self.t.message(self.backend, self.slice(i))
 
-    def sent(self, i: int) -> Any:
+    def sent(self, i: int) -> Array:
         """The range send ``i`` reads: in its buffer, or in the source."""
         plan = self.plan
         return self.buffers[self.rbuf[i]][plan.lo[i] : plan.hi[i]]
 
-    def take_temp(self, m: int) -> Any:
+    def take_temp(self, m: int) -> Array:
         free = self.pool.get(m)
         return free.pop() if free else self.backend.empty(m, self.dtype)
 
-    def track(self, i: int, req: Any) -> None:
+    def track(self, i: int, req: Req) -> None:
         self.post_time[i] = time.perf_counter()
         self.reqs.append(req)
         self.req_op.append(i)
 
     # -- posting --------------------------------------------------------------------------
-    def send_message(self, i: int) -> Any:
+    def send_message(self, i: int) -> Array:
         if self.sync:
             self.backend.synchronize()
         if self.staging:
@@ -637,12 +649,12 @@ class _Run:
             return self.raw[self.rbuf[i]][plan.blo[i] : plan.bhi[i]]
         return self.t.message(self.backend, self.sent(i))
 
-    def recv_message(self, i: int) -> Any:
+    def recv_message(self, i: int) -> Array:
         plan = self.plan
         if self.sync:
             self.backend.synchronize()
         if self.staging:
-            host = self.hosts[i] = np.empty(plan.hi[i] - plan.lo[i], dtype=self.dtype)
+            host = self.hosts[i] = np.empty(plan.hi[i] - plan.lo[i], dtype=self.host_dtype)
             return host.view(np.uint8)
         if plan.kind[i] == RECV or self.rbuf[i] == SOURCE:
             return self.data(i)  # (the latter: its target's first write, from the input)
@@ -671,7 +683,7 @@ class _Run:
         data = target
         if self.staging:
             data = self.hosts[i] = self.backend.to_host(target)
-        name = self.backend.dtype_name(target)
+        name = cast(str, self.backend.dtype_name(target))  # checked by the collectives
         self.track(i, self.t.allreduce(self.backend, data, name, self.op))
 
     def post(self, i: int) -> None:
@@ -769,7 +781,7 @@ class _Run:
             self.reduce_into_target(i, target, temp)
             self.pool.setdefault(m, []).append(temp)
 
-    def reduce_into_target(self, i: int, target: Any, got: Any) -> None:
+    def reduce_into_target(self, i: int, target: Array, got: Array) -> None:
         """``target op= got``, or where this is the target's first write ``target =
         op(input, got)`` straight from the source (out of place)."""
         b, plan, backend = self.rbuf[i], self.plan, self.backend
@@ -814,7 +826,7 @@ class _Run:
         n, stats = self.plan.n, self.stats
         ordered = self.t.caps.completion is Completion.ORDERED
         if ordered:
-            self.plan.leveled(self.schedule, self.t.rank)
+            self.level = self.plan.leveled(self.schedule, self.t.rank)[0]
         while self.completed < n:
             while self.ready:
                 self.post(self.ready.popleft())
@@ -876,7 +888,7 @@ class _Run:
         tens of microseconds). Either way the request waited for is the outstanding one of
         lowest level, which cannot deadlock (module docstring), and no wait outlasts a
         timer, so every timer fires."""
-        level = self.plan.level
+        level = self.level
         # The lowest level; among equals the first in program order: within a queue
         # messages complete in posting order, so waiting for a later one first would
         # leave an earlier one's completion (and what it frees) unseen meanwhile.
@@ -917,9 +929,9 @@ class _Run:
         only when tracing (the probe, the doctor), which waits for every level on the host
         and is slower for it; otherwise only the counts."""
         plan, stats, backend = self.plan, self.stats, self.backend
-        plan.leveled(self.schedule, self.t.rank)
+        _, rounds = plan.leveled(self.schedule, self.t.rank)
         kinds = plan.kind
-        for ops in plan.rounds:
+        for ops in rounds:
             posts = []
             for i in ops:
                 k = kinds[i]

@@ -36,7 +36,8 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -44,6 +45,9 @@ from optcc_mpi import config
 from optcc_mpi.dtypes import CATEGORY, DTYPES, LOW_PRECISION, OPS, check_op_dtype
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.transports.base import Transport
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = [
     "Compilable",
@@ -53,6 +57,8 @@ __all__ = [
     "fold_function",
     "reduce_kind",
     "sum_rows",
+    "FoldCall",
+    "Handles",
 ]
 
 #: fold()'s answers (``_fastcall.c``).
@@ -66,15 +72,26 @@ class Compilable(Protocol):
     """A transport the compiled path can drive (MPI's): it offers the mpi4py
     communicator its calls travel on, and the handles of its library's AllReduce."""
 
-    private: Any
+    @property
+    def private(self) -> MPI.Intracomm | None:
+        """The communicator the calls travel on (None once freed)."""
+        ...
 
-    def predefined(self, dtype_name: str, op: str) -> tuple[Any, Any] | None:
+    def predefined(self, dtype_name: str, op: str) -> tuple[MPI.Datatype, MPI.Op] | None:
         """The MPI datatype and op of the library's AllReduce for this pair when both are
         MPI's own, else None."""
         ...
 
 
-def _built(here: Path) -> Any:
+#: ``handles(dtype name, op)``: the MPI datatype and op of the library's AllReduce for the
+#: pair when both are MPI's own, else None (:meth:`Compilable.predefined`).
+Handles = Callable[[str, str], "tuple[MPI.Datatype, MPI.Op] | None"]
+#: The compiled call: ``fold(context, sendbuf, recvbuf, op code, compare)``, one of
+#: FALLBACK, DONE, GATHERED, MISMATCH, LIBRARY (:func:`fold_function`).
+FoldCall = Callable[[object, np.ndarray, np.ndarray, int, bool], int]
+
+
+def _built(here: Path) -> ModuleType | None:
     """The extension module if it was built from the source beside it (or there is no
     source beside it, as in a wheel), else None."""
     if not any((here / f"_fastcall{s}").exists() for s in importlib.machinery.EXTENSION_SUFFIXES):
@@ -90,7 +107,7 @@ def _built(here: Path) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def _extension() -> Any:
+def _extension() -> ModuleType | None:
     """The extension module (its rank-order sums need no MPI), or None where off."""
     if not config.rc.fastcall or sys.byteorder != "little":
         return None
@@ -98,7 +115,7 @@ def _extension() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def _module() -> Any:
+def _module() -> tuple[ModuleType, int, int, int] | None:
     """The extension, the addresses of mpi4py's MPI_Allgather and MPI_Allreduce and the
     size of a handle, or None."""
     ext = _extension()
@@ -168,7 +185,7 @@ def context(
     sizes: tuple[int, int],
     least: int,
     limit: int,
-    handles: Callable[[str, str], tuple[Any, Any] | None] | None = None,
+    handles: Handles | None = None,
 ) -> object | None:
     """The C context for a communicator's check buffers, or None without the extension
     (or for a transport that is not MPI's, or a single rank).
@@ -234,7 +251,7 @@ _MASK = (1 << 64) - 1
 
 def _library(
     formats: tuple[tuple[str, int, int, int, int], ...],
-    handles: Callable[[str, str], tuple[Any, Any] | None],
+    handles: Handles,
 ) -> tuple[tuple[int, int, int, int, int], ...]:
     """Per (format, op) the C path may hand to the library's AllReduce: (format index, op
     code, datatype handle, op handle, width of the floats whose NaNs are made canonical
@@ -267,7 +284,7 @@ def _library(
     return tuple(out)
 
 
-def fold_function() -> Any:
+def fold_function() -> FoldCall | None:
     """The compiled call, ``fold(context, sendbuf, recvbuf, op code, compare)`` answering
     FALLBACK, DONE, GATHERED, MISMATCH or LIBRARY (``_fastcall.c``), or None where the
     path is off; the caller binds it once, so that a short call costs no lookup."""
@@ -283,4 +300,6 @@ def reduce_kind(name: str) -> int:
 def sum_rows(kind: int, out: np.ndarray, gathered: np.ndarray, offset: int) -> None:
     """``out`` = the rank-order sum of ``gathered[:, offset:offset + out.nbytes]``, by the
     same C loop as the compiled call path (so that both give the same bits)."""
-    _extension().reduce(kind, out, gathered, offset, gathered.shape[1], gathered.shape[0])
+    ext = _extension()
+    assert ext is not None  # reduce_kind() said there is a C sum
+    ext.reduce(kind, out, gathered, offset, gathered.shape[1], gathered.shape[0])

@@ -20,9 +20,9 @@ It depends on NumPy and :mod:`optcc_mpi.errors` only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from optcc_mpi.errors import DatasetError
 
@@ -38,7 +38,7 @@ def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def check_labels(y: Any, task: str) -> np.ndarray:
+def check_labels(y: npt.ArrayLike, task: str) -> np.ndarray:
     """Check labels against a task's domain and return them normalised, as float64.
 
     Parameters
@@ -92,7 +92,7 @@ def check_labels(y: Any, task: str) -> np.ndarray:
     return y
 
 
-def infer_task(y: Any) -> str:
+def infer_task(y: npt.ArrayLike) -> str:
     """Guess the task from label values.
 
     ``binary`` if every label is in {0, 1} or every label is in {-1, +1}; otherwise ``counts``

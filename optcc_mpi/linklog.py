@@ -42,7 +42,14 @@ from typing import Any
 from optcc_mpi import config
 from optcc_mpi.links import Links
 
-__all__ = ["ENV_LINKS_LOG", "LinkLog", "from_env", "recording", "read"]
+__all__ = ["ENV_LINKS_LOG", "LinkLog", "from_env", "recording", "read", "Record"]
+
+#: One record: a JSON object (read back from a file, its values are of any JSON type).
+Record = dict[str, Any]
+#: What a ``call`` record changes with: the algorithm, the profile's key, exploring.
+_State = tuple[str, tuple[tuple[int, float], ...], bool]
+#: The arguments of a ``call`` record (:func:`_call_record`).
+_CallArgs = tuple[int, int, str, Links, "Links | None", bool]
 
 #: Environment variable naming the file when no other is given.
 ENV_LINKS_LOG = "OPTCC_LINKS_LOG"
@@ -74,14 +81,14 @@ class LinkLog:
         _MADE[0] += 1
         self.run = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}-{_MADE[0]}"
         self._started = False
-        self._last_state: tuple[Any, ...] | None = None
+        self._last_state: _State | None = None
         self._last_time = -1e300
         self._doctor_runs = 0
         #: The last ``call`` record not written (with its time), written at exit.
-        self._pending: tuple[float, tuple[Any, ...]] | None = None
+        self._pending: tuple[float, _CallArgs] | None = None
         atexit.register(self.flush)
 
-    def write(self, record: dict[str, Any], when: float | None = None) -> None:
+    def write(self, record: Record, when: float | None = None) -> None:
         """Append one record (``time``, default now, and ``run`` added), preceded by the
         run's ``start`` record the first time."""
         when = time.time() if when is None else when
@@ -105,7 +112,7 @@ class LinkLog:
         if pending is not None:
             self.write(_call_record(*pending[1]), pending[0])
 
-    def _append(self, record: dict[str, Any], when: float) -> None:
+    def _append(self, record: Record, when: float) -> None:
         line = json.dumps({"time": round(when, 6), "run": self.run, **record})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One write of one line in append mode: lines of several writers never interleave.
@@ -140,11 +147,11 @@ class LinkLog:
         profile, to measure every rank alike); written when any of them changed since the
         last ``call`` record, or ``every`` seconds after it. Returns whether a record was
         written."""
-        state = (algorithm, profile.key(), explore)
+        state: _State = (algorithm, profile.key(), explore)
         now = time.monotonic()
         # Every watched call comes here: a call that says nothing new only keeps its
         # arguments (the record is built if it is ever written).
-        args = (call, p, algorithm, profile, measured, explore)
+        args: _CallArgs = (call, p, algorithm, profile, measured, explore)
         if state == self._last_state and now - self._last_time < self.every:
             self._pending = (time.time(), args)
             return False
@@ -152,7 +159,7 @@ class LinkLog:
         self.write(_call_record(*args))
         return True
 
-    def doctor(self, verdict: dict[str, Any], p: int) -> None:
+    def doctor(self, verdict: Record, p: int) -> None:
         """A doctor's verdict (:meth:`optcc_mpi.doctor.Diagnosis.to_dict`)."""
         self._doctor_runs += 1
         fractions = [1.0] * p
@@ -176,7 +183,7 @@ class LinkLog:
 
 def _call_record(
     call: int, p: int, algorithm: str, profile: Links, measured: Links | None, explore: bool
-) -> dict[str, Any]:
+) -> Record:
     return {
         "event": "call",
         "source": "watch",
@@ -223,7 +230,7 @@ def recording(path: str | os.PathLike[str] | None) -> Iterator[None]:
         _DEFAULT[0] = before
 
 
-def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read(path: str | os.PathLike[str]) -> list[Record]:
     """Every record of a link log, in file order.
 
     Raises

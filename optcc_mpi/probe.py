@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
-from optcc_mpi.schedule import RECV, ScheduleBuilder
+from optcc_mpi.schedule import RECV, Schedule, ScheduleBuilder
+from optcc_mpi.transports import Communicator
 from optcc_mpi.transports import of as transport_of
 
 __all__ = ["ProbeResult", "probe", "HEALTHY_ABOVE"]
@@ -63,7 +63,7 @@ class ProbeResult:
         )
 
 
-def _shift_schedule(p: int, nbytes: int, shift: int) -> Any:
+def _shift_schedule(p: int, nbytes: int, shift: int) -> Schedule:
     b = ScheduleBuilder(p, nbytes, f"probe-shift{shift}")
     r = np.arange(p)
     b.transfer(r, (r + shift) % p, 0, nbytes)
@@ -71,12 +71,12 @@ def _shift_schedule(p: int, nbytes: int, shift: int) -> Any:
 
 
 def probe(
-    comm: Any,
+    comm: Communicator,
     *,
     nbytes: int = 4 << 20,
     repeats: int = 3,
     healthy_above: float = HEALTHY_ABOVE,
-    emulate: Any = None,
+    emulate: Emulation | str | None = None,
 ) -> ProbeResult:
     """Measure every rank's send and receive bandwidth (collective on ``comm``).
 

@@ -225,6 +225,7 @@ def disagreement(
             )
         columns = [table[:, i] for i in range(table.shape[1])]
     else:
+        assert mismatch.bounds is not None  # a Mismatch has a table or bounds
         lo, hi = mismatch.bounds
         columns = [np.array([lo[i], hi[i]]) for i in range(len(lo))]
     for i in range(2, len(FIELDS) - 2):

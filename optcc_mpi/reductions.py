@@ -18,13 +18,18 @@ the tensors' own device.
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeVar
 
 import ml_dtypes
 import numpy as np
 
 from optcc_mpi.dtypes import LOW_PRECISION, OPS
 from optcc_mpi.errors import ArgumentError
+
+if TYPE_CHECKING:  # names for annotations: neither library is imported to run
+    import cupy
+    import torch
 
 __all__ = [
     "key_dtype",
@@ -34,7 +39,13 @@ __all__ = [
     "reduce_with",
     "reduce_into",
     "TorchOps",
+    "XpArray",
 ]
+
+#: A NumPy or a CuPy array: the functions below take either, with its array module ``xp``
+#: (CuPy mirrors what they use of NumPy's API). Constrained, so that a function returns an
+#: array of the kind it was given.
+XpArray = TypeVar("XpArray", np.ndarray, "cupy.ndarray")
 
 # max/min on floats work on integer keys: the float's bits as a signed integer, with the
 # magnitude bits flipped for negative numbers, order like the floats and put -0.0 just
@@ -58,7 +69,9 @@ def key_dtype(dtype: np.dtype) -> np.dtype | None:
     return None if info is None else info[0]
 
 
-def _key_consts(dtype: np.dtype, op: str) -> tuple[np.dtype, Any, Any, Any, Any, Any]:
+def _key_consts(
+    dtype: np.dtype, op: str
+) -> tuple[np.dtype, np.integer, np.integer, np.integer, np.integer, np.integer]:
     it, inf_bits, nan_bits = _KEY_INFO[dtype]
     info = np.iinfo(it)
     t = it.type
@@ -66,7 +79,7 @@ def _key_consts(dtype: np.dtype, op: str) -> tuple[np.dtype, Any, Any, Any, Any,
     return it, t(info.max), t(inf_bits), t(nan_bits), t(it.itemsize * 8 - 1), sentinel
 
 
-def to_keys(xp: Any, arr: Any, op: str, src: Any = None) -> Any:
+def to_keys(xp: ModuleType, arr: XpArray, op: str, src: XpArray | None = None) -> XpArray:
     """Map a float array to integer keys for ``op`` ("max" or "min"), in place, or the
     keys of ``src`` (same type and size) into ``arr`` (one pass instead of a copy first).
 
@@ -84,7 +97,7 @@ def to_keys(xp: Any, arr: Any, op: str, src: Any = None) -> Any:
     return u
 
 
-def from_keys(xp: Any, keys: Any, dtype: np.dtype, op: str) -> Any:
+def from_keys(xp: ModuleType, keys: XpArray, dtype: np.dtype, op: str) -> XpArray:
     """Inverse of :func:`to_keys`, in place; returns the float view (dtype ``dtype``)."""
     it, maxpos, _inf, nan_bits, shift, sentinel = _key_consts(dtype, op)
     nan = keys == sentinel
@@ -95,7 +108,7 @@ def from_keys(xp: Any, keys: Any, dtype: np.dtype, op: str) -> Any:
     return keys.view(dtype)
 
 
-def canonical_nans(xp: Any, arr: Any) -> None:
+def canonical_nans(xp: ModuleType, arr: XpArray) -> None:
     """Replace every NaN in float or complex ``arr`` by the canonical quiet NaN, in place
     (each component of a complex number separately)."""
     dt = arr.dtype
@@ -113,7 +126,9 @@ def canonical_nans(xp: Any, arr: Any) -> None:
         xp.copyto(arr, dt.type("nan"), where=xp.isnan(arr))
 
 
-def _float_maxmin(xp: Any, op: str, dst: Any, src: Any, first: Any = None) -> None:
+def _float_maxmin(
+    xp: ModuleType, op: str, dst: XpArray, src: XpArray, first: XpArray | None = None
+) -> None:
     it = _KEY_INFO[dst.dtype][0]
     a = dst if first is None else first
     kd = to_keys(xp, a.view(it).copy().view(dst.dtype), op)
@@ -122,7 +137,7 @@ def _float_maxmin(xp: Any, op: str, dst: Any, src: Any, first: Any = None) -> No
     dst.view(it)[...] = from_keys(xp, kd, dst.dtype, op).view(it)
 
 
-def _wide_maxmin(xp: Any, op: str, dst: Any, src: Any) -> None:
+def _wide_maxmin(xp: ModuleType, op: str, dst: XpArray, src: XpArray) -> None:
     """max/min for long double (no integer of its width): the same order and NaN rule as
     the keys, in the float domain."""
     if op == "max":
@@ -139,7 +154,7 @@ _LOGICAL = {"land": "logical_and", "lor": "logical_or", "lxor": "logical_xor"}
 _BITWISE = {"band": "bitwise_and", "bor": "bitwise_or", "bxor": "bitwise_xor"}
 
 
-def reduce_with(xp: Any, op: str, dst: Any, src: Any) -> None:
+def reduce_with(xp: ModuleType, op: str, dst: XpArray, src: XpArray) -> None:
     """``dst = op(dst, src)`` element-wise, in place, with the semantics in the module
     docstring (shared by NumPy and CuPy, whose APIs agree on what is used here)."""
     dt = dst.dtype
@@ -167,7 +182,7 @@ def reduce_with(xp: Any, op: str, dst: Any, src: Any) -> None:
         raise ArgumentError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
 
 
-def reduce_into(xp: Any, op: str, out: Any, a: Any, b: Any) -> None:
+def reduce_into(xp: ModuleType, op: str, out: XpArray, a: XpArray, b: XpArray) -> None:
     """``out = op(a, b)`` element-wise: the bits :func:`reduce_with` gives for ``out``
     holding ``a`` (the same operands in the same order), without first copying ``a`` into
     ``out``. ``out`` may be ``a`` or ``b`` itself; it must not overlap either otherwise."""
@@ -206,7 +221,7 @@ class TorchOps:
         The ``torch`` module (passed in: this module never imports PyTorch).
     """
 
-    def __init__(self, torch: Any) -> None:
+    def __init__(self, torch: ModuleType) -> None:
         self.torch = torch
         t = torch
         # float dtype: (integer dtype of the same width, bits of +inf, bits of canonical NaN)
@@ -218,18 +233,18 @@ class TorchOps:
         }
         self._low = (t.float16, t.bfloat16)
 
-    def key_dtype(self, dtype: Any) -> Any:
+    def key_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """The integer dtype :meth:`to_keys` maps ``dtype`` to, or None."""
         info = self._keys.get(dtype)
         return None if info is None else info[0]
 
-    def _consts(self, dtype: Any, op: str) -> tuple[Any, int, int, int, int, int]:
+    def _consts(self, dtype: torch.dtype, op: str) -> tuple[torch.dtype, int, int, int, int, int]:
         it, inf_bits, nan_bits = self._keys[dtype]
         info = self.torch.iinfo(it)
         sentinel = info.max if op == "max" else info.min
         return it, info.max, inf_bits, nan_bits, info.bits - 1, sentinel
 
-    def to_keys(self, arr: Any, op: str, src: Any = None) -> Any:
+    def to_keys(self, arr: torch.Tensor, op: str, src: torch.Tensor | None = None) -> torch.Tensor:
         """:func:`to_keys` for a tensor, in place (or from ``src``); returns the integer
         view."""
         it, maxpos, inf_bits, _nan, shift, sentinel = self._consts(arr.dtype, op)
@@ -242,7 +257,7 @@ class TorchOps:
         u.masked_fill_(nan, sentinel)
         return u
 
-    def from_keys(self, keys: Any, dtype: Any, op: str) -> Any:
+    def from_keys(self, keys: torch.Tensor, dtype: torch.dtype, op: str) -> torch.Tensor:
         """:func:`from_keys` for a tensor, in place; returns the float view."""
         _it, maxpos, _inf, nan_bits, shift, sentinel = self._consts(dtype, op)
         nan = keys == sentinel
@@ -252,7 +267,7 @@ class TorchOps:
         keys.masked_fill_(nan, nan_bits)  # every canonical NaN pattern is positive
         return keys.view(dtype)
 
-    def canonical_nans(self, arr: Any) -> None:
+    def canonical_nans(self, arr: torch.Tensor) -> None:
         """:func:`canonical_nans` for a tensor, in place."""
         if arr.is_complex():
             arr = self.torch.view_as_real(arr)
@@ -264,7 +279,7 @@ class TorchOps:
         maxpos = self.torch.iinfo(it).max
         u.masked_fill_((u & maxpos) > inf_bits, nan_bits)
 
-    def reduce(self, op: str, dst: Any, src: Any) -> None:
+    def reduce(self, op: str, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst = op(dst, src)`` element-wise, in place, with this module's rules."""
         torch = self.torch
         if op == "sum" or op == "prod":
@@ -298,7 +313,7 @@ class TorchOps:
         else:
             raise ArgumentError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
 
-    def reduce_into(self, op: str, out: Any, a: Any, b: Any) -> None:
+    def reduce_into(self, op: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """``out = op(a, b)``: the bits of :meth:`reduce` on ``out`` holding ``a``,
         without the copy; ``out`` may be ``a`` or ``b`` (:func:`reduce_into`)."""
         torch = self.torch

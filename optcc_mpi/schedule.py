@@ -42,11 +42,13 @@ are dropped with them; an empty range carries no data, so no hazard is lost.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from optcc_mpi.errors import TooLargeError
 
@@ -65,7 +67,16 @@ __all__ = [
     "check_size",
     "memory_available",
     "BYTES_PER_OP",
+    "Params",
+    "Deps",
 ]
+
+#: An algorithm's parameters by name (``{"k": 16}``): keyword arguments of its builder
+#: function, each typed by the builder that takes it (so of any type here).
+Params = dict[str, Any]
+#: What operations wait for: operation ids (an array-like broadcast against the operations
+#: added; -1 for none), or a list of such, nested as builders find convenient.
+Deps: TypeAlias = npt.ArrayLike | Sequence["Deps"]
 
 SEND, RECV, RECV_REDUCE, COPY, REDUCE, COLL = range(6)
 _COLUMNS = ("kind", "rank", "peer", "chan", "buf", "lo", "hi", "sbuf", "slo")
@@ -84,7 +95,7 @@ _DTYPES = {
 KIND_NAMES = ("send", "recv", "recv_reduce", "copy", "reduce", "coll")
 
 
-def split(lo: Any, hi: Any, parts: int) -> np.ndarray:
+def split(lo: npt.ArrayLike, hi: npt.ArrayLike, parts: int) -> np.ndarray:
     """Cut ``[lo, hi)`` into ``parts`` contiguous pieces, the first ``len % parts`` one
     element longer.
 
@@ -136,7 +147,7 @@ def memory_available() -> int:
     return max(0, min(limits)) if limits else 1 << 62
 
 
-def check_size(name: str, n_ops: int, *, per_op: int = BYTES_PER_OP, **what: Any) -> None:
+def check_size(name: str, n_ops: int, *, per_op: int = BYTES_PER_OP, **what: object) -> None:
     """Raise :class:`~optcc_mpi.errors.TooLargeError` before building a schedule of about
     ``n_ops`` operations that would not fit in the memory available.
 
@@ -202,7 +213,7 @@ class Schedule:
     dep_ptr: np.ndarray
     dep_idx: np.ndarray
     scratch: int = 0
-    params: dict[str, Any] = field(default_factory=dict)
+    params: Params = field(default_factory=dict)
 
     # -- basic queries ----------------------------------------------------------------------
     @property
@@ -379,7 +390,7 @@ class ScheduleBuilder:
         *,
         scratch: int = 0,
         window: int | None = None,
-        **params: Any,
+        **params: object,
     ) -> None:
         if p < 1:
             raise ValueError(f"schedule needs at least one rank, got p={p}")
@@ -403,16 +414,16 @@ class ScheduleBuilder:
     def _add(
         self,
         kind: int,
-        rank: Any,
-        peer: Any,
-        lo: Any,
-        hi: Any,
+        rank: npt.ArrayLike,
+        peer: npt.ArrayLike,
+        lo: npt.ArrayLike,
+        hi: npt.ArrayLike,
         *,
-        chan: Any = 0,
-        buf: Any = 0,
-        sbuf: Any = 0,
-        slo: Any = 0,
-        deps: Any = (),
+        chan: npt.ArrayLike = 0,
+        buf: npt.ArrayLike = 0,
+        sbuf: npt.ArrayLike = 0,
+        slo: npt.ArrayLike = 0,
+        deps: Deps = (),
     ) -> np.ndarray:
         values = {
             "kind": kind,
@@ -510,7 +521,7 @@ class ScheduleBuilder:
         cuts = np.flatnonzero(np.diff(ranks)) + 1
         return {int(g[0]): i for g, i in zip(np.split(ranks, cuts), np.split(ids, cuts)) if g.size}
 
-    def depend(self, ops: Any, on: Any) -> None:
+    def depend(self, ops: npt.ArrayLike, on: npt.ArrayLike) -> None:
         """Make ``ops`` also wait for ``on`` (array-likes broadcast together; -1 ignored).
 
         For orderings known only after both operations exist, e.g. pacing one rank's
@@ -525,7 +536,7 @@ class ScheduleBuilder:
             self._dep_op.append(ops_a[has])
             self._dep_on.append(on_a[has])
 
-    def chain(self, ops: Any, window: int) -> None:
+    def chain(self, ops: npt.ArrayLike, window: int) -> None:
         """Make each of ``ops`` (one rank's operations, in program order; -1 ignored) wait
         for the one ``window`` places before it: at most ``window`` of them in flight."""
         ids = np.asarray(ops, np.int64).ravel()
@@ -533,7 +544,7 @@ class ScheduleBuilder:
         if window > 0 and ids.size > window:
             self.depend(ids[window:], ids[:-window])
 
-    def stream(self, ops: Any, window: int, state: list[int]) -> None:
+    def stream(self, ops: npt.ArrayLike, window: int, state: list[int]) -> None:
         """Append ``ops`` (in the given order) to a stream of one rank's operations held in
         ``state``, each waiting for the one ``window`` places before it in the stream.
 
@@ -553,22 +564,30 @@ class ScheduleBuilder:
 
     # -- point to point -------------------------------------------------------------------
     def send(
-        self, rank: Any, peer: Any, lo: Any, hi: Any, *, chan: Any = 0, buf: Any = 0, deps: Any = ()
+        self,
+        rank: npt.ArrayLike,
+        peer: npt.ArrayLike,
+        lo: npt.ArrayLike,
+        hi: npt.ArrayLike,
+        *,
+        chan: npt.ArrayLike = 0,
+        buf: npt.ArrayLike = 0,
+        deps: Deps = (),
     ) -> np.ndarray:
         """Send ``buf[lo:hi]`` from ``rank`` to ``peer``."""
         return self._add(SEND, rank, peer, lo, hi, chan=chan, buf=buf, deps=deps)
 
     def recv(
         self,
-        rank: Any,
-        peer: Any,
-        lo: Any,
-        hi: Any,
+        rank: npt.ArrayLike,
+        peer: npt.ArrayLike,
+        lo: npt.ArrayLike,
+        hi: npt.ArrayLike,
         *,
-        chan: Any = 0,
-        buf: Any = 0,
+        chan: npt.ArrayLike = 0,
+        buf: npt.ArrayLike = 0,
         reduce: bool = False,
-        deps: Any = (),
+        deps: Deps = (),
     ) -> np.ndarray:
         """Receive at ``rank`` from ``peer`` into ``buf[lo:hi]``, reducing if ``reduce``."""
         kind = RECV_REDUCE if reduce else RECV
@@ -576,15 +595,15 @@ class ScheduleBuilder:
 
     def transfer(
         self,
-        src: Any,
-        dst: Any,
-        lo: Any,
-        hi: Any,
+        src: npt.ArrayLike,
+        dst: npt.ArrayLike,
+        lo: npt.ArrayLike,
+        hi: npt.ArrayLike,
         *,
-        chan: Any = 0,
+        chan: npt.ArrayLike = 0,
         reduce: bool = False,
-        send_deps: Any = (),
-        recv_deps: Any = (),
+        send_deps: Deps = (),
+        recv_deps: Deps = (),
     ) -> tuple[np.ndarray, np.ndarray]:
         """Both sides of a message ``src -> dst`` of ``[lo, hi)`` (same offsets).
 
@@ -597,18 +616,34 @@ class ScheduleBuilder:
 
     # -- local ------------------------------------------------------------------------------
     def copy(
-        self, rank: Any, lo: Any, hi: Any, slo: Any, *, buf: Any = 0, sbuf: Any = 0, deps: Any = ()
+        self,
+        rank: npt.ArrayLike,
+        lo: npt.ArrayLike,
+        hi: npt.ArrayLike,
+        slo: npt.ArrayLike,
+        *,
+        buf: npt.ArrayLike = 0,
+        sbuf: npt.ArrayLike = 0,
+        deps: Deps = (),
     ) -> np.ndarray:
         """``buf[lo:hi] = sbuf[slo:slo + hi - lo]`` on ``rank``."""
         return self._add(COPY, rank, -1, lo, hi, buf=buf, sbuf=sbuf, slo=slo, deps=deps)
 
     def reduce(
-        self, rank: Any, lo: Any, hi: Any, slo: Any, *, buf: Any = 0, sbuf: Any = 0, deps: Any = ()
+        self,
+        rank: npt.ArrayLike,
+        lo: npt.ArrayLike,
+        hi: npt.ArrayLike,
+        slo: npt.ArrayLike,
+        *,
+        buf: npt.ArrayLike = 0,
+        sbuf: npt.ArrayLike = 0,
+        deps: Deps = (),
     ) -> np.ndarray:
         """``buf[lo:hi] op= sbuf[slo:slo + hi - lo]`` on ``rank``."""
         return self._add(REDUCE, rank, -1, lo, hi, buf=buf, sbuf=sbuf, slo=slo, deps=deps)
 
-    def coll(self, lo: Any, hi: Any, *, deps: Any = ()) -> np.ndarray:
+    def coll(self, lo: npt.ArrayLike, hi: npt.ArrayLike, *, deps: Deps = ()) -> np.ndarray:
         """The MPI library's AllReduce of ``[lo, hi)``, one operation on every rank."""
         ranks = np.arange(self.p)
         return self._add(COLL, ranks, -1, lo, hi, deps=deps)
@@ -717,14 +752,14 @@ class ScheduleBuilder:
                 )
 
 
-def _dep_list(deps: Any) -> list[Any]:
+def _dep_list(deps: Deps) -> list[npt.ArrayLike]:
     """Normalise ``deps``: one array-like, or a (possibly nested) list/tuple of them."""
     if isinstance(deps, (list, tuple)):
-        out: list[Any] = []
+        out: list[npt.ArrayLike] = []
         for d in deps:
             out.extend(_dep_list(d))
         return out
-    return [deps]
+    return [cast("npt.ArrayLike", deps)]  # not a list or tuple: one array-like
 
 
 def _queues(
@@ -761,8 +796,10 @@ def _first_unmatched(s_key: np.ndarray, r_key: np.ndarray) -> str:
     """Describe the first queue whose sends and receives do not pair up."""
 
     def counts(keys: np.ndarray) -> dict[tuple[int, int, int], int]:
-        uniq, n = np.unique(keys, axis=0, return_counts=True) if keys.size else ([], [])
-        return {tuple(int(x) for x in k): int(c) for k, c in zip(uniq, n)}
+        if not keys.size:
+            return {}
+        uniq, n = np.unique(keys, axis=0, return_counts=True)
+        return {(int(k[0]), int(k[1]), int(k[2])): int(c) for k, c in zip(uniq, n)}
 
     cs, cr = counts(s_key), counts(r_key)
     for key in sorted(set(cs) | set(cr)):

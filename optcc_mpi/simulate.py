@@ -329,6 +329,7 @@ def _run_c(
 ) -> tuple:
     """The same event loop, compiled (see ``_simcore.c``)."""
     lib = _core()
+    assert lib is not None  # the caller runs this only where the loop was compiled
     n = a["kind"].size
     waiting = a["waiting"].copy()
     posted = np.empty(n)
@@ -417,10 +418,10 @@ def _core() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(lib_path))
     lib.optcc_simulate.restype = ctypes.c_int64
-    lib.optcc_simulate.argtypes = (
-        [ctypes.c_int64, ctypes.c_int64]
-        + [ctypes.c_void_p] * 11
-        + [ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int64]
-        + [ctypes.c_void_p] * 5
-    )
+    i64, ptr, dbl = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+    argtypes: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_double]] = [i64, i64]
+    argtypes += [ptr] * 11
+    argtypes += [dbl, dbl, dbl, i64]
+    argtypes += [ptr] * 5
+    lib.optcc_simulate.argtypes = argtypes
     return lib

@@ -74,14 +74,15 @@ its schedule's messages need, so a watched small call pays little.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from optcc_mpi import linklog
+from optcc_mpi.executor import ExecStats
 from optcc_mpi.links import Links
-from optcc_mpi.schedule import SEND
+from optcc_mpi.schedule import SEND, Schedule
 from optcc_mpi.state import FOLD_TOTAL
 
 __all__ = ["WATCH", "MIN_BYTES", "LinkWatch", "MessageLayout", "send_rates", "watch_length"]
@@ -117,7 +118,9 @@ def _busy(lo: np.ndarray, hi: np.ndarray) -> float:
     return float(np.maximum(b - np.maximum(a, before), 0.0).sum())
 
 
-def send_rates(records: Any, p: int, min_bytes: int = MIN_BYTES) -> np.ndarray:
+def send_rates(
+    records: Iterable[tuple[int, int, float, float]], p: int, min_bytes: int = MIN_BYTES
+) -> np.ndarray:
     """Per peer, the rate (bytes/s) of this rank's sends to it; 0 where none was timed.
 
     Parameters
@@ -161,7 +164,7 @@ class MessageLayout:
         Most values one rank may contribute.
     """
 
-    def __init__(self, schedule: Any, itemsize: int, budget: int) -> None:
+    def __init__(self, schedule: Schedule, itemsize: int, budget: int) -> None:
         p = schedule.p
         nbytes = (schedule.hi - schedule.lo) * itemsize
         timed = np.flatnonzero((schedule.kind == SEND) & (nbytes >= MIN_BYTES))
@@ -183,7 +186,7 @@ class MessageLayout:
         self.width = int((sends + 2 * recvs).max()) if ids.size else 0
         self.tag = (int(schedule.n_ops) * 131 + itemsize) * 64 + self.stride.bit_length()
 
-    def values(self, rank: int, schedule: Any, stats: Any, epoch: float) -> np.ndarray:
+    def values(self, rank: int, schedule: Schedule, stats: ExecStats, epoch: float) -> np.ndarray:
         """This rank's values for a call that ran ``schedule`` (``stats``: its
         :class:`~optcc_mpi.executor.ExecStats`; ``epoch``: the end of the check, a
         ``perf_counter`` value); -1 where a message was not recorded."""
@@ -451,7 +454,12 @@ class LinkWatch:
         frac = np.maximum(frac, 0.01)
         return Links({r: float(f) for r, f in enumerate(frac) if f < 1.0})
 
-    def record(self, rank: int, sends: Any, schedule: Any = None) -> None:
+    def record(
+        self,
+        rank: int,
+        sends: Iterable[tuple[int, int, float, float]],
+        schedule: Schedule | None = None,
+    ) -> None:
         """Fold this rank's paced sends ``(peer, nbytes, from, until)`` of the call into
         the observation for the next call (emulation: ``v[rank]`` and ``v[peer]`` are at
         least the rate of the link ``rank -> peer``). ``schedule``, what the call ran,
@@ -465,7 +473,7 @@ class LinkWatch:
         self._mine[rank] = max(self._mine[rank], float(rates.max()))
 
     def record_messages(
-        self, rank: int, schedule: Any, itemsize: int, stats: Any, epoch: float
+        self, rank: int, schedule: Schedule, itemsize: int, stats: ExecStats, epoch: float
     ) -> None:
         """Keep this rank's side of the call's timed messages for the next call (a real
         network: see the module's estimator). ``epoch``: when the check ended here."""
@@ -478,7 +486,7 @@ class LinkWatch:
         self._layout = lay
         self._values = lay.values(rank, schedule, stats, epoch)
 
-    def _ran(self, rank: int, schedule: Any) -> None:
+    def _ran(self, rank: int, schedule: Schedule | None) -> None:
         """Note this rank, and on rank 0 tell the link log what the call ran."""
         self.rank = rank
         if self.log is not None and rank == 0 and schedule is not None:

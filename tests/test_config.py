@@ -55,3 +55,27 @@ def test_every_variable_is_an_attribute() -> None:
         assert var.attr == name.removeprefix("OPTCC_").lower()
         getattr(config.rc, var.attr)  # no AttributeError
         assert f"`{var.attr}`" in config.markdown()
+
+
+def test_declared_types_follow_the_table() -> None:
+    # rc's attributes are declared for the type checker only (config.Settings, under
+    # TYPE_CHECKING): one per variable, a flag as bool | None, text as str | None. A
+    # variable added to the table without its declaration, or with the wrong type, fails.
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(config.Settings))
+    (cls,) = tree.body
+    assert isinstance(cls, ast.ClassDef)
+    declared = {
+        node.target.id: ast.unparse(node.annotation)
+        for block in cls.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in block.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+    expected = {
+        v.attr: "bool | None" if v.kind == "flag" else "str | None"
+        for v in config.VARIABLES.values()
+    }
+    assert declared == expected

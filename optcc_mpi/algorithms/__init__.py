@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Any
+from typing import TypedDict
 
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
@@ -76,6 +76,8 @@ __all__ = [
     "times",
     "table",
     "ENTRY_POINTS",
+    "ModelTable",
+    "ModelRow",
 ]
 
 #: Entry-point group through which other packages register algorithms.
@@ -93,7 +95,8 @@ class Algorithm:
     summary: str
     build: Builder
     cost: Cost
-    params: Mapping[str, Any] = field(default_factory=dict)
+    #: The builder's keyword parameters and their defaults (each typed by the builder).
+    params: Mapping[str, object] = field(default_factory=dict)
     auto: bool | Callable[[int, float, Links], bool] = True
     order: int = 100
     module: str = ""
@@ -108,7 +111,7 @@ class Algorithm:
         links: Links | str | None = None,
         *,
         latency: float = 0.0,
-        **params: Any,
+        **params: object,
     ) -> float:
         """Modelled time in seconds: the registered cost, given the parameters it takes
         (the builder's defaults, overridden by ``params``), so that the cost describes the
@@ -129,7 +132,7 @@ class Algorithm:
         """Whether ``auto`` may run this algorithm for this call."""
         return bool(self.auto(p, nbytes, links)) if callable(self.auto) else bool(self.auto)
 
-    def check_params(self, params: Mapping[str, Any]) -> None:
+    def check_params(self, params: Mapping[str, object]) -> None:
         """Raise :class:`ArgumentError` naming any parameter this algorithm does not take."""
         unknown = sorted(set(params) - set(self.params) - {"itemsize"})
         if unknown:
@@ -146,7 +149,7 @@ _loading = False
 _LOAD_LOCK = threading.RLock()
 
 
-def _accepted(fn: Callable[..., Any], params: Mapping[str, Any]) -> dict[str, Any]:
+def _accepted(fn: Callable[..., object], params: Mapping[str, object]) -> dict[str, object]:
     """The subset of ``params`` that ``fn`` accepts by keyword."""
     sig = inspect.signature(fn)
     if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
@@ -154,7 +157,7 @@ def _accepted(fn: Callable[..., Any], params: Mapping[str, Any]) -> dict[str, An
     return {k: v for k, v in params.items() if k in sig.parameters}
 
 
-def _builder_params(fn: Builder) -> dict[str, Any]:
+def _builder_params(fn: Builder) -> dict[str, object]:
     return {
         name: prm.default
         for name, prm in inspect.signature(fn).parameters.items()
@@ -167,7 +170,7 @@ def register(
     *,
     summary: str,
     cost: Cost,
-    params: Mapping[str, Any] | None = None,
+    params: Mapping[str, object] | None = None,
     auto: bool | Callable[[int, float, Links], bool] = True,
     order: int = 100,
     explain: Callable[..., str] | None = None,
@@ -249,7 +252,7 @@ def get(name: str) -> Algorithm:
 
 
 def build(
-    name: str, p: int, count: int, links: Links | str | None = None, **params: Any
+    name: str, p: int, count: int, links: Links | str | None = None, **params: object
 ) -> Schedule:
     """Schedule of algorithm ``name`` (memoised: schedules are pure functions of the inputs)."""
     links = Links.coerce(links) if links is not None else Links()
@@ -260,7 +263,11 @@ def build(
 
 @lru_cache(maxsize=64)
 def _build_cached(
-    name: str, p: int, count: int, links_key: tuple[tuple[int, float], ...], params: tuple
+    name: str,
+    p: int,
+    count: int,
+    links_key: tuple[tuple[int, float], ...],
+    params: tuple[tuple[str, object], ...],
 ) -> Schedule:
     return get(name).build(p, count, Links(dict(links_key)), **dict(params))
 
@@ -286,6 +293,28 @@ def times(
     return out
 
 
+class ModelRow(TypedDict):
+    """One algorithm's modelled time in :func:`table`."""
+
+    time_s: float
+    ratio_fault_free: float
+    ratio_bound: float
+
+
+class ModelTable(TypedDict):
+    """What :func:`table` returns (``optcc-mpi model --json``)."""
+
+    p: int
+    size: int
+    bw: float
+    latency: float
+    links: str
+    fault_free_s: float
+    bound_s: float
+    bound_ratio_fault_free: float
+    algorithms: dict[str, ModelRow]
+
+
 def table(
     p: int,
     nbytes: float,
@@ -294,12 +323,12 @@ def table(
     *,
     latency: float = 0.0,
     algorithms: tuple[str, ...] | None = None,
-) -> dict[str, Any]:
+) -> ModelTable:
     """The ``optcc-mpi model`` result as one JSON-ready dictionary: :func:`times` and
     each algorithm's ratios to the fault-free optimum and to the bound."""
     t = times(p, nbytes, bw, links, latency=latency, algorithms=algorithms)
     ff, bound = t.pop("fault_free"), t.pop("bound")
-    algs = {
+    algs: dict[str, ModelRow] = {
         name: {
             "time_s": v,
             "ratio_fault_free": v / ff if ff else 1.0,

@@ -58,9 +58,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import cast
 
 import numpy as np
+import numpy.typing as npt
 
 from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import MAX_AUTO_OPS, Transport, large_messages, transport_of
@@ -69,6 +70,8 @@ from optcc_mpi.links import Links
 from optcc_mpi.model import fractions, lower_bound
 from optcc_mpi.schedule import (
     BYTES_PER_OP,
+    Deps,
+    Params,
     Schedule,
     ScheduleBuilder,
     check_size,
@@ -370,7 +373,7 @@ def optcc_time(
     return t + steps * latency
 
 
-def explain_plan(p: int, links: Links | str | None = None, **_: Any) -> str:
+def explain_plan(p: int, links: Links | str | None = None, **_: object) -> str:
     """The plan in words: attached ranks, and the share each owner holds."""
     plan = optcc_plan(p, links)
     att = plan.attached
@@ -673,9 +676,9 @@ class _DirectExchange:
         name: str,
         base: int,
         stride: int,
-        send_deps: Any,
-        reduce_after: Any,
-    ) -> tuple[np.ndarray, Any]:
+        send_deps: Deps,
+        reduce_after: npt.ArrayLike,
+    ) -> tuple[np.ndarray, npt.ArrayLike]:
         """Direct reduce-scatter of segment ``L`` along ``axis``: every member ends with
         the sum over its group of the range it owns (``own_lo``/``own_hi``, by member).
 
@@ -727,7 +730,7 @@ class _DirectExchange:
         own_hi: np.ndarray,
         *,
         name: str,
-        send_deps: Any,
+        send_deps: Deps,
         rs_sends: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Direct all-gather along ``axis``: every member sends its own range to every
@@ -794,7 +797,7 @@ class _Attached:
         """At most ``lookahead`` of ``rank``'s messages in flight in ``direction``."""
         self.b.stream(ids, self.lookahead, self.streams.setdefault((rank, direction), []))
 
-    def _done(self, u: int, L: int) -> Any:
+    def _done(self, u: int, L: int) -> Deps:
         """What attached rank ``u``'s raw sends of a later segment wait for: its results
         of segment ``L``, position by position in its order."""
         got = self.returns.get(L)
@@ -810,7 +813,7 @@ class _Attached:
         """The raw input of segment L into the owners' scratch."""
         raise NotImplementedError
 
-    def after_rows(self, L: int, partial: Any) -> Any:
+    def after_rows(self, L: int, partial: npt.ArrayLike) -> npt.ArrayLike:
         """Owners' work on segment L after the row reduce-scatter; returns each owner's
         last operation on its block (``partial`` where there is none)."""
         return partial
@@ -824,7 +827,7 @@ class _Attached:
         """Operations of segment L the owners' row all-gather must also wait for."""
         return None
 
-    def after_join(self, L: int, ready: Any) -> None:
+    def after_join(self, L: int, ready: Deps) -> None:
         """Work on segment L once each owner holds its column's block (``ready``)."""
         return None
 
@@ -836,8 +839,18 @@ class _OwnerFold(_Attached):
     (the owners send it their partial sums, it adds its input and sends the global sums
     back)."""
 
-    def __init__(self, *args: Any, pattern: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        b: ScheduleBuilder,
+        grid: np.ndarray,
+        geo: _Geometry,
+        attached: np.ndarray,
+        *,
+        lag: int,
+        lookahead: int,
+        pattern: str,
+    ) -> None:
+        super().__init__(b, grid, geo, attached, lag=lag, lookahead=lookahead)
         self.pattern = pattern
         self.ret_sends: dict[int, np.ndarray] = {}  # per segment, (m, a, nb) by owner
 
@@ -983,8 +996,17 @@ class _ColumnFold(_Attached):
     fewer operations: at p = 1024 with half the ranks attached that is what bounded the
     segments), and an owner still takes about ``m`` sections' worth per segment."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        b: ScheduleBuilder,
+        grid: np.ndarray,
+        geo: _Geometry,
+        attached: np.ndarray,
+        *,
+        lag: int,
+        lookahead: int,
+    ) -> None:
+        super().__init__(b, grid, geo, attached, lag=lag, lookahead=lookahead)
         self.per_owner = -(-self.m // self.a)  # attached ranks an owner serves
 
     def _columns(self, u: int) -> np.ndarray:
@@ -1036,7 +1058,7 @@ class _ColumnFold(_Attached):
         self.raw[L] = raw
         self.fold_recv[L] = rec
 
-    def after_rows(self, L: int, partial: Any) -> np.ndarray:
+    def after_rows(self, L: int, partial: npt.ArrayLike) -> np.ndarray:
         """The owners add the raw blocks of segment L to their row-reduced partials, slot by
         slot (a fixed order); returns each owner's last operation on its block."""
         geo = self.geo
@@ -1058,10 +1080,11 @@ class _ColumnFold(_Attached):
         self.reads[L] = reads
         return cur
 
-    def after_join(self, L: int, ready: Any) -> None:
+    def after_join(self, L: int, ready: Deps) -> None:
         """Each finished block back to the attached ranks that folded into its owner, once
         the owner holds the whole block (``ready``, by owner)."""
         geo = self.geo
+        ready = cast(np.ndarray, ready)  # a > 1 here (column_fold): back()'s copies' ids
         raw = self.raw.pop(L, None)
         rets = np.full((self.m, self.nb), -1, dtype=np.int64)
         if raw is not None:
@@ -1141,8 +1164,8 @@ class _Pipeline:
                 b, grid, self.geo, att, lag=lag, lookahead=lookahead, pattern=pattern
             )
         self.final: dict[int, np.ndarray] = {}
-        self.rs_row: dict[int, list[np.ndarray]] = {}
-        self.rs_col: dict[int, list[np.ndarray]] = {}
+        self.rs_row: dict[int, np.ndarray] = {}
+        self.rs_col: dict[int, np.ndarray] = {}
         self.done_owner: dict[int, np.ndarray] = {}
         self.row_done: dict[int, np.ndarray] = {}
 
@@ -1172,7 +1195,7 @@ class _Pipeline:
         geo, G = self.geo, self.grid
         # An owner starts segment L once it holds the result of segment L - depth (and,
         # with row_lag, once its row reduce-scatter of segment L - row_lag is done).
-        throttle: Any = self.done_owner.get(L - self.depth, -1)
+        throttle: Deps = self.done_owner.get(L - self.depth, -1)
         if self.row_lag and (L - self.row_lag) in self.row_done:
             throttle = [throttle, self.row_done[L - self.row_lag]]
         # S1: along rows, each owner ends with its column's block; along columns, with
@@ -1213,7 +1236,7 @@ class _Pipeline:
         if L < 0 or L >= self.k:
             return
         geo = self.geo
-        final: Any = self.final.pop(L)
+        final: Deps = self.final.pop(L)
         if self.ag_lag:
             # Defer the all-gather until this owner finished the reduce-scatter of a
             # later segment: reduce-scatters (which the attached ranks wait for) go first.
@@ -1231,11 +1254,11 @@ class _Pipeline:
         # column, a one-element copy of the block onto itself joins the column
         # all-gather (its receives and sends) and the returns (their reads), so each row
         # send waits for one operation instead of a of them.
-        deps: Any = final
+        deps: Deps = final
         ret_sends = self.attached.join_parts(L)
         if self.a > 1:
             blo, bhi = geo.blo[L], geo.bhi[L]
-            parts: list[Any] = [final, *sent]
+            parts: list[Deps] = [final, *sent]
             parts += [np.roll(got[t - 1], t, axis=0) for t in range(1, self.a)]
             if ret_sends is not None:
                 parts += list(ret_sends)
@@ -1326,7 +1349,7 @@ def optcc(
         count * itemsize, plan, a, k=k, ramp=ramp, transport=transport, pattern=pat
     )
     check_size("optcc", kk * _ops_per_segment(p, a, nb, m, pat) + 1, p=p, k=kk)
-    params = dict(
+    params: Params = dict(
         weights=plan.weights,
         grid=(a, nb),
         k=kk,

@@ -9,9 +9,9 @@ shortens messages (the ring keeps every link busy at every step already).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import (
@@ -44,7 +44,7 @@ def reduce_scatter(
     chi: np.ndarray,
     *,
     chan: int,
-    first_deps: Any = -1,
+    first_deps: npt.ArrayLike = -1,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Ring reduce-scatter over ``members``; section j is ``[clo[j], chi[j])``.
 
@@ -70,7 +70,7 @@ def reduce_scatter(
     i = np.arange(q)
     me, nxt = members[:, None], members[(i + 1) % q][:, None]
     sends: list[np.ndarray] = []
-    prev: Any = first_deps
+    prev: npt.ArrayLike = first_deps
     final = np.full(clo.shape, -1, dtype=np.int64)
     for t in range(q - 1):
         s = (i - 1 - t) % q
@@ -87,7 +87,7 @@ def all_gather(
     chi: np.ndarray,
     *,
     chan: int,
-    first_deps: Any,
+    first_deps: npt.ArrayLike,
     rs_sends: list[np.ndarray],
 ) -> list[np.ndarray]:
     """Ring all-gather of the sections each member owns after :func:`reduce_scatter`.
@@ -106,7 +106,7 @@ def all_gather(
     i = np.arange(q)
     me, nxt = members[:, None], members[(i + 1) % q][:, None]
     recvs: list[np.ndarray] = []
-    prev: Any = first_deps
+    prev: npt.ArrayLike = first_deps
     for t in range(q - 1):
         s = (i - t) % q
         _, rids = b.transfer(

@@ -35,7 +35,7 @@ or, outside pytest, ``check_algorithm("myring")`` (with ``comm=MPI.COMM_WORLD`` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from optcc_mpi.testing.contract import (
     CHECKS,
@@ -83,7 +83,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+if TYPE_CHECKING:  # imported on first use (below): it needs pytest
+    from optcc_mpi.testing.parametrize import parametrize_with_checks
+
+
+def __getattr__(name: str) -> object:
     # pytest is a test-time dependency, not the package's: the pytest face is imported
     # when asked for, so check_algorithm and the fake device work where pytest is absent.
     if name == "parametrize_with_checks":

@@ -55,7 +55,7 @@ import math
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -66,6 +66,9 @@ from optcc_mpi.model import lower_bound
 from optcc_mpi.schedule import Schedule
 from optcc_mpi.simulate import simulate
 from optcc_mpi.verify import verify
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = [
     "CHECKS",
@@ -166,7 +169,7 @@ class Outcome:
         return f"{self.algorithm} {self.check} {self.status}{tail}"
 
 
-def _require(ok: Any, message: str) -> None:
+def _require(ok: object, message: str) -> None:
     # Not ``assert``: the contract must hold under ``python -O`` too.
     if not ok:
         raise ContractError(message)
@@ -175,7 +178,7 @@ def _require(ok: Any, message: str) -> None:
 # ----------------------------------------------------------------------------- the checks
 
 
-def _check_registration(name: str, comm: Any = None) -> None:
+def _check_registration(name: str, comm: MPI.Comm | None = None) -> None:
     alg = algorithms.get(name)
     _require(alg.name == name, f"listed as {name!r} but named {alg.name!r}")
     _require(isinstance(alg.summary, str) and alg.summary.strip(), "the summary is empty")
@@ -197,7 +200,7 @@ def _check_registration(name: str, comm: Any = None) -> None:
             )
 
 
-def _keywords(fn: Callable[..., Any]) -> tuple[set[str], bool]:
+def _keywords(fn: Callable[..., object]) -> tuple[set[str], bool]:
     """Names ``fn`` accepts by keyword, and whether it takes any (``**kwargs``)."""
     sig = inspect.signature(fn)
     named = {
@@ -215,7 +218,7 @@ def _same_schedule(a: Schedule, b: Schedule) -> bool:
     return all(np.array_equal(getattr(a, c), getattr(b, c)) for c in cols)
 
 
-def _check_parameters(name: str, comm: Any = None) -> None:
+def _check_parameters(name: str, comm: MPI.Comm | None = None) -> None:
     alg = algorithms.get(name)
     takes, any_kw = _keywords(alg.build)
     missing = sorted(set(alg.params) - takes) if not any_kw else []
@@ -255,7 +258,7 @@ def _check_parameters(name: str, comm: Any = None) -> None:
         raise ContractError("an unknown parameter 'bogus' was accepted")
 
 
-def _check_cost(name: str, comm: Any = None) -> None:
+def _check_cost(name: str, comm: MPI.Comm | None = None) -> None:
     alg = algorithms.get(name)
     one = alg.time(1, 2**20, 1e10)
     _require(one == 0.0, f"one rank costs {one!r} s, not 0")
@@ -271,7 +274,7 @@ def _check_cost(name: str, comm: Any = None) -> None:
         _require(slow >= t, f"p=6 {links}: {slow:.6g} s with latency, {t:.6g} s without")
 
 
-def _check_eligibility(name: str, comm: Any = None) -> None:
+def _check_eligibility(name: str, comm: MPI.Comm | None = None) -> None:
     alg = algorithms.get(name)
     for p in (1, 2, 3, 5, 8, 17):
         for links in profiles(p):
@@ -288,7 +291,7 @@ def _check_eligibility(name: str, comm: Any = None) -> None:
                 )
 
 
-def _check_verifies(name: str, comm: Any = None) -> None:
+def _check_verifies(name: str, comm: MPI.Comm | None = None) -> None:
     for p in VERIFY_RANKS:
         for links in profiles(p):
             for count in verify_counts(p):
@@ -301,7 +304,7 @@ def _check_verifies(name: str, comm: Any = None) -> None:
                 _require(report.ok, f"p={p} {links} count={count}: {report.errors[:3]}")
 
 
-def _check_simulated_cost(name: str, comm: Any = None) -> None:
+def _check_simulated_cost(name: str, comm: MPI.Comm | None = None) -> None:
     alg = algorithms.get(name)
     for p in COST_RANKS:
         held, _ = cost_profiles(p, name)
@@ -320,7 +323,8 @@ def _inputs(p: int, n: int, seed: int) -> list[np.ndarray]:
     return [np.random.default_rng([seed, r, n]).standard_normal(n) for r in range(p)]
 
 
-def _check_mpi_reference(name: str, comm: Any) -> None:
+def _check_mpi_reference(name: str, comm: MPI.Comm | None) -> None:
+    assert comm is not None  # needs_comm: check_algorithm gives one
     rank, p = comm.Get_rank(), comm.Get_size()
     failures: list[str] = []
     for links in profiles(p):
@@ -361,7 +365,7 @@ class Check:
     """One check of the contract (see the module docstring for each)."""
 
     name: str
-    run: Callable[[str, Any], None]
+    run: Callable[[str, MPI.Comm | None], None]
     needs_comm: bool = False
 
     def __str__(self) -> str:
@@ -400,7 +404,7 @@ def select_checks(checks: Iterable[str] | str | None = None) -> list[Check]:
 def check_algorithm(
     name: str,
     *,
-    comm: Any = None,
+    comm: MPI.Comm | None = None,
     checks: Iterable[str] | str | None = None,
     raise_on_failure: bool = True,
 ) -> list[Outcome]:

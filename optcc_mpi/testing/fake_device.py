@@ -15,12 +15,17 @@ Importing this module registers the backend (:data:`FAKE_DEVICE`); it owns only
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Literal, SupportsIndex
 
 import numpy as np
+import numpy.typing as npt
 
 from optcc_mpi.backend import Backend, register_backend
+from optcc_mpi.dtypes import NAME_OF
 from optcc_mpi.reductions import reduce_into, reduce_with
+
+if TYPE_CHECKING:
+    from numpy._core.multiarray import flagsobj as _Flags  # the type of ndarray.flags
 
 __all__ = ["HostDeviceArray", "FakeDeviceBackend", "UnsynchronizedError", "device_array"]
 
@@ -53,23 +58,31 @@ class HostDeviceArray:
         return self.host.nbytes
 
     @property
-    def flags(self) -> Any:
+    def flags(self) -> _Flags:
         return self.host.flags
 
-    def reshape(self, *shape: Any, **kw: Any) -> HostDeviceArray:
-        return HostDeviceArray(self.host.reshape(*shape, **kw))
+    def reshape(
+        self, *shape: SupportsIndex | tuple[SupportsIndex, ...], order: Literal["C", "F", "A"] = "C"
+    ) -> HostDeviceArray:
+        sizes: list[SupportsIndex] = []  # as NumPy's: the sizes, or one tuple of them
+        for s in shape:
+            if isinstance(s, tuple):
+                sizes.extend(s)
+            else:
+                sizes.append(s)
+        return HostDeviceArray(self.host.reshape(sizes, order=order))
 
-    def ravel(self, order: str = "C") -> HostDeviceArray:
+    def ravel(self, order: Literal["K", "A", "C", "F"] = "C") -> HostDeviceArray:
         return HostDeviceArray(self.host.ravel(order=order))
 
-    def view(self, dtype: Any) -> HostDeviceArray:
+    def view(self, dtype: npt.DTypeLike) -> HostDeviceArray:
         return HostDeviceArray(self.host.view(dtype))
 
-    def __getitem__(self, key: Any) -> HostDeviceArray:
+    def __getitem__(self, key: slice | int) -> HostDeviceArray:
         return HostDeviceArray(self.host[key])
 
     @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
+    def __cuda_array_interface__(self) -> dict[str, object]:
         h = self.host
         return {
             "shape": h.shape,
@@ -92,7 +105,7 @@ def device_array(values: np.ndarray) -> HostDeviceArray:
     return HostDeviceArray(np.array(values, copy=True))
 
 
-class FakeDeviceBackend(Backend):
+class FakeDeviceBackend(Backend[HostDeviceArray, np.dtype]):
     """Backend of :class:`HostDeviceArray` with a fake, checked stream."""
 
     name = "fake-device"
@@ -104,7 +117,7 @@ class FakeDeviceBackend(Backend):
         self.mpi_calls = 0
         self.staged = 0
 
-    def owns(self, arr: Any) -> bool:
+    def owns(self, arr: object) -> bool:
         return isinstance(arr, HostDeviceArray)
 
     def empty(self, n: int, dtype: np.dtype) -> HostDeviceArray:
@@ -153,6 +166,13 @@ class FakeDeviceBackend(Backend):
 
     def flat(self, arr: HostDeviceArray) -> HostDeviceArray:
         return arr.ravel(order="K")
+
+    def contiguous(self, arr: HostDeviceArray) -> bool:
+        flags = arr.flags
+        return bool(flags.c_contiguous or flags.f_contiguous)
+
+    def dtype_name(self, arr: HostDeviceArray) -> str | None:
+        return NAME_OF.get(arr.dtype)
 
     def writable(self, arr: HostDeviceArray) -> bool:
         return bool(arr.host.flags.writeable)

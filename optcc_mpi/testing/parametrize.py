@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import pytest
 from mpi4py import MPI
@@ -53,7 +52,7 @@ class ContractCheck:
     def name(self) -> str:
         return self.check.name
 
-    def __call__(self, algorithm: str, comm: Any = None) -> None:
+    def __call__(self, algorithm: str, comm: MPI.Comm | None = None) -> None:
         if self.check.needs_comm and comm is None:
             comm = MPI.COMM_WORLD
         (outcome,) = check_algorithm(algorithm, comm=comm, checks=[self.check.name])

@@ -27,15 +27,23 @@ Each transport object belongs to one communicator or group and is made once (:fu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 from optcc_mpi.errors import ArgumentTypeError
 from optcc_mpi.transports.base import WORLD, Capabilities, Completion, Post, Transport
 
-__all__ = ["Transport", "Capabilities", "Completion", "Post", "of", "WORLD"]
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from torch.distributed import ProcessGroup
+
+__all__ = ["Transport", "Capabilities", "Completion", "Post", "of", "WORLD", "Communicator"]
+
+#: What a collective runs over: an mpi4py communicator (None: ``COMM_WORLD``), a
+#: ``torch.distributed`` process group, or a :class:`Transport` itself (:func:`of`).
+Communicator = Union["MPI.Comm", "ProcessGroup", Transport, None]
 
 
-def of(comm: Any) -> Transport:
+def of(comm: Communicator) -> Transport:
     """The transport of ``comm``: an mpi4py communicator (None: ``COMM_WORLD``), a
     ``torch.distributed`` process group, or a :class:`Transport` itself. Made once per
     communicator and cached with it.

@@ -71,6 +71,8 @@ WORLD: list[int] = []
 
 #: A transport's request: what its ``isend``/``irecv`` return and its ``wait`` takes.
 Req = TypeVar("Req")
+#: What :meth:`Transport.allgather` carries: the same kind of value from every rank.
+T = TypeVar("T")
 
 
 class Completion(enum.Enum):
@@ -169,7 +171,7 @@ class Transport(Generic[Req]):
         """Block until ``req`` completed."""
         raise NotImplementedError(f"{type(self).__name__} must implement wait")
 
-    def allgather(self, obj: object) -> list[object]:
+    def allgather(self, obj: T) -> list[T]:
         """Every rank's (small, picklable) ``obj``, in rank order."""
         raise NotImplementedError(f"{type(self).__name__} must implement allgather")
 
@@ -188,7 +190,7 @@ class Transport(Generic[Req]):
         return [(self.isend if p.send else self.irecv)(p.data, p.peer, p.tag) for p in posts]
 
     # -- memory --------------------------------------------------------------------------------
-    def message(self, backend: Backend, arr: Array) -> object:
+    def message(self, backend: Backend, arr: Array) -> Array:
         """What :meth:`isend`/:meth:`irecv` take for the bytes of ``arr``."""
         return backend.byte_view(arr)
 
@@ -212,16 +214,14 @@ class Transport(Generic[Req]):
         package does (else the caller gathers and reduces in rank order)."""
         return False
 
-    def allreduce(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> Req | None:
-        """Start the library's in-place AllReduce of ``arr``; a request (None when it
-        completed already). Called only where :meth:`native` said yes."""
+    def allreduce(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> Req:
+        """Start the library's in-place AllReduce of ``arr``; its request (the executor
+        waits for it as for a message's). Called only where :meth:`native` said yes."""
         raise NotImplementedError(f"{self.describe()} has no AllReduce of its own")
 
     def allreduce_now(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> None:
         """:meth:`allreduce`, completed before returning."""
-        req = self.allreduce(backend, arr, dtype_name, op)
-        if req is not None:
-            self.wait(req)
+        self.wait(self.allreduce(backend, arr, dtype_name, op))
 
     # -- control traffic ----------------------------------------------------------------------
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
@@ -229,7 +229,7 @@ class Transport(Generic[Req]):
         ``out``."""
         rows = self.allgather(block.tobytes())
         for r, row in enumerate(rows):
-            out[r] = np.frombuffer(row, dtype=np.uint8)  # type: ignore[arg-type]
+            out[r] = np.frombuffer(row, dtype=np.uint8)
 
     def gather_rows(self, backend: Backend, arr: Array) -> Array | None:
         """Every rank's ``arr`` (1-D, the same size everywhere) as the rows of a 2-D array

@@ -25,18 +25,21 @@ import functools
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from mpi4py import MPI
 
 from optcc_mpi import config
+from optcc_mpi.backend import Array, Backend
 from optcc_mpi.dtypes import ALIASES, CATEGORY, DTYPES, LOW_PRECISION, check_op_dtype, op_name
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.transports.base import WORLD, Capabilities, Completion, Transport
+from optcc_mpi.transports.base import WORLD, Capabilities, Completion, T, Transport
 
+if TYPE_CHECKING:
+    from mpi4py.typing import Buffer, BufSpec
 __all__ = [
     "MpiTransport",
     "transport",
@@ -46,9 +49,9 @@ __all__ = [
     "IN_PLACE",
 ]
 
-IN_PLACE: Any = MPI.IN_PLACE
+IN_PLACE: MPI.InPlaceType = MPI.IN_PLACE
 WORLD.append(MPI.COMM_WORLD.handle)
-_KEYVAL: list[Any] = []
+_KEYVAL: list[int] = []
 #: The transports made so far, by communicator handle: found with one lookup.
 _BY_HANDLE: dict[int, MpiTransport] = {}
 
@@ -58,8 +61,9 @@ class MpiTransport(Transport[MPI.Request]):
 
     name = "mpi"
     caps = Capabilities(completion=Completion.ANY, sync_device=True, tensors=False)
+    handle: int
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: MPI.Comm) -> None:
         size = comm.Get_size()
         # A plain mpi4py communicator: a Dup of optcc_mpi.Comm would be a Comm again, whose
         # Allreduce is ours. With one rank nothing travels: no duplicate needed.
@@ -78,17 +82,19 @@ class MpiTransport(Transport[MPI.Request]):
         self.handle = comm.handle
         self.private = private
         # The library's calls themselves, bound on the instance over the methods below: a
-        # message costs no extra Python frame.
-        self.isend = private.Isend  # type: ignore[method-assign]
-        self.irecv = private.Irecv  # type: ignore[method-assign]
-        self.waitsome = MPI.Request.Waitsome  # type: ignore[method-assign]
-        self.testsome = MPI.Request.Testsome  # type: ignore[method-assign]
+        # message costs no extra Python frame. (Their signatures are MPI's: a buffer
+        # specification for the data, and None for no completed request where the
+        # methods say []; the executor takes both.)
+        self.isend = private.Isend  # type: ignore[method-assign, assignment]
+        self.irecv = private.Irecv  # type: ignore[method-assign, assignment]
+        self.waitsome = MPI.Request.Waitsome  # type: ignore[method-assign, assignment]
+        self.testsome = MPI.Request.Testsome  # type: ignore[method-assign, assignment]
 
     def isend(self, data: object, peer: int, tag: int) -> MPI.Request:
-        return self.private.Isend(data, peer, tag)
+        return self.private.Isend(cast("BufSpec", data), peer, tag)  # a message() view
 
     def irecv(self, data: object, peer: int, tag: int) -> MPI.Request:
-        return self.private.Irecv(data, peer, tag)
+        return self.private.Irecv(cast("BufSpec", data), peer, tag)
 
     def waitsome(self, reqs: Sequence[MPI.Request]) -> list[int]:
         return MPI.Request.Waitsome(reqs) or []
@@ -98,45 +104,48 @@ class MpiTransport(Transport[MPI.Request]):
 
     def free(self) -> None:
         """Free the private duplicate (called by MPI when the communicator is freed)."""
-        priv, self.private = self.private, None
+        # None marks it freed (fastcall.context checks).
+        priv, self.private = self.private, None  # type: ignore[assignment]
         if priv is not None and self.size > 1:
             try:
                 priv.Free()
             except Exception:  # pragma: no cover - MPI already finalising
                 pass
 
-    def staging(self, backend: Any) -> bool:
+    def staging(self, backend: Backend) -> bool:
         if not backend.device:
             return False
         aware = backend.cuda_aware if backend.cuda_aware is not None else cuda_aware_mpi()
         return not aware
 
-    def native(self, backend: Any, dtype_name: str, op: str) -> bool:
+    def native(self, backend: Backend, dtype_name: str, op: str) -> bool:
         return True  # mpi_datatype_and_op gives every pair this package's semantics
 
-    def allreduce(self, backend: Any, arr: Any, dtype_name: str, op: str) -> Any:
+    def allreduce(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> MPI.Request:
         datatype, mpi_op = mpi_datatype_and_op(dtype_name, op)
+        arr = cast(np.ndarray, arr)  # NumPy's API: no tensors here (caps.tensors is False)
         if arr.dtype in LOW_PRECISION:
             arr = arr.view(np.uint16)
         return self.private.Iallreduce(IN_PLACE, [arr, datatype], mpi_op)
 
-    def predefined(self, dtype_name: str, op: str) -> tuple[Any, Any] | None:
+    def predefined(self, dtype_name: str, op: str) -> tuple[MPI.Datatype, MPI.Op] | None:
         """The MPI datatype and op :meth:`allreduce` uses for this pair when both are
         MPI's own (the compiled call path may then call ``MPI_Allreduce`` itself), else
         None (a reduction MPI calls back into Python for)."""
         datatype, mpi_op = mpi_datatype_and_op(dtype_name, op)
         return (datatype, mpi_op) if mpi_op.is_predefined else None
 
-    def wait(self, req: Any) -> None:
+    def wait(self, req: MPI.Request) -> None:
         req.Wait()
 
-    def allreduce_now(self, backend: Any, arr: Any, dtype_name: str, op: str) -> None:
+    def allreduce_now(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> None:
         datatype, mpi_op = mpi_datatype_and_op(dtype_name, op)
+        arr = cast(np.ndarray, arr)  # NumPy's API: no tensors here (caps.tensors is False)
         if arr.dtype in LOW_PRECISION:
             arr = arr.view(np.uint16)
         self.private.Allreduce(IN_PLACE, [arr, datatype], mpi_op)
 
-    def allgather(self, obj: Any) -> list[Any]:
+    def allgather(self, obj: T) -> list[T]:
         return self.private.allgather(obj)
 
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
@@ -184,13 +193,13 @@ class MpiTransport(Transport[MPI.Request]):
         return f"MPI communicator of {self.size}"
 
 
-def _delete(comm: Any, keyval: Any, t: MpiTransport) -> None:
+def _delete(comm: MPI.Comm, keyval: int, t: MpiTransport) -> None:
     _BY_HANDLE.pop(t.handle, None)
     t.close()  # whoever keeps state for it drops it: nothing may reach the duplicate
     t.free()
 
 
-def check_comm(comm: Any) -> Any:
+def check_comm(comm: object) -> MPI.Comm:
     """``comm`` (None: COMM_WORLD) if it is an mpi4py intracommunicator we can use.
 
     Raises
@@ -220,20 +229,20 @@ def check_comm(comm: Any) -> Any:
     return comm
 
 
-def transport(comm: Any) -> MpiTransport:
+def transport(comm: object) -> MpiTransport:
     """The cached :class:`MpiTransport` of ``comm`` (None: COMM_WORLD), made on first use
     (collective then: it duplicates the communicator). Errors as :func:`check_comm`."""
     if comm is None:
         comm = MPI.COMM_WORLD
     elif not isinstance(comm, MPI.Comm):
-        check_comm(comm)
+        comm = check_comm(comm)  # raises: not a communicator
     t = _BY_HANDLE.get(comm.handle)
     if t is not None:
         return t
     check_comm(comm)
     if not _KEYVAL:
         _KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_delete))
-    t = comm.Get_attr(_KEYVAL[0])
+    t = cast("MpiTransport | None", comm.Get_attr(_KEYVAL[0]))  # what Set_attr stored
     if t is None:
         t = MpiTransport(comm)
         comm.Set_attr(_KEYVAL[0], t)
@@ -270,7 +279,7 @@ def cuda_aware_mpi() -> bool:
 
 
 @functools.cache
-def mpi_datatype_and_op(dtype_name: str, op: str) -> tuple[Any, Any]:
+def mpi_datatype_and_op(dtype_name: str, op: str) -> tuple[MPI.Datatype, MPI.Op]:
     """MPI datatype and op for ``MPI_Allreduce`` on ``dtype_name`` (the ``native`` path).
 
     ``dtype_name`` is a key of :data:`DTYPES` or NumPy's name (``float128``). Predefined
@@ -311,9 +320,10 @@ def mpi_datatype_and_op(dtype_name: str, op: str) -> tuple[Any, Any]:
         # NumPy, C on real machines and our own schedules wrap modulo 2**bits: reduce with
         # NumPy so that native agrees with every other algorithm.
 
-    def combine(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        a = np.frombuffer(inbuf, dtype=dtype)
-        b = np.frombuffer(inoutbuf, dtype=dtype)
+    def combine(inbuf: Buffer, inoutbuf: Buffer, datatype: MPI.Datatype) -> None:
+        # mpi4py hands a user-defined op its MPI.buffer objects.
+        a = np.frombuffer(cast(MPI.buffer, inbuf), dtype=dtype)
+        b = np.frombuffer(cast(MPI.buffer, inoutbuf), dtype=dtype)
         # No warning or exception from inside MPI (and not on some ranks only).
         with np.errstate(all="ignore"):
             reduce_with(np, op, b, a)
@@ -322,7 +332,7 @@ def mpi_datatype_and_op(dtype_name: str, op: str) -> tuple[Any, Any]:
     return datatype, MPI.Op.Create(combine, commute=True)
 
 
-def _library_wraps(datatype: Any, mpi_op: Any, dtype: np.dtype, prod: bool) -> bool:
+def _library_wraps(datatype: MPI.Datatype, mpi_op: MPI.Op, dtype: np.dtype, prod: bool) -> bool:
     """Whether the MPI library's ``mpi_op`` on integers of ``datatype`` wraps on overflow.
 
     Asked of the library itself with ``MPI_Reduce_local`` (the same reduction kernels its
