@@ -11,10 +11,13 @@ import json
 import math
 from typing import Any
 
+from optcc_mpi import glm
+from optcc_mpi.glm.comm import Group
+from optcc_mpi.lab import glm_bench, glm_measure, glm_plots, glm_projection
 from optcc_mpi.units import parse_duration, parse_rate
 
 from ..errors import ArgumentError
-from .train import _PARSERS, command_line, report_errors_once
+from .train import _PARSERS, TRANSPORTS, command_line, report_errors_once
 
 EPILOG = """\
 what it measures:
@@ -26,10 +29,12 @@ what it measures:
      logistic, SGDRegressor, PoissonRegressor; same objective, no intercept).
 
 the network (emulated, derived (ours)):
-  every AllReduce of n bytes on P ranks is charged the critical path of a recursive-
-  doubling AllReduce: R(P) * (latency + n / bw), R = log2 P (+2 if P is not a power of 2).
-  The rank sleeps (never spins) until that deadline, so ranks sharing cores leave them to
-  the ranks still computing; a sleep's overshoot shortens the next wait.
+  every AllReduce of n bytes on P ranks is charged the modelled time of the library's own
+  AllReduce (optcc_mpi.model.library_allreduce): the faster of recursive doubling,
+  R(P) * (latency + n / bw) with R = log2 P (+2 if P is not a power of 2), and
+  Rabenseifner's, 2 ceil(log2 P) * latency + 2 (P-1)/P * n / bw. The rank sleeps (never
+  spins) until that deadline, so ranks sharing cores leave them to the ranks still
+  computing; a sleep's overshoot shortens the next wait.
 
 two clocks per run:
   t_wall   the run's own training time under the emulated network (machine load and
@@ -56,6 +61,10 @@ examples:
 
   # against scikit-learn on a larger problem, P = 2
   mpiexec -n 2 optcc-mpi bench-glm --m 1000000 --n 256 --s 16 --recipes C --repeats 1
+
+  # the same measurement under torchrun, over torch.distributed's gloo (CPU tensors)
+  torchrun --standalone --nproc-per-node 8 $(which optcc-mpi) bench-glm --latency 50us \\
+      --bw 25GB/s --recipes C --s 8,16,32 --no-sklearn
 """
 
 
@@ -132,6 +141,12 @@ def register(subparsers: Any) -> None:
         help="ranks to project to (default 8,16,...,1024)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="with --project: speedup-vs-P plot")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="what joins the ranks: mpi (default under mpiexec/srun), gloo (torch."
+        "distributed, CPU tensors; default under torchrun) or nccl (CUDA tensors)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument(
         "--out", metavar="FILE", help="append one JSON line per run (--project: one document)"
@@ -170,8 +185,6 @@ def _bandwidths(text: str) -> list[float | None]:
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Check and parse the options; raises :class:`ArgumentError` with the fix."""
-    from .. import glm
-
     for flag, value in (("--m", args.m), ("--n", args.n), ("--b", args.b)):
         if value < 1:
             raise ArgumentError(f"{flag} must be a positive integer, got {value}")
@@ -211,14 +224,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, comm: Any) -> int:
-    from ..lab import glm_bench
-
     validate(args)
-    command = command_line(args, comm.size)
+    group = Group(comm)
+    command = command_line(args, group.size)
     if args.project:
-        return _project(args, comm, command)
+        return _project(args, group, command)
     rows = glm_bench.run_bench(args, comm, command)
-    if comm.rank == 0:
+    if group.rank == 0:
         print(glm_bench.format_table(rows))
         if args.out:
             glm_bench.write_rows(rows, args.out)
@@ -226,10 +238,8 @@ def _bench(args: argparse.Namespace, comm: Any) -> int:
     return 0
 
 
-def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
-    from ..lab import glm_measure, glm_plots, glm_projection
-
-    if comm.rank:
+def _project(args: argparse.Namespace, group: Group, command: str) -> int:
+    if group.rank:
         return 0  # one process measures; the others have nothing to do
     networks = [(lat, bw) for lat in args.latencies for bw in args.bws]
     recipe = args.recipes[-1]
@@ -257,7 +267,7 @@ def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
             projections,
             args.plot,
             f"PROJECTION: {args.model}, n = {args.n}, b = {args.b}, recipe {recipe}\n"
-            "compute timed on this machine, AllReduce modelled (recursive doubling)",
+            "compute timed on this machine, AllReduce modelled (the library's)",
         )
         print(f"wrote {args.plot}")
     if args.out:
@@ -266,7 +276,7 @@ def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
             "command": command,
             "projection": True,
             "scaling": "strong (columns split over P)",
-            "net_path": "recursive-doubling",
+            "net_model": "library",
             **inputs,
             "networks": [
                 {
