@@ -16,10 +16,17 @@ from mpi4py import MPI
 pytest.importorskip("sklearn")
 
 from sklearn.base import clone  # noqa: E402
-from sklearn.datasets import load_diabetes, load_iris  # noqa: E402
-from sklearn.exceptions import NotFittedError  # noqa: E402
+from sklearn.datasets import (  # noqa: E402
+    load_breast_cancer,
+    load_diabetes,
+    load_digits,
+    load_iris,
+    load_wine,
+)
+from sklearn.exceptions import ConvergenceWarning, NotFittedError  # noqa: E402
+from sklearn.linear_model import LogisticRegression  # noqa: E402
 from sklearn.metrics import d2_log_loss_score, d2_tweedie_score, r2_score  # noqa: E402
-from sklearn.model_selection import GridSearchCV, cross_val_score  # noqa: E402
+from sklearn.model_selection import GridSearchCV, StratifiedKFold, cross_val_score  # noqa: E402
 from sklearn.pipeline import make_pipeline  # noqa: E402
 from sklearn.preprocessing import StandardScaler  # noqa: E402
 from sklearn.utils.estimator_checks import (  # noqa: E402
@@ -476,3 +483,61 @@ def test_scalar_sample_weight_is_every_row() -> None:
     a = CASGDClassifier(max_iter=2, tol=None).fit(X, y).coef_
     b = CASGDClassifier(max_iter=2, tol=None).fit(X, y, sample_weight=2.5).coef_
     np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------
+# Convergence with the defaults (scikit-learn's SGD conventions)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("load", [load_iris, load_digits, load_wine, load_breast_cancer])
+def test_defaults_match_logistic_regression_under_cross_validation(load):
+    # 5-fold CV with a StandardScaler: the defaults (b, lr, s "auto"; tol 1e-3) reach
+    # LogisticRegression's accuracy within 0.02, without a ConvergenceWarning.
+    X, y = load(return_X_y=True)
+    cv = StratifiedKFold(5, shuffle=True, random_state=0)
+    ref = cross_val_score(make_pipeline(StandardScaler(), LogisticRegression()), X, y, cv=cv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        pipe = make_pipeline(StandardScaler(), CASGDClassifier(comm=SELF))
+        ours = cross_val_score(pipe, X, y, cv=cv)
+    assert ours.mean() >= ref.mean() - 0.02, (ours.mean(), ref.mean())
+
+
+def test_max_iter_ends_the_fit_with_a_convergence_warning():
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    with pytest.warns(ConvergenceWarning, match="max_iter=2"):
+        clf = CASGDClassifier(max_iter=2, comm=SELF).fit(X, y)
+    assert clf.n_iter_ == 2 and clf.stop_reason_ == "max_iter"
+    # tol=None: exactly max_iter epochs, and no warning (nothing was asked to converge).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        fixed = CASGDClassifier(max_iter=3, tol=None, comm=SELF).fit(X, y)
+    assert fixed.n_iter_ == 3 and fixed.stop_reason_ == "max_iter"
+    # The defaults stop by themselves, well before max_iter.
+    free = CASGDClassifier(comm=SELF).fit(X, y)
+    assert free.stop_reason_ == "converged" and free.n_iter_ < 1000
+    losses = free.result_.epoch_losses()
+    assert len(losses) == free.n_iter_ and losses[-1] < losses[0]
+
+
+def test_early_stopping_holds_out_a_stratified_share():
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    clf = CASGDClassifier(early_stopping=True, validation_fraction=0.2, comm=SELF).fit(X, y)
+    res = clf.result_
+    assert clf.stop_reason_ == "no_validation_improvement"
+    assert res.config["m_train"] == 569 - 113  # 42 of 212 and 71 of 357 held out
+    assert 0.9 < res.val_score <= 1.0 and all("val_score" in h for h in res.history)
+    with pytest.raises(ValueError, match="validation_fraction"):
+        CASGDClassifier(early_stopping=True, validation_fraction=1.5, comm=SELF).fit(X, y)
+
+
+def test_epochs_still_works_with_a_deprecation_warning():
+    X, y = make_glm_data("linear", 200, 4, seed=0, dtype="float64")
+    with pytest.warns(FutureWarning, match="epochs=3 is deprecated"):
+        old = CASGDRegressor(epochs=3, comm=SELF).fit(X, y)
+    new = CASGDRegressor(max_iter=3, tol=None, comm=SELF).fit(X, y)
+    assert old.n_iter_ == 3
+    np.testing.assert_array_equal(old.coef_, new.coef_)

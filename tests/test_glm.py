@@ -40,8 +40,10 @@ from optcc_mpi.glm.sampler import Sampler
 from optcc_mpi.glm.solvers import (
     EXIT_AFTER_ENV,
     EXIT_AFTER_STATUS,
+    Stopping,
     TrainConfig,
     Trainer,
+    TrainState,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1005,3 +1007,154 @@ def test_mpi_checkpoint_resume(mpi_tmp_path):
     fit(X, y, max_iter=1, tol=None, checkpoint=ck, checkpoint_every=3, **kw)
     resumed = fit(X, y, max_iter=2, tol=None, checkpoint=ck, resume=True, **kw)
     np.testing.assert_array_equal(resumed.coef, full.coef)
+
+
+# --------------------------------------------------------------------------------------
+# stopping, the running loss, s="auto", torch kernels on one process
+# --------------------------------------------------------------------------------------
+
+
+def test_stopping_rule_plateaus_cuts_and_stops():
+    # Losses (lower is better) fed one epoch at a time; tol 0.1, plateaus of 2 epochs.
+    def run(losses, rate, tol=0.1):
+        rule = Stopping(max_iter=len(losses), tol=tol, n_iter_no_change=2, learning_rate=rate)
+        st = TrainState(w=None, lr=1.0)
+        trace = []
+        for loss in losses:
+            st.epoch += 1
+            rule.after_epoch(st, loss, st.lr)
+            trace.append((st.lr, st.stop_reason))
+            if st.stop_reason:
+                break
+        return st, trace
+
+    st, trace = run([5, 4, 3.95, 3.92, 3, 2.99], "constant")
+    # 3.95 and 3.92 improve on the best (4) by less than 0.1: a plateau after 2 epochs.
+    assert st.stop_reason == "converged" and st.epoch == 4 and st.lr == 1.0
+    st, trace = run([5, 4, 3.95, 3.92, 3, 2.99, 2.98, 2.97, 2.96], "adaptive")
+    # adaptive: the first plateau (epoch 4) divides the step by 5; the loss then gains
+    # 0.94 > tol by the second plateau (epoch 7), which divides it again; the third (epoch
+    # 9) comes after a gain of only 0.02 since that division: stop.
+    assert [lr for lr, _ in trace] == [1.0, 1.0, 1.0, 0.2, 0.2, 0.2, 0.04, 0.04, 0.04]
+    assert st.stop_reason == "converged" and st.epoch == 9 and st.cuts == 2
+    st, trace = run([5, 4, 3.95, 3.92, 3, 2.9, 2.8], "adaptive", tol=None)
+    # tol=None: never stops early, max_iter ends it, the step never changes.
+    assert st.stop_reason == "max_iter" and st.epoch == 7 and {lr for lr, _ in trace} == {1.0}
+
+
+def test_fit_stops_by_itself_and_resumes_its_stopping_state(tmp_path):
+    X, y = problem("logistic")
+    kw = dict(model="logistic", s=4, b=8, lr=0.5, tol=1e-3, comm=MPI.COMM_SELF)
+    res = fit(X, y, **kw)
+    assert res.stop_reason == "converged" and res.converged and 5 <= res.n_iter < 1000
+    lrs = [h["lr"] for h in res.history if h["epoch_end"]]
+    assert lrs[0] == 0.5 and lrs[-1] < 0.5  # adaptive: the step was divided at a plateau
+    # Killed after 3 epochs and resumed: the same epochs, steps and weights.
+    ck = tmp_path / "ck.h5"
+    fit(X, y, max_iter=3, checkpoint=ck, checkpoint_every=100, **kw)
+    resumed = fit(X, y, checkpoint=ck, resume=True, **kw)
+    assert resumed.n_iter == res.n_iter and resumed.stop_reason == res.stop_reason
+    np.testing.assert_array_equal(resumed.coef, res.coef)
+    # max_iter reached: said so; the deprecated epochs is max_iter with tol=None.
+    capped = fit(X, y, max_iter=2, **kw)
+    assert capped.stop_reason == "max_iter" and capped.n_iter == 2 and not capped.converged
+    with pytest.warns(FutureWarning, match="fit\\(epochs=E\\) is deprecated"):
+        old = fit(X, y, epochs=2, **kw)
+    np.testing.assert_array_equal(old.coef, fit(X, y, **{**kw, "tol": None}, max_iter=2).coef)
+
+
+def test_progress_line_shows_the_running_loss_of_the_current_epoch(monkeypatch):
+    from optcc_mpi.glm import api
+
+    posts: list[str] = []
+
+    class Recording:
+        def __init__(self, *args, enabled=True, **kwargs):
+            self.enabled, self.n = enabled, 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def update(self, n=1, postfix=None):
+            posts.append(postfix)
+
+    monkeypatch.setattr(api, "Progress", Recording)
+    X, y = problem("logistic", m=256)
+    kw = dict(model="logistic", solver="sgd", b=8, lr=0.5, max_iter=2, tol=None, recipe="fp64")
+    res = fit(X, y, progress=True, comm=MPI.COMM_SELF, **kw)
+    assert len(posts) == 2 * 32 and posts[0].startswith("epoch 1 loss ")
+    assert posts[-1].startswith("epoch 2 loss ")
+    # The last value of each epoch is the mean loss of that epoch's 32 mini-batches, each
+    # at the margins its step saw: replayed here from fp64 SGD's own iterates.
+    w = np.zeros(24)
+    for epoch in range(2):
+        perm = np.random.default_rng([0, epoch]).permutation(256)
+        seen = []
+        for j in range(32):
+            rows = perm[j * 8 : (j + 1) * 8]
+            z = X[rows] @ w
+            seen.append(np.mean(np.logaddexp(0, z) - y[rows] * z))
+            w -= 0.5 / 8 * X[rows].T @ (1 / (1 + np.exp(-z)) - y[rows])
+        shown = float(posts[32 * epoch + 31].split()[-1])
+        assert shown == pytest.approx(np.mean(seen), rel=1e-5)
+    np.testing.assert_allclose(res.coef, w, rtol=1e-10)
+
+
+def test_auto_s_follows_the_cost_model():
+    from optcc_mpi.glm import auto
+
+    net = dict(b=32, n_local=32, latency=50e-6, bw=25e9, gamma=1e-9)
+    # One process: nothing to save, s = 1 (and fit takes it without measuring anything).
+    assert auto.choose_s(p=1, **net) == 1
+    X, y = problem("logistic")
+    assert fit(X, y, model="logistic", b=8, max_iter=1, comm=MPI.COMM_SELF).config["s"] == 1
+    # Several: the argmin of the modelled time per step; more latency, larger s.
+    s8 = auto.choose_s(p=8, **net)
+    times = [auto.step_time(s, p=8, **net) for s in range(1, 65)]
+    assert times[s8 - 1] <= min(times) * 1.01 and 1 < s8 < 64
+    assert auto.choose_s(p=8, **{**net, "latency": 5e-6}) < s8
+    # A Gram that costs more (more columns per rank) pushes s down.
+    assert auto.choose_s(p=8, **{**net, "n_local": 4096}) < s8
+    # The emulated network is the model's when one is emulated.
+    assert auto.network_of(None) is None
+    from optcc_mpi.emulation import Emulation
+
+    assert auto.network_of(Emulation(latency=5e-5, bw=1e9)) == (5e-5, 1e9)
+
+
+def test_torch_kernels_on_one_process_match_numpy():
+    torch = pytest.importorskip("torch")
+    from optcc_mpi.glm.precision import get_recipe
+    from optcc_mpi.glm.torch_kernels import TorchLocalData, as_tensor, gram_bf16
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(64, 12))
+    for recipe in ("fp64", "C"):
+        rcp = get_recipe(recipe)
+        ref = LocalData(X, rcp)
+        loc = TorchLocalData(X, rcp, device=torch.device("cpu"))
+        rows = np.arange(40) % 64
+        Yr, Yt = ref.gather(rows), loc.gather(loc.space(rows))
+        w = rng.normal(size=12)
+        np.testing.assert_allclose(
+            loc.host(loc.margins(Yt, loc.initial(w, rcp.update))),
+            ref.margins(Yr, ref.initial(w, rcp.update)),
+            rtol=1e-6,
+        )
+        for layout in ("lower", "full"):
+            ref.layout = loc.layout = layout
+            np.testing.assert_allclose(
+                loc.host(loc.gram_packed(Yt, 5, 8)), ref.gram_packed(Yr, 5, 8), rtol=1e-5, atol=1e-6
+            )
+    # The recipe-C Gram: fp32 result from bf16 rows; on CUDA one torch.mm(out_dtype=fp32)
+    # call (its form checked here on torch's meta device, which needs no GPU).
+    Y = as_tensor(X.astype(np.float32), torch.device("cpu")).to(torch.bfloat16)
+    G = gram_bf16(Y)
+    assert G.dtype == torch.float32
+    Yf = Y.to(torch.float64)
+    np.testing.assert_allclose(G.numpy(), (Yf @ Yf.T).numpy(), rtol=1e-5, atol=1e-5)
+    meta = torch.mm(Y.to("meta"), Y.to("meta").T, out_dtype=torch.float32)
+    assert meta.dtype == torch.float32 and meta.shape == (64, 64)

@@ -13,7 +13,7 @@ from typing import Any
 
 from optcc_mpi import glm
 from optcc_mpi.glm.comm import Group
-from optcc_mpi.lab import glm_bench, glm_measure, glm_plots, glm_projection
+from optcc_mpi.lab import glm_bench, glm_defaults, glm_measure, glm_plots, glm_projection
 from optcc_mpi.units import parse_duration, parse_rate
 
 from ..errors import ArgumentError
@@ -44,6 +44,12 @@ two clocks per run:
            the time with one core per rank and the modelled network.
   Speedups are medians of per-sweep ratios to fp32 SGD (--repeats sweeps).
 
+--defaults (one process, the estimators' defaults):
+  CASGDClassifier(), LogisticRegression() (lbfgs) and SGDClassifier(log_loss) on
+  make_classification(--m, --n) standardised: the wall time of each one's fit, its
+  max_iter doubled until its log loss is within --tolerance (use 0.01) of
+  LogisticRegression's converged loss; also each full default fit. One BLAS thread.
+
 --project (a PROJECTION, not a measurement):
   times one rank's compute between AllReduces on this machine for the ceil(n/P)
   columns it would hold at each P (strong scaling: the same problem split further),
@@ -61,6 +67,9 @@ examples:
 
   # against scikit-learn on a larger problem, P = 2
   mpiexec -n 2 optcc-mpi bench-glm --m 1000000 --n 256 --s 16 --recipes C --repeats 1
+
+  # the defaults against scikit-learn's on one process, 100k x 100, within 1%
+  optcc-mpi bench-glm --defaults --m 100000 --n 100 --tolerance 0.01 --repeats 3
 
   # the same measurement under torchrun, over torch.distributed's gloo (CPU tensors)
   torchrun --standalone --nproc-per-node 8 $(which optcc-mpi) bench-glm --latency 50us \\
@@ -127,6 +136,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-sklearn", action="store_true", help="skip the scikit-learn baselines")
     p.add_argument(
         "--no-lbfgs", action="store_true", help="skip LogisticRegression(lbfgs) (logistic only)"
+    )
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="one process: the estimators' defaults against LogisticRegression and "
+        "SGDClassifier, time to within --tolerance of LogisticRegression's loss",
     )
     p.add_argument(
         "--project",
@@ -209,7 +224,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     args.p_values = _ints(args.p_values, "--P", minimum=2)
     if args.plot and not args.project:
         raise ArgumentError("--plot draws the projection: add --project")
-    if not args.project and max(args.s_values) * args.b > args.m:
+    if args.defaults and args.project:
+        raise ArgumentError("--defaults and --project are two different benchmarks: pick one")
+    if not (args.project or args.defaults) and max(args.s_values) * args.b > args.m:
         raise ArgumentError(
             f"s * b = {max(args.s_values) * args.b} exceeds the {args.m} rows (--m): "
             "lower --s or --b, or raise --m"
@@ -229,12 +246,33 @@ def _bench(args: argparse.Namespace, comm: Any) -> int:
     command = command_line(args, group.size)
     if args.project:
         return _project(args, group, command)
+    if args.defaults:
+        return _defaults(args, group, command)
     rows = glm_bench.run_bench(args, comm, command)
     if group.rank == 0:
         print(glm_bench.format_table(rows))
         if args.out:
             glm_bench.write_rows(rows, args.out)
             print(f"appended {len(rows)} lines to {args.out}")
+    return 0
+
+
+def _defaults(args: argparse.Namespace, group: Group, command: str) -> int:
+    if group.rank:
+        return 0  # one process measures; the others have nothing to do
+    rows = glm_defaults.run_defaults_bench(
+        args.m,
+        args.n,
+        seed=args.seed,
+        tolerance=args.tolerance,
+        repeats=args.repeats,
+        command=command,
+        say=None if args.quiet else lambda msg: print(msg, flush=True),
+    )
+    print(glm_defaults.format_defaults(rows))
+    if args.out:
+        glm_bench.write_rows(rows, args.out)
+        print(f"appended {len(rows)} lines to {args.out}")
     return 0
 
 
