@@ -541,3 +541,13 @@ def test_epochs_still_works_with_a_deprecation_warning():
     new = CASGDRegressor(max_iter=3, tol=None, comm=SELF).fit(X, y)
     assert old.n_iter_ == 3
     np.testing.assert_array_equal(old.coef_, new.coef_)
+
+
+def test_early_stopping_on_tiny_classes_keeps_the_batch_within_the_training_rows():
+    # Three classes of five rows, 10%: one row of each class is held out (at least one),
+    # so twelve rows train; b="auto" is clipped to them.
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(15, 3))
+    y = np.repeat([0, 1, 2], 5)
+    clf = CASGDClassifier(early_stopping=True, b=10**6, comm=SELF).fit(X, y)
+    assert clf.result_.config["m_train"] == 12 and clf.b_ == 12

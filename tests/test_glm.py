@@ -1158,3 +1158,17 @@ def test_torch_kernels_on_one_process_match_numpy():
     np.testing.assert_allclose(G.numpy(), (Yf @ Yf.T).numpy(), rtol=1e-5, atol=1e-5)
     meta = torch.mm(Y.to("meta"), Y.to("meta").T, out_dtype=torch.float32)
     assert meta.dtype == torch.float32 and meta.shape == (64, 64)
+
+
+def test_a_torchrun_process_without_a_process_group_is_told_what_to_do(monkeypatch):
+    # torchrun sets WORLD_SIZE; over MPI each of its processes would train alone.
+    from optcc_mpi.glm.comm import default_comm
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4.*init_process_group"):
+        default_comm()
+    X, y = problem("logistic", m=64)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        fit(X, y, model="logistic", b=8, max_iter=1)
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator"):
+        fit(X, y, model="logistic", b=8, max_iter=1, comm="world")

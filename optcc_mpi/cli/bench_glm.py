@@ -71,9 +71,10 @@ examples:
   # the defaults against scikit-learn's on one process, 100k x 100, within 1%
   optcc-mpi bench-glm --defaults --m 100000 --n 100 --tolerance 0.01 --repeats 3
 
-  # the same measurement under torchrun, over torch.distributed's gloo (CPU tensors)
-  torchrun --standalone --nproc-per-node 8 $(which optcc-mpi) bench-glm --latency 50us \\
-      --bw 25GB/s --recipes C --s 8,16,32 --no-sklearn
+  # the same measurement under torchrun, over torch.distributed's gloo (CPU tensors); the
+  # command as one string (torchrun's own parser would take --s, --m, --n for its options)
+  torchrun --standalone --nproc-per-node 8 --no-python sh -c "optcc-mpi bench-glm \\
+      --latency 50us --bw 25GB/s --recipes C --s 8,16,32 --no-sklearn"
 """
 
 

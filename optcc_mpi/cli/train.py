@@ -24,8 +24,10 @@ examples:
   mpiexec -n 4 optcc-mpi train --data higgs.h5 --model logistic --solver casgd \\
       --s 16 --b 32 --lr 0.5 --recipe C --out run.json
 
-  # the same under torchrun, over torch.distributed's gloo (CPU tensors, no MPI at all)
-  torchrun --standalone --nproc-per-node 4 $(which optcc-mpi) train --data higgs.h5 --recipe C
+  # the same under torchrun, over torch.distributed's gloo (CPU tensors, no MPI at all);
+  # the command as one string: torchrun's parser would take --s for one of its options
+  torchrun --standalone --nproc-per-node 4 --no-python sh -c \\
+      "optcc-mpi train --data higgs.h5 --s 16 --recipe C"
 
   # exactly 5 epochs (what --epochs 5 did), plain SGD in fp32 (the reference recipe)
   mpiexec -n 4 optcc-mpi train --data higgs.h5 --solver sgd --max-iter 5 --tol none
@@ -342,13 +344,12 @@ def command_line(args: argparse.Namespace, size: int) -> str:
 
     Rebuilt from the parsed options (every option that differs from its default), so it
     is right however the command was started (console script, ``python -m``, ``main()``).
+    Under torchrun the command goes in as one string through ``--no-python sh -c``:
+    torchrun's own parser reads every option of its command line, those after the script
+    too, and refuses ``--s``, ``--m`` or ``--n`` as abbreviations of its own.
     """
     parser = _PARSERS[args.command]
-    if world.launcher() == "torchrun":
-        words = ["torchrun", "--standalone", f"--nproc-per-node={size}", "optcc-mpi"]
-    else:
-        words = ["mpiexec", "-n", str(size), "optcc-mpi"]
-    words.append(args.command)
+    words = ["optcc-mpi", args.command]
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
@@ -363,7 +364,11 @@ def command_line(args: argparse.Namespace, size: int) -> str:
                 words += [flag, str(item)]
         else:
             words += [flag, str(value)]
-    return " ".join(shlex.quote(w) for w in words)
+    inner = " ".join(shlex.quote(w) for w in words)
+    if world.launcher() == "torchrun":
+        launch = f"torchrun --standalone --nproc-per-node={size} --no-python sh -c"
+        return f"{launch} {shlex.quote(inner)}"
+    return f"mpiexec -n {size} {inner}"
 
 
 def report_errors_once(name: str, body: Any, args: argparse.Namespace) -> int:

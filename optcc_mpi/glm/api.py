@@ -55,7 +55,14 @@ from .solvers import (
     TrainState,
 )
 
-__all__ = ["FitResult", "column_block", "fit", "fit_partition", "resolve_device"]
+__all__ = [
+    "FitResult",
+    "column_block",
+    "fit",
+    "fit_partition",
+    "resolve_device",
+    "validation_rows",
+]
 
 
 def resolve_device(device: Any) -> Any:
@@ -843,26 +850,32 @@ def _classes(y: np.ndarray) -> np.ndarray:
     return np.argmax(y, axis=1) if y.ndim == 2 else (y > 0.5).astype(np.int64)
 
 
-def _validation_rows(y: np.ndarray, opts: _Options) -> np.ndarray:
-    """The rows held out with ``early_stopping``, sorted (empty without it): a
-    ``validation_fraction`` share of every class (logistic) or of all rows, at least one,
-    drawn from ``seed`` (the same on every rank)."""
-    f = opts.validation_fraction
-    if not f:
+def validation_rows(y: np.ndarray, fraction: float, seed: int, *, stratify: bool) -> np.ndarray:
+    """The rows ``early_stopping`` holds out, sorted (empty for ``fraction`` 0): a
+    ``fraction`` share of every class (``stratify``: logistic; the class of a row with K
+    label columns is its largest) or of all rows, at least one, drawn from ``seed`` (the
+    same on every rank). A class of two rows or more keeps at least one to train on."""
+    if not fraction:
         return np.zeros(0, dtype=np.int64)
-    rng = np.random.default_rng([opts.seed, 0x5A11D])
+    rng = np.random.default_rng([seed, 0x5A11D])
     m = y.shape[0]
-    if opts.model.name != "logistic":
-        return np.sort(rng.permutation(m)[: max(1, int(round(f * m)))])
+    if not stratify:
+        return np.sort(rng.permutation(m)[: max(1, int(round(fraction * m)))])
     cls = _classes(y)
     held = []
     for c in np.unique(cls):
         rows = np.flatnonzero(cls == c)
-        k = int(round(f * rows.size))
+        k = int(round(fraction * rows.size))
         if rows.size >= 2:
             k = min(max(k, 1), rows.size - 1)  # every class both trained on and validated
         held.append(rng.permutation(rows)[:k])
     return np.sort(np.concatenate(held)).astype(np.int64)
+
+
+def _validation_rows(y: np.ndarray, opts: _Options) -> np.ndarray:
+    return validation_rows(
+        y, opts.validation_fraction, opts.seed, stratify=opts.model.name == "logistic"
+    )
 
 
 def _validation_size(y: np.ndarray, opts: _Options) -> int:

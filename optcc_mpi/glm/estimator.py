@@ -57,7 +57,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_array, check_is_fitted, validate_data
 
 from ..errors import ArgumentError, ArgumentTypeError
-from .api import FitResult, fit
+from .api import FitResult, fit, validation_rows
 from .comm import LIBRARY, Group
 from .models import MODELS, get_model
 from .precision import get_recipe
@@ -375,12 +375,15 @@ class _BaseGLM(BaseEstimator):
         X, targets, sw = _collective(group, lambda: self._validate(X, y, sample_weight))
         m = X.shape[0]
         Xa = _with_intercept(X) if self.fit_intercept else X
-        if self.early_stopping:
-            # The batch must fit the rows trained on: those left after the validation rows.
-            fraction = float(self.validation_fraction)
-            m_train = max(1, m - max(1, int(round(fraction * m)))) if 0 < fraction < 1 else m
-        else:
-            m_train = m
+        m_train = m
+        fraction = self.validation_fraction
+        if self.early_stopping and isinstance(fraction, numbers.Real) and 0 < fraction < 1:
+            # The batch must fit the rows trained on: those left after the validation rows
+            # (fit checks the fraction itself; a bad one fails there on every rank).
+            held = validation_rows(
+                targets, float(fraction), self.seed, stratify=self._model_name() == "logistic"
+            )
+            m_train = max(1, m - held.size)
         # Defaults that work on small data: a batch no larger than the data (and, given as
         # a number, as many steps per outer iteration as one epoch holds, at least 1).
         b = self.b
