@@ -169,6 +169,8 @@ def test_bench_glm_smoke(tmp_path, capsys):
     assert len(rows) == 2 * (1 + 2 * 2 + 2)
     for row in rows:
         assert row["command"].startswith("mpiexec -n 1 optcc-mpi bench-glm")
+        # The options as given (not the lists they are parsed into).
+        assert "--s 2,4 " in row["command"] and "--recipes fp32,C " in row["command"]
     ours = [r for r in rows if r["solver"] != "sklearn"]
     assert all(r["loss_gap"] <= 0.005 for r in ours)
     assert all(r["time_to_target_s"] is not None for r in ours)

@@ -242,9 +242,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, comm: Any) -> int:
-    validate(args)
     group = Group(comm)
+    # The command from the options as given: validate() turns the lists into values.
     command = command_line(args, group.size)
+    validate(args)
     if args.project:
         return _project(args, group, command)
     if args.defaults:
