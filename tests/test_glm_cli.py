@@ -169,8 +169,9 @@ def test_bench_glm_smoke(tmp_path, capsys):
     assert len(rows) == 2 * (1 + 2 * 2 + 2)
     for row in rows:
         assert row["command"].startswith("mpiexec -n 1 optcc-mpi bench-glm")
-        # The options as given (not the lists they are parsed into).
-        assert "--s 2,4 " in row["command"] and "--recipes fp32,C " in row["command"]
+        # The options as given (not the lists they are parsed into), defaults left out.
+        assert "--s 2,4 " in row["command"] and "--latency 0,20us " in row["command"]
+        assert "[" not in row["command"] and "--recipes" not in row["command"]
     ours = [r for r in rows if r["solver"] != "sklearn"]
     assert all(r["loss_gap"] <= 0.005 for r in ours)
     assert all(r["time_to_target_s"] is not None for r in ours)

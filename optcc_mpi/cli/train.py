@@ -115,8 +115,10 @@ def register(subparsers: Any) -> None:
         help="train a GLM (logistic, linear, Poisson) with SGD or CA-SGD",
         description=(
             "Train a generalized linear model by mini-batch SGD or communication-avoiding "
-            "SGD in the 1D block-column layout (each rank holds a block of columns). Run "
-            "it under mpiexec or srun; rank 0 prints the progress and the results."
+            "SGD in the 1D block-column layout (each rank holds a block of columns), until "
+            "the loss stops improving. Run it under mpiexec or srun (MPI), or torchrun "
+            "(torch.distributed: gloo, or NCCL for CUDA tensors); rank 0 prints the "
+            "progress and the results, the last line the score and why training stopped."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -472,6 +472,7 @@ class Trainer:
         self.checkpoint_s = 0.0
         self._epoch = 0
         self.track_loss = False
+        self._coef: dict[tuple[int, float], Any] = {}
         self._run_loss: Any = 0.0
         self._run_rows = 0
 
@@ -574,9 +575,14 @@ class Trainer:
         if q == 1.0:
             v = d * (lr / b)
         else:
-            # (eta/b) q^(steps-1-t) for each row of block t: the update's weights.
-            powers = np.repeat(np.arange(steps - 1, -1, -1), b)
-            coef = self.local.space(((lr / b) * q**powers).astype(_compute_dtype(upd)))
+            # (eta/b) q^(steps-1-t) for each row of block t: the update's weights, made once
+            # per (steps, step size) where the trainer computes (no copy per iteration).
+            key = (steps, lr)
+            coef = self._coef.get(key)
+            if coef is None:
+                powers = np.repeat(np.arange(steps - 1, -1, -1), b)
+                coef = self.local.space(((lr / b) * q**powers).astype(_compute_dtype(upd)))
+                self._coef = {key: coef} if len(self._coef) > 8 else {**self._coef, key: coef}
             v = d * (coef[:, None] if d.ndim == 2 else coef)
         g = self.local.gradient(Yd, self.local.device(v))
         w_new = (w * (q**steps) if q != 1.0 else w) - g

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .kernels import GRAM_LAYOUTS, lower_block_index, packed_size
-from .precision import Recipe, compute_dtype, is_half, rounded, storage_dtype, torch_dtype
+from .precision import Recipe, is_half, rounded, storage_dtype, torch_dtype
 
 __all__ = ["TorchLocalData", "as_tensor", "gram_bf16"]
 
@@ -233,7 +233,3 @@ class TorchLocalData:
         A = self._operand(Yd, rc.data, rc.update)
         g = A.T @ v.to(torch_dtype(rc.update))
         return rounded(g, rc.update) if is_half(rc.update) else g
-
-    def step_dtype(self) -> Any:
-        """The update's arithmetic dtype (for the step coefficients)."""
-        return compute_dtype(self.recipe.update)
