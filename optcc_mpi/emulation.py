@@ -10,6 +10,11 @@ its sender's and its receiver's side served it.
 The real transfers (shared memory, or a fast network) must be faster than the virtual
 NIC for the emulation to be faithful; the benchmark reports what the emulation achieved.
 
+The library's own AllReduce (one opaque call) is charged the one model of it,
+:func:`optcc_mpi.model.library_allreduce`, at the slowest rank's rate: the executor asks
+:meth:`Pacer.coll_done` when such a call counts as complete, and a caller that runs the
+call itself (CA-SGD's trainer) has :meth:`Pacer.hold` sleep to its deadline.
+
 String form (CLI ``--emulate`` and ``$OPTCC_EMULATE``): ``"bw=200MB/s,latency=20us"``;
 either key may be left out. Which ranks are slow is normally the link profile the
 algorithms are told (``links``); ``degrade=RANK:FRACTION,...`` (last in the string) sets
@@ -21,11 +26,14 @@ rank's virtual NIC regardless of the profile.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from optcc_mpi import config
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
+from optcc_mpi.model import library_allreduce
 from optcc_mpi.units import parse_duration, parse_rate
 
 __all__ = ["Emulation", "Pacer", "ENV_EMULATE", "ENV_FRACTION", "forced_fraction"]
@@ -163,8 +171,13 @@ class Pacer:
 
     The pacer keeps its own accounting, so that what it charged can be checked without a
     clock: ``charged_bytes`` and ``charged_seconds`` per direction (``"send"``,
-    ``"recv"``, ``"coll"``), and ``charged_to[q]``, the seconds of send service charged
-    for messages to peer ``q``.
+    ``"recv"``, ``"coll"``: the library AllReduce's modelled time), and ``charged_to[q]``,
+    the seconds of send service charged for messages to peer ``q``. :meth:`hold` keeps
+    more: ``held`` calls, ``slept_s`` and ``sleeps``, ``overshoot_s`` and ``overrun_s``.
+
+    ``sleep(seconds)`` and the monotonic ``clock()`` of :meth:`hold` are ``time.sleep``
+    and ``time.perf_counter`` unless set (looked up at each call, so tests can replace
+    them).
     """
 
     def __init__(
@@ -193,6 +206,14 @@ class Pacer:
         self.charged_bytes = {"send": 0, "recv": 0, "coll": 0}
         self.charged_seconds = {"send": 0.0, "recv": 0.0, "coll": 0.0}
         self.charged_to: dict[int, float] = {}
+        self.sleep: Callable[[float], object] | None = None
+        self.clock: Callable[[], float] | None = None
+        self.held = 0
+        self.slept_s = 0.0
+        self.sleeps = 0
+        self.overshoot_s = 0.0
+        self.overrun_s = 0.0
+        self.debt_s = 0.0  # overshoot not yet repaid by a later deadline
 
     def send_rate(self, peer: int | None = None) -> float | None:
         """Bytes/s at which a send to ``peer`` is served (None: unpaced)."""
@@ -227,13 +248,44 @@ class Pacer:
             done = max(done, self.recv_free)
         return done + self.latency
 
+    def coll_time(self, nbytes: float) -> float:
+        """Modelled seconds of one library AllReduce of ``nbytes`` per rank
+        (:func:`optcc_mpi.model.library_allreduce`, held back by the slowest rank)."""
+        return library_allreduce(self.p, nbytes, self.coll_rate, latency=self.latency)
+
     def coll_done(self, posted: float, nbytes: int) -> float:
-        """Completion of a library AllReduce started at ``posted``: bandwidth-optimal,
-        held back by the slowest rank, with 2 log2(p) latencies."""
-        t = posted + 2 * math.ceil(math.log2(max(self.p, 2))) * self.latency
-        if self.coll_rate is not None:
-            cost = 2 * (self.p - 1) / self.p * nbytes / self.coll_rate
-            t += cost
-            self.charged_bytes["coll"] += nbytes
-            self.charged_seconds["coll"] += cost
-        return t
+        """Completion of a library AllReduce started at ``posted`` (:meth:`coll_time`)."""
+        cost = self.coll_time(nbytes)
+        self.charged_bytes["coll"] += nbytes
+        self.charged_seconds["coll"] += cost
+        return posted + cost
+
+    def hold(self, started: float, nbytes: int) -> float:
+        """Make a library AllReduce that began at ``started`` last its modelled time.
+
+        Call after the real reduction, which counts towards the charge; the rank then
+        *sleeps* (never spins, so ranks that share cores leave them to ranks still
+        computing) until the deadline ``started + coll_time(nbytes)``. A sleep
+        overshoots its request (about 0.06-0.1 ms on Linux); the overshoot is owed to
+        the next call, whose deadline is brought forward by it (deadline scheduling), so
+        the total waited tracks the total charged instead of drifting by one overshoot
+        per call. Returns the seconds charged.
+        """
+        cost = self.coll_done(started, nbytes) - started
+        clock = self.clock or time.perf_counter
+        now = clock()
+        self.held += 1
+        self.overrun_s += max(0.0, now - (started + cost))
+        deadline = started + cost - self.debt_s
+        if now < deadline:
+            wait = deadline - now
+            (self.sleep or time.sleep)(wait)
+            self.sleeps += 1
+            self.slept_s += wait
+            late = max(0.0, clock() - deadline)
+            self.overshoot_s += late
+            self.debt_s = late
+        else:
+            # No sleep: whatever of the charge the real reduction left over repays debt.
+            self.debt_s = max(0.0, self.debt_s - max(0.0, started + cost - now))
+        return cost

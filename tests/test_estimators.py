@@ -16,10 +16,17 @@ from mpi4py import MPI
 pytest.importorskip("sklearn")
 
 from sklearn.base import clone  # noqa: E402
-from sklearn.datasets import load_diabetes, load_iris  # noqa: E402
-from sklearn.exceptions import NotFittedError  # noqa: E402
+from sklearn.datasets import (  # noqa: E402
+    load_breast_cancer,
+    load_diabetes,
+    load_digits,
+    load_iris,
+    load_wine,
+)
+from sklearn.exceptions import ConvergenceWarning, NotFittedError  # noqa: E402
+from sklearn.linear_model import LogisticRegression  # noqa: E402
 from sklearn.metrics import d2_log_loss_score, d2_tweedie_score, r2_score  # noqa: E402
-from sklearn.model_selection import GridSearchCV, cross_val_score  # noqa: E402
+from sklearn.model_selection import GridSearchCV, StratifiedKFold, cross_val_score  # noqa: E402
 from sklearn.pipeline import make_pipeline  # noqa: E402
 from sklearn.preprocessing import StandardScaler  # noqa: E402
 from sklearn.utils.estimator_checks import (  # noqa: E402
@@ -32,6 +39,7 @@ from optcc_mpi.errors import DivergenceError  # noqa: E402
 from optcc_mpi.glm import GLM, CASGDClassifier, CASGDRegressor, fit, make_glm_data  # noqa: E402
 from optcc_mpi.glm.estimator import (  # noqa: E402
     EXPECTED_FAILED_CHECKS,
+    auto_batch,
     auto_lr,
     expected_failed_checks,
 )
@@ -85,18 +93,25 @@ SW_CHECKS = [
         CASGDClassifier(),
         CASGDClassifier(recipe="fp64"),
         CASGDRegressor(recipe="fp64"),
-        CASGDRegressor(model="poisson", recipe="fp64"),
-        GLM(model="linear", recipe="fp64"),
+        CASGDClassifier(b=10**6),
+        CASGDClassifier(b=10**6, recipe="fp64"),
+        CASGDRegressor(b=10**6, recipe="fp64"),
+        CASGDRegressor(model="poisson", b=10**6, recipe="fp64"),
+        GLM(model="linear", b=10**6, recipe="fp64"),
     ],
     ids=repr,
 )
 def test_sample_weight_equivalence_checks_fail_exactly_where_declared(estimator):
-    # Only the float32 classifier is declared, and it fails these two checks by roundoff
-    # alone: the same estimator in fp64 passes them.
+    # Declared: with b="auto" (mini-batches on the check's few rows), and for the float32
+    # classifier (roundoff) whatever its batch. In full batch and fp64 every estimator
+    # passes them: a weight of k is then exactly k copies of the row.
     expected = expected_failed_checks(estimator)
+    mini = isinstance(estimator.b, str)
+    low = isinstance(estimator, CASGDClassifier) and estimator.recipe != "fp64"
     assert set(expected) <= {c.__name__ for c in SW_CHECKS}
-    assert bool(expected) == (isinstance(estimator, CASGDClassifier) and estimator.recipe != "fp64")
-    assert expected == (EXPECTED_FAILED_CHECKS if expected else {})
+    assert bool(expected) == (mini or low)
+    if low:
+        assert set(expected) == set(EXPECTED_FAILED_CHECKS)
     for check in SW_CHECKS:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -128,7 +143,7 @@ def test_auto_lr_in_full_batch_treats_a_weight_of_k_as_k_copies(model):
 
 def test_grid_search_over_a_pipeline_gives_finite_scores():
     X, y = load_iris(return_X_y=True)
-    pipe = make_pipeline(StandardScaler(), CASGDClassifier(epochs=10, comm=SELF))
+    pipe = make_pipeline(StandardScaler(), CASGDClassifier(max_iter=10, tol=None, comm=SELF))
     grid = GridSearchCV(
         pipe,
         {"casgdclassifier__lam": [0.0, 1e-3], "casgdclassifier__b": [8, 32]},
@@ -145,10 +160,12 @@ def test_grid_search_over_a_pipeline_gives_finite_scores():
 def test_cross_val_score_for_every_estimator():
     X, y = load_diabetes(return_X_y=True)
     Xs = StandardScaler().fit_transform(X)
-    r2 = cross_val_score(CASGDRegressor(epochs=20, comm=SELF), Xs, y, cv=3)
+    r2 = cross_val_score(CASGDRegressor(max_iter=20, tol=None, comm=SELF), Xs, y, cv=3)
     assert np.isfinite(r2).all() and r2.mean() > 0.3
     # Poisson on the same (positive, non-integer after scaling) targets.
-    d2 = cross_val_score(CASGDRegressor(model="poisson", epochs=20, comm=SELF), Xs, y / 100, cv=3)
+    d2 = cross_val_score(
+        CASGDRegressor(model="poisson", max_iter=20, tol=None, comm=SELF), Xs, y / 100, cv=3
+    )
     assert np.isfinite(d2).all() and d2.mean() > 0.2
     Xi, yi = load_iris(return_X_y=True)
     acc = cross_val_score(make_pipeline(StandardScaler(), CASGDClassifier(comm=SELF)), Xi, yi)
@@ -166,13 +183,15 @@ def test_integer_weights_equal_repeated_rows_in_fp64_full_batch(kind):
     X = rng.normal(size=(40, 5))
     if kind == "classifier":
         y = rng.integers(0, 3, 40)  # three classes: one-vs-rest
-        est = CASGDClassifier(lr=0.3, epochs=30, b=10**6, recipe="fp64", comm=SELF)
+        est = CASGDClassifier(lr=0.3, max_iter=30, tol=None, b=10**6, recipe="fp64", comm=SELF)
     elif kind == "linear":
         y = X @ rng.normal(size=5) + rng.normal(size=40)
-        est = CASGDRegressor(lr=0.1, epochs=30, b=10**6, recipe="fp64", comm=SELF)
+        est = CASGDRegressor(lr=0.1, max_iter=30, tol=None, b=10**6, recipe="fp64", comm=SELF)
     else:
         y = rng.poisson(np.exp(0.3 * X[:, 0])) + 0.5
-        est = CASGDRegressor("poisson", lr=0.1, epochs=30, b=10**6, recipe="fp64", comm=SELF)
+        est = CASGDRegressor(
+            "poisson", lr=0.1, max_iter=30, tol=None, b=10**6, recipe="fp64", comm=SELF
+        )
     w = rng.integers(0, 4, 40)  # 0 removes a row, 2 doubles it ...
     weighted = clone(est).fit(X, y, sample_weight=w)
     repeated = clone(est).fit(np.repeat(X, w, axis=0), np.repeat(y, w))
@@ -196,7 +215,7 @@ def test_unit_weights_are_no_weights_and_weights_matter():
 def test_weighted_casgd_equals_weighted_sgd_fp64(model):
     X, y = make_glm_data(model, 256, 12, seed=3, dtype="float64")
     w = np.random.default_rng(0).uniform(0, 3, 256)
-    kw = dict(model=model, b=8, lr=0.2, epochs=2, lam=0.01, recipe="fp64", comm=SELF)
+    kw = dict(model=model, b=8, lr=0.2, max_iter=2, tol=None, lam=0.01, recipe="fp64", comm=SELF)
     sgd = fit(X, y, solver="sgd", s=1, sample_weight=w, **kw)
     ca = fit(X, y, solver="casgd", s=6, sample_weight=w, **kw)
     assert rel(ca.coef, sgd.coef) <= 1e-12
@@ -229,7 +248,7 @@ def test_multiclass_is_one_vs_rest_trained_jointly():
     X, y = load_iris(return_X_y=True)
     X = StandardScaler().fit_transform(X)
     labels = np.array(["setosa", "versicolor", "virginica"])[y]
-    kw = dict(s=4, b=10, lr=0.5, epochs=5, recipe="fp64", comm=SELF)
+    kw = dict(s=4, b=10, lr=0.5, max_iter=5, tol=None, recipe="fp64", comm=SELF)
     clf = CASGDClassifier(**kw).fit(X, labels)
     np.testing.assert_array_equal(clf.classes_, ["setosa", "versicolor", "virginica"])
     assert clf.coef_.shape == (3, 4) and clf.intercept_.shape == (3,)
@@ -250,7 +269,9 @@ def test_multiclass_is_one_vs_rest_trained_jointly():
 def test_joint_outputs_equal_separate_fits_in_fit():
     X, y = make_glm_data("logistic", 256, 10, seed=5, dtype="float64")
     Y = np.column_stack([y, 1 - y, (X[:, 0] > 0).astype(float)])
-    kw = dict(model="logistic", b=8, lr=0.5, epochs=2, lam=0.02, recipe="fp64", comm=SELF)
+    kw = dict(
+        model="logistic", b=8, lr=0.5, max_iter=2, tol=None, lam=0.02, recipe="fp64", comm=SELF
+    )
     for solver, s in (("casgd", 5), ("sgd", 1)):
         joint = fit(X, Y, solver=solver, s=s, **kw)
         assert joint.coef.shape == (10, 3)
@@ -271,7 +292,7 @@ def test_one_class_is_a_clear_error():
 def test_poisson_accepts_non_integer_targets_and_rejects_negative_ones():
     X, y = make_glm_data("poisson", 512, 6, seed=1, dtype="float64")
     rates = y + 0.25  # non-negative, not integers
-    reg = CASGDRegressor(model="poisson", epochs=10, comm=SELF).fit(X, rates)
+    reg = CASGDRegressor(model="poisson", max_iter=10, tol=None, comm=SELF).fit(X, rates)
     assert np.all(reg.predict(X) > 0) and 0 < reg.score(X, rates) <= 1
     with pytest.raises(ValueError, match="non-negative"):
         CASGDRegressor(model="poisson", comm=SELF).fit(X, rates - 1)
@@ -282,7 +303,7 @@ def test_score_of_every_model_matches_scikit_learn_metrics():
     w = rng.uniform(0.5, 2.0, 512)
     for model in ("linear", "poisson", "logistic"):
         X, y = make_glm_data(model, 512, 6, seed=2, dtype="float64")
-        est = GLM(model=model, epochs=5, comm=SELF).fit(X, y)
+        est = GLM(model=model, comm=SELF).fit(X, y)
         pred = est.predict(X)
         metric = {
             "linear": lambda t, p, sw: r2_score(t, p, sample_weight=sw),
@@ -306,16 +327,21 @@ def test_score_of_every_model_matches_scikit_learn_metrics():
 def test_defaults_work_on_small_data_and_any_scale():
     rng = np.random.default_rng(1)
     X = rng.normal(size=(5, 3))
-    reg = CASGDRegressor(comm=SELF).fit(X, X @ [1.0, 2.0, 3.0])
+    reg = CASGDRegressor(b=32, s=16, comm=SELF).fit(X, X @ [1.0, 2.0, 3.0])
     assert (reg.b_, reg.s_) == (5, 1)  # b = 32 and s = 16 clipped to 5 rows
     X, y = make_glm_data("linear", 100, 4, seed=0, dtype="float64")
-    reg = CASGDRegressor(comm=SELF).fit(X, y)
+    reg = CASGDRegressor(b=32, s=16, comm=SELF).fit(X, y)
     assert (reg.b_, reg.s_) == (32, 3)
+    # "auto": the critical batch of the data (intercept column included) and, on one
+    # process, s = 1: there is no communication to save.
+    reg = CASGDRegressor(comm=SELF).fit(X, y)
+    assert reg.b_ == auto_batch(np.hstack([X, np.ones((100, 1))])) and reg.s_ == 1
+    assert 1 <= reg.b_ <= 100
     # lr="auto" adapts to the scale of the features: the same fit on 1000 X converges too.
     steps = []
     Xs, ys = make_glm_data("linear", 1000, 8, seed=1, dtype="float64")
     for scale in (1.0, 1000.0):
-        reg = CASGDRegressor(epochs=20, comm=SELF).fit(scale * Xs, ys)
+        reg = CASGDRegressor(max_iter=20, tol=None, comm=SELF).fit(scale * Xs, ys)
         assert reg.score(scale * Xs, ys) > 0.9, scale
         steps.append(reg.lr_)
     assert steps[1] < 1e-4 * steps[0]
@@ -343,7 +369,7 @@ def test_not_fitted_and_init_only_stores():
 def test_sparse_input_equals_dense():
     X, y = make_glm_data("logistic", 256, 8, seed=3, dtype="float64")
     X[np.abs(X) < 0.2] = 0.0
-    kw = dict(s=4, b=8, lr=0.5, epochs=2, recipe="fp64", comm=SELF)
+    kw = dict(s=4, b=8, lr=0.5, max_iter=2, tol=None, recipe="fp64", comm=SELF)
     dense = CASGDClassifier(**kw).fit(X, y)
     sparse = CASGDClassifier(**kw).fit(sp.csr_matrix(X), y)
     assert rel(sparse.coef_, dense.coef_) <= 1e-12
@@ -353,9 +379,9 @@ def test_sparse_input_equals_dense():
 def test_a_user_communicator_is_shared_by_clones():
     comm = SELF.Dup()
     try:
-        est = CASGDRegressor(epochs=2, comm=comm)
+        est = CASGDRegressor(max_iter=2, tol=None, comm=comm)
         twin = clone(est)
-        assert twin.comm is comm and twin.get_params()["epochs"] == 2
+        assert twin.comm is comm and twin.get_params()["max_iter"] == 2
         X, y = make_glm_data("linear", 90, 3, seed=0, dtype="float64")
         scores = cross_val_score(est, X, y, cv=3)
         assert np.isfinite(scores).all()
@@ -367,10 +393,12 @@ def test_estimator_reports_divergence_with_advice():
     X, y = load_diabetes(return_X_y=True)
     X = StandardScaler().fit_transform(X)
     # Full-batch gradient descent with too large a step: stopped with advice, not run on.
-    too_big = CASGDRegressor(lr=1.5, b=10**6, epochs=200, recipe="fp64", comm=SELF)
+    too_big = CASGDRegressor(lr=1.5, b=10**6, max_iter=200, tol=None, recipe="fp64", comm=SELF)
     with pytest.raises(DivergenceError, match="lr = 0.75 or smaller"):
         too_big.fit(X, y)
-    ok = CASGDRegressor(b=10**6, epochs=200, recipe="fp64", comm=SELF).fit(X, y)  # lr="auto"
+    ok = CASGDRegressor(b=10**6, max_iter=200, tol=None, recipe="fp64", comm=SELF).fit(
+        X, y
+    )  # lr="auto"
     assert ok.score(X, y) > 0.45
 
 
@@ -389,9 +417,9 @@ def test_mpi_fit_is_identical_on_every_rank_and_matches_one_process():
         X = np.hstack([X, np.random.default_rng(0).normal(size=(150, comm.size))])
     w = np.random.default_rng(1).uniform(0.5, 2.0, 150)
     cases = [
-        (CASGDClassifier(s=4, b=10, epochs=3, recipe="fp64"), y),
-        (CASGDRegressor(s=4, b=10, epochs=3, recipe="fp64"), X[:, 0] * 2 + y),
-        (CASGDRegressor("poisson", s=4, b=10, epochs=3, recipe="fp64"), y + 0.5),
+        (CASGDClassifier(s=4, b=10, max_iter=3, tol=None, recipe="fp64"), y),
+        (CASGDRegressor(s=4, b=10, max_iter=3, tol=None, recipe="fp64"), X[:, 0] * 2 + y),
+        (CASGDRegressor("poisson", s=4, b=10, max_iter=3, tol=None, recipe="fp64"), y + 0.5),
     ]
     for est, target in cases:
         dist = clone(est).fit(X, target, sample_weight=w)  # COMM_WORLD: distributed
@@ -414,7 +442,7 @@ def test_mpi_bad_input_on_one_rank_stops_every_rank():
     with pytest.raises(ValueError, match="NaN" if comm.rank == comm.size - 1 else "rank"):
         CASGDRegressor().fit(Xr, y)
     # All ranks still in step: a good fit afterwards completes everywhere.
-    assert np.isfinite(CASGDRegressor(epochs=1).fit(X, y).coef_).all()
+    assert np.isfinite(CASGDRegressor(max_iter=1, tol=None).fit(X, y).coef_).all()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -422,7 +450,7 @@ def test_mpi_bad_input_on_one_rank_stops_every_rank():
 def test_mpi_divergence_stops_every_rank_together():
     X, y = load_diabetes(return_X_y=True)
     X = StandardScaler().fit_transform(X)
-    est = CASGDRegressor(lr=1.5, b=10**6, epochs=200, recipe="fp64")
+    est = CASGDRegressor(lr=1.5, b=10**6, max_iter=200, tol=None, recipe="fp64")
     with pytest.raises(DivergenceError, match="10 times its best"):
         est.fit(X, y)
     MPI.COMM_WORLD.Barrier()  # every rank got here: none is left in an AllReduce
@@ -442,7 +470,7 @@ def test_bad_sample_weight_is_refused_before_fitting(weights: np.ndarray, match:
     """Bad weights raise ValueError with a message naming the problem, and leave the
     estimator unfitted."""
     X, y = make_glm_data("logistic", 20, 3, seed=0, dtype="float64")
-    est = CASGDClassifier(epochs=1)
+    est = CASGDClassifier(max_iter=1, tol=None)
     with pytest.raises(ValueError, match=match):
         est.fit(X, y, sample_weight=weights)
     assert not hasattr(est, "coef_")
@@ -452,6 +480,74 @@ def test_scalar_sample_weight_is_every_row() -> None:
     """A number weighs every row alike: the same model as no weights at all (the loss's
     weighted mean does not change when every weight is scaled)."""
     X, y = make_glm_data("logistic", 40, 3, seed=1, dtype="float64")
-    a = CASGDClassifier(epochs=2).fit(X, y).coef_
-    b = CASGDClassifier(epochs=2).fit(X, y, sample_weight=2.5).coef_
+    a = CASGDClassifier(max_iter=2, tol=None).fit(X, y).coef_
+    b = CASGDClassifier(max_iter=2, tol=None).fit(X, y, sample_weight=2.5).coef_
     np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------
+# Convergence with the defaults (scikit-learn's SGD conventions)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("load", [load_iris, load_digits, load_wine, load_breast_cancer])
+def test_defaults_match_logistic_regression_under_cross_validation(load):
+    # 5-fold CV with a StandardScaler: the defaults (b, lr, s "auto"; tol 1e-3) reach
+    # LogisticRegression's accuracy within 0.02, without a ConvergenceWarning.
+    X, y = load(return_X_y=True)
+    cv = StratifiedKFold(5, shuffle=True, random_state=0)
+    ref = cross_val_score(make_pipeline(StandardScaler(), LogisticRegression()), X, y, cv=cv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        pipe = make_pipeline(StandardScaler(), CASGDClassifier(comm=SELF))
+        ours = cross_val_score(pipe, X, y, cv=cv)
+    assert ours.mean() >= ref.mean() - 0.02, (ours.mean(), ref.mean())
+
+
+def test_max_iter_ends_the_fit_with_a_convergence_warning():
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    with pytest.warns(ConvergenceWarning, match="max_iter=2"):
+        clf = CASGDClassifier(max_iter=2, comm=SELF).fit(X, y)
+    assert clf.n_iter_ == 2 and clf.stop_reason_ == "max_iter"
+    # tol=None: exactly max_iter epochs, and no warning (nothing was asked to converge).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        fixed = CASGDClassifier(max_iter=3, tol=None, comm=SELF).fit(X, y)
+    assert fixed.n_iter_ == 3 and fixed.stop_reason_ == "max_iter"
+    # The defaults stop by themselves, well before max_iter.
+    free = CASGDClassifier(comm=SELF).fit(X, y)
+    assert free.stop_reason_ == "converged" and free.n_iter_ < 1000
+    losses = free.result_.epoch_losses()
+    assert len(losses) == free.n_iter_ and losses[-1] < losses[0]
+
+
+def test_early_stopping_holds_out_a_stratified_share():
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    clf = CASGDClassifier(early_stopping=True, validation_fraction=0.2, comm=SELF).fit(X, y)
+    res = clf.result_
+    assert clf.stop_reason_ == "no_validation_improvement"
+    assert res.config["m_train"] == 569 - 113  # 42 of 212 and 71 of 357 held out
+    assert 0.9 < res.val_score <= 1.0 and all("val_score" in h for h in res.history)
+    with pytest.raises(ValueError, match="validation_fraction"):
+        CASGDClassifier(early_stopping=True, validation_fraction=1.5, comm=SELF).fit(X, y)
+
+
+def test_epochs_still_works_with_a_deprecation_warning():
+    X, y = make_glm_data("linear", 200, 4, seed=0, dtype="float64")
+    with pytest.warns(FutureWarning, match="epochs=3 is deprecated"):
+        old = CASGDRegressor(epochs=3, comm=SELF).fit(X, y)
+    new = CASGDRegressor(max_iter=3, tol=None, comm=SELF).fit(X, y)
+    assert old.n_iter_ == 3
+    np.testing.assert_array_equal(old.coef_, new.coef_)
+
+
+def test_early_stopping_on_tiny_classes_keeps_the_batch_within_the_training_rows():
+    # Three classes of five rows, 10%: one row of each class is held out (at least one),
+    # so twelve rows train; b="auto" is clipped to them.
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(15, 3))
+    y = np.repeat([0, 1, 2], 5)
+    clf = CASGDClassifier(early_stopping=True, b=10**6, comm=SELF).fit(X, y)
+    assert clf.result_.config["m_train"] == 12 and clf.b_ == 12

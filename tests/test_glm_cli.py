@@ -14,6 +14,7 @@ import pytest
 from optcc_mpi.cli import build_parser, main
 from optcc_mpi.glm.solvers import EXIT_AFTER_ENV, EXIT_AFTER_STATUS
 from optcc_mpi.lab import launch
+from optcc_mpi.model import library_allreduce
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -45,6 +46,11 @@ def test_help_teaches_with_examples():
         "mpiexec -n 4",
         "--emulate",
         "examples:",
+        "--max-iter",
+        "--tol",
+        "--early-stopping",
+        "torchrun --standalone",
+        "--s auto",
     ):
         assert needle in text
     bench = _help("bench-glm")
@@ -54,11 +60,12 @@ def test_help_teaches_with_examples():
 
 def test_train_writes_json_with_final_loss(tmp_path, shipped, capsys):
     out = tmp_path / "run.json"
-    argv = "train --data breast_cancer --intercept --s 4 --b 16 --epochs 2 --recipe C"
+    argv = "train --data breast_cancer --intercept --s 4 --b 16 --max-iter 2 --tol none --recipe C"
     status = main([*argv.split(), "--slot", "comm=bf16", "--no-progress", "--out", str(out)])
     assert status == 0
     printed = capsys.readouterr().out
-    assert "epoch 2  loss" in printed and "compute" in printed and "AllReduce (mpi)" in printed
+    assert "epoch 2  loss" in printed and "compute" in printed
+    assert "AllReduce (native over mpi)" in printed
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("mpiexec -n 1 optcc-mpi train --data breast_cancer")
     assert doc["final_loss"] == doc["epoch_losses"][-1] < 0.69
@@ -66,6 +73,35 @@ def test_train_writes_json_with_final_loss(tmp_path, shipped, capsys):
     st = doc["stats"]
     assert st["allreduce_calls"] == 2 * -(-(569 // 16) // 4)
     assert st["compute_s"] + st["comm_s"] == pytest.approx(st["train_s"])
+    # The last line: the accuracy on the training rows, the epochs run and why it stopped.
+    last = printed.strip().splitlines()[-1]
+    assert last.startswith(f"result: accuracy {doc['train_score']:.4f} on the 569 training rows")
+    assert last.endswith("2 epochs, stopped because max_iter epochs were run")
+    assert doc["n_iter"] == 2 and doc["stop_reason"] == "max_iter" and 0.9 < doc["train_score"]
+
+
+def test_train_stops_by_itself_and_says_why(shipped, capsys):
+    argv = "train --data diabetes --intercept --b 32 --lr 0.05 --no-progress --tol 1e-2"
+    assert main(argv.split()) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    # R^2 for linear regression; the tolerance and the plateau length in words.
+    assert last.startswith("result: R^2 0.") and "on the 442 training rows" in last
+    assert "stopped because the training loss improved by less than tol=0.01 for 5 epochs" in last
+
+
+def test_train_early_stopping_and_the_deprecated_epochs(shipped, capsys):
+    argv = "train --data breast_cancer --intercept --b 16 --no-progress --early-stopping"
+    assert main([*argv.split(), "--validation-fraction", "0.2"]) == 0
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    # Stratified: a fifth of each class (42 of 212, 71 of 357) held out.
+    assert "on the 456 training rows" in last and "on the 113 held out" in last
+    assert "stopped because the validation score improved by less than tol=0.001" in last
+    assert "validation 0." in out  # every epoch line shows the held-out accuracy
+    assert main(["train", "--data", "breast_cancer", "--epochs", "1", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "--epochs is deprecated" in captured.err and "--max-iter 1 --tol none" in captured.err
+    assert captured.out.strip().endswith("1 epoch, stopped because max_iter epochs were run")
 
 
 @pytest.mark.parametrize(
@@ -99,7 +135,8 @@ def test_train_killed_under_mpiexec_resumes_bit_for_bit(tmp_path, shipped):
 
     def train(checkpoint, extra=None):
         args = (
-            "train --data breast_cancer --s 4 --b 16 --epochs 2 --recipe C --lambda 0.01 "
+            "train --data breast_cancer --s 4 --b 16 --max-iter 2 --tol none --recipe C "
+            "--lambda 0.01 "
             "--no-progress --checkpoint-every 3 --resume --checkpoint"
         )
         cmd = [*launch.launcher_argv(2), sys.executable, "-m", "optcc_mpi"]
@@ -132,6 +169,9 @@ def test_bench_glm_smoke(tmp_path, capsys):
     assert len(rows) == 2 * (1 + 2 * 2 + 2)
     for row in rows:
         assert row["command"].startswith("mpiexec -n 1 optcc-mpi bench-glm")
+        # The options as given (not the lists they are parsed into), defaults left out.
+        assert "--s 2,4 " in row["command"] and "--latency 0,20us " in row["command"]
+        assert "[" not in row["command"] and "--recipes" not in row["command"]
     ours = [r for r in rows if r["solver"] != "sklearn"]
     assert all(r["loss_gap"] <= 0.005 for r in ours)
     assert all(r["time_to_target_s"] is not None for r in ours)
@@ -183,7 +223,7 @@ def test_bench_glm_projection_writes_plot_and_follows_the_model(tmp_path, capsys
     label = "casgd C s=4"
     assert nb["sgd"] == 8 * 4 and nb[label] > 8 * 4  # b fp32 margins; margins + Gram
     for i, p in enumerate((8, 64)):
-        rounds = {8: 3, 64: 6}[p]
-        t = (comp[label][str(p)] + rounds * (50e-6 + nb[label] / 25e9)) / 4
+        cost = library_allreduce(p, nb[label], 25e9, latency=50e-6)
+        t = (comp[label][str(p)] + cost) / 4
         assert net["per_step_s"][label][i] == pytest.approx(t)
         assert net["speedup"][label][i] == pytest.approx(doc["baseline_s_per_step"] / t)

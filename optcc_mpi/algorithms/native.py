@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import small_messages
 from optcc_mpi.links import Links
-from optcc_mpi.model import fault_free, fractions
+from optcc_mpi.model import library_allreduce
 from optcc_mpi.schedule import Schedule, ScheduleBuilder
 
 __all__ = ["native", "native_time"]
@@ -21,13 +19,10 @@ def native_time(
     *,
     latency: float = 0.0,
 ) -> float:
-    """A bandwidth-optimal library AllReduce held back by the slowest NIC, plus
-    ``2 ceil(log2 p)`` latencies (Rabenseifner's algorithm, MPICH's choice for large
-    messages)."""
-    if p < 2:
-        return 0.0
-    slowest = fractions(links, p).min()
-    return fault_free(p, nbytes, bw) / slowest + 2 * math.ceil(math.log2(p)) * latency
+    """The library's AllReduce as :func:`optcc_mpi.model.library_allreduce` models it: the
+    faster of recursive doubling and Rabenseifner's algorithm, held back by the slowest
+    NIC (bandwidth only: Rabenseifner's ``2(p-1)/p n / (B min f)``)."""
+    return library_allreduce(p, nbytes, bw, links, latency=latency)
 
 
 @register(

@@ -11,10 +11,13 @@ import json
 import math
 from typing import Any
 
+from optcc_mpi import glm
+from optcc_mpi.glm.comm import Group
+from optcc_mpi.lab import glm_bench, glm_defaults, glm_measure, glm_plots, glm_projection
 from optcc_mpi.units import parse_duration, parse_rate
 
 from ..errors import ArgumentError
-from .train import _PARSERS, command_line, report_errors_once
+from .train import _PARSERS, TRANSPORTS, command_line, report_errors_once
 
 EPILOG = """\
 what it measures:
@@ -26,10 +29,12 @@ what it measures:
      logistic, SGDRegressor, PoissonRegressor; same objective, no intercept).
 
 the network (emulated, derived (ours)):
-  every AllReduce of n bytes on P ranks is charged the critical path of a recursive-
-  doubling AllReduce: R(P) * (latency + n / bw), R = log2 P (+2 if P is not a power of 2).
-  The rank sleeps (never spins) until that deadline, so ranks sharing cores leave them to
-  the ranks still computing; a sleep's overshoot shortens the next wait.
+  every AllReduce of n bytes on P ranks is charged the modelled time of the library's own
+  AllReduce (optcc_mpi.model.library_allreduce): the faster of recursive doubling,
+  R(P) * (latency + n / bw) with R = log2 P (+2 if P is not a power of 2), and
+  Rabenseifner's, 2 ceil(log2 P) * latency + 2 (P-1)/P * n / bw. The rank sleeps (never
+  spins) until that deadline, so ranks sharing cores leave them to the ranks still
+  computing; a sleep's overshoot shortens the next wait.
 
 two clocks per run:
   t_wall   the run's own training time under the emulated network (machine load and
@@ -38,6 +43,12 @@ two clocks per run:
            one plus the charge. CPU time does not grow when ranks share cores, so this is
            the time with one core per rank and the modelled network.
   Speedups are medians of per-sweep ratios to fp32 SGD (--repeats sweeps).
+
+--defaults (one process, the estimators' defaults):
+  CASGDClassifier(), LogisticRegression() (lbfgs) and SGDClassifier(log_loss) on
+  make_classification(--m, --n) standardised: the wall time of each one's fit, its
+  max_iter doubled until its log loss is within --tolerance (use 0.01) of
+  LogisticRegression's converged loss; also each full default fit. One BLAS thread.
 
 --project (a PROJECTION, not a measurement):
   times one rank's compute between AllReduces on this machine for the ceil(n/P)
@@ -56,6 +67,14 @@ examples:
 
   # against scikit-learn on a larger problem, P = 2
   mpiexec -n 2 optcc-mpi bench-glm --m 1000000 --n 256 --s 16 --recipes C --repeats 1
+
+  # the defaults against scikit-learn's on one process, 100k x 100, within 1%
+  optcc-mpi bench-glm --defaults --m 100000 --n 100 --tolerance 0.01 --repeats 3
+
+  # the same measurement under torchrun, over torch.distributed's gloo (CPU tensors); the
+  # command as one string (torchrun's own parser would take --s, --m, --n for its options)
+  torchrun --standalone --nproc-per-node 8 --no-python sh -c "optcc-mpi bench-glm \\
+      --latency 50us --bw 25GB/s --recipes C --s 8,16,32 --no-sklearn"
 """
 
 
@@ -120,6 +139,12 @@ def register(subparsers: Any) -> None:
         "--no-lbfgs", action="store_true", help="skip LogisticRegression(lbfgs) (logistic only)"
     )
     p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="one process: the estimators' defaults against LogisticRegression and "
+        "SGDClassifier, time to within --tolerance of LogisticRegression's loss",
+    )
+    p.add_argument(
         "--project",
         action="store_true",
         help="projection mode: time one rank's compute here, apply the modelled AllReduce "
@@ -132,6 +157,12 @@ def register(subparsers: Any) -> None:
         help="ranks to project to (default 8,16,...,1024)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="with --project: speedup-vs-P plot")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="what joins the ranks: mpi (default under mpiexec/srun), gloo (torch."
+        "distributed, CPU tensors; default under torchrun) or nccl (CUDA tensors)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument(
         "--out", metavar="FILE", help="append one JSON line per run (--project: one document)"
@@ -170,8 +201,6 @@ def _bandwidths(text: str) -> list[float | None]:
 
 def validate(args: argparse.Namespace) -> argparse.Namespace:
     """Check and parse the options; raises :class:`ArgumentError` with the fix."""
-    from .. import glm
-
     for flag, value in (("--m", args.m), ("--n", args.n), ("--b", args.b)):
         if value < 1:
             raise ArgumentError(f"{flag} must be a positive integer, got {value}")
@@ -196,7 +225,9 @@ def validate(args: argparse.Namespace) -> argparse.Namespace:
     args.p_values = _ints(args.p_values, "--P", minimum=2)
     if args.plot and not args.project:
         raise ArgumentError("--plot draws the projection: add --project")
-    if not args.project and max(args.s_values) * args.b > args.m:
+    if args.defaults and args.project:
+        raise ArgumentError("--defaults and --project are two different benchmarks: pick one")
+    if not (args.project or args.defaults) and max(args.s_values) * args.b > args.m:
         raise ArgumentError(
             f"s * b = {max(args.s_values) * args.b} exceeds the {args.m} rows (--m): "
             "lower --s or --b, or raise --m"
@@ -211,14 +242,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, comm: Any) -> int:
-    from ..lab import glm_bench
-
+    group = Group(comm)
+    # The command from the options as given: validate() turns the lists into values.
+    command = command_line(args, group.size)
     validate(args)
-    command = command_line(args, comm.size)
     if args.project:
-        return _project(args, comm, command)
+        return _project(args, group, command)
+    if args.defaults:
+        return _defaults(args, group, command)
     rows = glm_bench.run_bench(args, comm, command)
-    if comm.rank == 0:
+    if group.rank == 0:
         print(glm_bench.format_table(rows))
         if args.out:
             glm_bench.write_rows(rows, args.out)
@@ -226,10 +259,27 @@ def _bench(args: argparse.Namespace, comm: Any) -> int:
     return 0
 
 
-def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
-    from ..lab import glm_measure, glm_plots, glm_projection
+def _defaults(args: argparse.Namespace, group: Group, command: str) -> int:
+    if group.rank:
+        return 0  # one process measures; the others have nothing to do
+    rows = glm_defaults.run_defaults_bench(
+        args.m,
+        args.n,
+        seed=args.seed,
+        tolerance=args.tolerance,
+        repeats=args.repeats,
+        command=command,
+        say=None if args.quiet else lambda msg: print(msg, flush=True),
+    )
+    print(glm_defaults.format_defaults(rows))
+    if args.out:
+        glm_bench.write_rows(rows, args.out)
+        print(f"appended {len(rows)} lines to {args.out}")
+    return 0
 
-    if comm.rank:
+
+def _project(args: argparse.Namespace, group: Group, command: str) -> int:
+    if group.rank:
         return 0  # one process measures; the others have nothing to do
     networks = [(lat, bw) for lat in args.latencies for bw in args.bws]
     recipe = args.recipes[-1]
@@ -257,7 +307,7 @@ def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
             projections,
             args.plot,
             f"PROJECTION: {args.model}, n = {args.n}, b = {args.b}, recipe {recipe}\n"
-            "compute timed on this machine, AllReduce modelled (recursive doubling)",
+            "compute timed on this machine, AllReduce modelled (the library's)",
         )
         print(f"wrote {args.plot}")
     if args.out:
@@ -266,7 +316,7 @@ def _project(args: argparse.Namespace, comm: Any, command: str) -> int:
             "command": command,
             "projection": True,
             "scaling": "strong (columns split over P)",
-            "net_path": "recursive-doubling",
+            "net_model": "library",
             **inputs,
             "networks": [
                 {

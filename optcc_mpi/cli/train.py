@@ -1,29 +1,42 @@
-"""``optcc-mpi train``: fit a GLM with SGD or CA-SGD under mpiexec or srun."""
+"""``optcc-mpi train``: fit a GLM with SGD or CA-SGD under mpiexec, srun or torchrun."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from optcc_mpi import data
+from optcc_mpi import data, glm
 from optcc_mpi.emulation import Emulation
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.glm.comm import Group
+from optcc_mpi.lab import world
 from optcc_mpi.linklog import recording
 
 EPILOG = """\
 examples:
-  # CA-SGD, recipe C, on 4 ranks; per-epoch loss, time split and AllReduce counts
+  # CA-SGD, recipe C, on 4 ranks, until the loss stops improving (by --tol 1e-3 for
+  # --n-iter-no-change 5 epochs; the step is divided by 5 at each such plateau first)
   mpiexec -n 4 optcc-mpi train --data higgs.h5 --model logistic --solver casgd \\
-      --s 16 --b 32 --lr 0.5 --epochs 5 --recipe C --out run.json
+      --s 16 --b 32 --lr 0.5 --recipe C --out run.json
 
-  # the same data with plain SGD in fp32 (the reference recipe)
-  mpiexec -n 4 optcc-mpi train --data higgs.h5 --solver sgd --b 32 --recipe fp32
+  # the same under torchrun, over torch.distributed's gloo (CPU tensors, no MPI at all);
+  # the command as one string: torchrun's parser would take --s for one of its options
+  torchrun --standalone --nproc-per-node 4 --no-python sh -c \\
+      "optcc-mpi train --data higgs.h5 --s 16 --recipe C"
+
+  # exactly 5 epochs (what --epochs 5 did), plain SGD in fp32 (the reference recipe)
+  mpiexec -n 4 optcc-mpi train --data higgs.h5 --solver sgd --max-iter 5 --tol none
+
+  # stop on a held-out 10% of the rows (their accuracy) rather than on the training loss
+  mpiexec -n 4 optcc-mpi train --data higgs.h5 --early-stopping --validation-fraction 0.1
 
   # no --data: the embedded synthetic set (generated on first use)
-  mpiexec -n 2 optcc-mpi train --epochs 2
+  mpiexec -n 2 optcc-mpi train --max-iter 2 --tol none
 
   # recipe C with the packed buffer communicated in bf16 (that is recipe D)
   mpiexec -n 8 optcc-mpi train --data higgs.h5 --recipe C --slot comm=bf16
@@ -47,23 +60,48 @@ notes:
   scikit-learn's alpha for SGDClassifier/SGDRegressor/PoissonRegressor.
   An epoch is m // b mini-batches of a fresh permutation shared by all ranks; CA-SGD groups
   them into outer iterations of s steps (the last one of an epoch may be shorter) and
-  does one AllReduce per outer iteration. Recipes: fp64, fp32, C, D; slots: data,
-  weights_in, margin_acc, margin, gram_in, gram_acc, comm, recurrence, update.
+  does one AllReduce per outer iteration. --s auto (the default) takes the s the cost
+  model finds fastest: 1 on one process (nothing to save), more as latency grows.
+  Recipes: fp64, fp32, C, D; slots: data, weights_in, margin_acc, margin, gram_in,
+  gram_acc, comm, recurrence, update.
+  The progress bar shows the current epoch's running loss (the mean loss of its mini-
+  batches so far, each at the margins its step saw); after every epoch rank 0 prints the
+  full training loss; the last line gives the accuracy (logistic) or R^2 (linear) / D^2
+  (Poisson) on the training rows, the epochs run and why training stopped.
+  Over torch.distributed (--transport gloo, the default under torchrun; nccl for CUDA
+  tensors, not yet run on a GPU) the data and weights are tensors on the group's device.
   See docs/casgd.md.
 """
 
 
-def common_fit_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The :func:`optcc_mpi.glm.fit` arguments that ``train`` and ``bench-glm`` share."""
-    return {
-        "b": args.b,
-        "lr": args.lr,
-        "epochs": args.epochs,
-        "lam": args.lam,
-        "seed": args.seed,
-        "allreduce": args.algorithm,
-        "links": args.links,
-    }
+def _s_value(text: str) -> int | str:
+    """``--s``: ``auto`` or a positive integer."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _tol(text: str) -> float | None:
+    """``--tol``: a number >= 0, or ``none`` (run --max-iter epochs)."""
+    if text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (or none), got {text!r}")
+    return value
+
+
+#: The transports ``train`` runs over: MPI, or torch.distributed's gloo (CPU) or NCCL (GPU).
+TRANSPORTS = ("mpi", "gloo", "nccl")
 
 
 #: The sub-parser of each command, for :func:`command_line`.
@@ -77,8 +115,10 @@ def register(subparsers: Any) -> None:
         help="train a GLM (logistic, linear, Poisson) with SGD or CA-SGD",
         description=(
             "Train a generalized linear model by mini-batch SGD or communication-avoiding "
-            "SGD in the 1D block-column layout (each rank holds a block of columns). Run "
-            "it under mpiexec or srun; rank 0 prints the progress and the results."
+            "SGD in the 1D block-column layout (each rank holds a block of columns), until "
+            "the loss stops improving. Run it under mpiexec or srun (MPI), or torchrun "
+            "(torch.distributed: gloo, or NCCL for CUDA tensors); rank 0 prints the "
+            "progress and the results, the last line the score and why training stopped."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -111,11 +151,59 @@ def register(subparsers: Any) -> None:
     )
     s = p.add_argument_group("solver")
     s.add_argument("--solver", choices=("sgd", "casgd"), default="casgd", help="default casgd")
-    s.add_argument("--s", type=int, default=16, help="steps per outer iteration (default 16)")
+    s.add_argument(
+        "--s",
+        type=_s_value,
+        default="auto",
+        help="steps per outer iteration, or auto (default): the cost model's fastest",
+    )
     s.add_argument("--b", type=int, default=32, help="mini-batch size (default 32)")
     s.add_argument("--lr", type=float, default=0.5, help="step size eta (default 0.5)")
-    s.add_argument("--epochs", type=int, default=5, help="passes over the data (default 5)")
     s.add_argument("--seed", type=int, default=0, help="seed of the shared sample sequence")
+    st = p.add_argument_group("when to stop")
+    st.add_argument(
+        "--max-iter", type=int, default=1000, metavar="EPOCHS", help="epochs at most (1000)"
+    )
+    st.add_argument(
+        "--tol",
+        type=_tol,
+        default=1e-3,
+        help="stop after --n-iter-no-change epochs that improve the training loss by less "
+        "than this (default 1e-3); none: run --max-iter epochs",
+    )
+    st.add_argument(
+        "--n-iter-no-change",
+        type=int,
+        default=5,
+        metavar="EPOCHS",
+        help="epochs without improvement that make a plateau (default 5)",
+    )
+    st.add_argument(
+        "--learning-rate",
+        choices=("adaptive", "constant"),
+        default="adaptive",
+        help="adaptive (default): divide the step by 5 at a plateau, stop when that no "
+        "longer helps; constant: stop at the first plateau",
+    )
+    st.add_argument(
+        "--early-stopping",
+        action="store_true",
+        help="hold out --validation-fraction of the rows and stop on their score "
+        "(accuracy, R^2, D^2) instead of the training loss",
+    )
+    st.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.1,
+        metavar="F",
+        help="share of the rows held out with --early-stopping (default 0.1)",
+    )
+    st.add_argument(
+        "--epochs",
+        type=int,
+        metavar="N",
+        help="deprecated: exactly N epochs; use --max-iter N --tol none",
+    )
     s.add_argument("--recipe", default="fp32", help="precision preset: fp64, fp32 (default), C, D")
     s.add_argument(
         "--slot",
@@ -141,15 +229,21 @@ def register(subparsers: Any) -> None:
     s.add_argument(
         "--device",
         choices=("cpu", "gpu", "auto"),
-        default="cpu",
-        help="where the local kernels run (default cpu)",
+        help="where the local kernels run: over MPI the CPU (default) or a GPU via CuPy; "
+        "over torch.distributed the group's device (gloo: cpu, nccl: gpu)",
     )
     c = p.add_argument_group("communication")
     c.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        help="what joins the ranks: mpi (default under mpiexec/srun), gloo (torch."
+        "distributed on CPU tensors; default under torchrun) or nccl (CUDA tensors)",
+    )
+    c.add_argument(
         "--algorithm",
-        default="mpi",
-        help="AllReduce: mpi (the MPI library's, default) or an optcc_mpi "
-        "algorithm (ring, optcc, r2ccl, native, auto)",
+        default="native",
+        help="AllReduce: native (the library's own: MPI_Allreduce, or gloo's/NCCL's; "
+        "default; mpi is the same) or an optcc_mpi algorithm (ring, optcc, r2ccl, auto)",
     )
     c.add_argument(
         "--links",
@@ -185,10 +279,48 @@ def register(subparsers: Any) -> None:
     _PARSERS["train"] = p
 
 
+def start_group(transport: str | None) -> tuple[Any, bool]:
+    """The ranks a command runs over (``--transport``; default: gloo under torchrun, else
+    MPI), started if needed. Returns the communicator or process group and whether this
+    call started it (for :func:`end_group`).
+
+    NCCL: the process group is started on the GPU of the rank's ``LOCAL_RANK`` (torchrun)
+    or of its rank modulo the visible GPUs (an MPI launcher). Not yet run on a GPU.
+    """
+    transport = transport or world.default_transport()
+    if transport != "nccl":
+        return world.start(transport)
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.group.WORLD, False
+    if not torch.cuda.is_available():
+        raise ArgumentError("--transport nccl needs a CUDA device; this process sees none")
+    how = world.launcher()
+    if how == "torchrun":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    elif how == "mpi":
+        from mpi4py import MPI  # an MPI launcher started this process
+
+        from optcc_mpi.torch import init_process_group_from_mpi
+
+        torch.cuda.set_device(MPI.COMM_WORLD.Get_rank() % torch.cuda.device_count())
+        init_process_group_from_mpi("nccl")
+    else:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD, True
+
+
+def end_group(started: bool) -> None:
+    """End a process group that :func:`start_group` started."""
+    world.end(started)
+
+
 def _load(args: argparse.Namespace, comm: Any, data_dtype: str) -> tuple[Any, str]:
     """Load this rank's partition; every rank agrees on success before going on."""
-    from ..glm import agree
-
     part, path, error = None, None, None
     try:
         if args.data is None:
@@ -205,7 +337,7 @@ def _load(args: argparse.Namespace, comm: Any, data_dtype: str) -> tuple[Any, st
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         error = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
-    agree(comm, error)
+    glm.agree(comm, error)
     return part, str(path)
 
 
@@ -214,9 +346,12 @@ def command_line(args: argparse.Namespace, size: int) -> str:
 
     Rebuilt from the parsed options (every option that differs from its default), so it
     is right however the command was started (console script, ``python -m``, ``main()``).
+    Under torchrun the command goes in as one string through ``--no-python sh -c``:
+    torchrun's own parser reads every option of its command line, those after the script
+    too, and refuses ``--s``, ``--m`` or ``--n`` as abbreviations of its own.
     """
     parser = _PARSERS[args.command]
-    words = ["mpiexec", "-n", str(size), "optcc-mpi", args.command]
+    words = ["optcc-mpi", args.command]
     for action in parser._actions:
         if not action.option_strings or action.dest == "help":
             continue
@@ -231,24 +366,30 @@ def command_line(args: argparse.Namespace, size: int) -> str:
                 words += [flag, str(item)]
         else:
             words += [flag, str(value)]
-    return " ".join(shlex.quote(w) for w in words)
+    inner = " ".join(shlex.quote(w) for w in words)
+    if world.launcher() == "torchrun":
+        launch = f"torchrun --standalone --nproc-per-node={size} --no-python sh -c"
+        return f"{launch} {shlex.quote(inner)}"
+    return f"mpiexec -n {size} {inner}"
 
 
 def report_errors_once(name: str, body: Any, args: argparse.Namespace) -> int:
-    """Run ``body(args, comm)``; an error raised on every rank is printed by rank 0 only.
+    """Run ``body(args, comm)`` over the ranks of ``args.transport``; an error raised on
+    every rank is printed by rank 0 only.
 
     The trainer raises input errors on all ranks at once (they agree first), so printing
     them once keeps an 8-rank job's output readable. Exit status 2, like the CLI's own.
     """
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+    comm, started = start_group(getattr(args, "transport", None))
+    rank = Group(comm).rank
     try:
         return body(args, comm)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        if comm.rank == 0:
+        if rank == 0:
             print(f"optcc-mpi {name}: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        end_group(started)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -256,10 +397,48 @@ def run(args: argparse.Namespace) -> int:
     return report_errors_once("train", _train, args)
 
 
-def _train(args: argparse.Namespace, comm: Any) -> int:
-    from .. import glm
+def _stopping(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """The stopping options as :func:`optcc_mpi.glm.fit` takes them (``--epochs N``,
+    deprecated, is ``--max-iter N --tol none``)."""
+    if args.epochs is not None:
+        if rank == 0:
+            print(
+                f"optcc-mpi train: --epochs is deprecated and will be removed; use "
+                f"--max-iter {args.epochs} --tol none for exactly that many epochs",
+                file=sys.stderr,
+                flush=True,
+            )
+        max_iter, tol = args.epochs, None
+    else:
+        max_iter, tol = args.max_iter, args.tol
+    return {
+        "max_iter": max_iter,
+        "tol": tol,
+        "n_iter_no_change": args.n_iter_no_change,
+        "learning_rate": args.learning_rate,
+        "early_stopping": args.early_stopping,
+        "validation_fraction": args.validation_fraction,
+    }
 
-    rank, size = comm.rank, comm.size
+
+def result_line(res: Any, model: str) -> str:
+    """The last line of ``train``: the score on the training rows (and on the held-out
+    ones), the epochs run and why training stopped."""
+    name = {"logistic": "accuracy", "linear": "R^2", "poisson": "D^2"}[model]
+    text = f"{name} {res.train_score:.4f} on the {res.config['m_train']} training rows"
+    if res.val_score is not None:
+        held = res.config["m"] - res.config["m_train"]
+        text += f", {res.val_score:.4f} on the {held} held out"
+    epochs = f"{res.n_iter} epoch{'s' if res.n_iter != 1 else ''}"
+    tol = res.config.get("tol")
+    why = res.stop_text.replace("tol", f"tol={tol:g}") if tol is not None else res.stop_text
+    why = why.replace("n_iter_no_change", str(res.config.get("n_iter_no_change")))
+    return f"result: {text}; {epochs}, stopped because {why}"
+
+
+def _train(args: argparse.Namespace, comm: Any) -> int:
+    group = Group(comm)
+    rank, size = group.rank, group.size
     if args.links_log and str(args.links or "").strip().lower() != "watch":
         raise ValueError(
             "--links-log records what --links watch adopts; add --links watch (and an "
@@ -267,15 +446,17 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
         )
     recipe = glm.get_recipe(args.recipe, args.slot)  # same on every rank: fails everywhere
     emulate = Emulation.parse(args.emulate) if args.emulate else None
+    stopping = _stopping(args, rank)
     data_dtype = "float64" if "fp64" in (recipe.data, recipe.update) else "float32"
     part, path = _load(args, comm, data_dtype)
     model = args.model or glm.model_for_task(part.task)
 
     def show(rec: dict[str, Any]) -> None:
         if rank == 0 and rec["epoch_end"]:
+            extra = f", validation {rec['val_score']:.4f}" if "val_score" in rec else ""
             print(
-                f"epoch {rec['epoch']:.0f}  loss {rec['loss']:.8g}  "
-                f"(steps {rec['steps']}, train {rec['train_s']:.2f} s)",
+                f"epoch {rec['epoch']:.0f}  loss {rec['loss']:.8g}{extra}  "
+                f"(steps {rec['steps']}, lr {rec['lr']:.4g}, train {rec['train_s']:.2f} s)",
                 flush=True,
             )
 
@@ -284,22 +465,26 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
             f"optcc-mpi train: {model}, {args.solver}"
             + (f" s={args.s}" if args.solver == "casgd" else "")
             + f" b={args.b} lr={args.lr} lambda={args.lam} recipe {recipe.name}; "
-            f"data {path}: m={part.n_samples} n={part.n_features}; P={size}, "
+            f"data {path}: m={part.n_samples} n={part.n_features}; {group.describe()}, "
             f"AllReduce {args.algorithm}",
             flush=True,
         )
     with recording(args.links_log):
-        res = glm.fit(
-            part.X,
-            part.y,
-            cols=part.cols,
+        res = glm.fit_partition(
+            part,
             model=model,
             solver=args.solver,
             s=args.s,
+            b=args.b,
+            lr=args.lr,
+            lam=args.lam,
+            seed=args.seed,
             recipe=recipe,
             comm=comm,
+            allreduce=args.algorithm,
+            links=args.links,
             emulate=emulate,
-            **common_fit_kwargs(args),
+            **stopping,
             gram_layout=args.gram_layout,
             eval_every=args.eval_every,
             checkpoint=args.checkpoint,
@@ -313,9 +498,10 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
     if rank == 0:
         if res.resumed_from:
             print(f"resumed from {args.checkpoint} at step {res.resumed_from['steps']}")
+        s_used = f", s={res.config['s']}" if args.solver == "casgd" else ""
         print(
-            f"final loss {res.final_loss:.8g} after {args.epochs} epochs "
-            f"({st['steps']} steps, {st['outer_iterations']} outer iterations)"
+            f"final loss {res.final_loss:.8g} after {res.n_iter} epochs ({st['steps']} steps, "
+            f"{st['outer_iterations']} outer iterations{s_used})"
         )
         print(
             f"time: train {st['train_s']:.3f} s = compute {st['compute_s']:.3f} s + "
@@ -323,9 +509,9 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
             f"{st['train_s_max']:.3f} s, communication {st['comm_s_max']:.3f} s)"
         )
         print(
-            f"AllReduce ({st['allreduce']}): {st['allreduce_calls']} calls, "
-            f"{st['allreduce_bytes'] / 2**20:.3f} MiB; loss evaluation: {st['eval_calls']} "
-            f"calls, {st['eval_s']:.3f} s"
+            f"AllReduce ({st['allreduce']} over {group.library}): {st['allreduce_calls']} "
+            f"calls, {st['allreduce_bytes'] / 2**20:.3f} MiB; loss evaluation: "
+            f"{st['eval_calls']} calls, {st['eval_s']:.3f} s"
         )
         if args.out:
             doc = {
@@ -335,4 +521,5 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
             }
             Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
             print(f"wrote {args.out}")
+        print(result_line(res, model), flush=True)
     return 0

@@ -28,7 +28,7 @@ import h5py
 import numpy as np
 import scipy.sparse as sp
 
-from optcc_mpi import agreement
+from optcc_mpi import agreement, transports
 from optcc_mpi.errors import DatasetError
 from optcc_mpi.labels import binary_to_01, check_labels, infer_task
 
@@ -178,7 +178,8 @@ class Partition:
 
 def _rank_size(comm: Any, rank: int | None, size: int | None) -> tuple[int, int]:
     if comm is not None:
-        crank, csize = comm.Get_rank(), comm.Get_size()
+        t = transports.of(comm)  # an mpi4py communicator or a torch.distributed group
+        crank, csize = t.rank, t.size
         if (rank is not None and rank != crank) or (size is not None and size != csize):
             raise DatasetError(
                 f"rank={rank}, size={size} contradict the communicator (rank {crank} of {csize})"
@@ -441,7 +442,7 @@ def load_partition(
     ----------
     path : path-like
         Dataset file in the layout of ``docs/data.md``.
-    comm : mpi4py communicator, optional
+    comm : mpi4py communicator or torch.distributed.ProcessGroup, optional
         Gives rank and size. With a communicator, a failure on any rank (say a NaN in one
         block) raises on every rank, so no rank is left waiting in a later collective.
     rank, size : int, optional
@@ -527,7 +528,9 @@ def load_partition(
         error = exc
     if comm is not None:
         # One collective so that a rank whose block is bad does not leave the others waiting.
-        agreement.agree(comm, error, what="could not load every rank's block", cls=DatasetError)
+        agreement.agree(
+            transports.of(comm), error, what="could not load every rank's block", cls=DatasetError
+        )
     if error is not None:
         raise error
     assert part is not None

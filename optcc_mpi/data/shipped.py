@@ -12,7 +12,7 @@ from typing import Any
 
 import h5py
 
-from optcc_mpi import config
+from optcc_mpi import agreement, config, transports
 from optcc_mpi.errors import DatasetError
 
 from .synthetic import SYNTH_VERSION, synth
@@ -75,7 +75,7 @@ def default_dataset(comm: Any = None) -> Path:
 
     Parameters
     ----------
-    comm : mpi4py communicator, optional
+    comm : mpi4py communicator or torch.distributed.ProcessGroup, optional
         Collective over ``comm`` when given.
 
     Returns
@@ -92,12 +92,13 @@ def default_dataset(comm: Any = None) -> Path:
         _ensure_default(path)
         return path
     error = None
-    if comm.Get_rank() == 0:
+    t = transports.of(comm)
+    if t.rank == 0:
         try:
             _ensure_default(path)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             error = f"{type(exc).__name__}: {exc}"
-    error = comm.bcast(error, root=0)
+    error = agreement.agree(t, None, error)[0]  # rank 0's outcome, on every rank
     if error is not None:
         raise RuntimeError(f"rank 0 could not create the default dataset {path}: {error}")
     if not path.exists():

@@ -2,7 +2,9 @@
 
 Models: logistic, linear least squares, Poisson (log link); objective
 ``mean loss + (lambda/2) ||w||^2``. Data in the 1D block-column layout: each rank holds all
-rows of a block of columns and the matching weights.
+rows of a block of columns and the matching weights. The ranks are an MPI communicator
+(NumPy, CuPy or SciPy kernels) or a torch.distributed process group (torch tensors on the
+group's device, gloo or NCCL).
 
 Solvers: ``sgd`` (one AllReduce of the b mini-batch margins per step) and ``casgd``
 (one AllReduce of the packed base margins and Gram matrix per s steps, the s dependent
@@ -17,10 +19,12 @@ Modules
 ``models``      losses, residuals, label domains (the task rules: :mod:`optcc_mpi.labels`)
 ``precision``   recipes and rounding helpers
 ``sampler``     the shared per-epoch sample sequence
-``kernels``     a rank's column block and its local kernels (CPU, sparse, GPU)
-``gram``        the bf16-in, fp32-out Gram on the GPU (cuBLAS GemmEx, recipe C)
-``comm``        the pluggable, counted AllReduce; error agreement
-``solvers``     SGD and CA-SGD steps, the recurrence, the training loop
+``kernels``     a rank's column block and its local kernels (CPU, sparse, GPU via CuPy)
+``torch_kernels`` the same on PyTorch tensors (CPU or CUDA; imported when used)
+``gram``        the bf16-in, fp32-out Gram on the GPU with CuPy (cuBLAS GemmEx, recipe C)
+``comm``        the ranks (MPI or torch.distributed), the counted AllReduce, agreement
+``auto``        ``s="auto"``: the cost model's choice of steps per AllReduce
+``solvers``     SGD and CA-SGD steps, the recurrence, the stopping rule, the training loop
 ``checkpoint``  HDF5 checkpoints and exact resume
 ``api``         :func:`fit`, :func:`fit_partition`
 ``estimator``   :class:`GLM`, :class:`CASGDClassifier`, :class:`CASGDRegressor`
@@ -31,8 +35,8 @@ Example
 -------
 >>> from optcc_mpi.glm import fit, make_glm_data
 >>> X, y = make_glm_data("logistic", 4096, 64, seed=1)
->>> res = fit(X, y, model="logistic", solver="casgd", s=8, b=16, lr=0.5, epochs=2,
-...           recipe="C")
+>>> res = fit(X, y, model="logistic", solver="casgd", s=8, b=16, lr=0.5, max_iter=2,
+...           tol=None, recipe="C")
 >>> round(res.final_loss, 2) < 0.69
 True
 """
@@ -42,14 +46,16 @@ from __future__ import annotations
 from typing import Any
 
 from .api import FitResult, column_block, fit, fit_partition
-from .comm import Reducer, agree
+from .comm import Group, Reducer, agree
 from .models import MODELS, Model, get_model, model_for_task
 from .precision import PRECISIONS, RECIPES, SLOTS, Recipe, get_recipe
 from .solvers import (
     DIVERGENCE_FACTOR,
     EXIT_AFTER_ENV,
     SOLVERS,
+    STOP_REASONS,
     DivergenceError,
+    Stopping,
     casgd_recurrence,
     least_squares_deltas,
 )
@@ -90,13 +96,16 @@ __all__ = [
     "RECIPES",
     "SLOTS",
     "SOLVERS",
+    "STOP_REASONS",
     "CASGDClassifier",
     "CASGDRegressor",
     "DivergenceError",
     "FitResult",
+    "Group",
     "Model",
     "Recipe",
     "Reducer",
+    "Stopping",
     "agree",
     "casgd_recurrence",
     "column_block",

@@ -1,4 +1,5 @@
-"""``fit``: train a GLM with SGD or CA-SGD over MPI, from arrays or a loaded partition.
+"""``fit``: train a GLM with SGD or CA-SGD, from arrays or a loaded partition, over MPI or
+torch.distributed.
 
 Every check on the inputs runs before any training and ends in one small collective
 (:func:`~optcc_mpi.glm.comm.agree`), so a bad input stops every rank with the same message
@@ -6,9 +7,15 @@ instead of leaving some ranks waiting in an AllReduce.
 
 :func:`fit` runs in five phases, one function each below it: check and agree
 (:func:`_check_options`, :func:`_check_inputs`, then :func:`_check_across` on what every
-rank holds), set up this rank's column block and the trainer (:func:`_setup`), resume from a
-checkpoint (:func:`_resume`), the solver loop (:func:`_train`) and the results
-(:func:`_result`).
+rank holds), set up this rank's column block and the trainer (:func:`_setup`, with the
+validation split and ``s="auto"``), resume from a checkpoint (:func:`_resume`), the solver
+loop (:func:`_train`) and the results (:func:`_result`).
+
+Which kernels: over an mpi4py communicator NumPy (or CuPy with ``device="gpu"``, or SciPy
+CSR), the AllReduce buffer on the host; over a torch.distributed process group PyTorch
+tensors on the group's device (gloo: the CPU, NCCL: the current CUDA device, or the
+device of ``X`` when it is a tensor), everything on that device
+(:mod:`optcc_mpi.glm.torch_kernels`).
 """
 
 from __future__ import annotations
@@ -17,33 +24,45 @@ import dataclasses
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import scipy.sparse as sp
-from mpi4py import MPI
 
 from .. import config as _config
 from ..backend import get_cupy
 from ..data import column_block
 from ..progress import Progress
+from . import auto
 from .checkpoint import load_checkpoint, save_checkpoint
-from .comm import Reducer, agree, checksum
+from .comm import LIBRARY, Group, Reducer, checksum
 from .kernels import GRAM_LAYOUTS, LocalData
 from .models import Model, get_model, model_for_task
-from .precision import Recipe, get_recipe, rounded
+from .precision import Recipe, get_recipe, is_tensor, storage_dtype
 from .solvers import (
     DIVERGENCE_FACTOR,
     EXIT_AFTER_ENV,
+    LEARNING_RATES,
     SOLVERS,
+    STOP_REASONS,
+    Stopping,
     TrainConfig,
     Trainer,
     TrainState,
 )
 
-__all__ = ["FitResult", "column_block", "fit", "fit_partition", "resolve_device"]
+__all__ = [
+    "FitResult",
+    "column_block",
+    "fit",
+    "fit_partition",
+    "resolve_device",
+    "validation_rows",
+]
 
 
 def resolve_device(device: Any) -> Any:
@@ -79,14 +98,27 @@ class FitResult:
     ----------
     coef : ndarray, shape (n_features,) or (n_features, K)
         All weights, float64, on every rank (``K`` columns when ``y`` had ``K``).
-    coef_local : ndarray
-        This rank's rows of ``coef`` in the update precision.
+    coef_local : ndarray or tensor
+        This rank's rows of ``coef`` in the update precision (a tensor on the group's
+        device over torch.distributed).
     cols : slice
         This rank's global columns.
     final_loss : float
         Full training objective at the end.
     history : list of dict
-        Loss records (``steps``, ``epoch``, ``loss``, ``train_s``, ``epoch_end``).
+        Loss records (``steps``, ``epoch``, ``loss``, ``train_s``, ``epoch_end``, ``lr``,
+        and ``val_score`` with early stopping).
+    n_iter : int
+        Epochs run (resumed segments included).
+    stop_reason : str
+        Why training stopped: a key of ``optcc_mpi.glm.solvers.STOP_REASONS``
+        (``converged``, ``no_validation_improvement``, ``max_iter``);
+        :attr:`stop_text` says it in words.
+    train_score : float
+        The model's score on the training rows at the end: accuracy (logistic), R^2
+        (linear), D^2 (Poisson); with sample weights, weighted.
+    val_score : float or None
+        The same on the rows held out by ``early_stopping`` (None without).
     stats : dict
         AllReduce calls and bytes, ``comm_s``, ``compute_s``, ``train_s`` (rank 0's; the
         ``*_max`` entries are the maxima over ranks), evaluation counters.
@@ -97,14 +129,28 @@ class FitResult:
     """
 
     coef: np.ndarray
-    coef_local: np.ndarray
+    coef_local: Any
     cols: slice
     final_loss: float
     history: list[dict[str, Any]]
     stats: dict[str, Any]
     config: dict[str, Any]
     resumed_from: dict[str, Any] | None = None
+    n_iter: int = 0
+    stop_reason: str = "max_iter"
+    train_score: float = math.nan
+    val_score: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def converged(self) -> bool:
+        """Whether the stopping rule stopped training (not ``max_iter``)."""
+        return self.stop_reason in ("converged", "no_validation_improvement")
+
+    @property
+    def stop_text(self) -> str:
+        """Why training stopped, in words."""
+        return STOP_REASONS.get(self.stop_reason, self.stop_reason)
 
     def epoch_losses(self) -> list[float]:
         """Full training loss at the end of each epoch."""
@@ -114,6 +160,10 @@ class FitResult:
         """JSON-ready summary (weights omitted)."""
         return {
             "final_loss": self.final_loss,
+            "n_iter": self.n_iter,
+            "stop_reason": self.stop_reason,
+            "train_score": self.train_score,
+            "val_score": self.val_score,
             "epoch_losses": self.epoch_losses(),
             "history": self.history,
             "stats": self.stats,
@@ -138,7 +188,42 @@ def _finite(name: str, value: Any, *, positive: bool = False) -> float:
     return v
 
 
+def _to_numpy(a: Any) -> np.ndarray:
+    """A tensor's values as a NumPy array on the host (bf16 as ``ml_dtypes.bfloat16``)."""
+    t = a.detach().cpu()
+    if str(t.dtype) == "torch.bfloat16":
+        import torch  # loaded already: a is a tensor
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _check_tensor_X(X: Any) -> Any:
+    import torch  # loaded already: X is a tensor
+
+    if X.layout != torch.strided:
+        raise ValueError(
+            "X is a sparse tensor: pass a dense tensor (or a SciPy CSR matrix under MPI)"
+        )
+    if X.ndim != 2:
+        raise ValueError(f"X must be a 2-D tensor (rows = samples), got shape {tuple(X.shape)}")
+    if not X.is_floating_point():
+        if X.is_complex():
+            raise ValueError(f"X must hold floating-point numbers, got dtype {X.dtype}")
+        X = X.double()
+    if not bool(X.isfinite().all()):
+        raise ValueError("X contains NaN or inf")
+    return X
+
+
+def _host(a: Any) -> Any:
+    """``a`` as an array NumPy can read (tensors copied to the host)."""
+    return _to_numpy(a) if is_tensor(a) else a
+
+
 def _check_X(X: Any) -> Any:
+    if is_tensor(X):
+        return _check_tensor_X(X)
     if sp.issparse(X):
         if X.ndim != 2:
             raise ValueError(f"X must be 2-D, got shape {X.shape}")
@@ -193,20 +278,27 @@ def fit(
     *,
     model: str = "logistic",
     solver: str = "casgd",
-    s: int = 16,
+    s: int | str = "auto",
     b: int = 32,
     lr: float = 0.5,
-    epochs: int = 5,
+    max_iter: int = 1000,
+    tol: float | None = 1e-3,
+    n_iter_no_change: int = 5,
+    learning_rate: str = "adaptive",
+    early_stopping: bool = False,
+    validation_fraction: float = 0.1,
+    epochs: int | None = None,
     lam: float = 0.0,
     seed: int = 0,
     recipe: str | Recipe | Mapping[str, str] = "fp32",
     slots: Iterable[str] | Mapping[str, str] | None = None,
-    comm: MPI.Comm | None = None,
-    allreduce: str | Callable[[np.ndarray, MPI.Comm], None] = "mpi",
+    comm: Any = None,
+    allreduce: str | Callable[[Any, Any], None] = LIBRARY,
     links: Any = None,
     emulate: Any = None,
     cols: slice | None = None,
-    w0: np.ndarray | None = None,
+    n_features: int | None = None,
+    w0: Any = None,
     gram_layout: str = "lower",
     eval_every: int = 0,
     checkpoint: str | os.PathLike | None = None,
@@ -214,7 +306,7 @@ def fit(
     resume: bool = False,
     progress: bool = False,
     on_record: Callable[[dict[str, Any]], None] | None = None,
-    device: Any = "cpu",
+    device: Any = None,
     sample_weight: Any = None,
     divergence_factor: float | None = DIVERGENCE_FACTOR,
 ) -> FitResult:
@@ -225,11 +317,12 @@ def fit(
 
     Parameters
     ----------
-    X : ndarray or scipy.sparse matrix
+    X : ndarray, scipy.sparse matrix or torch.Tensor
         With ``cols=None``: the full ``(m, n)`` matrix, the same on every rank; each rank
         keeps its column block. With ``cols``: this rank's ``(m, n_local)`` block.
-        Any float dtype, bf16 included.
-    y : array_like, shape (m,) or (m, K)
+        Any float dtype, bf16 included. A tensor stays on its device over a
+        torch.distributed group (and is copied to NumPy over MPI).
+    y : array_like or tensor, shape (m,) or (m, K)
         Labels, the same on every rank: {0, 1} or {-1, +1} (logistic), real (linear),
         non-negative reals (poisson). ``K`` columns train ``K`` independent problems of
         the model on the same rows at once (the one-vs-rest multiclass classifier uses
@@ -240,15 +333,38 @@ def fit(
     solver : str
         ``sgd`` (one AllReduce of b margins per step) or ``casgd`` (one AllReduce of the
         packed ``[r; G]`` per ``s`` steps).
-    s : int
+    s : int or "auto"
         Steps per outer iteration (``sgd`` uses it only to group steps for checkpoints).
+        ``"auto"``: the fastest by the cost model (:mod:`optcc_mpi.glm.auto`): 1 on one
+        process (no communication to save), else the argmin of the modelled time per
+        step; the value used is ``config["s"]``.
     b : int
         Mini-batch size.
     lr : float
-        Step size ``eta``; the mini-batch gradient is a mean, so the step is ``eta/b``
-        times the summed gradient.
-    epochs : int
-        Passes over the data (total, including those before a resume).
+        Step size ``eta`` (the first one with ``learning_rate="adaptive"``); the
+        mini-batch gradient is a mean, so the step is ``eta/b`` times the summed gradient.
+    max_iter : int
+        Epochs at most (the run's total, resumed segments included).
+    tol : float or None
+        Stop (or, adaptive, divide the step by 5) after ``n_iter_no_change`` epochs whose
+        training objective (the validation score with ``early_stopping``) did not improve
+        on the best by ``tol``. None: run ``max_iter`` epochs.
+    n_iter_no_change : int
+        Epochs without improvement that make a plateau.
+    learning_rate : {"adaptive", "constant"}
+        ``adaptive``: at a plateau divide the step by 5, and stop only when the last
+        division improved the criterion by less than ``tol``; ``constant``: stop at the
+        first plateau. The same either way with ``tol=None``.
+    early_stopping : bool
+        Hold out ``validation_fraction`` of the rows (stratified by class for logistic,
+        drawn from ``seed``, the same on every rank) and judge improvement by the score on
+        them (accuracy for logistic, R^2 for linear, D^2 for Poisson) instead of the
+        training objective.
+    validation_fraction : float
+        Share of the rows held out with ``early_stopping`` (in (0, 1)).
+    epochs : int, optional
+        Deprecated: ``max_iter=epochs, tol=None`` (exactly that many epochs), with a
+        ``FutureWarning``.
     lam : float
         L2 strength ``lambda`` (0 allowed).
     seed : int
@@ -257,17 +373,25 @@ def fit(
         Precision preset (``fp64``, ``fp32``, ``C``, ``D``) or recipe.
     slots : iterable of str or mapping, optional
         Per-slot overrides, e.g. ``["comm=bf16"]``.
-    comm : mpi4py.MPI.Comm, optional
-        Defaults to ``MPI.COMM_WORLD``.
+    comm : mpi4py communicator or torch.distributed.ProcessGroup, optional
+        The ranks that train together. Default: torch.distributed's default group when
+        torch.distributed is initialised, else ``MPI.COMM_WORLD``
+        (:func:`optcc_mpi.glm.comm.default_comm`).
     allreduce : str or callable
-        ``"mpi"``, an ``optcc_mpi.allreduce`` algorithm, or ``f(buf, comm)`` reducing in place.
+        ``"native"`` (the library's own AllReduce; ``"mpi"`` is the same), an
+        ``optcc_mpi.allreduce`` algorithm, or ``f(buf, comm)`` reducing in place.
     links : Links or str, optional
         Link profile for an ``optcc_mpi.allreduce`` algorithm (``"3:0.5"``).
     emulate : Emulation or str, optional
-        Network emulation (``"latency=50us"``), passed to the AllReduce; for ``"mpi"`` and
-        callables each AllReduce waits ``ceil(log2 P)`` message latencies here.
+        Network emulation (``"latency=50us"``), passed to the AllReduce; for ``"native"``
+        and callables each AllReduce lasts the modelled time of the library's AllReduce
+        (:func:`optcc_mpi.model.library_allreduce`).
     cols : slice, optional
         Global columns of this rank's block (see ``X``).
+    n_features : int, optional
+        With ``cols``: the number of columns of the whole problem (``Partition.n_features``);
+        the ranks' blocks must then tile ``0..n_features`` in rank order, which catches
+        blocks split for another communicator.
     w0 : ndarray, optional
         Initial weights (this rank's slice when ``cols`` is given, else all of them);
         zeros by default.
@@ -282,11 +406,14 @@ def fit(
     resume : bool
         Continue from ``checkpoint`` if it exists (a missing file starts afresh).
     progress : bool
-        Show a progress bar on rank 0.
+        Show a progress bar on rank 0 (the epoch and its running mini-batch loss).
     on_record : callable, optional
         Called with every loss record (on every rank).
-    device : str or module
-        ``cpu``, ``gpu``, ``auto``, or an array module for the local kernels.
+    device : str, module or torch.device, optional
+        Over MPI: ``cpu`` (default), ``gpu`` or ``auto`` (CuPy), or an array module for
+        the local kernels. Over torch.distributed: where the tensors live, by default the
+        group's (gloo: CPU; NCCL: the current CUDA device) or ``X``'s; ``cpu``/``gpu``
+        are checked against it.
     sample_weight : array_like, shape (m,), optional
         Non-negative weights of the rows, the same on every rank. The objective becomes
         ``sum_i sw_i l_i / sum_i sw_i + (lam/2) ||w||^2``: the weights are normalised to
@@ -301,6 +428,9 @@ def fit(
     Returns
     -------
     FitResult
+        With ``n_iter`` (epochs run) and ``stop_reason``. ``fit`` itself warns of
+        nothing when ``max_iter`` ends the run; the estimators raise scikit-learn's
+        ``ConvergenceWarning``.
 
     Raises
     ------
@@ -310,13 +440,21 @@ def fit(
         On every rank, if the iterates become non-finite or the loss diverges (see
         ``divergence_factor``); the message advises on the step size.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    if epochs is not None:
+        warnings.warn(
+            "fit(epochs=E) is deprecated and will be removed: pass max_iter=E, tol=None "
+            "for exactly E epochs (or leave tol set to stop when the loss stops improving)",
+            FutureWarning,
+            stacklevel=2,
+        )
+    # The ranks: refused at once if comm is not a communicator (nobody to agree with).
+    group = Group(comm)
     # 1. Check every argument on this rank, then agree across the ranks (collective): a bad
     #    input on any rank stops every rank here, with its message, before any training.
     error = None
     opts: _Options | None = None
     inputs: _Inputs | None = None
-    payload = xp = reducer = None
+    payload = kernels = reducer = None
     try:
         opts = _check_options(
             model=model,
@@ -324,7 +462,13 @@ def fit(
             s=s,
             b=b,
             lr=lr,
-            epochs=epochs,
+            max_iter=max_iter if epochs is None else epochs,
+            tol=tol if epochs is None else None,
+            n_iter_no_change=n_iter_no_change,
+            learning_rate=learning_rate,
+            early_stopping=early_stopping,
+            validation_fraction=validation_fraction,
+            fixed_epochs=epochs is not None,
             lam=lam,
             seed=seed,
             recipe=recipe,
@@ -336,21 +480,22 @@ def fit(
             resume=resume,
             divergence_factor=divergence_factor,
         )
-        xp = resolve_device(device)
-        reducer = Reducer(comm, allreduce, links=links, emulate=emulate)
-        inputs = _check_inputs(opts.model, X, y, sample_weight, cols, w0)
-        payload = inputs.summary()
+        kernels = _kernels(group, X, device)
+        reducer = Reducer(group, allreduce, links=links, emulate=emulate)
+        inputs = _check_inputs(opts.model, X, y, sample_weight, cols, w0, kernels, n_features)
+        payload = inputs.summary(kernels)
     except (ValueError, TypeError, OverflowError) as exc:
         error = str(exc)
-    shared = agree(comm, error, payload)  # raises on every rank if any rank failed
-    assert opts is not None and inputs is not None and reducer is not None  # agree() passed
-    opts, n_features = _check_across(comm.size, shared, opts, inputs)
+    shared = group.agree(error, payload)  # raises on every rank if any rank failed
+    assert opts is not None and inputs is not None and reducer is not None  # agreed
+    assert kernels is not None
+    opts, n_total = _check_across(group.size, shared, opts, inputs)
 
-    # 2. This rank's block of columns, and the trainer over it.
-    run, w0 = _setup(comm, opts, inputs, n_features, xp, reducer)
+    # 2. This rank's block of columns, the rows trained on, s, and the trainer.
+    run, w0 = _setup(group, opts, inputs, n_total, kernels, reducer, shared)
 
     # 3. Where to start: from scratch, or from a checkpoint of the same run.
-    state = TrainState(w=run.trainer.initial_weights(w0))
+    state = TrainState(w=run.trainer.initial_weights(w0), lr=run.opts.lr)
     resumed = None
     if opts.checkpoint is not None and opts.resume:
         state, resumed = _resume(run, state)
@@ -367,7 +512,8 @@ def fit(
 
 @dataclass(frozen=True)
 class _Options:
-    """:func:`fit`'s settings, checked (what :func:`_check_options` returns)."""
+    """:func:`fit`'s settings, checked (what :func:`_check_options` returns). ``s`` is 0
+    for ``"auto"`` until :func:`_setup` chooses it."""
 
     model: Model
     solver: str
@@ -375,7 +521,12 @@ class _Options:
     gram_layout: str
     s: int
     b: int
-    epochs: int
+    max_iter: int
+    tol: float | None
+    n_iter_no_change: int
+    learning_rate: str
+    validation_fraction: float
+    fixed_epochs: bool
     seed: int
     eval_every: int
     checkpoint_every: int
@@ -385,15 +536,31 @@ class _Options:
     checkpoint: str | os.PathLike | None
     resume: bool
 
+    def stopping(self) -> Stopping:
+        """The stopping rule of these settings."""
+        return Stopping(
+            max_iter=self.max_iter,
+            tol=self.tol,
+            n_iter_no_change=self.n_iter_no_change,
+            learning_rate=self.learning_rate,
+            reason="no_validation_improvement" if self.validation_fraction else "converged",
+        )
+
 
 def _check_options(
     *,
     model: str,
     solver: str,
-    s: int,
+    s: int | str,
     b: int,
     lr: float,
-    epochs: int,
+    max_iter: int,
+    tol: float | None,
+    n_iter_no_change: int,
+    learning_rate: str,
+    early_stopping: bool,
+    validation_fraction: float,
+    fixed_epochs: bool,
     lam: float,
     seed: int,
     recipe: str | Recipe | Mapping[str, str],
@@ -412,9 +579,23 @@ def _check_options(
     rcp = get_recipe(recipe, slots)
     if gram_layout not in GRAM_LAYOUTS:
         raise ValueError(f"unknown gram_layout {gram_layout!r}; choose one of {GRAM_LAYOUTS}")
-    s = _positive_int("s", s)
+    s = 0 if isinstance(s, str) and s == "auto" else _positive_int("s", s)
     b = _positive_int("b", b)
-    epochs = _positive_int("epochs", epochs, 0)
+    max_iter = _positive_int("epochs" if fixed_epochs else "max_iter", max_iter, 0)
+    if tol is not None:
+        tol = _finite("tol", tol)
+    n_iter_no_change = _positive_int("n_iter_no_change", n_iter_no_change)
+    if learning_rate not in LEARNING_RATES:
+        raise ValueError(
+            f"unknown learning_rate {learning_rate!r}; choose one of {', '.join(LEARNING_RATES)}"
+        )
+    if not isinstance(early_stopping, (bool, np.bool_)):
+        raise ValueError(f"early_stopping must be True or False, got {early_stopping!r}")
+    fraction = 0.0
+    if early_stopping:
+        fraction = float(validation_fraction)
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
     seed = _positive_int("seed", seed, 0)
     eval_every = _positive_int("eval_every", eval_every, 0)
     checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 0)
@@ -437,7 +618,12 @@ def _check_options(
         gram_layout=gram_layout,
         s=s,
         b=b,
-        epochs=epochs,
+        max_iter=max_iter,
+        tol=tol,
+        n_iter_no_change=n_iter_no_change,
+        learning_rate=learning_rate,
+        validation_fraction=fraction,
+        fixed_epochs=fixed_epochs,
         seed=seed,
         eval_every=eval_every,
         checkpoint_every=checkpoint_every,
@@ -450,40 +636,116 @@ def _check_options(
 
 
 @dataclass(frozen=True)
+class _Kernels:
+    """Where this rank computes: NumPy-family kernels (``xp``: NumPy or CuPy) over MPI, or
+    torch on ``torch_device`` over a process group."""
+
+    kind: str  # "numpy" or "torch"
+    xp: Any = None
+    torch_device: Any = None
+
+    @property
+    def device_type(self) -> str:
+        """``cpu`` or the accelerator's type (``cuda``): what the ranks must share."""
+        if self.kind == "torch":
+            return str(self.torch_device.type)
+        return "cpu" if self.xp is np else "cuda"
+
+
+def _kernels(group: Group, X: Any, device: Any) -> _Kernels:
+    """The kernels of this rank (module docstring); ``ValueError`` where ``device``, ``X``
+    and the group's library do not fit together."""
+    if not group.is_torch:
+        return _Kernels("numpy", xp=resolve_device("cpu" if device is None else device))
+    import torch  # the group is torch's: torch is loaded
+
+    if is_tensor(X):
+        dev = X.device
+    elif group.library == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("an NCCL process group but no usable CUDA device in this process")
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    if isinstance(device, str) and device.lower() in ("cpu", "gpu"):
+        want = "cpu" if device.lower() == "cpu" else "cuda"
+        if dev.type != want:
+            raise ValueError(
+                f"device={device!r} but the data are on {dev} (over {group.describe()})"
+            )
+    elif device not in (None, "auto"):
+        raise ValueError(
+            f"device={device!r}: over a torch.distributed group the tensors stay on X's "
+            "device, or the group's (gloo: cpu, NCCL: the current CUDA device); pass "
+            "None, 'auto', 'cpu' or 'gpu'"
+        )
+    if group.library == "gloo" and dev.type != "cpu":
+        raise ValueError(
+            f"X is on {dev} but the process group is gloo's, which moves CPU tensors: use "
+            "an NCCL group for CUDA tensors, or move X to the CPU"
+        )
+    if group.library == "nccl" and dev.type != "cuda":
+        raise ValueError(
+            f"X is on {dev} but the process group is NCCL's, which moves CUDA tensors: "
+            "move X to the GPU (or train over gloo on the CPU)"
+        )
+    return _Kernels("torch", torch_device=dev)
+
+
+@dataclass(frozen=True)
 class _Inputs:
-    """This rank's arrays, checked: ``X`` (all columns, or its block ``cols``), the labels
-    as float64, the weights normalised to mean 1 (None: unweighted), ``w0``."""
+    """This rank's arrays, checked: ``X`` (all columns, or its block ``cols``; a tensor
+    for torch kernels, else NumPy/SciPy), the labels as float64, the weights normalised
+    to mean 1 (None: unweighted), ``w0`` (NumPy), the declared ``n_features``."""
 
     X: Any
     y: np.ndarray
     sw: np.ndarray | None
     cols: slice | None
     w0: Any
+    n_features: int | None = None
 
-    def summary(self) -> tuple[Any, ...]:
-        """What the ranks compare: rows, columns, block, CRC-32 of ``y`` and of the weights."""
+    def summary(self, kernels: _Kernels) -> tuple[Any, ...]:
+        """What the ranks compare: rows, columns, block, CRC-32 of ``y`` and of the
+        weights, the device type, the declared number of features."""
         return (
             self.X.shape[0],
             self.X.shape[1],
             None if self.cols is None else (self.cols.start, self.cols.stop),
             checksum(self.y),
             None if self.sw is None else checksum(self.sw),
+            kernels.device_type,
+            self.n_features,
         )
 
 
 def _check_inputs(
-    mdl: Model, X: Any, y: Any, sample_weight: Any, cols: slice | None, w0: Any
+    mdl: Model,
+    X: Any,
+    y: Any,
+    sample_weight: Any,
+    cols: slice | None,
+    w0: Any,
+    kernels: _Kernels,
+    n_features: int | None,
 ) -> _Inputs:
     """Check this rank's arrays (types, shapes, values, label domain); ``ValueError`` if bad."""
     X = _check_X(X)
-    y_in = np.asarray(y)
+    if kernels.kind == "numpy" and is_tensor(X):
+        X = _to_numpy(X)  # over MPI the kernels are NumPy's
+    if kernels.kind == "torch" and sp.issparse(X):
+        raise ValueError(
+            "sparse X trains over MPI only: pass a dense array or tensor over a "
+            "torch.distributed group"
+        )
+    y_in = np.asarray(_host(y))
     if y_in.ndim == 2 and y_in.shape[1] >= 1:
         y64 = mdl.check_labels(y_in.reshape(-1)).reshape(y_in.shape)
     else:
         y64 = mdl.check_labels(y_in)
     if y64.shape[0] != X.shape[0]:
         raise ValueError(f"X has {X.shape[0]} rows but y has {y64.shape[0]} labels")
-    sw = _sample_weights(sample_weight, X.shape[0])
+    sw = _sample_weights(_host(sample_weight), X.shape[0])
     if cols is not None:
         if not isinstance(cols, slice) or cols.step not in (None, 1):
             raise ValueError(f"cols must be a contiguous slice, got {cols!r}")
@@ -492,12 +754,18 @@ def _check_inputs(
                 f"cols {cols.start}:{cols.stop} name {cols.stop - cols.start} columns but "
                 f"X has {X.shape[1]}"
             )
-    if w0 is not None and np.shape(w0) != (X.shape[1], *y64.shape[1:]):
-        raise ValueError(
-            f"w0 needs shape {(X.shape[1], *y64.shape[1:])} (X's columns, y's outputs), "
-            f"got {np.shape(w0)}"
-        )
-    return _Inputs(X, y64, sw, cols, w0)
+    if n_features is not None:
+        if cols is None:
+            raise ValueError("n_features goes with cols (this rank's block of the columns)")
+        n_features = _positive_int("n_features", n_features)
+    if w0 is not None:
+        w0 = _host(w0)
+        if np.shape(w0) != (X.shape[1], *y64.shape[1:]):
+            raise ValueError(
+                f"w0 needs shape {(X.shape[1], *y64.shape[1:])} (X's columns, y's outputs), "
+                f"got {np.shape(w0)}"
+            )
+    return _Inputs(X, y64, sw, cols, w0, n_features)
 
 
 def _check_across(
@@ -506,8 +774,8 @@ def _check_across(
     """The checks across ranks, on every rank's :meth:`_Inputs.summary` (``shared``).
 
     Every rank reaches the same verdict from the same gathered data, so a ``ValueError``
-    here is raised on every rank. Returns the options (SGD's ``s`` clipped to the steps of
-    an epoch) and the number of features of the whole problem.
+    here is raised on every rank. Returns the options and the number of features of the
+    whole problem.
     """
     m = shared[0][0]
     if any(p[0] != m for p in shared):
@@ -516,6 +784,13 @@ def _check_across(
         raise ValueError("ranks hold different labels y (they must be replicated)")
     if any(p[4] != shared[0][4] for p in shared):
         raise ValueError("ranks hold different sample_weight (it must be replicated)")
+    devices = [p[5] for p in shared]
+    if len(set(devices)) > 1:
+        where = ", ".join(f"rank {r} {d}" for r, d in enumerate(devices))
+        raise ValueError(
+            f"the ranks hold their data on different kinds of device ({where}): every rank "
+            "must compute on the same kind (all CPU, or all GPU)"
+        )
     if len({p[2] is None for p in shared}) > 1:
         raise ValueError("either every rank passes cols (its column block) or none does")
     if inputs.cols is None:
@@ -524,9 +799,23 @@ def _check_across(
             raise ValueError("without cols every rank must pass the full X (same shape)")
     else:
         spans = [p[2] for p in shared]
+        declared = {p[6] for p in shared}
+        if len(declared) > 1:
+            raise ValueError(f"ranks disagree on n_features: {[p[6] for p in shared]}")
         if spans[0][0] != 0 or any(spans[i][1] != spans[i + 1][0] for i in range(size - 1)):
-            raise ValueError(f"the ranks' cols must tile 0..n in rank order, got {spans}")
+            raise ValueError(
+                f"the ranks' cols must tile 0..n in rank order, got {spans}: were the blocks "
+                f"split for another communicator (another number of ranks, or another order) "
+                f"than this one ({size} ranks)?"
+            )
         n_features = spans[-1][1]
+        total = declared.pop()
+        if total is not None and total != n_features:
+            raise ValueError(
+                f"the {size} ranks' blocks cover columns 0..{n_features} of {total}: the data "
+                f"were split for another communicator (another number of ranks) than this "
+                f"one; load them with the communicator that trains"
+            )
     if n_features < size:
         raise ValueError(
             f"{size} ranks but only {n_features} features: every rank needs at least one "
@@ -534,39 +823,90 @@ def _check_across(
         )
     if any(p[1] == 0 for p in shared) and inputs.cols is not None:
         raise ValueError("every rank needs at least one column (a block has width 0)")
+    m_train = m - _validation_size(inputs.y, opts)
     s, b = opts.s, opts.b
-    if b > m:
-        raise ValueError(f"the batch size b = {b} exceeds the {m} training rows")
+    if opts.validation_fraction and m_train < m:
+        held = m - m_train
+        if held < 1 or m_train < 1:
+            raise ValueError(
+                f"validation_fraction={opts.validation_fraction:g} of {m} rows leaves "
+                f"{m_train} to train on and {held} to validate: lower or raise it"
+            )
+    if b > m_train:
+        raise ValueError(f"the batch size b = {b} exceeds the {m_train} training rows")
     if opts.solver == "sgd":
-        # SGD groups steps only for bookkeeping: any s works.
-        opts = dataclasses.replace(opts, s=min(s, m // b))
-    elif s * b > m:
-        raise ValueError(f"s*b = {s}*{b} = {s * b} exceeds the {m} training rows; lower s or b")
+        # SGD groups steps only for bookkeeping: any s works ("auto": one step).
+        opts = dataclasses.replace(opts, s=min(s or 1, m_train // b))
+    elif s * b > m_train:
+        raise ValueError(
+            f"s*b = {s}*{b} = {s * b} exceeds the {m_train} training rows; lower s or b"
+        )
     return opts, n_features
+
+
+def _classes(y: np.ndarray) -> np.ndarray:
+    """The class of each row for a stratified split (logistic): the label, or the column
+    of the largest label with K outputs."""
+    return np.argmax(y, axis=1) if y.ndim == 2 else (y > 0.5).astype(np.int64)
+
+
+def validation_rows(y: np.ndarray, fraction: float, seed: int, *, stratify: bool) -> np.ndarray:
+    """The rows ``early_stopping`` holds out, sorted (empty for ``fraction`` 0): a
+    ``fraction`` share of every class (``stratify``: logistic; the class of a row with K
+    label columns is its largest) or of all rows, at least one, drawn from ``seed`` (the
+    same on every rank). A class of two rows or more keeps at least one to train on."""
+    if not fraction:
+        return np.zeros(0, dtype=np.int64)
+    rng = np.random.default_rng([seed, 0x5A11D])
+    m = y.shape[0]
+    if not stratify:
+        return np.sort(rng.permutation(m)[: max(1, int(round(fraction * m)))])
+    cls = _classes(y)
+    held = []
+    for c in np.unique(cls):
+        rows = np.flatnonzero(cls == c)
+        k = int(round(fraction * rows.size))
+        if rows.size >= 2:
+            k = min(max(k, 1), rows.size - 1)  # every class both trained on and validated
+        held.append(rng.permutation(rows)[:k])
+    return np.sort(np.concatenate(held)).astype(np.int64)
+
+
+def _validation_rows(y: np.ndarray, opts: _Options) -> np.ndarray:
+    return validation_rows(
+        y, opts.validation_fraction, opts.seed, stratify=opts.model.name == "logistic"
+    )
+
+
+def _validation_size(y: np.ndarray, opts: _Options) -> int:
+    return int(_validation_rows(y, opts).size)
 
 
 @dataclass(frozen=True)
 class _Block:
-    """This rank's columns of ``X`` (C-contiguous, or CSR), which they are, and its ``w0``."""
+    """This rank's columns of ``X`` (C-contiguous, or CSR; a tensor for torch kernels),
+    which they are, and its ``w0``."""
 
     X: Any
     cols: slice
     w0: Any
 
 
-def _partition(comm: MPI.Comm, inputs: _Inputs, n_features: int) -> _Block:
+def _partition(group: Group, inputs: _Inputs, n_features: int) -> _Block:
     """This rank's block in the 1D block-column layout (:func:`column_block`), unless the
     caller passed its block already (``cols``)."""
     cols, w0 = inputs.cols, inputs.w0
     if cols is None:
-        size = comm.size
-        cols = column_block(n_features, size, comm.rank) if size > 1 else slice(0, n_features)
+        size = group.size
+        cols = column_block(n_features, size, group.rank) if size > 1 else slice(0, n_features)
         X_local = inputs.X[:, cols]
         if w0 is not None:
             w0 = np.asarray(w0)[cols]
     else:
         X_local = inputs.X
-    if not sp.issparse(X_local):
+    if is_tensor(X_local):
+        X_local = X_local.contiguous()
+    elif not sp.issparse(X_local):
         X_local = np.ascontiguousarray(X_local)
     else:
         X_local = X_local.tocsr()
@@ -577,26 +917,112 @@ def _partition(comm: MPI.Comm, inputs: _Inputs, n_features: int) -> _Block:
 class _Run:
     """A run set up (phase 2): what the later phases share."""
 
-    comm: MPI.Comm
+    group: Group
     opts: _Options
     cols: slice
-    local: LocalData
+    local: Any
     trainer: Trainer
     #: What makes this run this run: a checkpoint resumes it only if it records the same.
     identity: dict[str, Any]
+    kernels: _Kernels
+
+
+def _local_data(block: _Block, opts: _Options, kernels: _Kernels) -> Any:
+    """The kernels over this rank's block."""
+    if kernels.kind == "torch":
+        from .torch_kernels import TorchLocalData  # imports torch: the group is torch's
+
+        return TorchLocalData(
+            block.X, opts.recipe, device=kernels.torch_device, layout=opts.gram_layout
+        )
+    return LocalData(block.X, opts.recipe, xp=kernels.xp, layout=opts.gram_layout)
+
+
+def _auto_s(
+    group: Group,
+    opts: _Options,
+    local: Any,
+    reducer: Reducer,
+    outputs: int,
+    n_local_max: int,
+    m_train: int,
+) -> int:
+    """``s="auto"`` (:mod:`optcc_mpi.glm.auto`); collective when there are several ranks."""
+    s_max = max(1, min(auto.S_MAX, m_train // opts.b))
+    if group.size == 1 or s_max == 1:
+        return 1
+    b = opts.b
+    itemsize = storage_dtype(opts.recipe.comm).itemsize
+    net = auto.network_of(reducer.emulate)
+    if net is None:
+
+        def reduce(buf: np.ndarray) -> None:
+            group.sum(local.space(buf))
+            local.sync()
+
+        net = auto.measure_network(reduce, group.size)
+    rows = local.space(np.arange(s_max * b) % local.m)
+    Yd = local.gather(rows)
+
+    def gram() -> None:
+        local.gram_packed(Yd, s_max, b)
+        local.sync()
+
+    flops, _ = auto._flops_bytes(s_max, b, local.n_local, 1, opts.gram_layout)
+    gamma = auto.measure_gamma(gram, flops - 4.0 * s_max * b * local.n_local)
+    figures = group.allgather((net[0], net[1], gamma))
+    latency = max(f[0] for f in figures)
+    bws = [f[1] for f in figures if f[1]]
+    bw = min(bws) if len(bws) == len(figures) else None
+    return auto.choose_s(
+        p=group.size,
+        b=b,
+        n_local=n_local_max,
+        outputs=outputs,
+        latency=latency,
+        bw=bw,
+        gamma=max(f[2] for f in figures),
+        s_max=s_max,
+        layout=opts.gram_layout,
+        itemsize=itemsize,
+    )
 
 
 def _setup(
-    comm: MPI.Comm,
+    group: Group,
     opts: _Options,
     inputs: _Inputs,
     n_features: int,
-    xp: Any,
+    kernels: _Kernels,
     reducer: Reducer,
+    shared: list[tuple[Any, ...]],
 ) -> tuple[_Run, Any]:
-    """Phase 2: this rank's block of columns in the kernels' precision and module, and the
-    trainer over it. Returns the run and this rank's part of ``w0`` (None: zeros)."""
-    block = _partition(comm, inputs, n_features)
+    """Phase 2: this rank's block of columns in the kernels' precision and array kind, the
+    rows trained on, ``s``, and the trainer over it. Returns the run and this rank's part
+    of ``w0`` (None: zeros)."""
+    block = _partition(group, inputs, n_features)
+    local = _local_data(block, opts, kernels)
+    val_rows = _validation_rows(inputs.y, opts)
+    m = inputs.y.shape[0]
+    train_rows = None
+    sw = inputs.sw
+    if val_rows.size:
+        train_rows = np.setdiff1d(np.arange(m), val_rows)
+        if sw is not None:
+            # Mean 1 over the training rows, as the objective's weights must be.
+            sw = sw * (train_rows.size / float(sw[train_rows].sum()))
+    m_train = m if train_rows is None else int(train_rows.size)
+    outputs = inputs.y.shape[1] if inputs.y.ndim == 2 else 1
+    if opts.s == 0:
+        if group.size == 1:
+            widest = local.n_local
+        elif inputs.cols is None:
+            widest = -(-n_features // group.size)
+        else:
+            widest = max(p[1] for p in shared)
+        opts = dataclasses.replace(
+            opts, s=_auto_s(group, opts, local, reducer, outputs, widest, m_train)
+        )
     cfg = TrainConfig(
         opts.model.name,
         opts.solver,
@@ -607,9 +1033,22 @@ def _setup(
         opts.seed,
         opts.recipe,
         opts.gram_layout,
+        learning_rate=opts.learning_rate,
+        tol=opts.tol,
+        n_iter_no_change=opts.n_iter_no_change,
+        validation_fraction=opts.validation_fraction,
     )
-    local = LocalData(block.X, opts.recipe, xp=xp, layout=opts.gram_layout)
-    trainer = Trainer(comm, local, block.X, inputs.y, opts.model, cfg, reducer, weights=inputs.sw)
+    trainer = Trainer(
+        group,
+        local,
+        inputs.y,
+        opts.model,
+        cfg,
+        reducer,
+        weights=sw,
+        train_rows=train_rows,
+        val_rows=val_rows if val_rows.size else None,
+    )
     identity = {
         **cfg.as_dict(),
         "m": inputs.X.shape[0],
@@ -618,20 +1057,21 @@ def _setup(
     }
     if inputs.sw is not None:  # only then, so that checkpoints of unweighted runs stay as they were
         identity["sample_weight_crc32"] = checksum(inputs.sw)
-    return _Run(comm, opts, block.cols, local, trainer, identity), block.w0
+    return _Run(group, opts, block.cols, local, trainer, identity, kernels), block.w0
 
 
 def _resume(run: _Run, fresh: TrainState) -> tuple[TrainState, dict[str, Any] | None]:
     """Phase 3 (collective): the state saved in the run's checkpoint, or ``fresh`` if there
     is none; and where the run resumes (``steps``, ``epoch``, ``block``), or None."""
     path = run.opts.checkpoint
-    saved = load_checkpoint(path, run.comm, run.identity, run.cols)
+    saved = load_checkpoint(path, run.group, run.identity, run.cols)
     if saved is None:
-        if run.comm.rank == 0:
+        if run.group.rank == 0:
             print(f"no checkpoint at {path}; starting from scratch", file=sys.stderr)
         return fresh, None
+    schedule = saved["schedule"]
     state = TrainState(
-        w=rounded(saved["w"], run.opts.recipe.update),
+        w=run.local.initial(saved["w"], run.opts.recipe.update),
         epoch=saved["epoch"],
         block=saved["block"],
         steps=saved["steps"],
@@ -639,6 +1079,15 @@ def _resume(run: _Run, fresh: TrainState) -> tuple[TrainState, dict[str, Any] | 
         history=saved["history"],
         train_s=saved["train_s"],
         prior=saved["counters"],
+        lr=schedule.get("lr") or run.opts.lr,
+        best=float(schedule.get("best", math.inf)),
+        best_at_cut=float(schedule.get("best_at_cut", math.inf)),
+        no_improve=int(schedule.get("no_improve", 0)),
+        cuts=int(schedule.get("cuts", 0)),
+        # A run stopped by its rule stays stopped; one that reached max_iter may go on.
+        stop_reason=schedule.get("stop_reason")
+        if schedule.get("stop_reason") in ("converged", "no_validation_improvement")
+        else None,
     )
     return state, {"steps": state.steps, "epoch": state.epoch, "block": state.block}
 
@@ -650,15 +1099,15 @@ def _train(
     progress: bool,
     on_record: Callable[[dict[str, Any]], None] | None,
 ) -> None:
-    """Phase 4: the solver loop (:meth:`Trainer.run`) up to ``opts.epochs``, updating
-    ``state``, with a progress bar on rank 0 and a checkpoint every ``checkpoint_every``
-    outer iterations and at the end."""
+    """Phase 4: the solver loop (:meth:`Trainer.run`) until the stopping rule says so,
+    updating ``state``, with a progress bar on rank 0 and a checkpoint every
+    ``checkpoint_every`` outer iterations and at the end."""
     opts, trainer = run.opts, run.trainer
 
     def write(st: TrainState) -> None:
         save_checkpoint(
             opts.checkpoint,
-            run.comm,
+            run.group,
             run.local.host(st.w),
             config=run.identity,
             position={
@@ -668,24 +1117,27 @@ def _train(
                 "outer": st.outer,
                 "train_s": st.train_s,
             },
+            schedule=st.schedule(),
             history=st.history,
             counters=trainer.stats(st),
         )
 
     exit_env = _config.get(EXIT_AFTER_ENV)
-    total = opts.epochs * trainer.sampler.blocks_per_epoch
+    per_epoch = trainer.sampler.blocks_per_epoch
+    # With a tolerance the length is unknown: count outer iterations without a total.
+    total = opts.max_iter * per_epoch if opts.tol is None else None
     steps = "" if opts.solver == "sgd" else f" s={opts.s}"
     bar = Progress(
         total,
         desc=f"{opts.solver}{steps} b={opts.b} {opts.recipe.name}",
-        enabled=progress and run.comm.rank == 0,
+        enabled=progress and run.group.rank == 0,
         unit="outer",
     )
-    bar.n = min(state.outer, total)
+    bar.n = state.outer if total is None else min(state.outer, total)
     with bar:
         trainer.run(
             state,
-            opts.epochs,
+            opts.stopping(),
             eval_every=opts.eval_every,
             progress=bar,
             checkpoint=write if opts.checkpoint is not None else None,
@@ -700,41 +1152,56 @@ def _result(
     run: _Run, state: TrainState, *, links: Any, resumed: dict[str, Any] | None
 ) -> FitResult:
     """Phase 5 (collective): all weights on every rank, and the maxima of the times."""
-    comm, trainer, local = run.comm, run.trainer, run.local
+    group, trainer, local = run.group, run.trainer, run.local
+    train_score = trainer.score(state.w, trainer.train_rows)
+    val_score = None if trainer.val_rows is None else trainer.score(state.w, trainer.val_rows)
     w_local = np.asarray(local.host(state.w))
-    coef = np.concatenate(comm.allgather(w_local.astype(np.float64)))
     stats = trainer.stats(state)
-    maxima = np.array([stats["train_s"], stats["comm_s"], stats["compute_s"]])
-    comm.Allreduce(MPI.IN_PLACE, maxima, MPI.MAX)
+    times = (stats["train_s"], stats["comm_s"], stats["compute_s"])
+    gathered = group.allgather((w_local.astype(np.float64), times))
+    coef = np.concatenate([g[0] for g in gathered])
+    maxima = np.max([g[1] for g in gathered], axis=0)
     stats.update(train_s_max=maxima[0], comm_s_max=maxima[1], compute_s_max=maxima[2])
     reducer = trainer.reducer
+    opts = run.opts
     config = {
         **run.identity,
-        "epochs": run.opts.epochs,
-        "P": comm.size,
+        "max_iter": opts.max_iter,
+        "P": group.size,
+        "backend": group.library,
         "allreduce": reducer.name,
         "emulate": None if reducer.emulate is None else str(reducer.emulate),
         "links": None if links is None else str(links),
-        "device": "gpu" if local.on_device else "cpu",
+        "device": ("gpu" if local.on_device else "cpu")
+        if run.kernels.kind == "numpy"
+        else str(run.kernels.torch_device),
+        "kernels": run.kernels.kind,
         "steps_per_epoch": trainer.sampler.steps_per_epoch,
         "outer_per_epoch": trainer.sampler.blocks_per_epoch,
+        "m_train": trainer.sampler.m,
     }
     return FitResult(
         coef=coef,
-        coef_local=w_local,
+        coef_local=state.w if run.kernels.kind == "torch" else w_local,
         cols=run.cols,
         final_loss=state.history[-1]["loss"],
         history=state.history,
         stats=stats,
         config=config,
         resumed_from=resumed,
+        n_iter=state.epoch,
+        stop_reason=state.stop_reason or "max_iter",
+        train_score=train_score,
+        val_score=val_score,
     )
 
 
 def fit_partition(partition: Any, **kwargs: Any) -> FitResult:
     """:func:`fit` on a ``optcc_mpi.data.Partition`` (this rank's block of a dataset file).
 
-    The model defaults to the one matching the partition's ``task``.
+    The model defaults to the one matching the partition's ``task``; the partition's
+    ``n_features`` is checked against the blocks the ranks of ``comm`` hold together.
     """
     kwargs.setdefault("model", model_for_task(partition.task))
+    kwargs.setdefault("n_features", partition.n_features)
     return fit(partition.X, partition.y, cols=partition.cols, **kwargs)

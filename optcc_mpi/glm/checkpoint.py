@@ -10,6 +10,8 @@ Layout (one file, written by rank 0)::
       epoch, block  the next outer iteration to run
       steps, outer  SGD steps and outer iterations done
       train_s       training time so far
+      schedule      JSON of the stopping rule's state: the step of the next epoch, the
+                    best criterion, epochs without improvement, divisions of the step
       history       JSON list of loss records
       counters      JSON of communication/time counters so far
 
@@ -32,25 +34,25 @@ from typing import Any
 
 import h5py
 import numpy as np
-from mpi4py import MPI
 
-from .comm import agree
+from .comm import Group
 
 __all__ = ["FORMAT", "load_checkpoint", "save_checkpoint"]
 
 FORMAT = "optcc_mpi.glm.checkpoint"
-VERSION = 1
+VERSION = 2
 
 
 def save_checkpoint(
     path: str | os.PathLike,
-    comm: MPI.Comm,
+    group: Group,
     w_local: np.ndarray,
     *,
     config: dict[str, Any],
     position: dict[str, Any],
     history: list[dict[str, Any]],
     counters: dict[str, Any],
+    schedule: dict[str, Any] | None = None,
 ) -> None:
     """Gather the weight slices on rank 0 and write the checkpoint atomically.
 
@@ -58,7 +60,7 @@ def save_checkpoint(
     ----------
     path : path-like
         Checkpoint file.
-    comm : mpi4py.MPI.Comm
+    group : Group
         All ranks of the run (collective call).
     w_local : ndarray
         This rank's weight slice, in rank order of the column blocks.
@@ -68,10 +70,12 @@ def save_checkpoint(
         ``epoch, block, steps, outer, train_s``.
     history, counters
         Loss records and counters so far.
+    schedule : dict, optional
+        The stopping rule's state (``TrainState.schedule()``).
     """
-    slices = comm.gather(np.asarray(w_local), root=0)
+    slices = group.allgather(np.asarray(w_local))
     error = None
-    if comm.rank == 0:
+    if group.rank == 0:
         try:
             path = Path(path)
             tmp = path.with_name(path.name + ".tmp")
@@ -83,24 +87,25 @@ def save_checkpoint(
                 for key in ("epoch", "block", "steps", "outer"):
                     f.attrs[key] = int(position[key])
                 f.attrs["train_s"] = float(position["train_s"])
+                f.attrs["schedule"] = json.dumps(schedule or {})
                 f.attrs["history"] = json.dumps(history)
                 f.attrs["counters"] = json.dumps(counters)
             os.replace(tmp, path)
         except OSError as exc:
             error = f"cannot write checkpoint {path}: {exc}"
-    agree(comm, error)
+    group.agree(error)
 
 
 def load_checkpoint(
-    path: str | os.PathLike, comm: MPI.Comm, config: dict[str, Any], cols: slice
+    path: str | os.PathLike, group: Group, config: dict[str, Any], cols: slice
 ) -> dict[str, Any] | None:
     """Read a checkpoint on rank 0, check it matches ``config``, share it with every rank.
 
     Returns
     -------
     dict or None
-        ``w`` (this rank's slice), ``epoch, block, steps, outer, train_s, history,
-        counters``; None when the file does not exist (a fresh start).
+        ``w`` (this rank's slice), ``epoch, block, steps, outer, train_s, schedule,
+        history, counters``; None when the file does not exist (a fresh start).
 
     Raises
     ------
@@ -110,13 +115,19 @@ def load_checkpoint(
     """
     error = None
     state: dict[str, Any] | None = None
-    if comm.rank == 0:
+    if group.rank == 0:
         path = Path(path)
         if path.exists():
             try:
                 with h5py.File(path, "r") as f:
                     if f.attrs.get("format") != FORMAT:
                         raise ValueError(f"{path} is not a optcc_mpi.glm checkpoint")
+                    if int(f.attrs.get("version", 0)) != VERSION:
+                        raise ValueError(
+                            f"{path} is a checkpoint of format version "
+                            f"{int(f.attrs.get('version', 0))}, written before the stopping "
+                            f"rule was saved (this is version {VERSION}): start afresh"
+                        )
                     saved = json.loads(f.attrs["config"])
                     diff = sorted(
                         k for k in set(saved) | set(config) if saved.get(k) != config.get(k)
@@ -133,6 +144,7 @@ def load_checkpoint(
                         "w": f["w"][...],
                         **{k: int(f.attrs[k]) for k in ("epoch", "block", "steps", "outer")},
                         "train_s": float(f.attrs["train_s"]),
+                        "schedule": json.loads(f.attrs["schedule"]),
                         "history": json.loads(f.attrs["history"]),
                         "counters": json.loads(f.attrs["counters"]),
                     }
@@ -142,8 +154,8 @@ def load_checkpoint(
                     if isinstance(exc, ValueError)
                     else f"cannot read checkpoint {path}: {exc}"
                 )
-    agree(comm, error)
-    state = comm.bcast(state, root=0)
+    group.agree(error)
+    state = group.allgather(state)[0]
     if state is not None:
         state["w"] = state["w"][cols]
     return state

@@ -45,28 +45,31 @@ from __future__ import annotations
 
 import copy
 import numbers
+import warnings
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
-from mpi4py import MPI
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
+from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils.extmath import safe_sparse_dot
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_array, check_is_fitted, validate_data
 
-from .. import agreement
 from ..errors import ArgumentError, ArgumentTypeError
-from .api import FitResult, fit
+from .api import FitResult, fit, validation_rows
+from .comm import LIBRARY, Group
 from .models import MODELS, get_model
 from .precision import get_recipe
 from .solvers import DIVERGENCE_FACTOR
 
 __all__ = [
     "EXPECTED_FAILED_CHECKS",
+    "MINI_BATCH_FAILED_CHECKS",
     "GLM",
     "CASGDClassifier",
     "CASGDRegressor",
+    "auto_batch",
     "auto_lr",
     "expected_failed_checks",
 ]
@@ -83,12 +86,25 @@ _FLOAT32_MARGINS = (
     "repeated rows do, tests/test_estimators.py), and with recipe='fp64' both checks pass"
 )
 
+_MINI_BATCHES = (
+    "with b='auto' the check's 15 rows (27 repeated) train in mini-batches of a few rows, "
+    "and a row of weight k then meets the others in other mini-batches than its k copies "
+    "do: the same objective, different stochastic iterates (scikit-learn declares the "
+    "same of its SGDClassifier and SGDRegressor). In full batch (b >= n_samples) weights "
+    "and repetitions give the same iterates and the check passes (tests/test_estimators.py)"
+)
+
 #: The scikit-learn checks :class:`CASGDClassifier` is expected to fail with its default
-#: recipe (fp32), with the reason. The regressors, and the classifier with recipe
-#: ``"fp64"``, pass every check: :func:`expected_failed_checks` gives each estimator's list.
+#: recipe (fp32), with the reason, whatever its batch.
 EXPECTED_FAILED_CHECKS: dict[str, str] = {
     "check_sample_weight_equivalence_on_dense_data": _FLOAT32_MARGINS,
     "check_sample_weight_equivalence_on_sparse_data": _FLOAT32_MARGINS,
+}
+
+#: The checks every estimator with ``b="auto"`` (the default) is expected to fail.
+MINI_BATCH_FAILED_CHECKS: dict[str, str] = {
+    "check_sample_weight_equivalence_on_dense_data": _MINI_BATCHES,
+    "check_sample_weight_equivalence_on_sparse_data": _MINI_BATCHES,
 }
 
 
@@ -105,27 +121,33 @@ def expected_failed_checks(estimator: Any) -> dict[str, str]:
         def test_sklearn_compatible(estimator, check):
             check(estimator)
 
-    A :class:`CASGDClassifier` with a recipe below fp64 fails the two
-    sample-weight-equivalence checks, by float32 roundoff (:data:`EXPECTED_FAILED_CHECKS`
-    gives the reason); every other estimator and recipe is expected to pass every check.
+    Two checks can fail, the sample-weight-equivalence ones: with ``b="auto"`` (mini-batches
+    on the check's few rows, :data:`MINI_BATCH_FAILED_CHECKS`), and for a
+    :class:`CASGDClassifier` with a recipe below fp64 (float32 roundoff,
+    :data:`EXPECTED_FAILED_CHECKS`). With a batch of at least the check's rows, the
+    regressors and the fp64 classifier pass every check.
     """
-    if not isinstance(estimator, CASGDClassifier):
-        return {}
-    try:
-        precisions = set(get_recipe(estimator.recipe, estimator.slots).slots().values())
-    except (TypeError, ValueError):
-        return {}  # fit refuses the recipe, in every check alike
-    return {} if precisions == {"fp64"} else dict(EXPECTED_FAILED_CHECKS)
+    out: dict[str, str] = {}
+    if isinstance(getattr(estimator, "b", None), str):
+        out.update(MINI_BATCH_FAILED_CHECKS)
+    if isinstance(estimator, CASGDClassifier):
+        try:
+            precisions = set(get_recipe(estimator.recipe, estimator.slots).slots().values())
+        except (TypeError, ValueError):
+            return out  # fit refuses the recipe, in every check alike
+        if precisions != {"fp64"}:
+            out.update(EXPECTED_FAILED_CHECKS)
+    return out
 
 
-def _collective(comm: MPI.Comm, step: Any) -> Any:
+def _collective(group: Group, step: Any) -> Any:
     """Run ``step()`` on every rank; if it raised on any rank, raise on every rank.
 
     The rank whose step failed re-raises its own exception (type and message unchanged, as
     scikit-learn's checks expect); the others raise an ``ArgumentError`` naming the rank
     (:func:`optcc_mpi.agreement.run_everywhere`). On one process no communication at all.
     """
-    return agreement.run_everywhere(comm, step, what="fit stopped on every rank")
+    return group.run_everywhere(step, what="fit stopped on every rank")
 
 
 #: Rows of the sample on which ``lr="auto"`` estimates the top Hessian eigenvalue.
@@ -134,6 +156,61 @@ _AUTO_LR_ROWS = 4096
 _AUTO_LR_ITERATIONS = 50
 #: Curvature of each model's loss in the margin at the start (see :func:`auto_lr`).
 _CURVATURE = {"logistic": 0.25, "linear": 1.0}
+
+
+def _second_moments(X: Any, sample_weight: np.ndarray | None) -> tuple[float, np.ndarray]:
+    """``lambda_max`` of ``(1/m) sum_i sw_i x_i x_i^T`` (power iteration on a fixed sample
+    of at most 4096 rows) and ``sw_i ||x_i||^2`` of every row (weights normalised to mean 1)."""
+    m = X.shape[0]
+    sw = np.ones(m) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+    sw = sw * (m / sw.sum())
+    if sp.issparse(X):
+        sq = np.asarray(X.multiply(X).sum(axis=1), dtype=np.float64).ravel()
+    else:
+        # Row chunks: a float64 copy of a large float32 X is never made at once.
+        sq = np.empty(m)
+        for lo in range(0, m, 1 << 16):
+            chunk = np.asarray(X[lo : lo + (1 << 16)], dtype=np.float64)
+            sq[lo : lo + chunk.shape[0]] = np.einsum("ij,ij->i", chunk, chunk)
+    rows = np.arange(m)
+    if m > _AUTO_LR_ROWS:
+        rows = np.sort(np.random.default_rng(0).choice(m, _AUTO_LR_ROWS, replace=False))
+    S, ws = X[rows], sw[rows]
+    v = np.random.default_rng(1).normal(size=X.shape[1])
+    lam_max = 0.0
+    for _ in range(_AUTO_LR_ITERATIONS):
+        norm = np.linalg.norm(v)
+        if norm == 0.0:
+            break
+        v = v / norm
+        u = np.asarray(safe_sparse_dot(S, v), dtype=np.float64)
+        v = np.asarray(safe_sparse_dot(S.T, ws * u), dtype=np.float64).ravel() / len(rows)
+        lam_max = float(np.linalg.norm(v))
+    return lam_max, sw * sq
+
+
+def auto_batch(X: Any, sample_weight: np.ndarray | None = None) -> int:
+    """The batch size ``b="auto"`` uses: the critical batch ``b* = max_i sw_i ||x_i||^2 /
+    lambda_max``, rounded, in ``1 .. n_samples``: where the two terms of
+    :func:`auto_lr`'s curvature are equal.
+
+    Derived (ours). With the step of :func:`auto_lr`, ``lr = 1 / (c (lambda_max + R^2 /
+    b))`` (``R^2`` the largest weighted squared row norm), an epoch of ``m / b`` steps
+    moves the weights by about ``m lr / b = m / (c (b lambda_max + R^2))``: nearly the same
+    for every ``b`` below ``b*`` (the row term sets the step, which grows with ``b``), then
+    falling like ``1 / b``. An epoch costs ``m / b`` times a step's fixed cost (the
+    trainer's own overhead and, on several ranks, an AllReduce or ``1/s`` of one) plus
+    work per row, so below ``b*`` a larger batch only saves, and above it every epoch does
+    less. ``b*`` is where the saving ends (an epoch there does half the progress of the
+    smallest batches, with ``b*`` times fewer steps). The rule depends on the data alone:
+    the sample sequence, and so the iterates, are the same on every machine and every
+    number of ranks.
+    """
+    lam_max, wsq = _second_moments(X, sample_weight)
+    if not lam_max > 0:
+        return 1
+    b = int(round(float(np.max(wsq)) / lam_max))
+    return max(1, min(b, X.shape[0]))
 
 
 def auto_lr(
@@ -167,36 +244,14 @@ def auto_lr(
         Row weights (any scale: normalised to mean 1 here).
     """
     m = X.shape[0]
-    sw = np.ones(m) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
-    sw = sw * (m / sw.sum())
-    if sp.issparse(X):
-        sq = np.asarray(X.multiply(X).sum(axis=1), dtype=np.float64).ravel()
-    else:
-        # Row chunks: a float64 copy of a large float32 X is never made at once.
-        sq = np.empty(m)
-        for lo in range(0, m, 1 << 16):
-            chunk = np.asarray(X[lo : lo + (1 << 16)], dtype=np.float64)
-            sq[lo : lo + chunk.shape[0]] = np.einsum("ij,ij->i", chunk, chunk)
+    lam_max, wsq = _second_moments(X, sample_weight)
     # In full batch the mini-batch Hessian is the full one: no row can dominate a batch, and
     # the step no longer depends on how the weights are spread (a weight of k equals k
     # copies of the row).
-    row_term = float(np.max(sw * sq)) / b if b < m else 0.0
-    rows = np.arange(m)
-    if m > _AUTO_LR_ROWS:
-        rows = np.sort(np.random.default_rng(0).choice(m, _AUTO_LR_ROWS, replace=False))
-    S, ws = X[rows], sw[rows]
-    v = np.random.default_rng(1).normal(size=X.shape[1])
-    lam_max = 0.0
-    for _ in range(_AUTO_LR_ITERATIONS):
-        norm = np.linalg.norm(v)
-        if norm == 0.0:
-            break
-        v = v / norm
-        u = np.asarray(safe_sparse_dot(S, v), dtype=np.float64)
-        v = np.asarray(safe_sparse_dot(S.T, ws * u), dtype=np.float64).ravel() / len(rows)
-        lam_max = float(np.linalg.norm(v))
+    row_term = float(np.max(wsq)) / b if b < m else 0.0
     if model == "poisson":
-        c = max(1.0, float(np.sum(sw * y) / m))
+        sw = np.ones(m) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+        c = max(1.0, float(np.sum(sw * y) / np.sum(sw)))
     else:
         c = _CURVATURE[model]
     scale = c * (lam_max + row_term)
@@ -236,15 +291,18 @@ class _BaseGLM(BaseEstimator):
                 raise ArgumentError(f'lr must be "auto" or a number > 0, got {lr!r}')
         for key in ("s", "b"):
             value = getattr(self, key)
+            if isinstance(value, str) and value == "auto":
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ArgumentError(f"{key} must be an integer >= 1, got {value!r}")
+                raise ArgumentError(f'{key} must be "auto" or an integer >= 1, got {value!r}')
+        if self.epochs is not None:
+            e = self.epochs
+            if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 1:
+                raise ArgumentError(f"epochs must be an integer >= 1 (or None), got {e!r}")
         if not isinstance(self.fit_intercept, (bool, np.bool_)):
             raise ArgumentTypeError(
                 f"fit_intercept must be True or False, got {self.fit_intercept!r}"
             )
-
-    def _comm(self) -> MPI.Comm:
-        return MPI.COMM_WORLD if self.comm is None else self.comm
 
     def __sklearn_clone__(self) -> _BaseGLM:
         # scikit-learn deep-copies every parameter, and a user communicator cannot be
@@ -313,22 +371,43 @@ class _BaseGLM(BaseEstimator):
         optcc_mpi.errors.DivergenceError
             On every rank, when training diverges (see ``divergence_factor``).
         """
-        if self.comm is not None and not isinstance(self.comm, MPI.Comm):
-            raise ArgumentTypeError(f"comm must be an mpi4py communicator, got {self.comm!r}")
-        comm = self._comm()
-        X, targets, sw = _collective(comm, lambda: self._validate(X, y, sample_weight))
+        group = Group(self.comm)  # a TypeError at once for anything but a communicator
+        X, targets, sw = _collective(group, lambda: self._validate(X, y, sample_weight))
         m = X.shape[0]
-        # Defaults that work on small data: a batch no larger than the data, and as many
-        # steps per outer iteration as one epoch holds (at least 1).
-        b = min(int(self.b), m)
-        s = max(1, min(int(self.s), m // b))
         Xa = _with_intercept(X) if self.fit_intercept else X
+        m_train = m
+        fraction = self.validation_fraction
+        if self.early_stopping and isinstance(fraction, numbers.Real) and 0 < fraction < 1:
+            # The batch must fit the rows trained on: those left after the validation rows
+            # (fit checks the fraction itself; a bad one fails there on every rank).
+            held = validation_rows(
+                targets, float(fraction), self.seed, stratify=self._model_name() == "logistic"
+            )
+            m_train = max(1, m - held.size)
+        # Defaults that work on small data: a batch no larger than the data (and, given as
+        # a number, as many steps per outer iteration as one epoch holds, at least 1).
+        b = self.b
+        if isinstance(b, str):
+            b = auto_batch(Xa, sw)
+        b = max(1, min(int(b), m_train))
+        s = self.s if isinstance(self.s, str) else max(1, min(int(self.s), m_train // b))
         lr = self.lr
         if isinstance(lr, str) and lr == "auto":
             lr = auto_lr(Xa, targets, self._model_name(), b, sw)
-            # Every rank computed it from the same data; rank 0's value makes the step,
-            # and so the iterates, bit-identical across ranks whatever the BLAS does.
-            lr = comm.bcast(lr, root=0) if comm.size > 1 else lr
+        # Every rank computed b and lr from the same data; rank 0's values make the steps,
+        # and so the iterates, bit-identical across ranks whatever the BLAS does.
+        b, lr = group.allgather((b, lr))[0]
+        if self.epochs is not None:
+            warnings.warn(
+                f"epochs={self.epochs} is deprecated and will be removed: use "
+                f"max_iter={self.epochs}, tol=None for exactly that many epochs (or the "
+                "defaults, which stop when the loss stops improving)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            max_iter, tol = int(self.epochs), None
+        else:
+            max_iter, tol = self.max_iter, self.tol
         res: FitResult = fit(
             Xa,
             targets,
@@ -337,12 +416,17 @@ class _BaseGLM(BaseEstimator):
             s=s,
             b=b,
             lr=lr,
-            epochs=self.epochs,
+            max_iter=max_iter,
+            tol=tol,
+            n_iter_no_change=self.n_iter_no_change,
+            learning_rate=self.learning_rate,
+            early_stopping=self.early_stopping,
+            validation_fraction=self.validation_fraction,
             lam=self.lam,
             seed=self.seed,
             recipe=self.recipe,
             slots=self.slots,
-            comm=comm,
+            comm=group.comm,
             allreduce=self.allreduce,
             links=self.links,
             emulate=self.emulate,
@@ -354,11 +438,20 @@ class _BaseGLM(BaseEstimator):
         coef = res.coef
         n = X.shape[1]
         self._set_coef(coef[:n], coef[n] if self.fit_intercept else np.zeros(coef.shape[1:]))
-        self.s_ = s
+        self.s_ = int(res.config["s"])
         self.b_ = b
         self.lr_ = float(lr)
-        self.n_iter_ = int(res.config["epochs"])
+        self.n_iter_ = int(res.n_iter)
+        self.stop_reason_ = res.stop_reason
         self.result_ = res
+        if res.stop_reason == "max_iter" and tol is not None:
+            warnings.warn(
+                f"{type(self).__name__}: the maximum number of epochs (max_iter={max_iter}) "
+                f"was reached before the loss stopped improving by tol={tol:g}; consider "
+                "increasing max_iter",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
         return self
 
     def _set_coef(self, coef: np.ndarray, intercept: np.ndarray) -> None:
@@ -377,19 +470,42 @@ _PARAMS_DOC = """
     solver : {"casgd", "sgd"}, default="casgd"
         CA-SGD (one AllReduce per ``s`` steps) or SGD (one per step); same iterates in
         exact arithmetic.
-    s : int, default=16
-        Steps per CA-SGD outer iteration; clipped to the steps one epoch holds,
-        ``max(1, n_samples // b)`` (fitted value in ``s_``).
-    b : int, default=32
-        Mini-batch size; clipped to ``n_samples`` (fitted value in ``b_``; ``b >=
-        n_samples`` is full-batch gradient descent).
+    s : int or "auto", default="auto"
+        Steps per CA-SGD outer iteration. ``"auto"``: the fastest by the cost model
+        (:mod:`optcc_mpi.glm.auto`): 1 on one process, where there is no communication
+        to save; on several, the argmin of the modelled time per step. A number is
+        clipped to the steps one epoch holds. Fitted value in ``s_``.
+    b : int or "auto", default="auto"
+        Mini-batch size. ``"auto"``: the stable rank of the rows' second moment
+        (:func:`optcc_mpi.glm.estimator.auto_batch`: the largest batch that still makes
+        full progress per epoch). Clipped to the training rows; fitted value in ``b_``
+        (``b >= n_samples`` is full-batch gradient descent).
     lr : float or "auto", default="auto"
-        Step size: the step is ``lr`` times the mean gradient of the mini-batch.
-        ``"auto"`` derives it from the data (:func:`optcc_mpi.glm.estimator.auto_lr`:
-        one over the curvature of a mini-batch's loss, safe on any feature scaling); the
-        value used is ``lr_``.
-    epochs : int, default=5
-        Passes over the data (no early stopping: every run does exactly this many).
+        Step size: the step is ``lr`` times the mean gradient of the mini-batch (the first
+        step with ``learning_rate="adaptive"``). ``"auto"`` derives it from the data
+        (:func:`optcc_mpi.glm.estimator.auto_lr`: one over the curvature of a
+        mini-batch's loss, safe on any feature scaling); the value used is ``lr_``.
+    max_iter : int, default=1000
+        Epochs at most. When they end the fit with ``tol`` set, a
+        ``sklearn.exceptions.ConvergenceWarning`` is raised.
+    tol : float or None, default=1e-3
+        The stopping criterion: training stops after ``n_iter_no_change`` epochs whose
+        training loss (validation score with ``early_stopping``) did not improve on the
+        best by ``tol``; None runs ``max_iter`` epochs.
+    n_iter_no_change : int, default=5
+        Epochs without improvement before the step is divided or training stops.
+    learning_rate : {"adaptive", "constant"}, default="adaptive"
+        ``adaptive``: at each plateau the step is divided by 5, and training stops at a
+        plateau once the last division improved the criterion by less than ``tol``;
+        ``constant``: the first plateau stops training.
+    early_stopping : bool, default=False
+        Hold out ``validation_fraction`` of the rows (stratified for the classifier) and
+        stop on their score (accuracy; R^2 or D^2 for the regressors).
+    validation_fraction : float, default=0.1
+        Share of the rows held out with ``early_stopping``.
+    epochs : int, optional
+        Deprecated (``FutureWarning``): ``max_iter=epochs, tol=None``, exactly that many
+        epochs, as before the stopping rule existed.
     lam : float, default=0.0
         L2 strength (scikit-learn's ``alpha``), applied to the intercept as well.
     fit_intercept : bool, default=True
@@ -407,14 +523,17 @@ _PARAMS_DOC = """
         keeps only the NaN/inf check.
     verbose : bool, default=False
         Progress bar on rank 0.
-    comm : mpi4py.MPI.Comm, optional
-        Communicator of the ranks that train together (``COMM_WORLD`` by default).
-    allreduce : str or callable, default="mpi"
-        AllReduce to use (see :func:`optcc_mpi.glm.fit`).
+    comm : mpi4py communicator or torch.distributed.ProcessGroup, optional
+        The ranks that train together: by default torch.distributed's default group when
+        it is initialised, else ``MPI.COMM_WORLD``. Over a process group the training
+        runs on torch tensors on the group's device (gloo: CPU, NCCL: GPU).
+    allreduce : str or callable, default="native"
+        AllReduce to use (see :func:`optcc_mpi.glm.fit`): ``native`` is the library's own.
     links, emulate : optional
         Link profile and network emulation passed to the AllReduce.
-    device : {"cpu", "gpu", "auto"}, default="cpu"
-        Where the local kernels run.
+    device : {"cpu", "gpu", "auto"}, optional
+        Over MPI where the local kernels run (default the CPU; ``gpu``: CuPy). Over a
+        process group the group's device (checked against this when given).
 """
 
 _ATTRS_DOC = """
@@ -423,11 +542,14 @@ _ATTRS_DOC = """
     feature_names_in_ : ndarray of str
         Column names, when ``X`` had string column names.
     s_, b_ : int
-        Steps per outer iteration and batch size actually used (after clipping).
+        Steps per outer iteration and batch size actually used (chosen, or clipped).
     lr_ : float
-        Step size used (``lr``, or the ``"auto"`` value).
+        Initial step size used (``lr``, or the ``"auto"`` value).
     n_iter_ : int
         Epochs run.
+    stop_reason_ : str
+        Why training stopped: ``converged``, ``no_validation_improvement`` or
+        ``max_iter`` (``result_.stop_text`` in words).
     result_ : FitResult
         What :func:`optcc_mpi.glm.fit` recorded: loss history, AllReduce counts and
         bytes, time split, settings.
@@ -463,10 +585,16 @@ class GLM(RegressorMixin, _BaseGLM):
         model: str = "logistic",
         *,
         solver: str = "casgd",
-        s: int = 16,
-        b: int = 32,
+        s: int | str = "auto",
+        b: int | str = "auto",
         lr: float | str = "auto",
-        epochs: int = 5,
+        max_iter: int = 1000,
+        tol: float | None = 1e-3,
+        n_iter_no_change: int = 5,
+        learning_rate: str = "adaptive",
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        epochs: int | None = None,
         lam: float = 0.0,
         fit_intercept: bool = True,
         recipe: str = "fp32",
@@ -475,16 +603,22 @@ class GLM(RegressorMixin, _BaseGLM):
         divergence_factor: float | None = DIVERGENCE_FACTOR,
         verbose: bool = False,
         comm: Any = None,
-        allreduce: Any = "mpi",
+        allreduce: Any = LIBRARY,
         links: Any = None,
         emulate: Any = None,
-        device: str = "cpu",
+        device: str | None = None,
     ) -> None:
         self.model = model
         self.solver = solver
         self.s = s
         self.b = b
         self.lr = lr
+        self.max_iter = max_iter
+        self.tol = tol
+        self.n_iter_no_change = n_iter_no_change
+        self.learning_rate = learning_rate
+        self.early_stopping = early_stopping
+        self.validation_fraction = validation_fraction
         self.epochs = epochs
         self.lam = lam
         self.fit_intercept = fit_intercept
@@ -579,7 +713,7 @@ class CASGDRegressor(GLM):
     >>> from sklearn.preprocessing import StandardScaler
     >>> from optcc_mpi.glm import CASGDRegressor, make_glm_data
     >>> X, y = make_glm_data("linear", 512, 8, seed=0, dtype="float64")
-    >>> reg = make_pipeline(StandardScaler(), CASGDRegressor(lr=0.1, epochs=10)).fit(X, y)
+    >>> reg = make_pipeline(StandardScaler(), CASGDRegressor()).fit(X, y)
     >>> reg.score(X, y) > 0.9
     True
     """
@@ -591,10 +725,16 @@ class CASGDRegressor(GLM):
         model: str = "linear",
         *,
         solver: str = "casgd",
-        s: int = 16,
-        b: int = 32,
+        s: int | str = "auto",
+        b: int | str = "auto",
         lr: float | str = "auto",
-        epochs: int = 5,
+        max_iter: int = 1000,
+        tol: float | None = 1e-3,
+        n_iter_no_change: int = 5,
+        learning_rate: str = "adaptive",
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        epochs: int | None = None,
         lam: float = 0.0,
         fit_intercept: bool = True,
         recipe: str = "fp32",
@@ -603,10 +743,10 @@ class CASGDRegressor(GLM):
         divergence_factor: float | None = DIVERGENCE_FACTOR,
         verbose: bool = False,
         comm: Any = None,
-        allreduce: Any = "mpi",
+        allreduce: Any = LIBRARY,
         links: Any = None,
         emulate: Any = None,
-        device: str = "cpu",
+        device: str | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -614,6 +754,12 @@ class CASGDRegressor(GLM):
             s=s,
             b=b,
             lr=lr,
+            max_iter=max_iter,
+            tol=tol,
+            n_iter_no_change=n_iter_no_change,
+            learning_rate=learning_rate,
+            early_stopping=early_stopping,
+            validation_fraction=validation_fraction,
             epochs=epochs,
             lam=lam,
             fit_intercept=fit_intercept,
@@ -665,8 +811,8 @@ class CASGDClassifier(ClassifierMixin, _BaseGLM):
     >>> from sklearn.preprocessing import StandardScaler
     >>> from optcc_mpi.glm import CASGDClassifier
     >>> X, y = load_iris(return_X_y=True)
-    >>> clf = make_pipeline(StandardScaler(), CASGDClassifier(b=16, epochs=20)).fit(X, y)
-    >>> clf.score(X, y) > 0.85
+    >>> clf = make_pipeline(StandardScaler(), CASGDClassifier()).fit(X, y)
+    >>> clf.score(X, y) > 0.9
     True
     """
 
@@ -674,10 +820,16 @@ class CASGDClassifier(ClassifierMixin, _BaseGLM):
         self,
         *,
         solver: str = "casgd",
-        s: int = 16,
-        b: int = 32,
+        s: int | str = "auto",
+        b: int | str = "auto",
         lr: float | str = "auto",
-        epochs: int = 5,
+        max_iter: int = 1000,
+        tol: float | None = 1e-3,
+        n_iter_no_change: int = 5,
+        learning_rate: str = "adaptive",
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        epochs: int | None = None,
         lam: float = 0.0,
         fit_intercept: bool = True,
         recipe: str = "fp32",
@@ -686,15 +838,21 @@ class CASGDClassifier(ClassifierMixin, _BaseGLM):
         divergence_factor: float | None = DIVERGENCE_FACTOR,
         verbose: bool = False,
         comm: Any = None,
-        allreduce: Any = "mpi",
+        allreduce: Any = LIBRARY,
         links: Any = None,
         emulate: Any = None,
-        device: str = "cpu",
+        device: str | None = None,
     ) -> None:
         self.solver = solver
         self.s = s
         self.b = b
         self.lr = lr
+        self.max_iter = max_iter
+        self.tol = tol
+        self.n_iter_no_change = n_iter_no_change
+        self.learning_rate = learning_rate
+        self.early_stopping = early_stopping
+        self.validation_fraction = validation_fraction
         self.epochs = epochs
         self.lam = lam
         self.fit_intercept = fit_intercept

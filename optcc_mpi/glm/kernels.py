@@ -102,6 +102,8 @@ class LocalData:
         self.xp = np if xp is None else xp
         self.sparse = sp.issparse(X)
         self.on_device = self.xp is not np
+        #: The block as given, for the reported loss (every recipe scored on the same data).
+        self.X_eval = X
         data = recipe.data
         if self.sparse:
             if self.on_device:
@@ -125,15 +127,62 @@ class LocalData:
                     f"{self.xp.__version__}): pip install 'cupy-cuda12x>={CUPY_BF16_MIN}'"
                 )
 
-    # -- helpers -----------------------------------------------------------------------
+    # -- the trainer's arrays: NumPy, on the host -------------------------------------------
+    # The AllReduce buffer, the recurrence, the rows' labels and weights live on the host
+    # (an MPI library moves host memory; on a GPU the packed buffer is copied over).
 
     def host(self, a: Any) -> np.ndarray:
         """``a`` as a NumPy array (copies device arrays to the host, which synchronises)."""
-        return a.get() if self.on_device else a
+        return a.get() if self.on_device and not isinstance(a, np.ndarray) else a
 
     def device(self, a: np.ndarray) -> Any:
         """``a`` as an array of the kernel module."""
         return self.xp.asarray(a) if self.on_device else a
+
+    def space(self, a: np.ndarray) -> np.ndarray:
+        """An array of the trainer's (a row order, labels, weights) as it computes with
+        it: NumPy, on the host."""
+        return a
+
+    def empty(self, shape: tuple[int, ...], precision: str) -> np.ndarray:
+        """An uninitialised array of the recurrence in ``precision``'s arithmetic dtype."""
+        return np.empty(shape, dtype=compute_dtype(precision))
+
+    def pack(self, parts: list[Any], precision: str) -> np.ndarray:
+        """The AllReduce buffer: ``parts`` (kernel arrays) flattened end to end, on the
+        host, in ``precision``'s storage dtype (16-bit values travel as 16-bit words).
+        Always a new array: the AllReduce overwrites it."""
+        flat = [self.host(p).reshape(-1) for p in parts]
+        buf = np.concatenate(flat) if len(flat) > 1 else flat[0].copy()
+        return buf.astype(storage_dtype(precision), copy=False)
+
+    def all_finite(self, a: np.ndarray) -> bool:
+        """Whether every value of ``a`` is finite."""
+        return bool(np.isfinite(a).all())
+
+    def initial(self, w: np.ndarray, precision: str) -> Any:
+        """Master weights (``w`` from the host) in the kernels' module, in ``precision``."""
+        return self.device(rounded(np.asarray(w, dtype=np.float64), precision))
+
+    def sqnorm64(self, w: Any) -> np.ndarray:
+        """``[||w||^2]`` in float64 (shape (1,), for the objective's AllReduce)."""
+        w64 = np.asarray(self.host(w), dtype=np.float64)
+        return np.array([np.sum(w64 * w64)])
+
+    def sync(self) -> None:
+        """Wait for the kernels queued so far (on a GPU; timing needs it)."""
+        if self.on_device:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def margins64(self, w: Any, rows: np.ndarray | None = None, chunk: int = 1 << 16) -> np.ndarray:
+        """``X_eval @ w`` in float64 over ``rows`` (all rows by default), in row chunks so
+        that a float64 copy of X is never made."""
+        X = self.X_eval if rows is None else self.X_eval[rows]
+        w64 = np.asarray(self.host(w), dtype=np.float64)
+        out = np.empty((X.shape[0], *w64.shape[1:]), dtype=np.float64)
+        for start in range(0, X.shape[0], chunk):
+            out[start : start + chunk] = X[start : start + chunk].astype(np.float64) @ w64
+        return out
 
     def _widened(self, Yd: Any) -> Any:
         """16-bit device rows widened to float32, once per gathered block."""

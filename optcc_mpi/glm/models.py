@@ -15,9 +15,10 @@ linear        (z - y)^2 / 2                          z - y                      
 poisson       e^z - y z + y log y - y  (half dev.)   e^z - y                    real >= 0
 ============  =====================================  =========================  ==========
 
-Logistic labels given as {-1, +1} are mapped to {0, 1}. The Poisson loss is the half
-deviance: the negative log-likelihood shifted by a constant so that a perfect fit scores 0
-(``PoissonRegressor``'s objective), which makes relative loss gaps meaningful. Like
+The losses and residuals take NumPy arrays or PyTorch tensors (computed by torch on the
+tensor's device). Logistic labels given as {-1, +1} are mapped to {0, 1}. The Poisson loss
+is the half deviance: the negative log-likelihood shifted by a constant so that a perfect
+fit scores 0 (``PoissonRegressor``'s objective), which makes relative loss gaps meaningful. Like
 ``PoissonRegressor``, it accepts any non-negative target (rates, averaged counts), not only
 integers: the half deviance and its gradient are defined for every ``y >= 0``.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.special import expit, logit, xlogy
@@ -36,31 +38,47 @@ from ..labels import check_labels
 __all__ = ["MODELS", "TASKS", "Model", "get_model", "model_for_task"]
 
 
-def _logistic_loss(z: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _is_tensor(a: Any) -> bool:
+    # PyTorch tensors take torch's own functions (on their device); checked by module
+    # name so that this module never imports torch for NumPy users.
+    return type(a).__module__.partition(".")[0] == "torch"
+
+
+def _logistic_loss(z: Any, y: Any) -> Any:
+    if _is_tensor(z):
+        import torch.nn.functional as F  # loaded already: z is a tensor
+
+        return F.softplus(z) - y * z
     # logaddexp(0, z) = log(1 + e^z) without overflow for large |z|.
     return np.logaddexp(0.0, z) - y * z
 
 
-def _logistic_residual(z: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _logistic_residual(z: Any, y: Any) -> Any:
+    if _is_tensor(z):
+        return z.sigmoid() - y.to(z.dtype)
     # expit keeps float32 inputs in float32, which the fp32 recurrence relies on.
     return expit(z) - y.astype(z.dtype, copy=False)
 
 
-def _linear_loss(z: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _linear_loss(z: Any, y: Any) -> Any:
     d = z - y
     return 0.5 * d * d
 
 
-def _linear_residual(z: np.ndarray, y: np.ndarray) -> np.ndarray:
-    return z - y.astype(z.dtype, copy=False)
+def _linear_residual(z: Any, y: Any) -> Any:
+    return z - (y.to(z.dtype) if _is_tensor(z) else y.astype(z.dtype, copy=False))
 
 
-def _poisson_loss(z: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _poisson_loss(z: Any, y: Any) -> Any:
     # Half deviance y log(y / mu) - y + mu with mu = e^z; xlogy gives 0 log 0 = 0.
+    if _is_tensor(z):
+        return z.exp() - y * z + y.xlogy(y) - y
     return np.exp(z) - y * z + xlogy(y, y) - y
 
 
-def _poisson_residual(z: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _poisson_residual(z: Any, y: Any) -> Any:
+    if _is_tensor(z):
+        return z.exp() - y.to(z.dtype)
     return np.exp(z) - y.astype(z.dtype, copy=False)
 
 

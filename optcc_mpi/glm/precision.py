@@ -46,9 +46,13 @@ __all__ = [
     "Recipe",
     "compute_dtype",
     "get_recipe",
+    "as_compute",
+    "is_half",
+    "is_tensor",
     "parse_slots",
     "rounded",
     "storage_dtype",
+    "torch_dtype",
 ]
 
 #: Precision names, finest first.
@@ -60,6 +64,8 @@ _STORAGE = {
     "fp16": np.dtype(np.float16),
     "bf16": np.dtype(ml_dtypes.bfloat16),
 }
+
+_HALF = frozenset(("fp16", "bf16"))
 
 SLOTS = (
     "data",
@@ -112,14 +118,51 @@ def is_half(precision: str) -> bool:
     return precision in ("fp16", "bf16")
 
 
+def torch_dtype(precision: str, *, storage: bool = False) -> Any:
+    """The ``torch.dtype`` of ``precision``: its arithmetic dtype (float64 for fp64, else
+    float32), or with ``storage=True`` the dtype that stores it (``torch.bfloat16`` ...)."""
+    import torch  # only asked for when tensors are in use
+
+    if storage:
+        return {
+            "fp64": torch.float64,
+            "fp32": torch.float32,
+            "fp16": torch.float16,
+            "bf16": torch.bfloat16,
+        }[precision]
+    return torch.float64 if precision == "fp64" else torch.float32
+
+
+def is_tensor(a: Any) -> bool:
+    """Whether ``a`` is a PyTorch tensor (checked without importing torch)."""
+    return type(a).__module__.partition(".")[0] == "torch"
+
+
+def as_compute(a: Any, precision: str) -> Any:
+    """``a`` (NumPy or CuPy array, or tensor) in ``precision``'s arithmetic dtype, without
+    rounding 16-bit values (a free no-op when already there)."""
+    if type(a) is not np.ndarray and is_tensor(a):
+        return a.to(torch_dtype(precision))
+    return a.astype(compute_dtype(precision), copy=False)
+
+
 def rounded(a: Any, precision: str) -> Any:
     """Return ``a`` held in :func:`compute_dtype` with values rounded to ``precision``.
 
     fp64/fp32 are a (free when already there) cast; fp16/bf16 round to nearest even
     through the 16-bit dtype and widen back to float32, so that every later kernel runs
     in float32 BLAS on exactly representable 16-bit values. Works on NumPy and CuPy
-    arrays and on SciPy sparse matrices (their stored values are rounded).
+    arrays, PyTorch tensors (on their device; torch rounds to nearest even too) and
+    SciPy sparse matrices (their stored values are rounded).
     """
+    if type(a) is np.ndarray:  # the commonest case first: one type check
+        if precision in _HALF:
+            return a.astype(_STORAGE[precision]).astype(np.float32)
+        return a.astype(_STORAGE["fp64" if precision == "fp64" else "fp32"], copy=False)
+    if is_tensor(a):
+        if is_half(precision):
+            return a.to(torch_dtype(precision, storage=True)).to(torch_dtype("fp32"))
+        return a.to(torch_dtype(precision))
     if hasattr(a, "tocsr") and hasattr(a, "data"):  # scipy.sparse: round the values
         out = a.astype(compute_dtype(precision), copy=True)
         if is_half(precision):

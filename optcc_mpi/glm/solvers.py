@@ -26,6 +26,20 @@ rows at once (one-vs-rest multiclass): the weights become ``(n, K)``, the margin
 and CA-SGD sends the ``K`` margin columns with the one Gram matrix, which all ``K``
 problems share.
 
+Arrays. The kernels (:class:`~optcc_mpi.glm.kernels.LocalData` on NumPy, CuPy or SciPy
+CSR; :class:`~optcc_mpi.glm.torch_kernels.TorchLocalData` on PyTorch tensors) say where the
+trainer's own arrays live: on the host in NumPy under MPI, on the group's device in torch
+under ``torch.distributed``. The code below is the same for both: it calls the kernels,
+slices, multiplies and reduces, and every function it applies (the residuals, the
+rounding) takes either kind.
+
+When training stops (:class:`Stopping`, after every epoch): ``max_iter`` epochs; or, with
+``tol`` set, ``n_iter_no_change`` epochs in a row whose criterion (the training objective,
+or minus the validation score with ``early_stopping``) did not improve on the best so far
+by ``tol``. With ``learning_rate="adaptive"`` such a plateau first divides the step by 5,
+and training stops at a plateau only when the last division bought less than ``tol``
+(ours; scikit-learn's "adaptive" divides until the step is below 1e-6).
+
 Divergence (:meth:`Trainer.run`): besides non-finite residuals or losses, a recorded loss
 above ``divergence_factor`` times the best recorded loss *and* above the starting loss stops
 training with :class:`~optcc_mpi.errors.DivergenceError` on every rank (the loss is the
@@ -34,6 +48,7 @@ reduced value, identical on every rank, so every rank decides the same).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -42,30 +57,33 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 from scipy.linalg import solve_triangular
 
 from ..errors import DivergenceError
-from .comm import Reducer
-from .kernels import LocalData
+from .comm import Group, Reducer
 from .models import Model
-from .precision import Recipe, compute_dtype, is_half, rounded, storage_dtype
+from .precision import Recipe, as_compute, is_half, is_tensor, rounded, torch_dtype
+from .precision import compute_dtype as _compute_dtype
 from .sampler import Sampler
 
 __all__ = [
     "DIVERGENCE_FACTOR",
     "EXIT_AFTER_ENV",
+    "LEARNING_RATES",
     "SOLVERS",
+    "STOP_REASONS",
     "DivergenceError",
+    "Stopping",
     "TrainConfig",
     "TrainState",
     "Trainer",
     "casgd_recurrence",
     "least_squares_deltas",
-    "margins64",
 ]
 
 SOLVERS = ("sgd", "casgd")
+#: Step-size schedules: the same step throughout, or divided by 5 at each plateau.
+LEARNING_RATES = ("constant", "adaptive")
 
 #: Environment variable: exit the process (status 75) after this many outer iterations.
 #: Used to test that ``resume`` continues a killed run exactly.
@@ -76,29 +94,50 @@ EXIT_AFTER_STATUS = 75
 #: (and above the starting loss) stops training as diverged.
 DIVERGENCE_FACTOR = 10.0
 
+#: Why training stopped, in words (``FitResult.stop_reason`` is the key).
+STOP_REASONS = {
+    "converged": "the training loss improved by less than tol for n_iter_no_change epochs",
+    "no_validation_improvement": (
+        "the validation score improved by less than tol for n_iter_no_change epochs"
+    ),
+    "max_iter": "max_iter epochs were run",
+}
+
+#: At most this many divisions of the step by 5 (``learning_rate="adaptive"``).
+MAX_STEP_CUTS = 8
+
+
+def _empty_like(a: Any, precision: str) -> Any:
+    """An uninitialised array shaped like ``a`` in ``precision``'s arithmetic dtype, of
+    ``a``'s kind (NumPy or tensor, on ``a``'s device)."""
+    if is_tensor(a):
+        return a.new_empty(a.shape, dtype=torch_dtype(precision))
+    return np.empty(a.shape, dtype=_compute_dtype(precision))
+
 
 def casgd_recurrence(
-    r: np.ndarray,
-    G_lower: np.ndarray,
-    y: np.ndarray,
-    residual: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    r: Any,
+    G_lower: Any,
+    y: Any,
+    residual: Callable[[Any, Any], Any],
     eta: float,
     b: int,
     s: int,
     q: float = 1.0,
     precision: str = "fp64",
-    weights: np.ndarray | None = None,
-) -> np.ndarray:
+    weights: Any = None,
+    on_margins: Callable[[Any, int, int], None] | None = None,
+) -> Any:
     """The inner recurrence of one CA-SGD outer iteration (identical on every rank).
 
     Parameters
     ----------
-    r : ndarray, shape (s*b,) or (s*b, K)
+    r : ndarray or tensor, shape (s*b,) or (s*b, K)
         Reduced base margins ``Y @ w_k`` (one column per output).
-    G_lower : ndarray
+    G_lower : ndarray or tensor
         Reduced strictly block-lower Gram blocks, packed as in
         :func:`~optcc_mpi.glm.kernels.lower_block_index`.
-    y : ndarray, shape like ``r``
+    y : ndarray or tensor, shape like ``r``
         Labels of the ``s`` mini-batches.
     residual : callable
         The model's ``residual(z, y)``.
@@ -109,32 +148,36 @@ def casgd_recurrence(
     precision : str
         Precision of the recurrence: its operands are expected already rounded to it;
         for 16-bit formats every intermediate is rounded again.
-    weights : ndarray, shape (s*b,), optional
+    weights : ndarray or tensor, shape (s*b,), optional
         Sample weights of the rows (normalised to mean 1 over the training set); each
         residual is multiplied by its row's weight.
+    on_margins : callable, optional
+        ``on_margins(z, lo, hi)`` with the margins ``z`` that step ``j`` sees, rows
+        ``lo:hi`` of the outer iteration (the running loss of the progress line).
 
     Returns
     -------
-    ndarray, shape like ``r``
+    ndarray or tensor, shape like ``r``
         The residuals ``delta_j`` of the ``s`` steps, in the recurrence's compute dtype.
+        All arrays are of ``r``'s kind: NumPy, or tensors on ``r``'s device.
     """
-    dt = compute_dtype(precision)
     half = is_half(precision)
-    scale = dt.type(eta / b)
-    qd = dt.type(q)
-    y = y.astype(dt, copy=False)
+    # Python floats in the arithmetic: a float32 array times a Python float stays float32
+    # (the scalar is rounded to float32 first), in NumPy and in torch alike.
+    scale = eta / b
+    y = as_compute(y, precision)
     if weights is not None:
-        weights = weights.astype(dt, copy=False)
+        weights = as_compute(weights, precision)
         if r.ndim == 2:
             weights = weights[:, None]
-    delta = np.empty(r.shape, dtype=dt)
+    delta = _empty_like(r, precision)
     # u[t] = (eta/b) q^(j-1-t) delta_t: the coefficients of the correction sum at step j.
-    u = np.empty(r.shape, dtype=dt)
+    u = _empty_like(r, precision)
     for j in range(s):
         lo, hi = j * b, (j + 1) * b
         z = r[lo:hi]
         if q != 1.0 and j:
-            z = z * dt.type(q**j)
+            z = z * (q**j)
         if j:
             off = b * b * j * (j - 1) // 2
             Gj = G_lower[off : off + b * lo].reshape(b, lo)
@@ -144,13 +187,15 @@ def casgd_recurrence(
             z = z - corr
         if half:
             z = rounded(z, precision)
+        if on_margins is not None:
+            on_margins(z, lo, hi)
         d = residual(z, y[lo:hi])
         if weights is not None:
             d = d * weights[lo:hi]
         delta[lo:hi] = rounded(d, precision) if half else d
         if j + 1 < s:
             if q != 1.0:
-                u[:lo] *= qd
+                u[:lo] *= q
             u[lo:hi] = scale * delta[lo:hi]
             if half:
                 u[lo:hi] = rounded(u[lo:hi], precision)
@@ -185,16 +230,6 @@ def least_squares_deltas(
     return solve_triangular(A, rhs, lower=True, unit_diagonal=True)
 
 
-def margins64(X: Any, w: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
-    """``X @ w`` in float64, in row chunks so that a float64 copy of X is never made."""
-    w64 = np.asarray(w, dtype=np.float64)
-    m = X.shape[0]
-    out = np.empty((m, *w64.shape[1:]), dtype=np.float64)
-    for start in range(0, m, chunk):
-        out[start : start + chunk] = X[start : start + chunk].astype(np.float64) @ w64
-    return out
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything that determines the iterates (a resumed run must match it).
@@ -209,13 +244,21 @@ class TrainConfig:
         Steps per outer iteration and mini-batch size (``sgd`` uses ``s`` only to group
         steps for checkpoints and progress).
     lr, lam : float
-        Step size ``eta`` and L2 strength ``lambda``.
+        Initial step size ``eta`` and L2 strength ``lambda``.
     seed : int
-        Seed of the sample sequence.
+        Seed of the sample sequence (and of the validation rows).
     recipe : Recipe
         Precision of each slot.
     gram_layout : str
         ``lower`` or ``full`` (see :mod:`optcc_mpi.glm.kernels`).
+    learning_rate : str
+        ``constant`` or ``adaptive`` (:class:`Stopping`).
+    tol : float or None
+        Improvement that counts (:class:`Stopping`); None: none is looked for.
+    n_iter_no_change : int
+        Epochs without it that make a plateau.
+    validation_fraction : float
+        Share of the rows held out for the validation score (0: no early stopping).
     """
 
     model: str
@@ -227,6 +270,10 @@ class TrainConfig:
     seed: int
     recipe: Recipe
     gram_layout: str = "lower"
+    learning_rate: str = "constant"
+    tol: float | None = None
+    n_iter_no_change: int = 5
+    validation_fraction: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -240,6 +287,10 @@ class TrainConfig:
             "seed": self.seed,
             "recipe": self.recipe.as_dict(),
             "gram_layout": self.gram_layout,
+            "learning_rate": self.learning_rate,
+            "tol": self.tol,
+            "n_iter_no_change": self.n_iter_no_change,
+            "validation_fraction": self.validation_fraction,
         }
 
 
@@ -249,21 +300,32 @@ class TrainState:
 
     Attributes
     ----------
-    w : ndarray
-        This rank's weight slice (master weights, update precision).
+    w : ndarray or tensor
+        This rank's weight slice (master weights, update precision), in the kernels'
+        array kind.
     epoch, block : int
         Next outer iteration to run: block ``block`` of epoch ``epoch``.
     steps, outer : int
         SGD steps and outer iterations done so far (over all resumed segments).
     history : list of dict
-        Loss records: ``steps``, ``epoch`` (fractional), ``loss``, ``train_s``, ``epoch_end``.
+        Loss records: ``steps``, ``epoch`` (fractional), ``loss``, ``train_s``,
+        ``epoch_end``, ``lr``, and ``val_score`` with early stopping.
     train_s : float
         Training wall time so far (evaluation and checkpoint writing excluded).
     prior : dict
         Counters carried over from the segments before a resume.
+    lr : float or None
+        The step of the next epoch (None: the configured one).
+    best, best_at_cut : float
+        Best stopping criterion so far (lower is better), and its value at the last
+        division of the step.
+    no_improve, cuts : int
+        Epochs in a row without an improvement by ``tol``; divisions of the step so far.
+    stop_reason : str or None
+        Why training stopped (a key of :data:`STOP_REASONS`); None while it may go on.
     """
 
-    w: np.ndarray
+    w: Any
     epoch: int = 0
     block: int = 0
     steps: int = 0
@@ -271,6 +333,75 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)
     train_s: float = 0.0
     prior: dict[str, float] = field(default_factory=dict)
+    lr: float | None = None
+    best: float = math.inf
+    best_at_cut: float = math.inf
+    no_improve: int = 0
+    cuts: int = 0
+    stop_reason: str | None = None
+
+    def schedule(self) -> dict[str, Any]:
+        """The stopping rule's state, JSON-ready (checkpoints)."""
+        return {
+            "lr": self.lr,
+            "best": self.best,
+            "best_at_cut": self.best_at_cut,
+            "no_improve": self.no_improve,
+            "cuts": self.cuts,
+            "stop_reason": self.stop_reason,
+        }
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """When training stops, decided after every epoch from a criterion, lower is better
+    (the training objective, or minus the validation score).
+
+    Parameters
+    ----------
+    max_iter : int
+        Epochs at most (the total of the run, resumed segments included).
+    tol : float or None
+        An epoch improves when its criterion is below the best so far minus ``tol``.
+        None: never stop early (``max_iter`` epochs, the step never divided).
+    n_iter_no_change : int
+        Epochs in a row without improvement that make a plateau.
+    learning_rate : str
+        ``constant``: a plateau stops training. ``adaptive``: a plateau divides the step
+        by 5, unless the criterion improved by less than ``tol`` since the previous
+        division (or the step was divided :data:`MAX_STEP_CUTS` times): then it stops.
+    reason : str
+        What a stop at a plateau is called (``converged``, ``no_validation_improvement``).
+    """
+
+    max_iter: int
+    tol: float | None = None
+    n_iter_no_change: int = 5
+    learning_rate: str = "constant"
+    reason: str = "converged"
+
+    def after_epoch(self, state: TrainState, criterion: float, lr: float) -> None:
+        """Update ``state`` after an epoch that ran at step ``lr`` and ended with
+        ``criterion``: the next step (``state.lr``) and, when it stops, ``stop_reason``."""
+        state.lr = lr
+        if self.tol is not None:
+            if criterion > state.best - self.tol:
+                state.no_improve += 1
+            else:
+                state.no_improve = 0
+        state.best = min(state.best, criterion)
+        if self.tol is not None and state.no_improve >= self.n_iter_no_change:
+            gained = state.best < state.best_at_cut - self.tol
+            if self.learning_rate == "adaptive" and gained and state.cuts < MAX_STEP_CUTS:
+                state.lr = lr / 5.0
+                state.cuts += 1
+                state.best_at_cut = state.best
+                state.no_improve = 0
+            else:
+                state.stop_reason = self.reason
+                return
+        if state.epoch >= self.max_iter:
+            state.stop_reason = "max_iter"
 
 
 class Trainer:
@@ -278,16 +409,13 @@ class Trainer:
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Comm
+    group : Group
         Ranks holding the column blocks.
-    local : LocalData
-        This rank's block in the recipe's precisions.
-    X_eval : array or sparse matrix
-        The block as given by the user, for the reported loss (so that every recipe is
-        scored on the same data).
+    local : LocalData or TorchLocalData
+        This rank's block in the recipe's precisions, and its kernels.
     y : ndarray, shape (m,) or (m, K)
-        Labels (float64, replicated, already in the model's domain); ``K`` columns train
-        ``K`` problems at once.
+        Labels of every row (float64, replicated, already in the model's domain); ``K``
+        columns train ``K`` problems at once.
     model : Model
         The GLM.
     config : TrainConfig
@@ -295,95 +423,127 @@ class Trainer:
     reducer : Reducer
         The AllReduce used for training.
     weights : ndarray, shape (m,), optional
-        Sample weights normalised to mean 1 (replicated); None for unweighted.
+        Sample weights normalised to mean 1 over the training rows (replicated); None for
+        unweighted.
+    train_rows, val_rows : ndarray, optional
+        The rows trained on and the rows held out for the validation score (early
+        stopping); None: every row is trained on.
     """
 
     def __init__(
         self,
-        comm: MPI.Comm,
-        local: LocalData,
-        X_eval: Any,
+        group: Group,
+        local: Any,
         y: np.ndarray,
         model: Model,
         config: TrainConfig,
         reducer: Reducer,
         weights: np.ndarray | None = None,
+        train_rows: np.ndarray | None = None,
+        val_rows: np.ndarray | None = None,
     ) -> None:
-        self.comm = comm
+        self.group = group
         self.local = local
-        self.X_eval = X_eval
-        self.y = y
         self.model = model
         self.cfg = config
         self.reducer = reducer
-        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
-        # The residual scaling runs in the recurrence's dtype, as every residual does.
-        self._weights_rec = (
-            None
-            if weights is None
-            else rounded(self.weights, config.recipe.recurrence).astype(
-                compute_dtype(config.recipe.recurrence)
-            )
-        )
-        self.outputs = y.shape[1:]  # () for one output, (K,) for K
         self.recipe = config.recipe
-        self.q = 1.0 - config.lr * config.lam
-        self.sampler = Sampler(y.shape[0], config.b, config.s, config.seed)
+        self.outputs = y.shape[1:]  # () for one output, (K,) for K
+        self.train_rows = train_rows
+        self.val_rows = val_rows
+        y_train = y if train_rows is None else y[train_rows]
+        sw = None if weights is None else np.asarray(weights, dtype=np.float64)
+        sw_train = sw if sw is None or train_rows is None else sw[train_rows]
+        L = local
+        # The trainer's arrays, where it computes (host NumPy, or tensors on the device).
+        self.y_train = L.space(np.ascontiguousarray(y_train, dtype=np.float64))
+        self.weights_train = None if sw_train is None else L.space(sw_train)
+        # The residual scaling runs in the recurrence's precision, as every residual does.
+        self._wts_rec = (
+            None if sw_train is None else rounded(L.space(sw_train), config.recipe.recurrence)
+        )
+        self._train_index = None if train_rows is None else L.space(train_rows)
+        self._y_all = np.asarray(y)
+        self._sw_all = sw
+        self.sampler = Sampler(y_train.shape[0], config.b, config.s, config.seed)
         self.eval_calls = 0
         self.eval_bytes = 0
         self.eval_s = 0.0
         self.checkpoint_s = 0.0
         self._epoch = 0
-        self._comm_dtype = storage_dtype(self.recipe.comm)
+        self.track_loss = False
+        self._coef: dict[tuple[int, float], Any] = {}
+        self._run_loss: Any = 0.0
+        self._run_rows = 0
 
     # -- state -----------------------------------------------------------------------
 
-    def initial_weights(self, w0: np.ndarray | None = None) -> np.ndarray:
-        """Zero weights (or ``w0``, this rank's slice) in the update precision."""
+    def initial_weights(self, w0: np.ndarray | None = None) -> Any:
+        """Zero weights (or ``w0``, this rank's slice) in the update precision, in the
+        kernels' array kind."""
         shape = (self.local.n_local, *self.outputs)
         w = np.zeros(shape) if w0 is None else np.asarray(w0, dtype=np.float64)
         if w.shape != shape:
             raise ValueError(f"initial weights for this rank need shape {shape}, got {w.shape}")
-        return rounded(w, self.recipe.update)
+        return self.local.initial(w, self.recipe.update)
 
     # -- loss ------------------------------------------------------------------------
 
-    def objective(self, w: np.ndarray) -> float:
-        """Full training objective ``mean loss + (lambda/2) ||w||^2`` (fp64, all ranks)."""
+    def objective(self, w: Any) -> float:
+        """Full training objective ``mean loss + (lambda/2) ||w||^2`` (fp64, all ranks)
+        over the training rows; with ``K`` outputs the sum of the ``K`` objectives."""
         t0 = time.perf_counter()
-        m = self.y.shape[0]
-        w64 = np.asarray(self.local.host(w), dtype=np.float64)
-        if self.outputs:
-            # K outputs: the margins of every output, then the squared norm; the objective
-            # is the sum of the K problems' objectives.
-            k = self.outputs[0]
-            buf = np.empty(m * k + 1)
-            buf[: m * k] = margins64(self.X_eval, w64).ravel()
-            buf[m * k] = np.sum(w64 * w64)
-            if self.comm.size > 1:
-                self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
-            per = self.model.loss(buf[: m * k].reshape(m, k), self.y)
-            if self.weights is not None:
-                per = per * self.weights[:, None]
-            data_term = float(np.sum(np.mean(per, axis=0)))
-            loss = data_term + 0.5 * self.cfg.lam * float(buf[m * k])
-        else:
-            buf = np.empty(m + 1)
-            buf[:m] = margins64(self.X_eval, w64)
-            buf[m] = w64 @ w64
-            if self.comm.size > 1:
-                self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
-            per = self.model.loss(buf[:m], self.y)
-            if self.weights is not None:
-                per = per * self.weights
-            loss = float(np.mean(per) + 0.5 * self.cfg.lam * buf[m])
+        L = self.local
+        z = L.margins64(w, self.train_rows)
+        m, nz = z.shape[0], z.shape[0] * (z.shape[1] if z.ndim == 2 else 1)
+        buf = L.pack([z, L.sqnorm64(w)], "fp64")
+        self.group.sum(buf)
+        per = self.model.loss(buf[:nz].reshape(z.shape), self.y_train)
+        if self.weights_train is not None:
+            wt = self.weights_train
+            per = per * (wt[:, None] if per.ndim == 2 else wt)
+        loss = float(per.sum()) / m + 0.5 * self.cfg.lam * float(buf[nz])
         self.eval_calls += 1
-        self.eval_bytes += buf.nbytes
+        self.eval_bytes += int(buf.nbytes)
         self.eval_s += time.perf_counter() - t0
         return loss
 
-    def _advice(self) -> str:
-        lr = self.cfg.lr
+    def validation_score(self, w: Any) -> float:
+        """The score on the held-out rows (:meth:`score`)."""
+        return self.score(w, self.val_rows)
+
+    def score(self, w: Any, rows: np.ndarray | None) -> float:
+        """The model's score on ``rows`` (None: all), higher is better (collective):
+        accuracy for logistic (the class of the largest margin with K outputs), ``R^2``
+        for linear, ``D^2`` for Poisson (the mean over K outputs); weighted by the rows'
+        sample weights."""
+        t0 = time.perf_counter()
+        L = self.local
+        z = L.margins64(w, rows)
+        buf = L.pack([z], "fp64")
+        self.group.sum(buf)
+        zv = L.host(buf).reshape(z.shape)
+        y = self._y_all if rows is None else self._y_all[rows]
+        sw = (
+            None if self._sw_all is None else (self._sw_all if rows is None else self._sw_all[rows])
+        )
+        if self.model.name == "logistic":
+            if zv.ndim == 2:
+                hit = np.argmax(zv, axis=1) == np.argmax(y, axis=1)
+            else:
+                hit = (zv > 0) == (y > 0.5)
+            score = float(np.average(hit, weights=sw))
+        elif zv.ndim == 2:
+            scores = [self.model.d2(zv[:, k], y[:, k], sw) for k in range(y.shape[1])]
+            score = float(np.mean(scores))
+        else:
+            score = self.model.d2(zv, y, sw)
+        self.eval_calls += 1
+        self.eval_bytes += int(buf.nbytes)
+        self.eval_s += time.perf_counter() - t0
+        return score
+
+    def _advice(self, lr: float) -> str:
         return (
             f"the step size lr = {lr:g} is probably too large: try lr = {lr / 2:g} or "
             "smaller (features on very different scales also cause this: standardise them)"
@@ -391,86 +551,115 @@ class Trainer:
 
     # -- one outer iteration ---------------------------------------------------------
 
-    def _step_coefficients(self, steps: int, dt: np.dtype) -> np.ndarray:
-        """``(eta/b) q^(steps-1-t)`` for each row of block ``t`` (the update's weights)."""
+    def _track(self, z: Any, y: Any, wts: Any) -> None:
+        """Add the mini-batch losses at margins ``z`` to the running loss of the epoch."""
+        per = self.model.loss(as_compute(z, "fp64"), as_compute(y, "fp64"))
+        if wts is not None:
+            wts = as_compute(wts, "fp64")
+            per = per * (wts[:, None] if per.ndim == 2 else wts)
+        self._run_loss = self._run_loss + per.sum()
+        self._run_rows += int(z.shape[0])
+
+    def running_loss(self) -> float:
+        """Mean loss of the mini-batches of the current epoch so far, each at the margins
+        its step saw (what the progress line shows); NaN before the first."""
+        if not self._run_rows:
+            return math.nan
+        return float(self._run_loss) / self._run_rows
+
+    def _update(self, w: Any, Yd: Any, delta: Any, steps: int, lr: float) -> Any:
+        upd = self.recipe.update
         b = self.cfg.b
-        powers = np.repeat(np.arange(steps - 1, -1, -1), b)
-        return ((self.cfg.lr / b) * self.q**powers).astype(dt)
-
-    def _apply_update(self, w: Any, Yd: Any, delta: np.ndarray, steps: int) -> Any:
-        dt = compute_dtype(self.recipe.update)
-        if self.q == 1.0:
-            v = delta.astype(dt) * dt.type(self.cfg.lr / self.cfg.b)
+        q = 1.0 - lr * self.cfg.lam
+        d = as_compute(delta, upd)
+        if q == 1.0:
+            v = d * (lr / b)
         else:
-            coef = self._step_coefficients(steps, dt)
-            v = delta.astype(dt) * (coef[:, None] if delta.ndim == 2 else coef)
+            # (eta/b) q^(steps-1-t) for each row of block t: the update's weights, made once
+            # per (steps, step size) where the trainer computes (no copy per iteration).
+            key = (steps, lr)
+            coef = self._coef.get(key)
+            if coef is None:
+                powers = np.repeat(np.arange(steps - 1, -1, -1), b)
+                coef = self.local.space(((lr / b) * q**powers).astype(_compute_dtype(upd)))
+                self._coef = {key: coef} if len(self._coef) > 8 else {**self._coef, key: coef}
+            v = d * (coef[:, None] if d.ndim == 2 else coef)
         g = self.local.gradient(Yd, self.local.device(v))
-        w_new = (w * dt.type(self.q**steps) if self.q != 1.0 else w) - g
-        return rounded(w_new, self.recipe.update) if is_half(self.recipe.update) else w_new
+        w_new = (w * (q**steps) if q != 1.0 else w) - g
+        return rounded(w_new, upd) if is_half(upd) else w_new
 
-    def casgd_block(self, w: Any, rows: np.ndarray, steps: int) -> tuple[Any, np.ndarray]:
-        """One CA-SGD outer iteration over ``rows``; returns new weights and the residuals."""
+    def _labels(self, rows: Any) -> tuple[Any, Any]:
+        """Labels and recurrence-precision weights (None: unweighted) of training ``rows``."""
+        return self.y_train[rows], None if self._wts_rec is None else self._wts_rec[rows]
+
+    def _rows(self, rows: Any) -> Any:
+        """Rows of the training set as rows of the block."""
+        return rows if self._train_index is None else self._train_index[rows]
+
+    def casgd_block(self, w: Any, rows: Any, steps: int, lr: float) -> tuple[Any, Any]:
+        """One CA-SGD outer iteration over training ``rows``; new weights and residuals."""
         L, b, rec = self.local, self.cfg.b, self.recipe.recurrence
         sb = steps * b
         nr = sb * (self.outputs[0] if self.outputs else 1)  # words of the margins
-        Yd = L.gather(rows)
-        r = L.margins(Yd, w)
-        Gp = L.gram_packed(Yd, steps, b)
-        buf = np.empty(nr + Gp.shape[0], dtype=self._comm_dtype)
-        buf[:nr] = L.host(r).reshape(-1)
-        buf[nr:] = L.host(Gp)
-        buf = self.reducer(buf)
+        Yd = L.gather(self._rows(rows))
+        parts = [L.margins(Yd, w), L.gram_packed(Yd, steps, b)]
+        buf = self.reducer(L.pack(parts, self.recipe.comm))
         r_all = rounded(buf[:nr].reshape(sb, *self.outputs), rec)
         G_all = buf[nr:]
-        if self.local.layout == "full":
+        if L.layout == "full":
             G_all = L.unpack_lower(G_all, steps, b)
         G_all = rounded(G_all, rec)
-        wts = None if self._weights_rec is None else self._weights_rec[rows]
+        y_rows, wts = self._labels(rows)
+        seen = None
+        if self.track_loss:
+
+            def seen(z: Any, lo: int, hi: int) -> None:
+                self._track(z, y_rows[lo:hi], None if wts is None else wts[lo:hi])
+
         delta = casgd_recurrence(
             r_all,
             G_all,
-            self.y[rows],
+            y_rows,
             self.model.residual,
-            self.cfg.lr,
+            lr,
             b,
             steps,
-            self.q,
+            1.0 - lr * self.cfg.lam,
             rec,
             weights=wts,
+            on_margins=seen,
         )
-        if not np.isfinite(delta).all():
+        if not L.all_finite(delta):
             raise DivergenceError(
                 f"CA-SGD diverged (non-finite residuals) in epoch {self._epoch + 1}; "
-                f"{self._advice()}"
+                f"{self._advice(lr)}"
             )
-        return self._apply_update(w, Yd, delta, steps), delta
+        return self._update(w, Yd, delta, steps, lr), delta
 
-    def sgd_block(self, w: Any, rows: np.ndarray, steps: int) -> tuple[Any, np.ndarray]:
-        """``steps`` plain SGD steps over ``rows`` (one AllReduce each)."""
+    def sgd_block(self, w: Any, rows: Any, steps: int, lr: float) -> tuple[Any, Any]:
+        """``steps`` plain SGD steps over training ``rows`` (one AllReduce each)."""
         L, b, rec = self.local, self.cfg.b, self.recipe.recurrence
-        Yd = L.gather(rows)
-        deltas = np.empty((steps * b, *self.outputs), dtype=compute_dtype(rec))
-        nz = b * (self.outputs[0] if self.outputs else 1)
-        wts = self._weights_rec
+        Yd = L.gather(self._rows(rows))
+        deltas = L.empty((steps * b, *self.outputs), rec)
+        y_rows, wts = self._labels(rows)
         for j in range(steps):
             J = slice(j * b, (j + 1) * b)
             Yj = Yd[J]
-            buf = np.empty(nz, dtype=self._comm_dtype)
-            buf[:] = L.host(L.margins(Yj, w)).reshape(-1)
-            buf = self.reducer(buf)
+            buf = self.reducer(L.pack([L.margins(Yj, w)], self.recipe.comm))
             z = rounded(buf.reshape(b, *self.outputs), rec)
-            d = self.model.residual(z, self.y[rows[J]].astype(z.dtype))
+            if self.track_loss:
+                self._track(z, y_rows[J], None if wts is None else wts[J])
+            d = self.model.residual(z, y_rows[J])
             if wts is not None:
-                wj = wts[rows[J]]
-                d = d * (wj[:, None] if d.ndim == 2 else wj)
+                d = d * (wts[J][:, None] if d.ndim == 2 else wts[J])
             d = rounded(d, rec) if is_half(rec) else d
-            if not np.isfinite(d).all():
+            if not L.all_finite(d):
                 raise DivergenceError(
                     f"SGD diverged (non-finite residuals) in epoch {self._epoch + 1}; "
-                    f"{self._advice()}"
+                    f"{self._advice(lr)}"
                 )
             deltas[J] = d
-            w = self._apply_update(w, Yj, d, 1)
+            w = self._update(w, Yj, d, 1, lr)
         return w, deltas
 
     # -- the loop --------------------------------------------------------------------
@@ -478,7 +667,7 @@ class Trainer:
     def run(
         self,
         state: TrainState,
-        epochs: int,
+        stopping: Stopping,
         *,
         eval_every: int = 0,
         progress: Any = None,
@@ -488,19 +677,21 @@ class Trainer:
         on_record: Callable[[dict[str, Any]], None] | None = None,
         divergence_factor: float | None = DIVERGENCE_FACTOR,
     ) -> TrainState:
-        """Train until ``epochs`` epochs are done, starting from ``state``.
+        """Train from ``state`` until ``stopping`` says so.
 
         Parameters
         ----------
         state : TrainState
             Start point (fresh or restored from a checkpoint); updated in place.
-        epochs : int
-            Total epochs of the run (not additional ones).
+        stopping : Stopping
+            ``max_iter`` (total epochs of the run, not additional ones), ``tol`` and the
+            rest of the rule.
         eval_every : int
             Also record the full loss whenever another ``eval_every`` SGD steps have been
             done (0: only at the end of each epoch).
         progress : Progress, optional
-            Advanced by one per outer iteration.
+            Advanced by one per outer iteration; shows the epoch and the running loss of
+            the current epoch's mini-batches.
         checkpoint : callable, optional
             ``checkpoint(state)``; called every ``checkpoint_every`` outer iterations and at
             the end.
@@ -521,27 +712,32 @@ class Trainer:
             identical on every rank.
         """
         block_fn = self.casgd_block if self.cfg.solver == "casgd" else self.sgd_block
-        sampler = self.sampler
-        K, nblocks = sampler.steps_per_epoch, sampler.blocks_per_epoch
-        done_here = 0
-        w = self.local.device(state.w) if self.local.on_device else state.w
+        K = self.sampler.steps_per_epoch
+        early = self.val_rows is not None
+        self.track_loss = progress is not None and bool(getattr(progress, "enabled", False))
+        if state.lr is None:
+            state.lr = self.cfg.lr
 
-        def record(epoch_end: bool) -> None:
-            state.w = w
-            loss = self.objective(w)
-            rec = {
+        def record(epoch_end: bool) -> dict[str, Any]:
+            """Record the full loss (and validation score) at ``state.w``."""
+            loss = self.objective(state.w)
+            rec: dict[str, Any] = {
                 "steps": state.steps,
                 "epoch": state.steps / K,
                 "loss": loss,
                 "train_s": state.train_s,
                 "epoch_end": epoch_end,
+                "lr": state.lr,
             }
+            if early:
+                rec["val_score"] = self.validation_score(state.w)
             state.history.append(rec)
             if on_record is not None:
                 on_record(rec)
             if not np.isfinite(loss):
                 raise DivergenceError(
-                    f"the training loss is {loss} after {state.steps} steps; {self._advice()}"
+                    f"the training loss is {loss} after {state.steps} steps; "
+                    f"{self._advice(state.lr)}"
                 )
             if divergence_factor is not None and len(state.history) > 1:
                 start = state.history[0]["loss"]
@@ -551,39 +747,73 @@ class Trainer:
                         f"the training loss rose to {loss:.6g} after {state.steps} steps "
                         f"(epoch {rec['epoch']:.4g}): more than {divergence_factor:g} times "
                         f"its best value {best:.6g} and above its starting value {start:.6g}. "
-                        f"Training diverges: {self._advice()}. (The check is the "
+                        f"Training diverges: {self._advice(state.lr)}. (The check is the "
                         "divergence_factor setting; None turns it off.)"
                     )
+            return rec
 
         if not state.history:
             record(epoch_end=False)  # the loss of the starting point
-        while state.epoch < epochs:
+        # Overflow (Poisson's exp) is reported as a DivergenceError, not as warnings.
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._epochs(state, stopping, block_fn, record, progress, checkpoint,
+                         checkpoint_every, exit_after, eval_every)  # fmt: skip
+        if state.stop_reason is None:
+            state.stop_reason = "max_iter"
+        if checkpoint is not None:
+            t0 = time.perf_counter()
+            checkpoint(state)
+            self.checkpoint_s += time.perf_counter() - t0
+        return state
+
+    def _epochs(
+        self,
+        state: TrainState,
+        stopping: Stopping,
+        block_fn: Callable[..., tuple[Any, Any]],
+        record: Callable[[bool], dict[str, Any]],
+        progress: Any,
+        checkpoint: Callable[[TrainState], None] | None,
+        checkpoint_every: int,
+        exit_after: int | None,
+        eval_every: int,
+    ) -> None:
+        """The epochs of :meth:`run` until the stopping rule ends them (``state.w`` is
+        current at every record, every checkpoint and the end)."""
+        sampler = self.sampler
+        nblocks = sampler.blocks_per_epoch
+        early = self.val_rows is not None
+        done_here = 0
+        w = state.w
+        while state.stop_reason is None and state.epoch < stopping.max_iter:
             self._epoch = state.epoch
-            perm = sampler.permutation(state.epoch)
+            lr = state.lr
+            perm = self.local.space(sampler.permutation(state.epoch))
+            self._run_loss, self._run_rows = 0.0, 0
             while state.block < nblocks:
                 rows, steps = sampler.block(perm, state.block)
                 t0 = time.perf_counter()
-                # Overflow (Poisson's exp) is reported as a DivergenceError, not warnings.
-                with np.errstate(over="ignore", invalid="ignore"):
-                    w, _ = block_fn(w, rows, steps)
+                w, _ = block_fn(w, rows, steps, lr)
                 state.train_s += time.perf_counter() - t0
                 before = state.steps
                 state.steps += steps
                 state.block += 1
                 state.outer += 1
                 done_here += 1
+                state.w = w
                 if eval_every and state.steps // eval_every > before // eval_every:
                     if state.block < nblocks:  # the epoch-end record follows otherwise
-                        record(epoch_end=False)
+                        record(False)
                 if progress is not None:
-                    last = state.history[-1]["loss"] if state.history else float("nan")
-                    progress.update(1, postfix=f"epoch {state.epoch + 1} loss {last:.6g}")
+                    text = f"epoch {state.epoch + 1}"
+                    if self.track_loss:
+                        text += f" loss {self.running_loss():.6g}"
+                    progress.update(1, postfix=text)
                 if (
                     checkpoint is not None
                     and checkpoint_every
                     and state.outer % checkpoint_every == 0
                 ):
-                    state.w = w
                     t0 = time.perf_counter()
                     checkpoint(state)
                     self.checkpoint_s += time.perf_counter() - t0
@@ -593,13 +823,11 @@ class Trainer:
                     os._exit(EXIT_AFTER_STATUS)
             state.epoch += 1
             state.block = 0
-            record(epoch_end=True)
-        state.w = w
-        if checkpoint is not None:
-            t0 = time.perf_counter()
-            checkpoint(state)
-            self.checkpoint_s += time.perf_counter() - t0
-        return state
+            rec = record(True)
+            # The objective as reported: with K outputs the sum of the K problems', so tol
+            # holds them to tol / K each on average (stricter than K separate fits would).
+            criterion = -rec["val_score"] if early else rec["loss"]
+            stopping.after_epoch(state, criterion, lr)
 
     def stats(self, state: TrainState) -> dict[str, Any]:
         """Counters and the time split, summed over resumed segments."""

@@ -20,27 +20,24 @@ import numpy as np
 
 from .. import glm
 from ..emulation import Emulation
+from ..glm.comm import Group
 from .glm_baselines import sklearn_baselines
 from .glm_measure import CallRecorder, bw_text, critical_path_times, thread_limiter, time_to_target
 
 __all__ = ["format_table", "run_bench", "write_rows"]
 
 
-def _polite_wait(comm: Any) -> None:
-    """Wait for rank 0 without busy-polling, so a rank-0-only job gets the cores."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.005)
-
-
 def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list[dict[str, Any]]:
     """The measured benchmark of ``optcc-mpi bench-glm`` (see its ``--help``).
 
+    ``comm`` is the job's ranks: an mpi4py communicator or a torch.distributed process
+    group (gloo: NumPy data become CPU tensors, and every AllReduce is the group's).
     ``args`` carries the command's options, already validated (lists parsed:
     ``s_values``, ``recipes``, ``latencies``, ``bws``). Returns the rows (rank 0; other
     ranks return them too, without the scikit-learn rows).
     """
-    rank, size = comm.rank, comm.size
+    group = Group(comm)
+    rank, size = group.rank, group.size
     K = args.m // args.b
     s_max = max(args.s_values)
     eval_every = args.eval_every or max(1, (K // 8) // s_max) * s_max
@@ -58,7 +55,8 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
         "lam": args.lam,
         "epochs": args.epochs,
         "host": platform.node(),
-        "net_path": "recursive-doubling",
+        "backend": group.library,
+        "net_model": "library",
         # Other jobs on the machine inflate wall times; the load average says how much.
         "loadavg_start": os.getloadavg()[0],
     }
@@ -66,7 +64,7 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
     def one(solver: str, recipe: str, s: int, latency: float, bw: float | None) -> Any:
         rec = CallRecorder(size, latency, bw)
         emulate = Emulation(latency=latency, bw=bw) if (latency or bw) else None
-        comm.Barrier()
+        group.barrier()
         try:
             res = glm.fit(
                 X,
@@ -82,13 +80,14 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
                 on_record=rec.mark,
                 b=args.b,
                 lr=args.lr,
-                epochs=args.epochs,
+                max_iter=args.epochs,
+                tol=None,
                 lam=args.lam,
                 seed=args.seed,
             )
         except glm.DivergenceError as exc:
             return str(exc)
-        segs = np.asarray(comm.allgather(rec.segments))
+        segs = np.asarray(group.allgather(rec.segments))
         losses = [h["loss"] for h in res.history]
         crit = critical_path_times(segs, rec.costs, rec.records)
         walls = [h["train_s"] for h in res.history]
@@ -123,7 +122,7 @@ def run_bench(args: Any, comm: Any, command: str, print_fn: Any = print) -> list
                         runs[key].append(one(*key, latency, bw))
                 rows.extend(_rows(base, settings, runs, latency, bw, args.tolerance, repeats))
                 if not args.no_sklearn:
-                    rows.extend(_sklearn_rows(args, comm, X, y, base, rows[-len(settings)]))
+                    rows.extend(_sklearn_rows(args, group, X, y, base, rows[-len(settings)]))
     if rank == 0:
         for row in rows:
             row["loadavg_end"] = os.getloadavg()[0]
@@ -199,9 +198,9 @@ def _rows(
 
 
 def _sklearn_rows(
-    args: Any, comm: Any, X: Any, y: Any, base: dict[str, Any], ref_row: dict[str, Any]
+    args: Any, group: Group, X: Any, y: Any, base: dict[str, Any], ref_row: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    rank, size = comm.rank, comm.size
+    rank = group.rank
     rows: list[dict[str, Any]] = []
     if rank == 0:
         target = ref_row["target_loss"]
@@ -236,10 +235,7 @@ def _sklearn_rows(
                     **sk,
                 }
             )
-    if size > 1 and rank:
-        _polite_wait(comm)  # rank 0 alone runs scikit-learn: leave it the cores
-    elif size > 1:
-        comm.Ibarrier().Wait()
+    group.barrier()  # rank 0 alone runs scikit-learn; the others wait without spinning
     return rows
 
 

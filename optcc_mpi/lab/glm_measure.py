@@ -3,10 +3,12 @@ AllReduces, the critical path, time to a target loss.
 
 Two clocks are reported for every run of ours (:mod:`optcc_mpi.lab.glm_bench`):
 
-* **wall**: the run itself, the network emulated by :class:`optcc_mpi.glm.comm.NetworkPacer`
-  (sleeps to a deadline, so waiting ranks leave the cores to computing ranks);
+* **wall**: the run itself, the network emulated by the pacer of
+  :meth:`optcc_mpi.emulation.Pacer.hold` (sleeps to a deadline, so waiting ranks leave the
+  cores to computing ranks);
 * **critical path** (:func:`critical_path_times`): the sum over AllReduces of the slowest
-  rank's *CPU* time between AllReduces plus the alpha-beta charge of each AllReduce. CPU
+  rank's *CPU* time between AllReduces plus the modelled time of each AllReduce (the one
+  model of the library's AllReduce, :func:`optcc_mpi.model.library_allreduce`). CPU
   time does not grow when ranks share cores (8 ranks on 2 cores, other jobs on the
   machine), so this is the time the same code would take with one core per rank and the
   modelled network. Loss evaluations are excluded from both.
@@ -22,10 +24,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
-from ..glm.comm import allreduce_cost
-from ..transports.mpi import mpi_datatype_and_op
+from ..collectives import allreduce
+from ..model import library_allreduce
 
 __all__ = ["CallRecorder", "bw_text", "critical_path_times", "thread_limiter", "time_to_target"]
 
@@ -33,14 +34,15 @@ __all__ = ["CallRecorder", "bw_text", "critical_path_times", "thread_limiter", "
 class CallRecorder:
     """An AllReduce callable for :func:`optcc_mpi.glm.fit` that records per-rank CPU time.
 
-    It reduces with ``MPI_Allreduce`` (16-bit payloads as 2-byte words with the
-    widening sum of :func:`optcc_mpi.backend.mpi_datatype_and_op`, as the ``"mpi"``
-    choice does) and notes this thread's CPU time when each call starts and ends;
-    :meth:`mark` (passed as ``on_record``) notes when a loss evaluation ended, so the
-    evaluation's CPU time is left out of the compute segments.
+    It reduces with the library's own AllReduce through :func:`optcc_mpi.allreduce`
+    (``algorithm="native"``, as the trainer's default does; over MPI or a
+    torch.distributed group, NumPy arrays or tensors) and notes this thread's CPU time
+    when each call starts and ends; :meth:`mark` (passed as ``on_record``) notes when a
+    loss evaluation ended, so the evaluation's CPU time is left out of the compute
+    segments.
     """
 
-    __name__ = "mpi"
+    __name__ = "native"
 
     def __init__(self, p: int, latency: float, bw: float | None) -> None:
         self.p, self.latency, self.bw = p, latency, bw
@@ -49,14 +51,15 @@ class CallRecorder:
         self.records: list[int] = []  # calls done at each loss record
         self._last = time.thread_time()
 
-    def __call__(self, buf: np.ndarray, comm: Any) -> None:
+    def __call__(self, buf: Any, comm: Any) -> None:
         now = time.thread_time()
         self.segments.append(now - self._last)
-        self.costs.append(allreduce_cost(self.p, buf.nbytes, self.latency, self.bw))
-        if comm.size > 1:
-            datatype, op = mpi_datatype_and_op(buf.dtype.name, "sum")
-            view = buf.view(np.uint16) if buf.dtype.itemsize == 2 else buf
-            comm.Allreduce(MPI.IN_PLACE, [view, datatype], op)
+        nbytes = int(buf.nbytes)
+        self.costs.append(library_allreduce(self.p, nbytes, self.bw, latency=self.latency))
+        if self.p > 1:
+            # Paced by the trainer's pacer (or not at all): "" keeps $OPTCC_EMULATE out.
+            allreduce(None, buf, op="sum", comm=comm, algorithm="native", emulate="",
+                      check=False)  # fmt: skip
         self._last = time.thread_time()
 
     def mark(self, record: dict[str, Any]) -> None:

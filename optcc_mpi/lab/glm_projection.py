@@ -3,9 +3,9 @@ and a modelled AllReduce (a projection, not a measurement).
 
 :func:`run_projection` times one rank's compute between AllReduces (:func:`measure_compute`,
 the real trainer on one process) for the column block a rank would hold at each P, and
-:func:`project` adds the alpha-beta cost of each AllReduce
-(:func:`optcc_mpi.glm.comm.allreduce_cost`). :func:`optcc_mpi.lab.glm_plots.plot_projection`
-draws the result.
+:func:`project` adds the modelled time of each AllReduce (the one model of the library's
+AllReduce, :func:`optcc_mpi.model.library_allreduce`).
+:func:`optcc_mpi.lab.glm_plots.plot_projection` draws the result.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import glm
-from ..glm.comm import allreduce_cost
+from ..model import library_allreduce
 from .glm_measure import CallRecorder, thread_limiter
 
 __all__ = ["Projection", "measure_compute", "project", "run_projection"]
@@ -57,13 +56,12 @@ def project(
     baseline_s: float,
     latency: float,
     bw: float | None,
-    path: str = "recursive-doubling",
 ) -> Projection:
     """Projected time per SGD step: measured compute plus the modelled AllReduce.
 
     For each solver label ``k`` and each ``P``::
 
-        t_k(P) = (compute[k][P] + allreduce_cost(P, nbytes[k], latency, bw, path))
+        t_k(P) = (compute[k][P] + library_allreduce(P, nbytes[k], bw, latency=latency))
                  / steps_per_call[k]
 
     and the speedup is ``baseline_s / t_k(P)`` (strong scaling: the same problem, the
@@ -81,14 +79,14 @@ def project(
         ``label -> SGD steps per AllReduce`` (1 for SGD, s for CA-SGD).
     baseline_s : float
         Seconds per step of the one-rank reference.
-    latency, bw, path
-        The network (see :func:`optcc_mpi.glm.comm.allreduce_cost`).
+    latency, bw
+        The network (see :func:`optcc_mpi.model.library_allreduce`).
     """
     proj = Projection(list(p_values), latency, bw, baseline_s)
     for label, by_p in compute.items():
         times = []
         for p in p_values:
-            cost = allreduce_cost(p, nbytes[label], latency, bw, path)
+            cost = library_allreduce(p, nbytes[label], bw, latency=latency)
             times.append((by_p[p] + cost) / steps_per_call[label])
         proj.per_step[label] = times
         proj.speedup[label] = [baseline_s / t for t in times]
@@ -110,7 +108,7 @@ def measure_compute(
 ) -> tuple[float, int]:
     """CPU seconds per AllReduce interval of one rank holding ``n_local`` columns.
 
-    Runs the real trainer on one process (``MPI.COMM_SELF``) over an ``(m, n_local)``
+    Runs the real trainer on one process (MPI's ``COMM_SELF``) over an ``(m, n_local)``
     block with a recording AllReduce; returns the median compute interval and the
     AllReduce payload in bytes.
     """
@@ -132,9 +130,10 @@ def measure_compute(
         recipe=recipe,
         b=b,
         lr=lr,
-        epochs=1,
+        max_iter=1,
+        tol=None,
         seed=seed,
-        comm=MPI.COMM_SELF,
+        comm=_comm_self(),
         allreduce=reduce,
         on_record=rec.mark,
         divergence_factor=None,
@@ -142,6 +141,12 @@ def measure_compute(
     # The first interval holds one-off setup; the median of the rest is robust to load.
     segs = rec.segments[1:] or rec.segments
     return float(np.median(segs)), int(np.median(sent))
+
+
+def _comm_self() -> Any:
+    from mpi4py import MPI  # the projection times one process as an MPI rank would run
+
+    return MPI.COMM_SELF
 
 
 def run_projection(
