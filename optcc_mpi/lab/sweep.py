@@ -394,8 +394,12 @@ def task_argv(kind: Kind, row: Mapping[str, str], out: str | os.PathLike[str]) -
             row["recipe"],
             "--lr",
             row["lr"],
-            "--epochs",
+            # A fixed number of epochs, every run alike: the sweep compares runs of one
+            # length (the stopping rule would end each at its own).
+            "--max-iter",
             row["epochs"],
+            "--tol",
+            "none",
             "--lambda",
             row["lambda"],
             "--seed",
