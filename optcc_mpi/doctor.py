@@ -88,6 +88,7 @@ can carry the doctor by replacing those.
 
 from __future__ import annotations
 
+import enum
 import math
 import socket
 import time
@@ -169,19 +170,44 @@ CHECK_STATUSES = {
     EXIT_INCONCLUSIVE: "the host was not named and not cleared: unresolved (a slow link with "
     "it at one end), unmeasured, unjudged, or not in the file",
 }
+
+
+class Verdict(str, enum.Enum):
+    """What the doctor concluded of a rank or a node (:class:`RankRow`, :class:`NodeRow`).
+
+    A string as well (its value): records and JSON files hold the words, and a verdict
+    compares equal to its word."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    NODE = "node"
+    INTRA = "intra"
+    UNRESOLVED = "unresolved"
+    UNMEASURED = "unmeasured"
+    UNJUDGED = "unjudged"
+    #: (a node's only) some of its ranks' own paths are slow, not its link
+    RANKS = "ranks"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 #: Verdicts of a rank (:class:`RankRow`), each with what it means.
 RANK_VERDICTS = {
-    "healthy": "every measurement at or above the threshold",
-    "degraded": "this rank's own path is slow (its node is not)",
-    "node": "its node's link is slow",
-    "intra": "slow inside its node (only with --judge-intra)",
-    "unresolved": "slow, but every partner was as slow: cannot tell which end",
-    "unmeasured": "no message of it crossed a network (a node alone)",
-    "unjudged": "measured, with nothing to judge it against (fewer than 3 nodes and no "
-    "expected rate)",
+    Verdict.HEALTHY: "every measurement at or above the threshold",
+    Verdict.DEGRADED: "this rank's own path is slow (its node is not)",
+    Verdict.NODE: "its node's link is slow",
+    Verdict.INTRA: "slow inside its node (only with --judge-intra)",
+    Verdict.UNRESOLVED: "slow, but every partner was as slow: cannot tell which end",
+    Verdict.UNMEASURED: "no message of it crossed a network (a node alone)",
+    Verdict.UNJUDGED: "measured, with nothing to judge it against (fewer than 3 nodes and "
+    "no expected rate)",
 }
 #: Verdicts that name a slow link somewhere: the run's status is then ``degraded``.
-SLOW_VERDICTS = ("degraded", "node", "intra", "unresolved")
+SLOW_VERDICTS = (Verdict.DEGRADED, Verdict.NODE, Verdict.INTRA, Verdict.UNRESOLVED)
 #: A partner whose own rate is within this factor of a rank's low rate may have been
 #: what limited it.
 _EXPLAIN = 1.15
@@ -699,7 +725,7 @@ class RankRow:
     intra_egress: float
     intra_ingress: float
     intra_fraction: float
-    verdict: str
+    verdict: Verdict
     """One of :data:`RANK_VERDICTS`: ``healthy``, ``degraded`` (this rank's own path),
     ``node`` (its node's link is degraded), ``intra`` (slow within its node),
     ``unresolved``, ``unmeasured`` or ``unjudged``."""
@@ -717,7 +743,7 @@ class NodeRow:
     fraction_egress: float
     fraction_ingress: float
     fraction: float
-    verdict: str
+    verdict: Verdict
     """``healthy``, ``degraded`` (its link), ``ranks`` (some of its ranks' paths),
     ``intra`` (within the node), ``unresolved``, ``unmeasured`` or ``unjudged``."""
     interface: str | None = None
@@ -844,7 +870,7 @@ class Diagnosis:
             if len(node.ranks) > 1:
                 row = [node.name, "all", "-", _rate(node.egress), _rate(node.ingress)]
                 row += [_frac(node.fraction), "-"]
-                row += ["-", node.verdict.upper() if node.verdict != "healthy" else "healthy"]
+                row += ["-", node.verdict.upper() if node.verdict != Verdict.HEALTHY else "healthy"]
                 rows.append(row)
             for r in members:
                 name = "" if len(node.ranks) > 1 else node.name
@@ -852,7 +878,7 @@ class Diagnosis:
                 row += [_frac(r.fraction), f"{_frac(r.spread[0])}-{_frac(r.spread[1])}"]
                 if multi:
                     row.append(_frac(r.intra_fraction))
-                row.append(r.verdict.upper() if r.verdict != "healthy" else "healthy")
+                row.append(r.verdict.upper() if r.verdict != Verdict.HEALTHY else "healthy")
                 rows.append(row)
         cells = [head, *rows]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
@@ -1013,20 +1039,22 @@ def diagnose(
     node_deg, verdicts = _verdicts(lay, alone, node, intra, healthy_above, judge_intra)
     verdicts = _resolve_ends(lay, alone, verdicts, sp, healthy_above)
     for a, members in enumerate(lay.members):  # a node all of whose ranks are now named
-        if not node_deg[a] and all(verdicts[r] == "degraded" for r in members):
+        if not node_deg[a] and all(verdicts[r] == Verdict.DEGRADED for r in members):
             node_deg[a] = True
             for r in members:
-                verdicts[r] = "node" if len(members) > 1 else "degraded"
+                verdicts[r] = Verdict.NODE if len(members) > 1 else Verdict.DEGRADED
     # Fewer than 3 nodes with nothing to judge against: measured, not judged.
     too_few = lay.n_nodes < 3 and expect is None
     if too_few:  # (intra-node verdicts are judged against the intra-node median)
         node_deg[:] = False
-        verdicts = [v if v in ("unmeasured", "intra") else "unjudged" for v in verdicts]
+        verdicts = [
+            v if v in (Verdict.UNMEASURED, Verdict.INTRA) else Verdict.UNJUDGED for v in verdicts
+        ]
     # An unresolved rank is still a slow link somewhere (at one of its ends).
     slow = bool(node_deg.any() or any(v in SLOW_VERDICTS for v in verdicts))
     if slow:
         status = "degraded"
-    elif too_few or "unmeasured" in verdicts:
+    elif too_few or Verdict.UNMEASURED in verdicts:
         status = "inconclusive"
     else:
         status = "healthy"
@@ -1066,26 +1094,26 @@ def diagnose(
 
 
 def _resolve_ends(
-    lay: Layout, alone: _RankRates, verdicts: list[str], speeds: np.ndarray, thr: float
-) -> list[str]:
+    lay: Layout, alone: _RankRates, verdicts: list[Verdict], speeds: np.ndarray, thr: float
+) -> list[Verdict]:
     """Unresolved ranks told apart by what the system reports of their ends: where every
     node reports an interface speed, an unresolved rank on a node reporting below
     ``thr`` of the highest is the slow end (``degraded``); an unresolved rank whose every
     partner is then named, on a node reporting full speed, was only held back by them
     (``healthy``)."""
-    if "unresolved" not in verdicts or not np.isfinite(speeds).all():
+    if Verdict.UNRESOLVED not in verdicts or not np.isfinite(speeds).all():
         return verdicts
     low = speeds < thr * speeds.max()
     out = list(verdicts)
     for r, v in enumerate(verdicts):
-        if v == "unresolved" and low[lay.node[r]]:
-            out[r] = "degraded"
+        if v == Verdict.UNRESOLVED and low[lay.node[r]]:
+            out[r] = Verdict.DEGRADED
     for r, v in enumerate(verdicts):
-        if v != "unresolved" or low[lay.node[r]]:
+        if v != Verdict.UNRESOLVED or low[lay.node[r]]:
             continue
         partners = {d for (s, d) in alone.pair if s == r} | {s for (s, d) in alone.pair if d == r}
-        if partners and all(out[q] in ("degraded", "node") for q in partners):
-            out[r] = "healthy"
+        if partners and all(out[q] in (Verdict.DEGRADED, Verdict.NODE) for q in partners):
+            out[r] = Verdict.HEALTHY
     return out
 
 
@@ -1200,22 +1228,24 @@ def _verdicts(
     verdicts = []
     for r in range(lay.p):
         if node_deg[lay.node[r]] and len(lay.members[lay.node[r]]) > 1:
-            v = "node"
+            v = Verdict.NODE
         elif node_deg[lay.node[r]]:
-            v = "degraded"
+            v = Verdict.DEGRADED
         elif frac[r] < thr:
-            v = "unresolved" if _explained(r, alone, thr) else "degraded"
+            v = Verdict.UNRESOLVED if _explained(r, alone, thr) else Verdict.DEGRADED
         elif judge_intra and intra.frac[r] < thr:
-            v = "intra"
+            v = Verdict.INTRA
         elif not math.isfinite(frac[r]):
-            v = "unmeasured"
+            v = Verdict.UNMEASURED
         else:
-            v = "healthy"
+            v = Verdict.HEALTHY
         verdicts.append(v)
     return node_deg, verdicts
 
 
-def _rank_rows(lay: Layout, alone: _RankRates, intra: _Rates, verdicts: list[str]) -> list[RankRow]:
+def _rank_rows(
+    lay: Layout, alone: _RankRates, intra: _Rates, verdicts: list[Verdict]
+) -> list[RankRow]:
     """One :class:`RankRow` per rank, in rank order."""
     rank_rows = []
     for r in range(lay.p):
@@ -1244,7 +1274,7 @@ def _rank_rows(lay: Layout, alone: _RankRates, intra: _Rates, verdicts: list[str
 
 
 def _node_rows(
-    lay: Layout, alone: _RankRates, node: _Rates, node_deg: np.ndarray, verdicts: list[str]
+    lay: Layout, alone: _RankRates, node: _Rates, node_deg: np.ndarray, verdicts: list[Verdict]
 ) -> list[NodeRow]:
     """One :class:`NodeRow` per node, slowest first (by the lowest of its own fraction
     and its ranks')."""
@@ -1252,19 +1282,19 @@ def _node_rows(
     for a, members in enumerate(lay.members):
         vs = {verdicts[r] for r in members}
         if node_deg[a]:
-            nv = "degraded"
-        elif vs & {"degraded"}:
-            nv = "ranks"
-        elif "intra" in vs:
-            nv = "intra"
-        elif "unresolved" in vs:
-            nv = "unresolved"
-        elif vs == {"unmeasured"}:
-            nv = "unmeasured"
-        elif vs <= {"unjudged", "unmeasured"}:
-            nv = "unjudged"
+            nv = Verdict.DEGRADED
+        elif Verdict.DEGRADED in vs:
+            nv = Verdict.RANKS
+        elif Verdict.INTRA in vs:
+            nv = Verdict.INTRA
+        elif Verdict.UNRESOLVED in vs:
+            nv = Verdict.UNRESOLVED
+        elif vs == {Verdict.UNMEASURED}:
+            nv = Verdict.UNMEASURED
+        elif vs <= {Verdict.UNJUDGED, Verdict.UNMEASURED}:
+            nv = Verdict.UNJUDGED
         else:
-            nv = "healthy"
+            nv = Verdict.HEALTHY
         node_rows.append(
             NodeRow(
                 name=lay.names[a],
@@ -1287,16 +1317,16 @@ def _node_rows(
     return node_rows
 
 
-def _profile(lay: Layout, alone: _RankRates, node: _Rates, verdicts: list[str]) -> Links:
+def _profile(lay: Layout, alone: _RankRates, node: _Rates, verdicts: list[Verdict]) -> Links:
     """The planner's profile: a degraded node's ranks at its fraction, degraded ranks at
     their own, at least 0.01 and rounded to two places."""
     multi = lay.per_node > 1
     frac, nfrac = alone.frac, node.frac
     prof: dict[int, float] = {}
     for r, v in enumerate(verdicts):
-        if v == "node":
+        if v == Verdict.NODE:
             f = nfrac[lay.node[r]] if multi and math.isfinite(nfrac[lay.node[r]]) else frac[r]
-        elif v == "degraded":
+        elif v == Verdict.DEGRADED:
             f = frac[r]
         else:
             continue
@@ -1336,7 +1366,7 @@ def _summary(d: Diagnosis, lay: Layout) -> str:
                 "(what one link should carry, e.g. --expect 10gbit) or --baseline FILE (an "
                 "earlier healthy doctor --json), or run on 3 or more nodes"
             )
-        missing = [r.rank for r in d.ranks if r.verdict == "unmeasured"]
+        missing = [r.rank for r in d.ranks if r.verdict == Verdict.UNMEASURED]
         return f"INCONCLUSIVE: {_ranks_text(missing)} not measured; {tail}"
     parts = []
     slow = [r for r in d.ranks if r.verdict in SLOW_VERDICTS]
@@ -1344,7 +1374,7 @@ def _summary(d: Diagnosis, lay: Layout) -> str:
         lo = min(r.fraction for r in d.ranks)
         hi = max(r.fraction for r in d.ranks)
         parts.append(f"every link is slow ({lo:.2f}-{hi:.2f})")
-    elif n_nodes == 2 and slow and all(r.verdict == "unresolved" for r in slow):
+    elif n_nodes == 2 and slow and all(r.verdict == Verdict.UNRESOLVED for r in slow):
         a, b = d.nodes if d.nodes[0].ranks[0] < d.nodes[1].ranks[0] else d.nodes[::-1]
         worst = min(slow, key=_rank_key)
         return (
@@ -1355,7 +1385,7 @@ def _summary(d: Diagnosis, lay: Layout) -> str:
             f"(a third node would tell); {tail}"
         )
     for node in d.nodes if not parts else ():
-        if node.verdict == "degraded":
+        if node.verdict == Verdict.DEGRADED:
             said = ""
             if math.isfinite(node.reported) and any(
                 math.isfinite(n.reported) and n.reported > node.reported for n in d.nodes
@@ -1375,7 +1405,7 @@ def _summary(d: Diagnosis, lay: Layout) -> str:
                 )
             continue  # its ranks are named with it
         for r in sorted((by_rank[x] for x in node.ranks), key=_rank_key):
-            if r.verdict == "degraded":
+            if r.verdict == Verdict.DEGRADED:
                 said = ""
                 if math.isfinite(node.reported) and any(
                     math.isfinite(n.reported) and n.reported > node.reported for n in d.nodes
@@ -1385,12 +1415,12 @@ def _summary(d: Diagnosis, lay: Layout) -> str:
                     f"rank {r.rank} (node {node.name}, local rank {r.local_rank}) at "
                     f"{r.fraction:.2f}{said}"
                 )
-            elif r.verdict == "intra":
+            elif r.verdict == Verdict.INTRA:
                 parts.append(
                     f"rank {r.rank} inside node {node.name} at {r.intra_fraction:.2f} of the "
                     "median intra-node rate"
                 )
-            elif r.verdict == "unresolved":
+            elif r.verdict == Verdict.UNRESOLVED:
                 parts.append(
                     f"rank {r.rank} (node {node.name}) at {r.fraction:.2f}, but every partner "
                     "was as slow"
@@ -1661,14 +1691,14 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
     ax.set_title(f"{diag.status.upper()}: rank links (one flow per NIC)")
     for xi, r in zip(x, order):
         v = by_rank[r].verdict
-        if v != "healthy":
+        if v != Verdict.HEALTHY:
             ax.annotate(v, (xi, 0.02), ha="center", fontsize=7, rotation=90, color="w")
     from matplotlib.patches import Patch
 
     handles = [
         Patch(facecolor="0.5", label="egress"),
         Patch(facecolor="0.8", hatch="//", label="ingress"),
-        *(Patch(facecolor=c, label=v) for v, c in colors.items() if v != "node"),
+        *(Patch(facecolor=c, label=v) for v, c in colors.items() if v != Verdict.NODE),
         plt.Line2D([], [], color="k", ls="--", label=f"threshold {diag.healthy_above:.2f}"),
     ]
     ax.legend(handles=handles, fontsize=7, loc="lower right", ncol=2)
@@ -1677,7 +1707,7 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
         names = [n.name for n in diag.nodes]
         # A node whose link is fine but some of whose ranks' own paths are not: purple.
         ncol = [
-            colors.get(n.verdict, "tab:gray") if n.verdict != "ranks" else "tab:purple"
+            colors.get(n.verdict, "tab:gray") if n.verdict != Verdict.RANKS else "tab:purple"
             for n in diag.nodes
         ]
         xn = np.arange(len(names))
@@ -1695,7 +1725,7 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
         ax2.set_xticklabels(names, fontsize=7, rotation=45)
         ax2.set_ylim(0, 1.1)
         ax2.set_title("nodes (all ranks at once)")
-        if any(n.verdict == "ranks" for n in diag.nodes):
+        if any(n.verdict == Verdict.RANKS for n in diag.nodes):
             ax2.legend(
                 handles=[Patch(facecolor="tab:purple", label="some ranks degraded")],
                 fontsize=7,
