@@ -218,7 +218,7 @@ def check_training() -> bool:
     from optcc_mpi.glm import fit, make_glm_data
 
     X, y = make_glm_data("logistic", 8192, 256, seed=1)
-    kw = dict(model="logistic", solver="casgd", s=8, b=32, lr=0.5, epochs=2, recipe="C")
+    kw = dict(model="logistic", solver="casgd", s=8, b=32, lr=0.5, max_iter=2, tol=None, recipe="C")
     t0 = time.perf_counter()
     gpu = fit(X, y, device="gpu", **kw)
     t_gpu = time.perf_counter() - t0
@@ -741,7 +741,7 @@ def check_timing(use_cpu: bool, repeats: int) -> bool:
     from mpi4py import MPI
 
     from optcc_mpi.glm import make_glm_data
-    from optcc_mpi.glm.comm import Reducer
+    from optcc_mpi.glm.comm import Group, Reducer
     from optcc_mpi.glm.kernels import LocalData
     from optcc_mpi.glm.models import get_model
     from optcc_mpi.glm.precision import get_recipe
@@ -764,9 +764,8 @@ def check_timing(use_cpu: bool, repeats: int) -> bool:
         rc = get_recipe(recipe)
         cfg = TrainConfig("logistic", solver, s, b, 0.5, 0.0, 3, rc)
         local = LocalData(X, rc, xp=xp)
-        return Trainer(
-            MPI.COMM_SELF, local, X, y, get_model("logistic"), cfg, Reducer(MPI.COMM_SELF)
-        )
+        group = Group(MPI.COMM_SELF)
+        return Trainer(group, local, y, get_model("logistic"), cfg, Reducer(group))
 
     ca, sgd = trainer("C", "casgd"), trainer("fp32", "sgd")
     w_ca = ca.local.device(ca.initial_weights())
@@ -787,10 +786,10 @@ def check_timing(use_cpu: bool, repeats: int) -> bool:
         timer(lambda: Y32 @ Y32.T),
         timer.clock,
     )
-    t_ca = summary(timer(lambda: ca.casgd_block(w_ca, rows, steps)))
-    t_sgd = summary(timer(lambda: sgd.sgd_block(w_sgd, rows, steps)))
-    w1, _ = ca.casgd_block(w_ca, rows, steps)
-    w2, _ = sgd.sgd_block(w_sgd, rows, steps)
+    t_ca = summary(timer(lambda: ca.casgd_block(w_ca, rows, steps, ca.cfg.lr)))
+    t_sgd = summary(timer(lambda: sgd.sgd_block(w_sgd, rows, steps, sgd.cfg.lr)))
+    w1, _ = ca.casgd_block(w_ca, rows, steps, ca.cfg.lr)
+    w2, _ = sgd.sgd_block(w_sgd, rows, steps, sgd.cfg.lr)
     w1, w2 = np.asarray(ca.local.host(w1), float), np.asarray(sgd.local.host(w2), float)
     if not (np.isfinite(w1).all() and np.isfinite(w2).all()):
         _line("FAIL", "recipe C step vs fp32 SGD", "non-finite weights after one step")
