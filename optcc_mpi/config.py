@@ -57,6 +57,13 @@ _ALL = (
         "collectives",
     ),
     Variable(
+        "OPTCC_ALGORITHM",
+        None,
+        "Algorithm of the `optcc` torch.distributed backend's all_reduce when its group's "
+        "options name none (`auto` when unset; `optcc_mpi.ALGORITHMS` lists the names).",
+        "collectives",
+    ),
+    Variable(
         "OPTCC_EMULATE",
         None,
         "Software link emulation used when `allreduce` gets no `emulate`, e.g. "
@@ -210,6 +217,7 @@ class Settings:
         # ``bool | None``, text ``str | None`` (tests/test_config.py holds this to the
         # table above). Declared only: at run time the values live in the instance.
         links: str | None
+        algorithm: str | None
         emulate: str | None
         emulate_fraction: str | None
         links_log: str | None

@@ -42,11 +42,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import zlib
 from collections.abc import Callable
 from typing import Any
-
-import ml_dtypes
 
 try:
     import torch
@@ -57,105 +54,23 @@ except ImportError as exc:  # pragma: no cover - exercised only where torch is a
         "(a CPU build is enough: pip install torch, from an index with PyTorch's CPU builds)"
     ) from exc
 
-import optcc_mpi
 from optcc_mpi import agreement, algorithms, linklog, transports
-from optcc_mpi.backend import as_array as backend_as_array
-from optcc_mpi.backend import get_cupy
-from optcc_mpi.dtypes import check_dtype, check_op
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
+from optcc_mpi.process_group import (
+    OptccOptions,
+    OptccProcessGroup,
+    OptccWork,
+    register,
+    submit,
+    worker_for,
+)
+from optcc_mpi.tensors import HALF, as_array, ours, reduce_tensor
 
-__all__ = ["allreduce", "comm_hook", "init_process_group_from_mpi", "as_array"]
+__all__ = ["allreduce", "comm_hook", "init_process_group_from_mpi", "as_array", "OptccOptions"]
 
-#: Tensor dtypes reduced in their own precision after dividing, as DDP's default hook does.
-_HALF = (torch.float16, torch.bfloat16)
-
-
-# -- tensors as arrays ---------------------------------------------------------------------------
-def as_array(tensor: torch.Tensor) -> Any:
-    """A 1-D NumPy (CPU) or CuPy (CUDA) array over the memory of ``tensor``, without a copy.
-
-    Writing to the array writes to the tensor. bfloat16 tensors become
-    ``ml_dtypes.bfloat16`` arrays (a reinterpretation of the same 16-bit words).
-
-    Parameters
-    ----------
-    tensor : torch.Tensor
-        Dense, contiguous, on the CPU or a CUDA device.
-
-    Returns
-    -------
-    numpy.ndarray or cupy.ndarray
-
-    Raises
-    ------
-    ArgumentTypeError
-        ``tensor`` is not a tensor, or its dtype has no NumPy equivalent.
-    ArgumentError
-        The tensor is sparse, not contiguous, a lazy conjugate/negative view, or on a device
-        other than the CPU and CUDA (or on CUDA where CuPy is not usable).
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise ArgumentTypeError(
-            f"expected a torch.Tensor, got {type(tensor).__module__}.{type(tensor).__name__}"
-        )
-    if tensor.layout != torch.strided:
-        raise ArgumentError(f"{tensor.layout} tensors are not supported; pass a dense tensor")
-    if not tensor.is_contiguous():
-        # A copy would not be in place; the caller decides whether to make one.
-        raise ArgumentError(
-            f"tensor of shape {tuple(tensor.shape)} is not contiguous; "
-            "reduce tensor.contiguous() and copy the result back"
-        )
-    if tensor.is_conj() or tensor.is_neg():
-        raise ArgumentError("tensor is a lazy conjugate/negative view; call .resolve_conj() first")
-    # detach(): same memory, but NumPy may then see a tensor that requires grad.
-    flat = tensor.detach().reshape(-1)
-    bf16 = tensor.dtype == torch.bfloat16
-    if bf16:
-        # NumPy has no bfloat16; the same bits as int16, then reinterpreted by ml_dtypes.
-        flat = flat.view(torch.int16)
-    if tensor.device.type == "cpu":
-        try:
-            arr = flat.numpy()
-        except TypeError as exc:
-            raise ArgumentTypeError(f"tensor dtype {tensor.dtype} is not supported: {exc}") from exc
-        return arr.view(ml_dtypes.bfloat16) if bf16 else arr
-    if tensor.device.type == "cuda":
-        return _cuda_array(flat, bf16)
-    raise ArgumentError(
-        f"tensors on {tensor.device.type!r} are not supported; use a CPU or CUDA tensor"
-    )
-
-
-def _cuda_array(flat: torch.Tensor, bf16: bool) -> Any:
-    """A CuPy view of a CUDA tensor, after PyTorch's queued work on it has finished."""
-    cp = get_cupy()
-    if cp is None:
-        raise ArgumentError(
-            "CUDA tensors need CuPy with a usable GPU (pip install 'optcc-mpi[gpu]'); "
-            "or move the tensor to the CPU"
-        )
-    # optcc_mpi works on CuPy's stream: kernels PyTorch queued on its own stream (the
-    # backward pass that produced a gradient) must be complete before we read the memory.
-    torch.cuda.current_stream(flat.device).synchronize()
-    with cp.cuda.Device(flat.device.index):
-        arr = cp.from_dlpack(flat)
-    return arr.view(ml_dtypes.bfloat16) if bf16 else arr
-
-
-def _check_average(tensor: torch.Tensor, op: str, average: bool) -> None:
-    if not isinstance(average, bool):
-        raise ArgumentTypeError(f"average must be True or False, not {average!r}")
-    if not average:
-        return
-    if op != "sum":
-        raise ArgumentError(f"average=True averages a sum; it cannot be used with op={op!r}")
-    if not (tensor.is_floating_point() or tensor.is_complex()):
-        raise ArgumentError(
-            f"average=True needs a floating-point tensor, not {tensor.dtype}; "
-            "reduce with op='sum' and divide yourself"
-        )
+# Importing this module makes "optcc" a torch.distributed backend (optcc_mpi.process_group).
+register()
 
 
 def _communicator(comm: Any) -> Any:
@@ -217,89 +132,6 @@ def _same_processes(comm: Any, group: Any) -> None:
             f"{len(ours)}, not the same ones: gradients would not be averaged over DDP's "
             "ranks (under torchrun, pass no comm: the hook uses the process group)"
         )
-
-
-_BOTH = "pass a process group (group=) or an MPI communicator (comm=), not both"
-_FIELDS = ("error", "element count", "dtype", "op", "algorithm", "link profile", "average")
-
-
-def _code(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
-def _ours(exc: Exception) -> Exception:
-    """``exc`` as one of optcc_mpi's error classes (same message)."""
-    if isinstance(exc, (ArgumentError, ArgumentTypeError)):
-        return exc
-    cls = ArgumentTypeError if isinstance(exc, TypeError) else ArgumentError
-    new = cls(str(exc))
-    new.__cause__ = exc
-    return new
-
-
-def _check_local(
-    tensor: Any, op: Any, algorithm: Any, links: Any, average: Any, wire: Any, mpi: bool
-) -> tuple[Any, list[int], dict[str, str]]:
-    """This rank's checks. Returns what to reduce (a NumPy/CuPy view over MPI, the tensor
-    over torch.distributed), the signature every rank must share (element count, dtype,
-    op, algorithm, link profile, average) and its readable form."""
-    opname = check_op(op)
-    _check_average(tensor, opname, average)
-    if not isinstance(algorithm, str):
-        raise ArgumentTypeError(f"algorithm must be a string, not {type(algorithm).__name__}")
-    if algorithm != "auto":
-        algorithms.get(algorithm)  # the error names the choices
-    if links is None:
-        # $OPTCC_LINKS is optcc_mpi.allreduce's to read and check (it may translate the
-        # job's numbering to this communicator's).
-        profile = "default"
-    elif isinstance(links, str) and links.strip().lower() in ("probe", "watch"):
-        profile = links.strip().lower()
-    else:
-        link_obj = Links.coerce(links)
-        link_obj.check(wire.size)
-        profile = str(link_obj)
-    if mpi:
-        arr = as_array(tensor)
-        check_dtype(arr.dtype)
-        count = arr.size
-    else:
-        if not isinstance(tensor, torch.Tensor):
-            raise ArgumentTypeError(
-                f"expected a torch.Tensor, got {type(tensor).__module__}.{type(tensor).__name__}"
-            )
-        arr, backend = backend_as_array(tensor, what="tensor", tensors=True)
-        wire.check_backend(backend)
-        arr = tensor
-        count = tensor.numel()
-    shown = {
-        "dtype": str(tensor.dtype),
-        "op": opname,
-        "algorithm": algorithm,
-        "link profile": profile,
-    }
-    sig = [count, *(_code(shown[f]) for f in _FIELDS[2:6]), int(average)]
-    return arr, sig, shown
-
-
-def _agree(wire: Any, sig: list[int], error: Exception | None, shown: dict[str, str]) -> None:
-    """One small collective (:func:`optcc_mpi.agreement.agree_fields` over the signature):
-    raise the same error on every rank if any rank found an error or the ranks disagree."""
-    lo, hi = agreement.agree_fields(wire, sig)
-    what = "optcc_mpi.torch.allreduce"
-    if hi[0]:
-        # Somebody failed: share the words (a second collective, on the error path only).
-        agreement.agree(
-            wire, None if error is None else _ours(error), what=f"{what}: arguments rejected"
-        )
-    for i in range(1, len(sig)):
-        if hi[i] != lo[i]:
-            field = _FIELDS[i]
-            if field in ("element count", "average"):
-                detail = f"{lo[i]} on some ranks, {hi[i]} on others (this rank: {sig[i]})"
-            else:
-                detail = f"this rank has {shown[field]}"
-            raise ArgumentError(f"{what}: {field} differs across ranks: {detail}")
 
 
 # -- the collective ----------------------------------------------------------------------------
@@ -369,58 +201,36 @@ def allreduce(
     >>> g[0].item()  # doctest: +SKIP
     1.5
     """
-    half = average and isinstance(tensor, torch.Tensor) and tensor.dtype in _HALF
+    half = average and isinstance(tensor, torch.Tensor) and tensor.dtype in HALF
     wire, mpi_comm = _target(comm, group)
-    return _reduce(tensor, op, algorithm, links, wire, mpi_comm, average, check, half)
-
-
-def _reduce(
-    tensor: Any,
-    op: Any,
-    algorithm: Any,
-    links: Any,
-    wire: Any,
-    mpi_comm: Any,
-    average: Any,
-    check: bool,
-    divide_first: bool,
-) -> torch.Tensor:
-    """The reduction behind :func:`allreduce` and the hook, over ``wire`` (the transport;
-    ``mpi_comm`` the MPI communicator when it is MPI's). With ``average``, the division by
-    the number of ranks comes before the sum if ``divide_first``, else after it."""
-    p = wire.size
-    error: Exception | None = None
-    sig = [0] * len(_FIELDS)
-    shown: dict[str, str] = {}
-    arr = None
-    mpi = mpi_comm is not None
-    try:
-        arr, sig[1:], shown = _check_local(tensor, op, algorithm, links, average, wire, mpi)
-    except (ValueError, TypeError) as exc:
-        error = exc
-        sig[0] = 1
-    if check and p > 1:
-        # Everything optcc_mpi.allreduce would reject (bar $OPTCC_* variables) is rejected
-        # here already, before a division first modifies the tensor.
-        _agree(wire, sig, error, shown)
-    elif error is not None:
-        raise _ours(error)
-    if average and divide_first:
-        tensor.detach().div_(p)  # detach: a parameter is divided like its .data
-    if mpi and tensor.is_cuda:
-        # PyTorch's queued kernels (the division, the backward pass) must finish before
-        # CuPy's stream reads the memory.
-        torch.cuda.current_stream(tensor.device).synchronize()
-    target = mpi_comm if mpi else wire
-    optcc_mpi.allreduce(
-        optcc_mpi.IN_PLACE, arr, op=op, comm=target, algorithm=algorithm, links=links, check=check
+    if mpi_comm is not None:
+        return reduce_tensor(tensor, op, algorithm, links, wire, mpi_comm, average, check, half)
+    # Over a process group, in the group's order: after the hook's buckets and the optcc
+    # backend's reductions already queued on it (their messages share its groups).
+    work = _queue(
+        group,
+        wire,
+        [tensor] if isinstance(tensor, torch.Tensor) else [],
+        lambda w: reduce_tensor(tensor, op, algorithm, links, w, None, average, check, half),
     )
-    if mpi and tensor.is_cuda:
-        # The result was written on CuPy's stream; PyTorch's stream must see it.
-        get_cupy().cuda.get_current_stream().synchronize()
-    if average and not divide_first:
-        tensor.detach().div_(p)  # detach: a parameter is divided like its .data
+    work.wait()
     return tensor
+
+
+def _queue(
+    group: Any, wire: Any, tensors: list[torch.Tensor], job: Callable[[Any], object]
+) -> OptccWork:
+    """``job(transport)`` on the ordered thread of ``group`` (None: the default group):
+    the ``optcc`` backend's own thread for its groups, else the thread of ``wire``."""
+    pg = _torch_group(group)
+    if isinstance(pg, OptccProcessGroup):
+        return pg.run(tensors, job)
+    return submit(worker_for(wire), tensors, lambda: job(wire), _NO_LIMIT)
+
+
+#: How long a reduction over a process group not of the optcc backend may take: the
+#: library underneath times out first (its group's timeout).
+_NO_LIMIT = datetime.timedelta(days=365)
 
 
 # -- DistributedDataParallel -------------------------------------------------------------------
@@ -509,7 +319,7 @@ def comm_hook(
             if size:
                 link_obj.check(size)
         except (ValueError, TypeError) as exc:
-            raise _ours(exc) from exc
+            raise ours(exc) from exc
     if links_log is not None:
         if not (isinstance(links, str) and links.strip().lower() == "watch"):
             raise ArgumentError(
@@ -519,7 +329,7 @@ def comm_hook(
         try:
             linklog.LinkLog(links_log)  # a bad name fails now, not in the backward pass
         except (ValueError, TypeError) as exc:
-            raise _ours(exc) from exc
+            raise ours(exc) from exc
     checked: list[Any] = []  # the (wire, mpi comm) of the first bucket, checked once
 
     def optcc_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -527,17 +337,25 @@ def comm_hook(
             pg = group if group is not None else state if _is_group(state) else None
             if comm is not None and dist.is_available() and dist.is_initialized():
                 _same_processes(comm, pg)
-            checked.append(_target(comm, pg))
+            checked.append((pg, *_target(comm, pg)))
             first = True
         else:
             first = False
-        wire, mpi_comm = checked[0]
+        pg, wire, mpi_comm = checked[0]
         tensor = bucket.buffer()
+
         # Divide first, in the bucket's dtype, like DDP's default hook (after the checks,
         # so that a bad bucket is reported before anything changes). The first bucket's
         # call makes the group's watch, which takes the log in force and keeps it.
-        with linklog.recording(links_log if first else None):
-            _reduce(tensor, "sum", algorithm, links, wire, mpi_comm, True, check, True)
+        def job(w: Any) -> None:
+            with linklog.recording(links_log if first else None):
+                reduce_tensor(tensor, "sum", algorithm, links, w, mpi_comm, True, check, True)
+
+        if mpi_comm is None:
+            # Off the backward pass: the future completes when the bucket is reduced.
+            work = _queue(pg, wire, [tensor], job)
+            return work.get_future().then(lambda fut: fut.value()[0])
+        job(wire)  # MPI: reduced here (an MPI library's thread support is not assumed)
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
             devices=[tensor.device] if tensor.is_cuda else None
         )

@@ -64,6 +64,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("what the collectives keep per communicator", ("communicators",)),
     ("the collective entry points", ("collectives",)),
     (
+        "tensors over a transport, the torch.distributed backend",
+        ("tensors", "process_group"),
+    ),
+    (
         "faces: Comm, torch, doctor, testing, CA-SGD, data",
         ("comm", "torch", "doctor", "testing", "testing.*", "glm", "glm.*", "data", "data.*"),
     ),

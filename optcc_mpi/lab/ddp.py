@@ -259,13 +259,17 @@ def _recorded(inner: Any) -> tuple[Any, dict[str, Any]]:
     def hook(state: Any, bucket: Any) -> Any:
         if bucket.index() == 0:
             seen["ran"].clear()
-        fut = inner(state, bucket)
-        st = last_stats()
-        seen["ran"].append(str(st.get("algorithm")))
-        seen["links"] = str(st.get("links"))
-        emu = st.get("emulate")
-        seen["emulate"] = str(emu) if emu is not None else None
-        return fut
+        def note(done: Any) -> Any:
+            # Run where the bucket's reduction completed (the group's thread, after the
+            # call; or here, for a hook that reduced before returning): its record.
+            st = last_stats()
+            seen["ran"].append(str(st.get("algorithm")))
+            seen["links"] = str(st.get("links"))
+            emu = st.get("emulate")
+            seen["emulate"] = str(emu) if emu is not None else None
+            return done.value()
+
+        return inner(state, bucket).then(note)
 
     # DDP reads the hook's annotations; keep the inner hook's real objects.
     hook.__annotations__ = dict(inner.__annotations__)

@@ -58,6 +58,10 @@ def of(comm: Communicator) -> Transport:
     """
     if isinstance(comm, Transport):
         return comm
+    own = getattr(comm, "optcc_transport", None)
+    if callable(own):  # a group that carries its own transport (the optcc backend's)
+        transport: Transport = own()
+        return transport
     root = type(comm).__module__.split(".")[0]
     # The libraries are imported only when their objects show up: a torch job needs no
     # MPI library, an MPI job no PyTorch.

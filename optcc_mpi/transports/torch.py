@@ -39,24 +39,35 @@ gathered and reduced in rank order.
 
 ``$OPTCC_LINKS`` names global ranks (``torch.distributed.get_rank()``); on a subgroup it
 is translated to the group's ranks, and ranks outside it are dropped.
+
+The groups that carry the traffic (:class:`Carriers`) are called directly, with the
+group's own ranks (``send([tensor], peer, tag)``, ``allgather``, ``allreduce``): they
+may be registered process groups (:func:`transport`, for a group the user made) or c10d
+backends opened on a store and never registered (:meth:`TorchTransport.from_store`, for
+the ``optcc`` backend of :mod:`optcc_mpi.process_group`, which cannot register groups
+while torch is making it).
 """
 
 from __future__ import annotations
 
+import atexit
+import datetime
+import pickle
 import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions
 
 from optcc_mpi.backend import torch_backend
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.transports.base import Capabilities, Completion, Post, Transport
 
-__all__ = ["TorchTransport", "transport", "group_of"]
+__all__ = ["TorchTransport", "Carriers", "transport", "group_of", "fresh_store"]
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -88,8 +99,6 @@ _EXACT = {
     },
 }
 _TRANSPORTS: dict[Any, TorchTransport] = {}
-#: Gather into one tensor (the newer name where torch has it).
-_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def group_of(group: Any) -> Any:
@@ -112,11 +121,56 @@ def group_of(group: Any) -> Any:
     return group
 
 
-class TorchTransport(Transport["dist.Work"]):
-    """A torch.distributed process group and its private groups (module docstring)."""
+class Carriers(NamedTuple):
+    """The groups a :class:`TorchTransport`'s traffic travels on: registered process
+    groups or unregistered c10d backends (both take the same calls, in group ranks)."""
 
-    def __init__(self, group: Any) -> None:
-        library = str(dist.get_backend(group)).lower()
+    #: Messages to a higher rank (every message on NCCL), the library's AllReduce and the
+    #: gathers of rows, in the user group's library.
+    data: Any
+    #: Messages to a lower rank (gloo; ``data`` itself on NCCL).
+    down: Any
+    #: The argument check's, the probe's and the watch's small collectives (gloo, CPU).
+    ctrl: Any
+    #: What to shut down with the transport (groups it opened itself and owns).
+    owned: tuple[Any, ...] = ()
+
+
+def _wait(work: Any) -> None:
+    work.wait()
+
+
+def fresh_store(store: Any, size: int) -> Any:
+    """``store`` under a prefix no earlier making of groups on it used.
+
+    torch gives a group made again after ``destroy_process_group`` the store prefix of
+    the one before, where the keys of its rendezvous remain; a gloo rendezvous that reads
+    them waits for peers that are gone. Each of the ``size`` members adds one to a
+    counter before anyone can connect (and so before any member can destroy the groups
+    and make them again), so the members of one making count the same generation.
+    """
+    generation = (int(store.add("optcc/makings", 1)) - 1) // size
+    return dist.PrefixStore(f"optcc/{generation}", store)
+
+
+class TorchTransport(Transport["dist.Work"]):
+    """A torch.distributed process group's traffic (module docstring).
+
+    Parameters
+    ----------
+    library : str
+        ``"gloo"`` or ``"nccl"``: the library that moves the data.
+    rank, size : int
+        This process's rank in the group and the group's size.
+    global_ranks : sequence of int
+        The job's rank of each member (for ``$OPTCC_LINKS``).
+    carriers : Carriers
+        The groups the traffic travels on.
+    """
+
+    def __init__(
+        self, library: str, rank: int, size: int, global_ranks: Sequence[int], carriers: Carriers
+    ) -> None:
         if library not in ("gloo", "nccl"):
             raise ArgumentError(
                 f"the {library!r} process-group backend is not supported; use gloo (CPU) "
@@ -125,26 +179,79 @@ class TorchTransport(Transport["dist.Work"]):
         self.name = library
         completion = Completion.GROUPED if library == "nccl" else Completion.ORDERED
         self.caps = Capabilities(completion=completion, sync_device=False, tensors=True)
-        ranks = dist.get_process_group_ranks(group)
-        self.group = group
-        self.global_ranks = list(ranks)
-        self.ctrl = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        self.data = (
-            self.ctrl
-            if library == "gloo" and len(ranks) == 1
-            else dist.new_group(ranks, backend=library, use_local_synchronization=True)
-        )
-        # gloo: messages to a lower rank travel on a group of their own (module docstring).
-        self.down = (
-            dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-            if library == "gloo" and len(ranks) > 1
-            else self.data
-        )
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        hosts: list[Any] = [None] * size
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.ctrl)
-        super().__init__(rank, size, "shared-memory" if len(set(hosts)) == 1 else "network")
+        self.global_ranks = list(global_ranks)
+        self.data, self.down, self.ctrl = carriers.data, carriers.down, carriers.ctrl
+        self._owned = carriers.owned
+        Transport.__init__(self, rank, size, "network")
+        hosts = self.allgather(socket.gethostname())
+        self.kind = "shared-memory" if len(set(hosts)) == 1 else "network"
         self.hosts = hosts
+
+    @classmethod
+    def of_group(cls, group: Any) -> TorchTransport:
+        """The transport of a registered process group: groups of its own over the same
+        members, opened on the group's store (:meth:`from_store`) in a fresh namespace
+        (:func:`fresh_store`), so that a group made again after
+        ``destroy_process_group`` never meets the keys of the one before."""
+        library = str(dist.get_backend(group)).lower()
+        if library not in ("gloo", "nccl"):
+            raise ArgumentError(
+                f"the {library!r} process-group backend is not supported; use gloo (CPU) "
+                "or nccl (CUDA)"
+            )
+        store = group.get_group_store()
+        if store is None:
+            raise ArgumentError(f"the {library} process group has no store to open groups on")
+        size = dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group)
+        return cls.from_store(fresh_store(store, size), dist.get_rank(group), size, ranks, library)
+
+    @classmethod
+    def from_store(
+        cls,
+        store: Any,
+        rank: int,
+        size: int,
+        global_ranks: Sequence[int],
+        library: str = "gloo",
+        timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    ) -> TorchTransport:
+        """A transport on groups of its own, opened on ``store`` (keys under
+        ``optcc/``; pass a :func:`fresh_store`) and never registered with
+        torch.distributed; collective over the ``size`` processes that call it with the
+        same store. :meth:`Transport.close` shuts them down."""
+
+        def gloo(name: str) -> Any:
+            return dist.ProcessGroupGloo(
+                dist.PrefixStore(f"optcc/{name}", store), rank, size, timeout
+            )
+
+        ctrl = gloo("ctrl")
+        if library == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            data = down = dist.ProcessGroupNCCL(
+                dist.PrefixStore("optcc/nccl", store), rank, size, opts
+            )
+            owned: tuple[Any, ...] = (data, ctrl)
+        else:
+            data = ctrl if size == 1 else gloo("up")
+            down = data if size == 1 else gloo("down")
+            owned = tuple({id(g): g for g in (data, down, ctrl)}.values())
+        return cls(library, rank, size, global_ranks, Carriers(data, down, ctrl, owned))
+
+    def close(self) -> None:
+        """The group went away: drop what was kept for it, and shut down the groups this
+        transport opened on a store."""
+        if self.closed:
+            return
+        super().close()
+        for group in self._owned:
+            try:
+                group.shutdown()
+            except RuntimeError:  # already shut down, or torch's shutdown of a dead peer
+                pass
+        self._owned = ()
 
     # -- point-to-point ------------------------------------------------------------------
     def check_backend(self, backend: Any) -> None:
@@ -183,25 +290,23 @@ class TorchTransport(Transport["dist.Work"]):
         return self.data if src < dst else self.down
 
     def isend(self, data: Any, peer: int, tag: int) -> Any:
-        return dist.isend(data, group=self._carrier(self.rank, peer), group_dst=peer, tag=tag)
+        return self._carrier(self.rank, peer).send([data], peer, tag)
 
     def irecv(self, data: Any, peer: int, tag: int) -> Any:
-        return dist.irecv(data, group=self._carrier(peer, self.rank), group_src=peer, tag=tag)
+        return self._carrier(peer, self.rank).recv([data], peer, tag)
 
     def wait(self, req: Any) -> None:
         req.wait()
 
     def batch(self, posts: Sequence[Post]) -> list[Any]:
-        # One batch per carrying group (torch wants one group per batch); NCCL has one.
-        by: dict[Any, list[Any]] = {}
+        if self.name != "nccl":
+            return super().batch(posts)
+        # One NCCL group for the level (what batch_isend_irecv does on NCCL).
+        device = posts[0].data.device  # type: ignore[attr-defined]
+        self.data._start_coalescing(device)
         for post in posts:
-            peer = post.peer
-            group = self._carrier(self.rank, peer) if post.send else self._carrier(peer, self.rank)
-            op = dist.isend if post.send else dist.irecv
-            by.setdefault(group, []).append(
-                dist.P2POp(op, post.data, group=group, group_peer=peer, tag=post.tag)
-            )
-        return [req for ops in by.values() for req in dist.batch_isend_irecv(ops)]
+            (self.data.send if post.send else self.data.recv)([post.data], post.peer, post.tag)
+        return [self.data._end_coalescing(device)]
 
     # -- the library's own AllReduce -------------------------------------------------------
     def native(self, backend: Any, dtype_name: str, op: str) -> bool:
@@ -211,35 +316,60 @@ class TorchTransport(Transport["dist.Work"]):
 
     def allreduce(self, backend: Any, arr: Any, dtype_name: str, op: str) -> Any:
         tensor = torch.from_numpy(arr) if isinstance(arr, np.ndarray) else arr
-        return dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.data, async_op=True)
+        opts = AllreduceOptions()
+        opts.reduceOp = _REDUCE_OPS[op]
+        return self.data.allreduce([tensor], opts)
 
     # -- control traffic -------------------------------------------------------------------
     def allgather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.ctrl)
+        # Pickled, as all_gather_object does, but on the control group directly: the
+        # sizes first, then the padded bytes.
+        raw = pickle.dumps(obj)
+        sizes = self._gather_block(torch.tensor([len(raw)], dtype=torch.int64))
+        width = int(sizes.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        rows = self._gather_block(mine)
+        return [
+            pickle.loads(rows[r, : int(sizes[r, 0])].numpy().tobytes()) for r in range(self.size)
+        ]
+
+    def _gather_block(self, block: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.size, block.numel()), dtype=block.dtype)
+        _wait(self.ctrl._allgather_base(out.view(-1), block, AllgatherOptions()))
         return out
 
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
-        _GATHER(torch.from_numpy(out.reshape(-1)), torch.from_numpy(block), group=self.ctrl)
+        _wait(
+            self.ctrl._allgather_base(
+                torch.from_numpy(out.reshape(-1)), torch.from_numpy(block), AllgatherOptions()
+            )
+        )
 
     def gather_rows(self, backend: Any, arr: Any) -> Any:
         if backend.name != "torch":
             return None
         rows = torch.empty((self.size, arr.shape[0]), dtype=arr.dtype, device=arr.device)
         # As bytes: the library moves them whatever the type (bool, bfloat16, complex).
-        _GATHER(rows.view(-1).view(torch.uint8), arr.view(torch.uint8), group=self.data)
+        _wait(
+            self.data._allgather_base(
+                rows.view(-1).view(torch.uint8), arr.view(torch.uint8), AllgatherOptions()
+            )
+        )
         return rows
 
     def allreduce_max(self, vec: np.ndarray) -> None:
-        dist.all_reduce(torch.from_numpy(vec), op=dist.ReduceOp.MAX, group=self.ctrl)
+        opts = AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        _wait(self.ctrl.allreduce([torch.from_numpy(vec)], opts))
 
     def barrier(self) -> None:
-        dist.barrier(group=self.ctrl)
+        _wait(self.ctrl.barrier(BarrierOptions()))
 
     def job_links(self, links: Links) -> Links:
         if links.healthy:
             return links
-        world = dist.get_world_size()
+        world = dist.get_world_size() if dist.is_initialized() else len(self.global_ranks)
         bad = [r for r in links.fractions if r >= world]
         if bad:
             raise ArgumentError(
@@ -253,11 +383,25 @@ class TorchTransport(Transport["dist.Work"]):
         return f"{self.name} process group of {self.size}"
 
 
+@atexit.register
+def _close_all() -> None:
+    # The groups a transport opened are ours to shut down, before the interpreter
+    # finalises (their threads must not outlive it).
+    for t in list(_TRANSPORTS.values()):
+        t.close()
+    _TRANSPORTS.clear()
+
+
 def transport(group: Any) -> TorchTransport:
-    """The cached :class:`TorchTransport` of ``group`` (None: the default group), made on
-    first use (collective over the group's members: it opens the private groups)."""
+    """The transport of ``group`` (None: the default group): the ``optcc`` backend's own
+    (:mod:`optcc_mpi.process_group`, any object with an ``optcc_transport()`` method),
+    else a cached :class:`TorchTransport` made on first use (collective over the group's
+    members: it opens the private groups)."""
     group = group_of(group)
+    own = getattr(group, "optcc_transport", None)
+    if callable(own):
+        return own()  # type: ignore[no-any-return]
     t = _TRANSPORTS.get(group)
-    if t is None:
-        t = _TRANSPORTS[group] = TorchTransport(group)
+    if t is None or t.closed:
+        t = _TRANSPORTS[group] = TorchTransport.of_group(group)
     return t
