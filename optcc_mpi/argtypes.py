@@ -33,6 +33,7 @@ __all__ = [
     "duration_arg",
     "links_arg",
     "links_or_probe_arg",
+    "links_learnt_arg",
     "emulation_arg",
     "int_at_least",
     "float_above",
@@ -174,6 +175,14 @@ def links_or_probe_arg(text: str) -> str:
     """argparse type: a link profile or ``probe`` (kept as typed, checked here)."""
     if text.strip().lower() != "probe":
         links_arg(text)
+    return text
+
+
+def links_learnt_arg(text: str) -> str:
+    """argparse type: a link profile, ``probe`` or ``watch`` (kept as typed, checked
+    here): where the links may be learnt while the job runs."""
+    if text.strip().lower() != "watch":
+        links_or_probe_arg(text)
     return text
 
 

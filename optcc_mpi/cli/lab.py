@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from optcc_mpi.lab import calibrate, ddp, percall, profiles, transition, transport
+from optcc_mpi.lab import backend, calibrate, ddp, percall, profiles, transition, transport
 
 #: The tools, in the order ``optcc-mpi lab --help`` lists them.
 TOOLS = {
@@ -22,12 +22,14 @@ TOOLS = {
     "transition": transition,
     "profiles": profiles,
     "ddp": ddp,
+    "backend": backend,
 }
 
 EPILOG = """\
 Each tool's --help says what it measures and how to run it. The ones that time MPI calls
-run under a launcher like `optcc-mpi bench` does; `ddp` runs under torchrun too (over
-torch.distributed's gloo); `profiles` and `transition --plot` need no MPI at all.
+run under a launcher like `optcc-mpi bench` does; `ddp` and `backend` run under torchrun
+too (over torch.distributed's gloo, and the optcc backend); `profiles` and
+`transition --plot` need no MPI at all.
 
 examples:
   mpiexec -n 2 optcc-mpi lab percall --iters 2000 --batch 50
@@ -36,6 +38,7 @@ examples:
   optcc-mpi testbed run -- .venv/bin/python -m optcc_mpi lab transition --out t.jsonl
   optcc-mpi lab profiles --family server --max-ranks 32 --no-verify
   torchrun --standalone --nproc-per-node 4 -m optcc_mpi lab ddp --links 0:0.5 --steps 5
+  torchrun --standalone --nproc-per-node 2 -m optcc_mpi lab backend -b 64M -e 64M
 
 `python -m optcc_mpi.lab.TOOL ...` is the same as `optcc-mpi lab TOOL ...`.
 """

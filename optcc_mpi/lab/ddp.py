@@ -15,6 +15,10 @@ weights and train on the same per-rank data with SGD and momentum, each wrapped 
 ``hook``
     gradients averaged by :func:`optcc_mpi.torch.comm_hook` (``--algorithm``, ``--links``;
     on the testbed the links default to its shaping, as ``optcc-mpi bench`` does);
+``backend`` (``--backend``, in place of ``hook``)
+    DDP with no hook on a process group of the ``optcc`` backend
+    (:mod:`optcc_mpi.process_group`; ``--algorithm`` and ``--links`` are its options):
+    what any framework's all-reduce reaches, overlapped with the backward pass;
 ``ddp``
     DDP's own averaging (gloo's ``all_reduce``, overlapped with the backward pass).
 
@@ -57,7 +61,7 @@ from collections import Counter
 from typing import Any
 
 from optcc_mpi import algorithms, config, transports
-from optcc_mpi.argtypes import emulation_arg, float_above, int_at_least, links_or_probe_arg
+from optcc_mpi.argtypes import emulation_arg, float_above, int_at_least, links_learnt_arg
 from optcc_mpi.collectives import last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
@@ -97,15 +101,26 @@ class _Trainer:
     ``$OPTCC_EMULATE`` holds during its steps)."""
 
     def __init__(
-        self, args: argparse.Namespace, rank: int, hook: Any, emulate: str | None = None
+        self,
+        args: argparse.Namespace,
+        rank: int,
+        hook: Any,
+        emulate: str | None = None,
+        group: Any = None,
+        record: dict[str, Any] | None = None,
     ) -> None:
         import torch
 
         self.torch = torch
         self.emulate = emulate
         self.model = torch.nn.parallel.DistributedDataParallel(
-            _model(args.width, args.layers, args.seed), bucket_cap_mb=args.bucket_mb
+            _model(args.width, args.layers, args.seed),
+            bucket_cap_mb=args.bucket_mb,
+            process_group=group,
         )
+        # A copy on the optcc backend has no hook to watch: what its last bucket ran is
+        # read after each step.
+        self.record = record
         if hook is not None:
             self.model.register_comm_hook(state=None, hook=hook)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
@@ -121,6 +136,12 @@ class _Trainer:
         self.opt.zero_grad()
         loss.backward()  # the buckets are averaged here (by the hook, or by DDP)
         self.opt.step()
+        if self.record is not None:
+            st = last_stats()
+            self.record["ran"] = [str(st.get("algorithm"))]
+            self.record["links"] = str(st.get("links"))
+            emu = st.get("emulate")
+            self.record["emulate"] = str(emu) if emu is not None else None
 
     def parameters(self) -> Any:
         torch = self.torch
@@ -163,8 +184,21 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
     rank, p = wire.rank, wire.size
     emu = _emulated(getattr(args, "emulate", None), args.links)
     links = _links(args.links, emu)
-    hook, seen = _recorded(ot.comm_hook(algorithm=args.algorithm, links=links))
     spec = str(emu) if emu is not None else None
+    first = "backend" if args.backend else "hook"
+    if args.backend:
+        import torch.distributed as dist
+
+        # DDP with no hook on an optcc group: the backend's all_reduce, overlapped with
+        # the backward pass as DDP overlaps any library's.
+        seen: dict[str, Any] = {"ran": [], "links": "-", "emulate": None}
+        group_optcc = dist.new_group(
+            backend="optcc", pg_options=ot.OptccOptions(algorithm=args.algorithm, links=links)
+        )
+        ours = _Trainer(args, rank, None, spec, group=group_optcc, record=seen)
+    else:
+        hook, seen = _recorded(ot.comm_hook(algorithm=args.algorithm, links=links))
+        ours = _Trainer(args, rank, hook, spec)
     # Under emulation the baseline averages with the ring on the same virtual NICs (gloo's
     # own traffic cannot be paced): the module docstring says why that is fair.
     plain, plain_seen = (
@@ -172,11 +206,8 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
         if emu is None
         else _recorded(ot.comm_hook(algorithm="ring", links=str(emu.degrade)))
     )
-    trainers = {
-        "hook": _Trainer(args, rank, hook, spec),
-        "ddp": _Trainer(args, rank, plain, spec),
-    }
-    records = {"hook": seen, "ddp": plain_seen}
+    trainers = {first: ours, "ddp": _Trainer(args, rank, plain, spec)}
+    records = {first: seen, "ddp": plain_seen}
     bed = testbed.current() if config.get("OPTCC_TESTBED_NAME") else None
     healthy: _Trainer | None = None
     if args.fault_free:
@@ -203,15 +234,15 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
         if bed is not None and rank == 0:
             testbed.set_shaping(dict(bed.degrade))
         wire.barrier()
-    ours, theirs = trainers["hook"].parameters(), trainers["ddp"].parameters()
+    ours_p, theirs = trainers[first].parameters(), trainers["ddp"].parameters()
     scale = theirs.abs().max().item()
-    gap = (ours - theirs).abs().max().item()
-    digests = wire.allgather([zlib.crc32(t.numpy().tobytes()) for t in (ours, theirs)])
+    gap = (ours_p - theirs).abs().max().item()
+    digests = wire.allgather([zlib.crc32(t.numpy().tobytes()) for t in (ours_p, theirs)])
     identical = {name: len({d[i] for d in digests}) == 1 for i, name in enumerate(trainers)}
     # Every rank judges from the same gathered numbers: the worst rank's gap.
     rel = max(wire.allgather(gap / scale if scale > 0 else gap))
-    n_params = ours.numel()
-    buckets = len(seen["ran"])
+    n_params = ours_p.numel()
+    buckets = len(seen["ran"]) if not args.backend else _buckets(ours.model)
     load1 = _load()
     command = args.command_line
     rows = []
@@ -232,7 +263,7 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                 "bucket_mb": args.bucket_mb,
                 "buckets": buckets,
                 "batch": args.batch,
-                "algorithm": args.algorithm if name == "hook" else baseline,
+                "algorithm": args.algorithm if name == first else baseline,
                 "ran": dict(Counter(records[name]["ran"])) if records.get(name) else None,
                 "links": "healthy" if name == "ddp fault-free" else seen["links"],
                 "network": network,
@@ -250,6 +281,12 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _buckets(model: Any) -> int:
+    """How many gradient buckets DDP made for ``model`` (from DDP's own log record)."""
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return len([b for b in sizes.split(",") if b.strip()])
+
+
 def _recorded(inner: Any) -> tuple[Any, dict[str, Any]]:
     """``inner`` (a DDP communication hook of optcc_mpi) and what its calls ran, kept in
     the returned dict: ``ran`` (the algorithm of each bucket of the last step),
@@ -259,6 +296,7 @@ def _recorded(inner: Any) -> tuple[Any, dict[str, Any]]:
     def hook(state: Any, bucket: Any) -> Any:
         if bucket.index() == 0:
             seen["ran"].clear()
+
         def note(done: Any) -> Any:
             # Run where the bucket's reduction completed (the group's thread, after the
             # call; or here, for a hook that reduced before returning): its record.
@@ -350,10 +388,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--links",
-        type=links_or_probe_arg,
+        type=links_learnt_arg,
         default=None,
-        metavar="RANK:FRACTION[,...]|probe",
-        help="the hook's link profile; default the testbed's shaping, else $OPTCC_LINKS",
+        metavar="RANK:FRACTION[,...]|probe|watch",
+        help="the hook's (or the backend's) link profile, or probe/watch to learn it; "
+        "default the testbed's shaping, else $OPTCC_LINKS",
     )
     parser.add_argument(
         "--emulate",
@@ -364,6 +403,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--links), which the hook is told; then 'ddp' averages with the ring through the "
         "same hook on the same virtual NICs (what gloo's all_reduce runs; gloo's own "
         "traffic cannot be paced)",
+    )
+    parser.add_argument(
+        "--backend",
+        action="store_true",
+        help="train our copy with DDP and no hook on a process group of the 'optcc' "
+        "torch.distributed backend (--algorithm and --links its options) instead of the "
+        "hook; the row is 'backend'",
     )
     parser.add_argument(
         "--fault-free",
@@ -412,9 +458,9 @@ def run_args(args: argparse.Namespace) -> int:
                 f"{r['step_max_ms']:>9.1f} {r['step_ms'] / ref:>6.2f}  {ran}"
             )
         print(
-            f"# parameters after {args.steps} steps: hook vs ddp {first['rel_gap']:.3g} "
-            f"relative (allowed {args.rtol:g}); identical on every rank: hook "
-            f"{rows[0]['identical']}, ddp {rows[1]['identical']}"
+            f"# parameters after {args.steps} steps: {first['mode']} vs ddp "
+            f"{first['rel_gap']:.3g} relative (allowed {args.rtol:g}); identical on every "
+            f"rank: {first['mode']} {rows[0]['identical']}, ddp {rows[1]['identical']}"
         )
         if args.out:
             append_rows(args.out, rows)
