@@ -111,11 +111,19 @@ class OptccOptions:
     check : bool
         Agree on every call's arguments across the ranks first (one small collective on
         the control group): a mismatch is an error on every rank rather than a wrong sum.
+    timeout : datetime.timedelta, optional
+        The group's timeout (default: the one ``new_group`` or the device mesh is given).
     """
 
     algorithm: str | None = None
     links: Links | str | None = None
     check: bool = True
+    timeout: datetime.timedelta | None = None
+
+    @property
+    def _timeout(self) -> datetime.timedelta | None:
+        # torch's DeviceMesh reads a backend's options' timeout by this name.
+        return self.timeout
 
 
 class OptccWork(dist.Work):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from optcc_mpi.lab import backend, calibrate, ddp, percall, profiles, transition, transport
+from optcc_mpi.lab import backend, calibrate, ddp, hsdp, percall, profiles, transition, transport
 
 #: The tools, in the order ``optcc-mpi lab --help`` lists them.
 TOOLS = {
@@ -23,11 +23,12 @@ TOOLS = {
     "profiles": profiles,
     "ddp": ddp,
     "backend": backend,
+    "hsdp": hsdp,
 }
 
 EPILOG = """\
 Each tool's --help says what it measures and how to run it. The ones that time MPI calls
-run under a launcher like `optcc-mpi bench` does; `ddp` and `backend` run under torchrun
+run under a launcher like `optcc-mpi bench` does; `ddp`, `backend` and `hsdp` run under torchrun
 too (over torch.distributed's gloo, and the optcc backend); `profiles` and
 `transition --plot` need no MPI at all.
 

@@ -282,9 +282,9 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
 
 
 def _buckets(model: Any) -> int:
-    """How many gradient buckets DDP made for ``model`` (from DDP's own log record)."""
-    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
-    return len([b for b in sizes.split(",") if b.strip()])
+    """How many gradient buckets DDP made for ``model`` (its reducer's buckets, as zeros:
+    a copy of the gradients' size, once)."""
+    return len(model.reducer._get_zeros_like_grad_buckets())
 
 
 def _recorded(inner: Any) -> tuple[Any, dict[str, Any]]:
