@@ -515,6 +515,54 @@ class OptccProcessGroup(dist.ProcessGroup):
                     t.detach().view(-1).copy_(flat[offset : offset + n])
                     offset += n
 
+    # -- everything else: the library underneath ------------------------------------------------
+    # torch's trampoline for a Python process group calls the base class's version of
+    # these with the GIL held when the subclass does not define them; a gloo thread that
+    # then needs the GIL (to free a tensor it holds) while the base class waits for that
+    # thread's queue deadlocks (1 call in 8 or so here). Defined here, each is a plain
+    # call of the library's own binding, which lets the GIL go.
+    def _library(self, tensors: list[torch.Tensor]) -> Any:
+        """The library that moves ``tensors``: NCCL for CUDA tensors, else gloo."""
+        if tensors and tensors[0].is_cuda:
+            if self._nccl is None:
+                raise ArgumentError("CUDA tensors need CUDA and NCCL on every rank")
+            return self._nccl
+        return self._gloo
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        return self._library(tensors).broadcast(tensors, opts)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
+    ) -> Any:
+        return self._library(inputs).allgather(outputs, inputs, opts)
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
+    ) -> Any:
+        return self._library(outputs).reduce_scatter(outputs, inputs, opts)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - c10d's name
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: Any,
+    ) -> Any:
+        return self._library([input]).alltoall_base(
+            output, input, output_splits, input_splits, opts
+        )
+
+    def barrier(self, opts: Any) -> Any:
+        return self._gloo.barrier(opts)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        return self._library(tensors).send(tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return self._library(tensors).recv(tensors, src, tag)
+
     # -- teardown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Finish the submitted reductions, stop the group's thread and shut its groups

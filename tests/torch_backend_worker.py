@@ -18,7 +18,8 @@ Scenarios
     Ranks that disagree, ops and dtypes the backend cannot reduce: the error on each rank
     and whether the tensor changed; then a good call.
 ``passthrough``
-    Every other collective through the ``optcc`` group against its expected values.
+    Every other collective through the ``optcc`` group against its expected values
+    (``PASSTHROUGH_BACKEND=gloo``: the same on a gloo group, for comparison).
 ``ddp``
     DDP with no hook on the ``optcc`` group against DDP on a gloo group, with DDP's
     options, and the asynchronous hook on gloo: the final parameters.
@@ -251,7 +252,7 @@ def errors_scenario() -> dict:
 
 
 def passthrough_scenario() -> dict:
-    dist.init_process_group("optcc")
+    dist.init_process_group(os.environ.get("PASSTHROUGH_BACKEND", "optcc"))
     r, p = RANK, P
     got: dict = {}
     t = torch.full((3,), float(r))
@@ -403,7 +404,9 @@ def hsdp_scenario() -> dict:
     dist.init_process_group("gloo")
     out: dict = {}
     shape = (P // 2, 2)
-    for name, override in (("optcc", {"replicate": "optcc"}), ("gloo", {})):
+    # The replicate dimension with options of its own: the ring, so that what ran is known.
+    optcc = ("optcc", OptccOptions(algorithm="ring"))
+    for name, override in (("optcc", {"replicate": optcc}), ("gloo", {})):
         mesh = init_device_mesh(
             "cpu", shape, mesh_dim_names=("replicate", "shard"), backend_override=override
         )
