@@ -48,10 +48,20 @@ With two or more GPUs and PyTorch:
    all-reduce (20 steps, within 1e-6 relative, identical on every rank). On one GPU it
    is skipped: NCCL refuses two ranks on one GPU (by design, since NCCL 2.5).
 
+With PyTorch:
+
+8. ``backend``: the torch.distributed backend ``optcc`` (``dist.init_process_group
+   ("optcc")``) on CUDA tensors, NCCL underneath: a world of one over a FileStore, and
+   with two or more GPUs ``torchrun`` at 2 ranks. SUM, AVG, PRODUCT, MAX and MIN on
+   float32, float64, bfloat16, float16 and int64 at three sizes against a float64
+   reference and the same bits on every rank, the transport NCCL's; an asynchronous
+   call's Work; broadcast and all_gather passed through to NCCL; DDP with no hook against
+   the same five steps computed by hand in float64 (``scripts/gpu_check_backend.py``).
+
 It prints one line per check (``PASS``/``FAIL``/``SKIP``, and ``TIME`` for
 measurements), a summary, and exits 1 if any check failed. Without a usable GPU it says
 why and exits 0 having checked nothing. ``--cpu`` runs what it can on the CPU, to test
-this script itself on any machine: 1 on NumPy arrays; 4 and 7 on CPU tensors over gloo,
+this script itself on any machine: 1 on NumPy arrays; 4, 7 and 8 on CPU tensors over gloo,
 with the transport made to use NCCL's executor driver (each level's messages posted as
 one group, nothing waited for on the host), 7 at 2 to ``--max-ranks`` ranks; 5 on CPU
 tensors; 6 with NumPy kernels timed by the clock; 2 and 3 are skipped.
@@ -80,8 +90,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = Path(__file__).resolve().with_name("gpu_check_rank.py")
+BACKEND_SCRIPT = Path(__file__).resolve().with_name("gpu_check_backend.py")
 SIZES = (1, 4097, 1 << 18)  # elements: one, odd, and past the short-message threshold
-CHECKS = ("allreduce", "gram", "training", "torch", "reductions", "timing", "ranks")
+CHECKS = ("allreduce", "gram", "training", "torch", "reductions", "timing", "ranks", "backend")
 #: Host synchronisations a call that sent no messages may make: none (short messages are
 #: gathered on the device, optcc_mpi.transports.torch.TorchTransport.gather_rows).
 SYNCS_WITHOUT_MESSAGES = 0
@@ -514,6 +525,75 @@ def check_ranks(use_cpu: bool, counts: list[int], timeout: float) -> bool:
     return ok
 
 
+# -- check 8: the torch.distributed backend "optcc" ------------------------------------------
+def judge_backend(records: list[dict[str, Any]], device: str) -> Verdict:
+    """Every row within its bound and the same bits on every rank, on the device's
+    library; the Work, the pass-through collectives and DDP with no hook right."""
+    p = len(records)
+    library = "nccl" if device == "cuda" else "gloo"
+    what = f"optcc backend p={p} ({library} underneath)"
+    problems = [f"rank {r['rank']}: {r['error']}" for r in records if "error" in r]
+    if problems:
+        return ("FAIL", what, problems[0], {})
+    first = records[0]
+    for rank, rec in enumerate(records):
+        for row in rec["rows"]:
+            if not row["error"] <= row["allowed"]:
+                problems.append(f"rank {rank}: {row['dtype']} {row['op']} n={row['n']} off by "
+                                f"{row['error']:g}")  # fmt: skip
+            if row["transport"] != library or not row["device"].startswith(device):
+                problems.append(f"{row['dtype']} {row['op']}: ran on {row['transport']}, "
+                                f"{row['device']}")  # fmt: skip
+        if [r["digest"] for r in rec["rows"]] != [r["digest"] for r in first["rows"]]:
+            problems.append(f"rank {rank}: results differ from rank 0's")
+        for key in ("async", "broadcast", "all_gather"):
+            if rec[key] is not True:
+                problems.append(f"rank {rank}: {key} wrong")
+        if rec["work"] != "OptccWork":
+            problems.append(f"rank {rank}: all_reduce returned a {rec['work']}")
+        if not rec["ddp_gap"] <= 1e-5:
+            problems.append(f"rank {rank}: DDP {rec['ddp_gap']:g} from the float64 steps")
+    if problems:
+        return ("FAIL", what, "; ".join(problems[:2]), {})
+    ran = sorted({str(r["algorithm"]) for r in first["rows"]})
+    return (
+        "PASS",
+        what,
+        f"{len(first['rows'])} op/dtype/size rows within bounds, identical on every rank "
+        f"(ran {', '.join(ran)}); async, broadcast, all_gather; DDP no hook "
+        f"{max(r['ddp_gap'] for r in records):.1e} from float64",
+        {},
+    )
+
+
+def check_backend(use_cpu: bool, gpus: int, timeout: float) -> bool:
+    """Check 8: the optcc backend at one rank, and at two where there are two GPUs (or
+    with ``--cpu``)."""
+    device = "cpu" if use_cpu else "cuda"
+    ok = True
+    for k in (1, 2) if (use_cpu or gpus >= 2) else (1,):
+        with tempfile.TemporaryDirectory(prefix="gpu-check-backend-") as tmp:
+            out = Path(tmp)
+            args = ["--device", device, "--out", str(out)]
+            if k == 1:
+                cmd = [sys.executable, str(BACKEND_SCRIPT), *args, "--store", str(out / "store")]
+            else:
+                cmd = [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={k}", str(BACKEND_SCRIPT), *args,
+                ]  # fmt: skip
+            what = f"optcc backend p={k}"
+            code, err = _run_group(cmd, timeout)
+            if code != 0:
+                reason = "timed out" if code is None else f"exit {code}: {first_error(err)}"
+                _line("FAIL", what, reason)
+                ok = False
+                continue
+            records = [json.loads((out / f"backend-{r}.json").read_text()) for r in range(k)]
+            ok &= _report([judge_backend(records, device)])
+    return ok
+
+
 # -- check 5: the device reductions against NumPy's bits ---------------------------------------
 def _float_specials(dt: np.dtype) -> np.ndarray:
     """NaNs (both signs, one with a payload), zeros of both signs, infinities, the
@@ -829,6 +909,7 @@ checks (--only), in order, and what each needs:
   reductions  TorchOps on the GPU against NumPy's bits                    PyTorch (CUDA)
   timing      one recipe-C CA-SGD step against fp32 SGD, CUDA events      CuPy, mpi4py
   ranks       torchrun at 2..N GPUs over NCCL, no MPI; the DDP hook       PyTorch, 2+ GPUs
+  backend     the "optcc" backend on CUDA tensors, 1 rank (2 on 2+ GPUs)   PyTorch (CUDA)
 A check whose libraries are missing prints SKIP with the reason; any FAIL exits 1.
 
 examples:
@@ -957,6 +1038,9 @@ def main(argv: list[str] | None = None) -> int:
             skipped += 1
         else:
             attempt("ranks", lambda: check_ranks(args.cpu, counts, torch_timeout))
+    if "backend" in only and need("optcc backend (NCCL underneath)", torch_st, "PyTorch"):
+        gpus = int(torch_st.get("devices", 0))
+        attempt("backend", lambda: check_backend(args.cpu, gpus, torch_timeout))
     failed = results.count(False)
     took = time.perf_counter() - t0
     verdict = "all passed" if not failed else f"{failed} check(s) failed"

@@ -49,11 +49,11 @@ rank = _load("gpu_check_rank")
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``gpu_check.py --cpu`` of the torch checks (4 to 7) at 1 and 2 ranks: its JSON."""
+    """``gpu_check.py --cpu`` of the torch checks (4 to 8) at 1 and 2 ranks: its JSON."""
     out = tmp_path_factory.mktemp("gpu-check") / "run.json"
     argv = [
         sys.executable, str(SCRIPTS / "gpu_check.py"), "--cpu", "--only",
-        "torch,reductions,timing,ranks", "--max-ranks", "2", "--repeats", "3",
+        "torch,reductions,timing,ranks,backend", "--max-ranks", "2", "--repeats", "3",
         "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=launch.clean_env())
@@ -99,6 +99,42 @@ def test_cpu_run_two_ranks_use_the_grouped_driver(cpu_run: dict[str, Any]) -> No
     assert lines["gloo p=2 DDP hook vs DDP"]["relative"] <= 1e-6
     assert lines["gloo p=2 wrong device refused"]["status"] == "PASS"
     assert not _lines(cpu_run, "gloo p=3 ")  # --max-ranks 2
+
+
+@pytest.mark.timeout(700)
+def test_cpu_run_backend(cpu_run: dict[str, Any]) -> None:
+    """Check 8 on the CPU: the optcc backend at 1 and 2 ranks, gloo underneath."""
+    lines = _lines(cpu_run, "optcc backend ")
+    assert set(lines) == {
+        "optcc backend p=1 (gloo underneath)",
+        "optcc backend p=2 (gloo underneath)",
+    }
+    for line in lines.values():
+        assert line["status"] == "PASS", line
+
+
+def test_backend_judge_fails_what_is_wrong() -> None:
+    """The judge of check 8 fails a wrong value, results that differ across ranks, the
+    wrong library, a rank's exception."""
+    row = {
+        "dtype": "torch.float32",
+        "op": "sum",
+        "n": 1,
+        "error": 0.0,
+        "allowed": 1e-6,
+        "digest": "a",
+        "algorithm": "native",
+        "transport": "nccl",
+        "device": "cuda:0",
+    }
+    good = {"rows": [row], "async": True, "broadcast": True, "all_gather": True,
+            "work": "OptccWork", "ddp_gap": 1e-7, "rank": 0}  # fmt: skip
+    assert gc.judge_backend([good], "cuda")[0] == "PASS"
+    assert gc.judge_backend([{**good, "rows": [{**row, "error": 1.0}]}], "cuda")[0] == "FAIL"
+    assert gc.judge_backend([good, {**good, "rows": [{**row, "digest": "b"}]}], "cuda")[0] == "FAIL"
+    assert gc.judge_backend([{**good, "rows": [{**row, "transport": "gloo"}]}], "cuda")[0] == "FAIL"
+    assert gc.judge_backend([{"error": "RuntimeError: x", "rank": 0}], "cuda")[0] == "FAIL"
+    assert gc.judge_backend([{**good, "ddp_gap": 1e-2}], "cuda")[0] == "FAIL"
 
 
 @pytest.mark.timeout(700)
