@@ -1,4 +1,9 @@
-"""PyTorch: in-place AllReduce of tensors, and a DDP communication hook.
+"""PyTorch: the torch.distributed backend ``optcc``, a DDP communication hook, and
+in-place AllReduce of tensors.
+
+Importing this module registers the backend ``"optcc"``
+(:mod:`optcc_mpi.process_group`): ``dist.init_process_group("optcc")`` and every
+all-reduce of the job runs OptCC, asynchronously; everything else goes to gloo or NCCL.
 
 Under ``torchrun`` (or ``srun`` with torch's variables) the schedules run over the
 ``torch.distributed`` process group itself: gloo on CPU tensors, NCCL on CUDA tensors,
@@ -285,8 +290,11 @@ def comm_hook(
     Returns
     -------
     callable
-        ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``. The future is
-        complete when returned on the CPU; on CUDA it carries the current stream's work.
+        ``hook(state, bucket) -> torch.futures.Future[torch.Tensor]``. Over a process
+        group the bucket is reduced on the group's ordered thread (the ``optcc``
+        backend's own, for a group of that backend) and the future completes when it is:
+        the backward pass goes on meanwhile. Over an MPI communicator the bucket is
+        reduced before the hook returns.
 
     Raises
     ------

@@ -29,7 +29,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 import torch.distributed as dist  # noqa: E402
 
 import optcc_mpi.torch  # noqa: E402, F401  (registers the backend)
-from optcc_mpi import collectives  # noqa: E402
+from optcc_mpi import algorithms, collectives  # noqa: E402
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError  # noqa: E402
 from optcc_mpi.lab import launch  # noqa: E402
 from optcc_mpi.process_group import (  # noqa: E402
@@ -209,6 +209,20 @@ def test_environment_chooses_the_algorithm(tmp_path: Path) -> None:
     ranks = torchrun("ops", 2, tmp_path, OPTCC_ALGORITHM="optcc")
     assert ranks[0]["env_algorithm"] == "optcc"
     assert {r["algorithm"] for r in ranks[0]["rows"]} == {"optcc"}
+
+
+@pytest.mark.timeout(600)
+def test_links_from_the_environment_are_watched_and_logged(tmp_path: Path) -> None:
+    """OPTCC_LINKS=watch reaches the backend's calls; OPTCC_LINKS_LOG records, on rank 0,
+    which algorithm they ran under which profile."""
+    log = tmp_path / "links.jsonl"
+    ranks = torchrun("linklog", 2, tmp_path, OPTCC_LINKS="watch", OPTCC_LINKS_LOG=str(log))
+    from optcc_mpi import linklog
+
+    records = [r for r in linklog.read(log) if r["event"] == "call"]
+    assert records and all(r["source"] == "watch" and r["p"] == 2 for r in records)
+    assert records[-1]["algorithm"] == ranks[0]["algorithm"]
+    assert {r["algorithm"] for r in records} <= {"auto", "native", *algorithms.names()}
 
 
 @pytest.mark.timeout(600)

@@ -32,6 +32,8 @@ Scenarios
 ``kill``
     Rank 1 is killed (SIGKILL) in the middle of a large all_reduce; the others record
     when they started it (the test times the job's end).
+``linklog``
+    ``OPTCC_LINKS=watch`` with ``OPTCC_LINKS_LOG``: the backend's calls watched and logged.
 ``from_mpi``
     Under mpiexec: ``init_process_group_from_mpi("optcc")`` and an all_reduce.
 """
@@ -479,6 +481,19 @@ def kill_scenario() -> dict:
     return {"survived": True}
 
 
+def linklog_scenario() -> dict:
+    """``OPTCC_LINKS=watch`` and ``OPTCC_LINKS_LOG`` in the environment (set by the test):
+    the backend's calls are watched and rank 0 logs what they ran."""
+    dist.init_process_group("optcc")
+    for _ in range(6):
+        t = torch.ones(1 << 18)
+        dist.all_reduce(t)
+    stats = collectives.last_stats()
+    out = {"links": str(stats.get("links")), "algorithm": stats.get("algorithm")}
+    dist.destroy_process_group()
+    return out
+
+
 def from_mpi_scenario() -> dict:
     ot.init_process_group_from_mpi("optcc")
     t = torch.full((1000,), float(RANK))
@@ -501,6 +516,7 @@ def main() -> None:
         "hsdp": hsdp_scenario,
         "teardown": teardown_scenario,
         "kill": kill_scenario,
+        "linklog": linklog_scenario,
         "from_mpi": from_mpi_scenario,
     }[SCENARIO]()
     result["work_class_ok"] = issubclass(OptccWork, dist.Work)
