@@ -317,6 +317,44 @@ def test_killed_rank_ends_the_job(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_started_as_srun_starts_it(tmp_path: Path) -> None:
+    """No torchrun: each process started with torch's variables, as ``srun`` with
+    ``RANK=$SLURM_PROCID ...`` starts it (rank 0 serves the store): the backend and the
+    other collectives work."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = 2
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "MPI", "OPTCC_"))
+    }
+    procs = []
+    for r in range(n):
+        env = {
+            **base,
+            "RANK": str(r),
+            "WORLD_SIZE": str(n),
+            "LOCAL_RANK": str(r),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        argv = [sys.executable, str(WORKER), "passthrough", str(tmp_path)]
+        procs.append(
+            subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * n, "\n".join(o[-2000:] for o in outs)
+    for r in range(n):
+        rec = json.loads((tmp_path / f"passthrough-{r}.json").read_text())
+        assert all(v is True for v in rec.values()), rec
+
+
+@pytest.mark.timeout(600)
 def test_from_mpi(tmp_path: Path) -> None:
     """Under mpiexec: init_process_group_from_mpi("optcc") and an all_reduce."""
     pytest.importorskip("mpi4py")
