@@ -310,7 +310,10 @@ def first_error(stderr: str) -> str:
         head = text.split(":", 1)[0]
         if head.endswith(("Error", "Exception")) and "ChildFailedError" not in head:
             return text
-    return lines[-1]
+    # No exception: a rank that died of a signal, or aborted in C++; torchrun's summary
+    # names its exit code, and the C++ runtime's last words come before it.
+    said = [x.strip() for x in lines if x.strip().startswith(("exitcode", "terminate called"))]
+    return "; ".join(dict.fromkeys(said)) if said else lines[-1]
 
 
 def _run_ranks(k: int, device: str, timeout: float, what: str) -> list[dict[str, Any]] | None:

@@ -51,9 +51,12 @@ while torch is making it).
 from __future__ import annotations
 
 import atexit
+import collections
+import ctypes
 import datetime
 import pickle
 import socket
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -182,6 +185,8 @@ class TorchTransport(Transport["dist.Work"]):
         self.global_ranks = list(global_ranks)
         self.data, self.down, self.ctrl = carriers.data, carriers.down, carriers.ctrl
         self._owned = carriers.owned
+        self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=16)
+        _LIVE.add(self)
         Transport.__init__(self, rank, size, "network")
         hosts = self.allgather(socket.gethostname())
         self.kind = "shared-memory" if len(set(hosts)) == 1 else "network"
@@ -318,7 +323,23 @@ class TorchTransport(Transport["dist.Work"]):
         tensor = torch.from_numpy(arr) if isinstance(arr, np.ndarray) else arr
         opts = AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS[op]
-        return self.data.allreduce([tensor], opts)
+        return self._held(self.data.allreduce([tensor], opts), tensor)
+
+    def _held(self, work: Any, *tensors: torch.Tensor) -> Any:
+        """``work``, with its tensors kept by this transport for a while.
+
+        gloo's worker thread lets go of a queued collective's tensors just after it
+        reports the collective complete. Where Python let go first, the last reference is
+        the worker thread's, and freeing a tensor Python once saw needs the GIL: at
+        interpreter exit (the last call of a job, then ``destroy_process_group``) the
+        thread then finds Python finalising and is ended inside C++, and the process
+        aborts ("terminate called without an active exception", 1 job in 12 to 25 here;
+        the core shows a gloo worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` ->
+        ``take_gil`` -> ``pthread_exit``). The last few tensors stay referenced here, and
+        at exit they are kept past the interpreter's end (:func:`_close_all`).
+        """
+        self._recent.extend(tensors)
+        return work
 
     # -- control traffic -------------------------------------------------------------------
     def allgather(self, obj: Any) -> list[Any]:
@@ -336,32 +357,28 @@ class TorchTransport(Transport["dist.Work"]):
 
     def _gather_block(self, block: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.size, block.numel()), dtype=block.dtype)
-        _wait(self.ctrl._allgather_base(out.view(-1), block, AllgatherOptions()))
+        flat = out.view(-1)
+        _wait(self._held(self.ctrl._allgather_base(flat, block, AllgatherOptions()), flat, block))
         return out
 
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
-        _wait(
-            self.ctrl._allgather_base(
-                torch.from_numpy(out.reshape(-1)), torch.from_numpy(block), AllgatherOptions()
-            )
-        )
+        into, mine = torch.from_numpy(out.reshape(-1)), torch.from_numpy(block)
+        _wait(self._held(self.ctrl._allgather_base(into, mine, AllgatherOptions()), into, mine))
 
     def gather_rows(self, backend: Any, arr: Any) -> Any:
         if backend.name != "torch":
             return None
         rows = torch.empty((self.size, arr.shape[0]), dtype=arr.dtype, device=arr.device)
         # As bytes: the library moves them whatever the type (bool, bfloat16, complex).
-        _wait(
-            self.data._allgather_base(
-                rows.view(-1).view(torch.uint8), arr.view(torch.uint8), AllgatherOptions()
-            )
-        )
+        into, mine = rows.view(-1).view(torch.uint8), arr.view(torch.uint8)
+        _wait(self._held(self.data._allgather_base(into, mine, AllgatherOptions()), into, mine))
         return rows
 
     def allreduce_max(self, vec: np.ndarray) -> None:
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        _wait(self.ctrl.allreduce([torch.from_numpy(vec)], opts))
+        t = torch.from_numpy(vec)
+        _wait(self._held(self.ctrl.allreduce([t], opts), t))
 
     def barrier(self) -> None:
         _wait(self.ctrl.barrier(BarrierOptions()))
@@ -383,13 +400,22 @@ class TorchTransport(Transport["dist.Work"]):
         return f"{self.name} process group of {self.size}"
 
 
+#: Every transport alive, for what :func:`_close_all` keeps past the interpreter's end.
+_LIVE: weakref.WeakSet[TorchTransport] = weakref.WeakSet()
+
+
 @atexit.register
 def _close_all() -> None:
-    # The groups a transport opened are ours to shut down, before the interpreter
-    # finalises (their threads must not outlive it).
     for t in list(_TRANSPORTS.values()):
         t.close()
     _TRANSPORTS.clear()
+    # A gloo worker thread can lag behind the collective it reported complete and drop
+    # its tensors only while Python is finalising, when it may no longer take the GIL
+    # (the process aborts: :meth:`TorchTransport._held`). The tensors the transports
+    # handed to gloo last are kept alive past the interpreter's end (a deliberate leak of
+    # a few small tensors at exit), so that no gloo thread can hold their last reference.
+    kept = [t._recent for t in list(_LIVE)]
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
 
 
 def transport(group: Any) -> TorchTransport:
