@@ -316,18 +316,22 @@ def first_error(stderr: str) -> str:
     return "; ".join(dict.fromkeys(said)) if said else lines[-1]
 
 
-def _run_ranks(k: int, device: str, timeout: float, what: str) -> list[dict[str, Any]] | None:
-    """Start ``scripts/gpu_check_rank.py`` on ``k`` ranks (a world of one over a FileStore,
-    or torchrun); every rank's record, or None after printing why there is none."""
+def _run_ranks(
+    k: int, device: str, timeout: float, what: str, script: Path = RANK_SCRIPT
+) -> list[dict[str, Any]] | None:
+    """Start ``script`` (``scripts/gpu_check_rank.py``, or the backend's) on ``k`` ranks (a
+    world of one over a FileStore, or torchrun); every rank's record, or None after
+    printing why there is none."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         out = Path(tmp)
         args = ["--device", device, "--out", str(out)]
         if k == 1:
-            cmd = [sys.executable, str(RANK_SCRIPT), *args, "--store", str(out / "store")]
+            cmd = [sys.executable, str(script), *args, "--store", str(out / "store")]
         else:
+            extra = ["--ddp"] if script == RANK_SCRIPT else []
             cmd = [
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={k}", str(RANK_SCRIPT), *args, "--ddp",
+                f"--nproc-per-node={k}", str(script), *args, *extra,
             ]  # fmt: skip
         code, err = _run_group(cmd, timeout)
         if code is None:
@@ -575,25 +579,8 @@ def check_backend(use_cpu: bool, gpus: int, timeout: float) -> bool:
     device = "cpu" if use_cpu else "cuda"
     ok = True
     for k in (1, 2) if (use_cpu or gpus >= 2) else (1,):
-        with tempfile.TemporaryDirectory(prefix="gpu-check-backend-") as tmp:
-            out = Path(tmp)
-            args = ["--device", device, "--out", str(out)]
-            if k == 1:
-                cmd = [sys.executable, str(BACKEND_SCRIPT), *args, "--store", str(out / "store")]
-            else:
-                cmd = [
-                    sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={k}", str(BACKEND_SCRIPT), *args,
-                ]  # fmt: skip
-            what = f"optcc backend p={k}"
-            code, err = _run_group(cmd, timeout)
-            if code != 0:
-                reason = "timed out" if code is None else f"exit {code}: {first_error(err)}"
-                _line("FAIL", what, reason)
-                ok = False
-                continue
-            records = [json.loads((out / f"backend-{r}.json").read_text()) for r in range(k)]
-            ok &= _report([judge_backend(records, device)])
+        records = _run_ranks(k, device, timeout, f"optcc backend p={k}", BACKEND_SCRIPT)
+        ok &= records is not None and _report([judge_backend(records, device)])
     return ok
 
 

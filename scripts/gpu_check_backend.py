@@ -3,7 +3,7 @@
 
 ``python scripts/gpu_check_backend.py --device cuda --out DIR --store FILE`` (a world of
 one over a FileStore), or under ``torchrun --nproc-per-node K`` (one GPU per rank). Each
-rank writes ``DIR/backend-RANK.json``: for every ReduceOp and dtype the largest error
+rank writes ``DIR/rank-RANK.json``: for every ReduceOp and dtype the largest error
 against a float64 reference and a digest of the result; what the calls ran and on which
 transport; an asynchronous call's Work; broadcast and all_gather passed through; DDP with
 no hook against the same steps summed by hand; and any exception, as text.
@@ -140,7 +140,7 @@ def main() -> int:
     except Exception as exc:  # recorded for the judge, which prints it
         record = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     record.update(rank=rank, p=p, backend=dist.get_backend())
-    (args.out / f"backend-{rank}.json").write_text(json.dumps(record))
+    (args.out / f"rank-{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
     return 0
 
