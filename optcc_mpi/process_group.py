@@ -93,7 +93,16 @@ _OPS = {
 }
 #: On bool tensors torch's arithmetic reductions are logical ones (NCCL reduces bools as
 #: bytes that are 0 or 1: a sum or a max is true where any is, a product or min where all).
-_BOOL = {"sum": "lor", "max": "lor", "prod": "land", "min": "land"}
+#: The bit operations are the logical ones there too; AVG and PREMUL_SUM have no meaning.
+_BOOL = {
+    _RED.SUM: "lor",
+    _RED.MAX: "lor",
+    _RED.BOR: "lor",
+    _RED.PRODUCT: "land",
+    _RED.MIN: "land",
+    _RED.BAND: "land",
+    _RED.BXOR: "lxor",
+}
 
 
 @dataclass(frozen=True)
@@ -333,9 +342,9 @@ def _op(reduce_op: Any, dtype: torch.dtype) -> tuple[str, bool, Any]:
     if name is None:
         raise ArgumentError(f"{_WHAT}: ReduceOp {kind} is not supported")
     if dtype == torch.bool:
-        if kind not in (_RED.SUM, _RED.PRODUCT, _RED.MIN, _RED.MAX, _RED.BAND, _RED.BOR, _RED.BXOR):
+        name = _BOOL.get(kind)
+        if name is None:
             raise ArgumentError(f"{_WHAT}: ReduceOp {kind.name} of bool tensors has no meaning")
-        name = _BOOL.get(name, {"band": "land", "bor": "lor", "bxor": "lxor"}.get(name, name))
     premul = None
     if kind == _RED.PREMUL_SUM:
         premul = reduce_op.factor
