@@ -50,6 +50,7 @@ __all__ = [
     "NUMPY",
     "register_backend",
     "torch_backend",
+    "TORCH_DTYPES",
     "as_array",
     "result_like",
     "cupy_status",
@@ -301,7 +302,7 @@ class TorchBackend(Backend["torch.Tensor", "torch.dtype"]):
         self.where = torch.device(device)
         self.device = self.where.type != "cpu"
         self.ops = TorchOps(torch)
-        self._names = {getattr(torch, n): n for n in _TORCH_DTYPES if hasattr(torch, n)}
+        self._names = {getattr(torch, n): n for n in TORCH_DTYPES if hasattr(torch, n)}
 
     def owns(self, arr: object) -> bool:
         return isinstance(arr, self.torch.Tensor) and arr.device == self.where
@@ -367,7 +368,7 @@ class TorchBackend(Backend["torch.Tensor", "torch.dtype"]):
 
 
 #: The tensor element types the torch backend reduces (by our names, which are torch's).
-_TORCH_DTYPES = (
+TORCH_DTYPES = (
     "bool",
     "int8",
     "int16",
@@ -526,7 +527,7 @@ def _tensor(t: torch.Tensor, what: str) -> tuple[torch.Tensor, TorchBackend]:
     if inst.dtype_name(t) is None:
         raise ArgumentTypeError(
             f"{what}: tensor dtype {t.dtype} is not supported; supported: "
-            + ", ".join(_TORCH_DTYPES)
+            + ", ".join(TORCH_DTYPES)
         )
     return t.detach().reshape(-1), inst
 

@@ -56,7 +56,7 @@ from optcc_mpi.communicators import CallRecord, CommState, Fold, Plan, Registry
 from optcc_mpi.dtypes import CATEGORY, NAME_OF, OPS, VALID_PAIRS, dtype_name, op_name
 from optcc_mpi.dtypes import check_op_dtype as _check_op_dtype
 from optcc_mpi.emulation import Emulation, Pacer, forced_fraction
-from optcc_mpi.errors import ArgumentError, ArgumentTypeError
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError, as_ours
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult, probe
@@ -130,6 +130,11 @@ def __getattr__(name: str) -> object:
         globals()["IN_PLACE"] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: What :func:`start` passes as the send buffer of an in-place call (recognised by its
+#: type's name, as mpi4py's ``MPI.IN_PLACE`` is).
+IN_PLACE_MARK = InPlaceType()
 
 
 def _is_in_place(sendbuf: object) -> bool:
@@ -277,13 +282,112 @@ def allreduce(
         done = _try_compiled(sendbuf, recvbuf, op, comm, check)
         if done is not None:
             return done
+    ordered = getattr(comm, "optcc_ordered", None)
+    if ordered is not None:
+        # A communicator with a queue of its own (a group of the optcc torch backend):
+        # the call takes its place in that queue, whichever thread makes it.
+        return ordered(
+            lambda wire: allreduce(
+                sendbuf, recvbuf, op=op, comm=wire, algorithm=algorithm, links=links,
+                emulate=emulate, params=params, check=check,
+            )
+        )  # fmt: skip
     st = _state(comm)
     call = _Call(st, sendbuf, recvbuf, op, algorithm, links, emulate, params, check)
-    if _agree(st, call):
-        return _finish_inline(st, call)
-    _plan_call(st, call)
-    _run(st, call)
-    return _finish(st, call)
+    return Started(st, call).wait()
+
+
+class Started:
+    """One call of :func:`allreduce` past its check, plan and posting: what a caller with
+    a queue of its own (the ``optcc`` torch backend) holds while the library's AllReduce
+    is in flight, so that the caller's thread can go on.
+
+    Made by :func:`start` (and by :func:`allreduce`, which waits at once). Unless
+    :attr:`request` is set, the call is complete; else :meth:`wait` completes it, or
+    :meth:`finish` once the request completed.
+
+    Parameters
+    ----------
+    st : CommState
+        The communicator's state.
+    call : _Call
+        The call, checked on this rank.
+    defer : bool
+        Leave the library's AllReduce in flight (:attr:`request`) rather than waiting.
+    """
+
+    __slots__ = ("st", "call", "request", "result")
+
+    def __init__(self, st: CommState, call: _Call, defer: bool = False) -> None:
+        self.st, self.call = st, call
+        call.defer = defer
+        #: The library's AllReduce still in flight (a request of the transport), or None.
+        self.request: object | None = None
+        self.result: Any = None  # what allreduce returns
+        if _agree(st, call):
+            self.result = _finish_inline(st, call)
+            return
+        _plan_call(st, call)
+        _run(st, call)
+        if call.request is None:
+            self.result = _finish(st, call)
+        else:
+            self.request = call.request
+
+    def wait(self) -> Any:  # what allreduce returns
+        """Wait for the library's AllReduce (if in flight) and finish; the result."""
+        if self.request is not None:
+            self.st.transport.wait(self.request)
+            self.finish()
+        return self.result
+
+    def finish(self) -> Any:  # what allreduce returns
+        """Complete the call once :attr:`request` completed; the result."""
+        if self.request is not None:
+            self.request = None
+            self.result = _finish(self.st, self.call)
+        return self.result
+
+    @property
+    def record(self) -> CallRecord | None:
+        """What the call did, once complete."""
+        return self.call.record
+
+
+def start(
+    buf: Any,
+    *,
+    comm: Communicator,
+    op: str | MPI.Op = "sum",
+    algorithm: str = "auto",
+    links: Links | str | None = None,
+    check: bool = True,
+    sendbuf: Any = None,
+    error: BaseException | None = None,
+    label: tuple[str, str] | None = None,
+) -> Started:
+    """Start an in-place :func:`allreduce` of ``buf`` (from ``sendbuf`` if given) with the
+    library's AllReduce left in flight: for callers that keep calls in order themselves
+    (the ``optcc`` torch backend). ``error``: an error this rank already found in its own
+    arguments (it is agreed like any other, so every rank raises). ``label``: a further
+    argument that must agree across the ranks, as ``(name, value in words)`` (the
+    backend's average or pre-multiplied sum), named in the error if it differs.
+
+    Returns
+    -------
+    Started
+        Finish it with :meth:`Started.wait`, or, once :attr:`Started.request` completed,
+        :meth:`Started.finish`.
+    """
+    st = _state(comm)
+    call = _Call(
+        st, IN_PLACE_MARK if sendbuf is None else sendbuf, buf, op, algorithm, links, None,
+        None, check, label=label,
+    )  # fmt: skip
+    if error is not None:  # (before whatever the buffers' check found without it)
+        call.err = error
+        call.fold = False
+    return Started(st, call, defer=True)
 
 
 def _known(comm: object) -> CommState | None:
@@ -310,7 +414,7 @@ class _Call:
         "sendbuf", "result", "flat_in", "flat_out", "backend", "in_place", "opn", "name",
         "count", "nbytes", "algorithm", "link_obj", "emu", "params", "check", "plan",
         "fold", "fields", "seen", "err", "epoch", "stats", "work", "keyed", "watched",
-        "library",
+        "library", "label", "defer", "request", "record",
     )  # fmt: skip
 
     def __init__(
@@ -324,8 +428,13 @@ class _Call:
         emulate: Emulation | str | None,
         params: Params | None,
         check: bool,
+        label: tuple[str, str] | None = None,
     ) -> None:
         self.sendbuf, self.result = sendbuf, recvbuf
+        self.label = label
+        self.defer = False
+        self.request: object | None = None
+        self.record: CallRecord | None = None
         self.algorithm, self.params, self.check = algorithm, params, check
         self.plan: Plan | None = None
         self.fold = False
@@ -352,7 +461,7 @@ class _Call:
             self._buffers(st.transport, sendbuf, recvbuf)
             self._settings(st, op, links, emulate)
         except Exception as exc:  # anything at all: the other ranks must hear of it
-            self.err = exc
+            self.err = as_ours(exc)
             self.fold = False
 
     def _buffers(self, transport: Transport, sendbuf: Any, recvbuf: Any) -> None:
@@ -416,6 +525,10 @@ class _Call:
             self.opn = op_name(op)
         if (self.opn, self.name) not in VALID_PAIRS:
             _check_op_dtype(self.opn, self.name)
+        if type(self.algorithm) is not str:
+            raise ArgumentTypeError(
+                f"algorithm must be a string, not {type(self.algorithm).__name__}"
+            )
         if self.algorithm != "auto":
             algorithms.get(self.algorithm).check_params(self.params or {})
         self.link_obj = _links_of(st, links)
@@ -470,7 +583,7 @@ class _Call:
             lcode,
             0 if emu is None else code(str(emu)),
             _NUMPY_CODE if self.backend is NUMPY else code(self.backend.name),
-            code(repr(sorted(params.items()))) if params else 0,
+            _params_code(params, self.label),
             self.nbytes,
             0,
         )
@@ -478,7 +591,7 @@ class _Call:
     def shown(self) -> dict[str, str]:
         """What this rank passed, in words, for error messages on other ranks."""
         link = self.link_obj
-        return {
+        shown = {
             "element count": str(self.count),
             "dtype": self.name or "?",
             "op": self.opn or "?",
@@ -488,6 +601,18 @@ class _Call:
             "backend": getattr(getattr(self, "backend", None), "name", "?"),
             "params": repr(self.params or {}),
         }
+        if self.label is not None:
+            # The caller's own argument rides in the params field, under its own name.
+            shown["params name"], shown["params"] = self.label
+        return shown
+
+
+def _params_code(params: Params | None, label: tuple[str, str] | None) -> int:
+    """The header's field of the algorithm's parameters and the caller's label."""
+    text = repr(sorted(params.items())) if params else ""
+    if label is not None:
+        text += f"|{label[0]}={label[1]}"
+    return code(text) if text else 0
 
 
 # -- phase 2: agree -----------------------------------------------------------------------------
@@ -552,13 +677,28 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
     itemsize = call.flat_in.dtype.itemsize
     params = call.params
     pkey = repr(sorted(params.items())) if params else ""
-    key = (call.algorithm, call.count, itemsize, links.key(), pkey, emulated)
+    algorithm = call.algorithm
+    # On healthy links a library whose AllReduce is already bandwidth-optimal (gloo's and
+    # NCCL's rings) serves every size it reduces exactly as we do: a schedule of ours
+    # could only match it, at a cost per message in Python.
+    served_all = (
+        algorithm == "auto"
+        and links.healthy
+        and not call.watched  # (the watch learns from the messages of a schedule)
+        and not emulated
+        and st.transport.caps.library_optimal
+        and st.transport.native(call.backend, call.name, call.opn)
+    )
+    key = (algorithm, call.count, itemsize, links.key(), pkey, emulated, served_all)
     hit = st.plans.get(key)
     if hit is not None:
         return hit
     p = st.size
-    algorithm = call.algorithm
-    name = choose_algorithm(p, call.nbytes, links) if algorithm == "auto" else algorithm
+    if algorithm == "auto":
+        # (served_all: what auto runs for a message too short for any schedule)
+        name = choose_algorithm(p, 0 if served_all else call.nbytes, links)
+    else:
+        name = algorithm
     given = dict(params or {})
     if "transport" in algorithms.get(name).params and "transport" not in given:
         given["transport"] = "network" if emulated else st.transport.kind
@@ -637,7 +777,10 @@ def _run(st: CommState, call: _Call) -> None:
         # as every rank must: MPI_IN_PLACE is all or none).
         if source is not None:
             backend.copyto(work, source)
-        transport.allreduce_now(backend, work, wname, call.opn)
+        if call.defer:
+            call.request = transport.allreduce(backend, work, wname, call.opn)
+        else:
+            transport.allreduce_now(backend, work, wname, call.opn)
         call.library = short and not call.keyed  # (the compiled path can take the next)
         return
     # Each rank reduces different parts: a floating-point warning or exception
@@ -773,7 +916,7 @@ def _finish(st: CommState, call: _Call) -> Any:  # what allreduce returns
         # Which NaN an addition returns depends on operand order, which the library may
         # vary by rank: make every NaN the canonical one.
         backend.canonical_nans(call.flat_out)
-    _REGISTRY.last = CallRecord(
+    _REGISTRY.last = call.record = CallRecord(
         plan.algorithm,
         plan.schedule,
         call.stats if call.stats is not None else ExecStats(),
@@ -804,7 +947,7 @@ def _finish_inline(st: CommState, call: _Call) -> Any:  # what allreduce returns
     protocol.reduce_gathered(st.check, call.opn, flat_in.dtype, call.nbytes, flat_out)
     plan = call.plan
     assert plan is not None
-    _REGISTRY.last = CallRecord(
+    _REGISTRY.last = call.record = CallRecord(
         plan.algorithm,
         plan.schedule,
         ExecStats(),

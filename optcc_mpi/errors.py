@@ -21,6 +21,7 @@ __all__ = [
     "TooLargeError",
     "mark_everywhere",
     "everywhere",
+    "as_ours",
 ]
 
 
@@ -64,6 +65,18 @@ class MPIUnavailableError(OptccError, ImportError):
 
 class TooLargeError(OptccError, MemoryError):
     """A request would need more memory than allowed (raised before allocating it)."""
+
+
+def as_ours(exc: BaseException) -> BaseException:
+    """``exc`` as one of ours when it is a ``ValueError`` or ``TypeError`` raised by a
+    library under us (the same message, the original as its cause): what an argument
+    check reports is an :class:`ArgumentError` or :class:`ArgumentTypeError`, whoever
+    found it. Anything else is returned unchanged."""
+    if isinstance(exc, OptccError) or not isinstance(exc, (ValueError, TypeError)):
+        return exc
+    new = (ArgumentTypeError if isinstance(exc, TypeError) else ArgumentError)(str(exc))
+    new.__cause__ = exc
+    return new
 
 
 #: The attribute :func:`mark_everywhere` sets on an exception.

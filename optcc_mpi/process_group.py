@@ -8,21 +8,44 @@ whatever calls torch.distributed reaches OptCC with no change of its own code::
     init_device_mesh("cuda", (R, S), mesh_dim_names=("replicate", "shard"),
                      backend_override={"replicate": "optcc"})   # FSDP2's HSDP
 
+The path of one call
+--------------------
+::
+
+    dist.all_reduce(t)                           torch.distributed, Python
+      -> OptccProcessGroup.allreduce([t], opts)  this module: torch's forms, its op
+         -> OrderedWorker.now(job)               the group idle: in the caller's thread
+            (else OrderedWorker.submit(job)      behind the calls queued before it)
+            -> tensors.start_tensor              a NumPy view of a CPU tensor
+               -> collectives.start              one argument check (short messages
+                                                 travel in it: done), the plan, then
+                  -> TorchTransport.allreduce    gloo's AllReduce, left in flight
+                  or the executor                OptCC's schedule (degraded links)
+      <- OptccWork                               completes when gloo's work does
+
+A call of a group with nothing queued or running runs in the caller's thread up to the
+posting of the library's AllReduce, which goes on by itself: a short message costs the
+check (one collective that carries the data) and nothing else, a longer one the check
+and gloo's own AllReduce, and the caller is free once it is posted. A call made while
+others are queued or running, and every call with CUDA tensors, is queued on the
+group's own thread (:class:`OrderedWorker`), in call order, so DDP and FSDP2 overlap
+them with the backward pass as they do with gloo and NCCL.
+
 What a group does
 -----------------
-``all_reduce`` (and ``all_reduce_coalesced``) runs the registered algorithms
-(:func:`optcc_mpi.allreduce` over the group's own transport,
-:class:`~optcc_mpi.transports.torch.TorchTransport` on groups the backend opens on the
-store it is given): every ``ReduceOp`` (``AVG`` and ``PREMUL_SUM`` included) on every
-dtype the package reduces. The call returns at once with an :class:`OptccWork`; the
-group's reductions run in call order on one thread of its own (:class:`OrderedWorker`),
-so DDP and FSDP2 overlap them with the backward pass, as they do with gloo and NCCL.
+``all_reduce`` and ``all_reduce_coalesced`` run the registered algorithms: every
+``ReduceOp`` (``AVG`` and ``PREMUL_SUM`` included) on every dtype the package reduces;
+on healthy links ``auto`` leaves the data to gloo's (NCCL's) ring, which it cannot beat,
+and on degraded links it runs OptCC. Sparse tensors go to gloo's AllReduce, as on gloo.
 
 Every other collective (broadcast, all_gather and ``all_gather_into_tensor``,
 reduce_scatter and ``reduce_scatter_tensor``, all_to_all, barrier, send/recv, gather,
-scatter, reduce) goes unchanged to the library underneath: a gloo group for CPU tensors,
-an NCCL group for CUDA tensors (made where CUDA and NCCL are available), both opened on
-the same store and registered as the group's backends for their devices.
+scatter, reduce) goes to the library underneath: a gloo group for CPU tensors, an NCCL
+group for CUDA tensors (made where CUDA and NCCL are available), both opened on the same
+store and registered as the group's backends for their devices. Each takes its turn
+after the reductions queued before it; ``barrier`` completes after all of them, as
+gloo's does. ``dist.monitored_barrier`` is refused by torch itself for any backend but
+gloo; ``group.monitored_barrier(timeout, wait_all_ranks=True)`` runs gloo's.
 
 Settings
 --------
@@ -30,16 +53,17 @@ Per group, :class:`OptccOptions` (``pg_options=`` of ``init_process_group`` and
 ``new_group``, or the second element of a ``backend_override`` pair); else the
 algorithm from ``$OPTCC_ALGORITHM`` (default ``"auto"``) and the links from
 ``$OPTCC_LINKS`` (``probe``, ``watch`` or a profile, in the job's global ranks).
-``optcc_mpi.collectives.last_stats()`` and :attr:`OptccWork.stats` say which algorithm a
-call ran; with ``links="watch"``, ``$OPTCC_LINKS_LOG`` records what the watch adopts.
+:attr:`OptccWork.stats` says what a call ran; with ``links="watch"``,
+``$OPTCC_LINKS_LOG`` records what the watch adopts.
 
 Errors
 ------
-Arguments that differ across ranks (element count, dtype, op, algorithm, links) and an
-op or dtype the backend cannot reduce raise the same :class:`~optcc_mpi.errors.ArgumentError`
-on every rank from ``wait()`` (torch's ``all_reduce`` waits for you unless
-``async_op=True``), with the tensor unchanged. ``destroy_process_group`` stops the
-group's thread and shuts its groups down; a group can be made again afterwards.
+Arguments that differ across ranks (element count, dtype, op, average, algorithm,
+links) and an op or dtype the backend cannot reduce raise the same
+:class:`~optcc_mpi.errors.ArgumentError` on every rank from ``wait()`` (torch's
+``all_reduce`` waits for you unless ``async_op=True``), with the tensor unchanged.
+``destroy_process_group`` stops the group's thread and shuts its groups down; a group can
+be made again afterwards. ``abort()`` fails queued and running work at once.
 """
 
 from __future__ import annotations
@@ -49,23 +73,30 @@ import datetime
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceScatterOptions,
+)
 
 from optcc_mpi import algorithms
-from optcc_mpi.collectives import last_stats
+from optcc_mpi.communicators import CallRecord
 from optcc_mpi.config import rc
-from optcc_mpi.errors import ArgumentError, ArgumentTypeError
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError, OptccError
 from optcc_mpi.links import Links
-from optcc_mpi.tensors import HALF, reduce_tensor
-from optcc_mpi.transports.torch import TorchTransport, fresh_store
+from optcc_mpi.tensors import HALF, TensorCall, start_tensor
+from optcc_mpi.transports.torch import POLL, TorchTransport, fresh_store
 
 __all__ = [
     "BACKEND",
+    "AbortedError",
     "OptccOptions",
     "OptccProcessGroup",
     "OptccWork",
@@ -79,30 +110,29 @@ __all__ = [
 BACKEND = "optcc"
 _WHAT = "all_reduce on the optcc backend"
 _RED = dist.ReduceOp.RedOpType
-#: torch's reductions as the package names them.
-_OPS = {
-    _RED.SUM: "sum",
-    _RED.PRODUCT: "prod",
-    _RED.MIN: "min",
-    _RED.MAX: "max",
-    _RED.BAND: "band",
-    _RED.BOR: "bor",
-    _RED.BXOR: "bxor",
-    _RED.AVG: "sum",
-    _RED.PREMUL_SUM: "sum",
+#: How long an aborted group's thread may take to leave the library's wait.
+_POLL_S = POLL.total_seconds()
+_T = TypeVar("_T")
+
+#: torch's reductions as the package names them: ``(op, op on bool tensors)``. On bool
+#: tensors torch's arithmetic reductions are logical ones (NCCL reduces bools as bytes
+#: that are 0 or 1: a sum or a max is true where any is, a product or min where all); the
+#: bit operations are the logical ones there too; AVG and PREMUL_SUM have no meaning.
+_OPS: dict[Any, tuple[str, str | None]] = {
+    _RED.SUM: ("sum", "lor"),
+    _RED.PRODUCT: ("prod", "land"),
+    _RED.MIN: ("min", "land"),
+    _RED.MAX: ("max", "lor"),
+    _RED.BAND: ("band", "land"),
+    _RED.BOR: ("bor", "lor"),
+    _RED.BXOR: ("bxor", "lxor"),
+    _RED.AVG: ("sum", None),
+    _RED.PREMUL_SUM: ("sum", None),
 }
-#: On bool tensors torch's arithmetic reductions are logical ones (NCCL reduces bools as
-#: bytes that are 0 or 1: a sum or a max is true where any is, a product or min where all).
-#: The bit operations are the logical ones there too; AVG and PREMUL_SUM have no meaning.
-_BOOL = {
-    _RED.SUM: "lor",
-    _RED.MAX: "lor",
-    _RED.BOR: "lor",
-    _RED.PRODUCT: "land",
-    _RED.MIN: "land",
-    _RED.BAND: "land",
-    _RED.BXOR: "lxor",
-}
+
+
+class AbortedError(OptccError, RuntimeError):
+    """The process group was aborted while this work was queued or running."""
 
 
 @dataclass(frozen=True)
@@ -118,10 +148,13 @@ class OptccOptions:
         ``"probe"``, ``"watch"`` or a profile (``"1:0.5"``) in the group's ranks; default
         ``$OPTCC_LINKS`` (in the job's global ranks).
     check : bool
-        Agree on every call's arguments across the ranks first (one small collective on
-        the control group): a mismatch is an error on every rank rather than a wrong sum.
+        Agree on every call's arguments across the ranks (the one collective that also
+        carries short messages): a mismatch is an error on every rank rather than a
+        wrong sum or a hang.
     timeout : datetime.timedelta, optional
-        The group's timeout (default: the one ``new_group`` or the device mesh is given).
+        The group's timeout, in place of the one ``init_process_group``/``new_group``
+        (or the device mesh) is given: for the groups underneath and for
+        :meth:`OptccWork.wait`.
     """
 
     algorithm: str | None = None
@@ -136,46 +169,56 @@ class OptccOptions:
 
 
 class OptccWork(dist.Work):
-    """The handle of one ``all_reduce`` on the ``optcc`` backend: complete once the
-    group's thread has reduced the tensors (before that, they must not be touched).
+    """The handle of one call on an ``optcc`` group: complete once the tensors are
+    reduced (before that, they must not be touched).
 
     Parameters
     ----------
     future : torch.futures.Future
-        Completed with the list of tensors, or with the reduction's error.
+        Completed with the list of tensors, or with the call's error.
     timeout : datetime.timedelta
         How long :meth:`wait` waits at most (the group's timeout).
     """
 
     def __init__(
-        self, future: torch.futures.Future[list[torch.Tensor]], timeout: datetime.timedelta
-    ):
+        self,
+        future: torch.futures.Future[list[torch.Tensor]],
+        timeout: datetime.timedelta,
+        steal: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__()
         self._future = future
         self._timeout = timeout
+        self._steal = steal  # runs the call's last step here, if no thread took it yet
         self._done = threading.Event()
-        #: What the call did (:func:`optcc_mpi.collectives.last_stats`), once complete.
+        #: What this call did (a :class:`~optcc_mpi.communicators.CallRecord`: the
+        #: algorithm, its schedule, the executor's stats), once complete; empty for the
+        #: collectives that pass through to the library.
         self.stats: Mapping[str, object] = {}
         future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Block until the reduction is complete; raise its error if it failed.
+        """Block until the call is complete; raise its error if it failed.
 
         Raises
         ------
         ArgumentError, ArgumentTypeError
             The arguments were refused (the same error on every rank).
+        AbortedError
+            The group was aborted first.
         RuntimeError
-            The reduction did not complete within ``timeout`` (default: the group's), or
-            a peer failed.
+            The call did not complete within ``timeout`` (default: the group's), or a
+            peer failed.
         """
         limit = timeout if timeout and timeout.total_seconds() > 0 else self._timeout
+        if self._steal is not None and not self._done.is_set():
+            self._steal()
         if not self._done.wait(limit.total_seconds()):
             raise RuntimeError(
                 f"{_WHAT}: not complete after {limit} (a rank that never made the call, "
                 "or a stalled peer)"
             )
-        self._future.wait()  # raises the reduction's error
+        self._future.wait()  # raises the call's error
         return True
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
@@ -183,15 +226,15 @@ class OptccWork(dist.Work):
         return self._future
 
     def is_completed(self) -> bool:
-        """Whether the reduction has finished (successfully or not)."""
+        """Whether the call has finished (successfully or not)."""
         return self._future.done()
 
     def is_success(self) -> bool:
-        """Whether the reduction has finished without an error."""
+        """Whether the call has finished without an error."""
         return self._future.done() and self.exception() is None
 
     def exception(self) -> BaseException | None:
-        """The reduction's error, once finished (None while running or on success)."""
+        """The call's error, once finished (None while running or on success)."""
         if not self._future.done():
             return None
         try:
@@ -206,12 +249,42 @@ class OptccWork(dist.Work):
         return self._future.value()
 
 
-class OrderedWorker:
-    """One thread that runs submitted jobs in submission order.
+class _Done:
+    """A call finished already: its record (what :meth:`TensorCall.wait` returns)."""
 
-    A group's reductions are collectives: every rank must run them in the same order, and
+    __slots__ = ("record",)
+
+    def __init__(self, record: CallRecord | None = None) -> None:
+        self.record = record
+
+    def wait(self) -> CallRecord | None:
+        return self.record
+
+
+#: What a job hands back: a started call, whose ``wait()`` completes it (its record).
+_Step = TensorCall | _Done
+
+
+class _Job:
+    """One job of an :class:`OrderedWorker`: run once, by whichever thread claims it."""
+
+    __slots__ = ("fn", "future", "seq", "claim", "done")
+
+    def __init__(self, fn: Callable[[], Any], future: torch.futures.Future[Any], seq: int) -> None:
+        self.fn, self.future, self.seq = fn, future, seq
+        self.claim = threading.Lock()  # acquired once, by the thread that runs it
+        self.done = threading.Event()
+
+
+class OrderedWorker:
+    """Runs a group's jobs in call order, on one thread of its own, or in the thread of
+    a caller that waits for its job when every job before it is done (:meth:`steal`).
+
+    A group's calls are collectives: every rank must run them in the same order, and
     each completes only when every rank runs it. One thread per group keeps the order of
-    the calls and lets the caller go on (the backward pass, the next bucket).
+    the calls and lets the caller go on (the backward pass, the next bucket); a caller
+    that waits at once (``dist.all_reduce`` without ``async_op``) runs its own job and
+    need not wait for that thread to wake, nor that thread for the library's.
 
     Parameters
     ----------
@@ -221,17 +294,31 @@ class OrderedWorker:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future[Any]] | None]
-        self._jobs = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._submitted = 0  # jobs submitted so far (the next job's place)
+        self._completed = 0  # jobs completed so far: they complete in order
         self._closed = False
+        self._aborted: AbortedError | None = None
+        self._running: _Job | None = None
+        self._stopping: threading.Thread | None = None
         _WORKERS.add(self)
 
-    def submit(self, job: Callable[[], Any], future: torch.futures.Future[Any]) -> None:
+    def now(self, job: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """``(True, job())`` run in this thread if no job is pending (its errors are
+        raised here), else ``(False, None)`` and nothing ran: :meth:`submit` it."""
+        with self._lock:
+            if self._completed != self._submitted or self._closed:
+                return False, None
+            return True, job()
+
+    def submit(self, job: Callable[[], Any], future: torch.futures.Future[Any]) -> _Job:
         """Run ``job()`` after every job submitted before it; complete ``future`` with its
         result or its error."""
         with self._lock:
+            if self._aborted is not None:
+                raise self._aborted
             if self._closed:
                 raise ArgumentError(f"{self.name}: the process group was destroyed")
             if self._thread is None:
@@ -239,35 +326,97 @@ class OrderedWorker:
                 # the interpreter's exit) stops it properly first.
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            self._jobs.put((job, future))
+            item = _Job(job, future, self._submitted)
+            self._submitted += 1
+            self._jobs.put(item)
+        return item
+
+    def steal(self, job: _Job) -> None:
+        """Run ``job`` in this thread if every job before it is done and no thread
+        claimed it yet; else leave it to the worker's thread."""
+        if self._completed == job.seq and job.claim.acquire(blocking=False):
+            self._execute(job)
+
+    def _execute(self, job: _Job) -> None:
+        self._running = job
+        try:
+            if self._aborted is not None:
+                raise self._aborted
+            result = job.fn()
+        except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
+            failed: BaseException | None = exc
+        else:
+            failed = None
+        with self._lock:
+            self._completed += 1
+            self._running = None
+            if job.done.is_set():  # failed already by abort()
+                return
+            if failed is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(self._aborted or failed)
+            job.done.set()
 
     def _run(self) -> None:
         while True:
-            item = self._jobs.get()
-            if item is None:
+            job = self._jobs.get()
+            if job is None:
                 return
-            job, future = item
-            try:
-                result = job()
-            except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
-                future.set_exception(exc)
+            if job.claim.acquire(blocking=False):
+                self._execute(job)
             else:
-                future.set_result(result)
+                job.done.wait()  # its caller runs it: the next job starts after it
 
     def close(self, timeout: float = 10.0) -> bool:
         """Let the submitted jobs finish and stop the thread; whether it stopped within
         ``timeout`` seconds (a job waiting for a dead peer may not)."""
         with self._lock:
-            if self._closed:
+            if self._closed and self._thread is None:
                 return True
             self._closed = True
-            thread = self._thread
+            thread, self._thread = self._thread, None
         _WORKERS.discard(self)
         if thread is None:
             return True
         self._jobs.put(None)
         if thread is threading.current_thread():
             return False
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def abort(self, error: AbortedError) -> None:
+        """Fail every queued job with ``error`` at once (the running one fails when the
+        library under it is aborted) and stop the thread."""
+        with self._lock:
+            self._aborted = error
+            self._closed = True
+            self._stopping, self._thread = self._thread, None
+            # The running job may wait inside the library for a peer that never comes (an
+            # aborted gloo group does not wake its waiters): its work fails now, and the
+            # thread, a daemon, is left to it.
+            running = self._running
+            if running is not None and not running.done.is_set():
+                running.future.set_exception(error)
+                running.done.set()
+        _WORKERS.discard(self)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.claim.acquire(blocking=False):
+                self._execute(job)  # (fails with the abort's error)
+        self._jobs.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """After :meth:`abort`: wait up to ``timeout`` seconds for the thread to leave
+        its job (the library's wait of an aborted transport raises within a poll);
+        whether it did. A thread still inside the library's wait when the interpreter
+        ends would take the GIL from a finalising interpreter and end the process."""
+        thread, self._stopping = self._stopping, None
+        if thread is None or thread is threading.current_thread():
+            return True
         thread.join(timeout)
         return not thread.is_alive()
 
@@ -305,16 +454,20 @@ def worker_for(transport: TorchTransport) -> OrderedWorker:
 def submit(
     worker: OrderedWorker,
     tensors: list[torch.Tensor],
-    job: Callable[[], Any],
+    job: Callable[[], object],
     timeout: datetime.timedelta,
 ) -> OptccWork:
     """Queue ``job()``, which reduces ``tensors`` in place, on ``worker``; its
     :class:`OptccWork`. On CUDA the job starts after the work queued so far on the
     caller's current stream and runs on that device's current stream in the worker; the
-    future carries its completion to whoever waits."""
+    future carries its completion to whoever waits. A job that returns a
+    :class:`~optcc_mpi.communicators.CallRecord` gives the work its :attr:`~OptccWork.stats`.
+    A caller that waits for a job of CPU tensors runs it itself when its turn has come
+    (:meth:`OrderedWorker.steal`)."""
     devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
     future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices or None)
-    work = OptccWork(future, timeout)
+    stolen: list[_Job] = []
+    work = OptccWork(future, timeout, None if devices else lambda: worker.steal(stolen[0]))
     ready = None
     if devices:
         # The backward pass that wrote a gradient was queued on the caller's stream.
@@ -323,31 +476,32 @@ def submit(
 
     def run() -> list[torch.Tensor]:
         if ready is None:
-            job()
+            record = job()
         else:
             with torch.cuda.device(devices[0]):
                 torch.cuda.current_stream().wait_event(ready)
-                job()
-        work.stats = last_stats()
+                record = job()
+        if isinstance(record, CallRecord):
+            work.stats = record
         return tensors
 
-    worker.submit(run, future)
+    stolen.append(worker.submit(run, future))
     return work
 
 
-def _op(reduce_op: Any, dtype: torch.dtype) -> tuple[str, bool, Any]:
-    """``(package op, average, premul factor)`` of torch's ``reduce_op`` on ``dtype``."""
-    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
-    name = _OPS.get(kind)
-    if name is None:
+def _reduce_op(reduce_op: Any, dtype: torch.dtype) -> tuple[str, bool, Any]:
+    """``(package op, average, premul factor)`` of torch's ``reduce_op`` (a ``ReduceOp``
+    or its ``RedOpType``) on ``dtype``."""
+    kind = getattr(reduce_op, "op", reduce_op)
+    names = _OPS.get(kind)
+    if names is None:
         raise ArgumentError(f"{_WHAT}: ReduceOp {kind} is not supported")
-    if dtype == torch.bool:
-        name = _BOOL.get(kind)
-        if name is None:
-            raise ArgumentError(f"{_WHAT}: ReduceOp {kind.name} of bool tensors has no meaning")
+    name = names[1] if dtype == torch.bool else names[0]
+    if name is None:
+        raise ArgumentError(f"{_WHAT}: ReduceOp {kind.name} of bool tensors has no meaning")
     premul = None
     if kind == _RED.PREMUL_SUM:
-        premul = reduce_op.factor
+        premul = getattr(reduce_op, "factor", None)
         if premul is None:
             raise ArgumentError(f"{_WHAT}: PREMUL_SUM without its factor")
     average = kind == _RED.AVG
@@ -357,6 +511,23 @@ def _op(reduce_op: Any, dtype: torch.dtype) -> tuple[str, bool, Any]:
             "reduce with SUM and scale"
         )
     return name, average, premul
+
+
+def _tensor_list(tensors: Any) -> list[Any]:
+    """torch's ``tensors`` argument in either form (a tensor, or a sequence of them)."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if isinstance(tensors, (list, tuple)):
+        return list(tensors)
+    return [tensors]  # refused by the check, on every rank
+
+
+def _op_of(opts: Any) -> Any:
+    """The ``ReduceOp`` of torch's options argument in any of its forms: options, a
+    ``ReduceOp``, its ``RedOpType``, or None (SUM)."""
+    if opts is None:
+        return dist.ReduceOp.SUM
+    return getattr(opts, "reduceOp", opts)
 
 
 class OptccProcessGroup(dist.ProcessGroup):
@@ -370,7 +541,8 @@ class OptccProcessGroup(dist.ProcessGroup):
     rank, size : int
         This process's rank in the group and the group's size.
     timeout : datetime.timedelta
-        For the groups underneath and for :meth:`OptccWork.wait`.
+        For the groups underneath and for :meth:`OptccWork.wait` (``options.timeout``,
+        where set, takes its place).
     global_ranks : sequence of int, optional
         The job's rank of each member (default ``range(size)``).
     options : OptccOptions, optional
@@ -382,7 +554,7 @@ class OptccProcessGroup(dist.ProcessGroup):
         rank: int,
         size: int,
         timeout: datetime.timedelta,
-        global_ranks: list[int] | None = None,
+        global_ranks: Sequence[int] | None = None,
         options: OptccOptions | None = None,
     ) -> None:
         super().__init__(rank, size)
@@ -399,6 +571,8 @@ class OptccProcessGroup(dist.ProcessGroup):
         self.algorithm = algorithm
         self.links = options.links
         self.check = options.check
+        if options.timeout is not None:
+            timeout = options.timeout
         self.timeout = timeout
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(size))
         store = fresh_store(store, size)  # not the keys of a group made before this one
@@ -430,8 +604,17 @@ class OptccProcessGroup(dist.ProcessGroup):
 
     def optcc_transport(self) -> TorchTransport:
         """The transport of CPU tensors and NumPy arrays (``optcc_mpi.allreduce(...,
-        comm=group)`` runs over it; so does ``optcc_mpi.torch.allreduce(group=group)``)."""
+        comm=group)`` runs over it, in the group's order: :meth:`optcc_ordered`)."""
         return self._cpu
+
+    def optcc_ordered(self, call: Callable[[TorchTransport], _T]) -> _T:
+        """``call(transport)`` in the group's order, from any thread, waited for: how
+        :func:`optcc_mpi.allreduce` runs a call given this group as ``comm`` (its
+        messages share the group's transport with the calls queued on it)."""
+        future: torch.futures.Future[_T] = torch.futures.Future()
+        job = self._worker.submit(lambda: call(self._cpu), future)
+        OptccWork(future, self.timeout, lambda: self._worker.steal(job)).wait()  # type: ignore[arg-type]
+        return future.value()
 
     def _transport(self, tensor: torch.Tensor) -> TorchTransport:
         """The transport of ``tensor``'s device (in the group's thread: the NCCL one is
@@ -451,33 +634,34 @@ class OptccProcessGroup(dist.ProcessGroup):
             )
         return self._cuda
 
+    # -- ordering ------------------------------------------------------------------------------
+    def _call(self, tensors: list[Any], job: Callable[[], _Step]) -> OptccWork:
+        """Run ``job`` in the group's order (on the group's thread, or in the caller's
+        when it waits: :meth:`OrderedWorker.steal`); its :class:`OptccWork`."""
+
+        return submit(self._worker, tensors, lambda: job().wait(), self.timeout)
+
     # -- AllReduce -----------------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> OptccWork:
-        """Start reducing ``tensors`` (one tensor) in place; its :class:`OptccWork`."""
-        reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._submit(list(tensors), reduce_op)
+    def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> OptccWork:
+        """Start reducing ``tensors`` (one tensor, or a list of one) in place; its
+        :class:`OptccWork`. ``opts``: ``AllreduceOptions``, a ``ReduceOp`` or None (SUM),
+        as any torch.distributed process group takes them."""
+        del timeout  # (the group's timeout applies)
+        tensors = _tensor_list(tensors)
+        reduce_op = _op_of(opts)
+        if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) and tensors[0].is_sparse:
+            # Sparse tensors: gloo's own AllReduce, as on a gloo group.
+            args = () if opts is None else (opts,)
+            return self._library_call(tensors, lambda: self._gloo.allreduce(tensors, *args))
+        return self._call(tensors, lambda: self._reduce(tensors, reduce_op))
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> OptccWork:
-        """Start reducing several tensors in place, as one message where they share a dtype
-        and a device; its :class:`OptccWork`."""
-        reduce_op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._submit(list(tensors), reduce_op, coalesced=True)
-
-    def _submit(
-        self, tensors: list[torch.Tensor], reduce_op: Any, coalesced: bool = False
-    ) -> OptccWork:
-        refuse: Exception | None = None
-        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            refuse = ArgumentTypeError(f"{_WHAT}: expected a list of tensors")
-            tensors = []
-        elif not coalesced and len(tensors) != 1:
-            refuse = ArgumentError(f"{_WHAT}: one tensor per call (got {len(tensors)})")
-        return submit(
-            self._worker,
-            tensors,
-            lambda: self._reduce_all(tensors, reduce_op, refuse),
-            self.timeout,
-        )
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> OptccWork:
+        """Start reducing several tensors in place, as one message per run of tensors
+        that share a dtype and a device; its :class:`OptccWork`. Every tensor is checked
+        before any is written."""
+        tensors = _tensor_list(tensors)
+        reduce_op = _op_of(opts)
+        return self._call(tensors, lambda: self._reduce(tensors, reduce_op, coalesced=True))
 
     def run(self, tensors: list[torch.Tensor], job: Callable[[TorchTransport], Any]) -> OptccWork:
         """Run ``job(transport)`` on the group's thread, after every call made before it,
@@ -485,71 +669,121 @@ class OptccProcessGroup(dist.ProcessGroup):
         group: its buckets keep their place among the group's other reductions)."""
         return submit(self._worker, tensors, lambda: job(self._transport(tensors[0])), self.timeout)
 
-    def _reduce_all(
-        self, tensors: list[torch.Tensor], reduce_op: Any, refuse: Exception | None
-    ) -> None:
-        """In the group's thread: reduce each run of tensors that share dtype and device as
-        one flat message (a single tensor: itself). Every check agrees across the ranks
-        first (:func:`~optcc_mpi.tensors.reduce_tensor`), so a refusal is raised on every
-        rank and nothing changes."""
+    def _reduce(self, tensors: list[Any], reduce_op: Any, coalesced: bool = False) -> _Step:
+        """Start reducing ``tensors``: one tensor as itself, several as one flat message
+        per run of dtype and device. Every check agrees across the ranks in the first
+        run's argument check (the shape of every run rides in it), so a refusal is raised
+        on every rank before anything changes."""
+        refuse: Exception | None = None
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            refuse = ArgumentTypeError(f"{_WHAT}: expected a list of tensors")
+        elif not coalesced and len(tensors) != 1:
+            refuse = ArgumentError(f"{_WHAT}: one tensor per call (got {len(tensors)})")
+        elif any(t.is_sparse for t in tensors):
+            refuse = ArgumentError(f"{_WHAT}: sparse tensors are reduced one per call")
         if refuse is not None:
-            reduce_tensor(
+            start_tensor(
                 None, "sum", self.algorithm, self.links, self._cpu, None, False, True, False,
-                _WHAT, refuse=refuse,
-            )  # fmt: skip
-            return
+                refuse=refuse,
+            ).wait()  # fmt: skip
+            return _Done()
+        if not coalesced:
+            return self._start(tensors[0], reduce_op, None)
         runs: list[list[torch.Tensor]] = []
         for t in tensors:
-            if runs and _same_kind(runs[-1][0], t):
+            if runs and runs[-1][0].dtype == t.dtype and runs[-1][0].device == t.device:
                 runs[-1].append(t)
             else:
                 runs.append([t])
-        for run in runs:
-            flat = run[0] if len(run) == 1 else torch.cat([t.detach().reshape(-1) for t in run])
-            error: Exception | None = None
-            op, average, premul = "sum", False, None
-            try:
-                op, average, premul = _op(reduce_op, flat.dtype)
-                wire = self._transport(flat)
-            except ArgumentError as exc:
-                error, wire = exc, self._cpu
-            reduce_tensor(
-                flat, op, self.algorithm, self.links, wire, None, average, self.check,
-                flat.dtype in HALF, _WHAT, refuse=error, premul=premul,
-            )  # fmt: skip
+        shapes = "; ".join(f"{t.numel()} {t.dtype} on {t.device.type}" for t in tensors)
+        record = None
+        for i, run in enumerate(runs):
+            flat = torch.cat([t.detach().reshape(-1) for t in run]) if len(run) > 1 else run[0]
+            record = self._start(flat, reduce_op, shapes if i == 0 else None).wait()
             if len(run) > 1:
                 offset = 0
                 for t in run:
                     n = t.numel()
-                    t.detach().view(-1).copy_(flat[offset : offset + n])
+                    t.detach().copy_(flat[offset : offset + n].view(t.shape))
                     offset += n
+        return _Done(record)
+
+    def _start(self, tensor: torch.Tensor, reduce_op: Any, shapes: str | None) -> TensorCall:
+        """Start the reduction of one tensor (``shapes``: the coalesced call's tensors,
+        which must agree too)."""
+        error: Exception | None = None
+        op, average, premul = "sum", False, None
+        wire = self._cpu
+        try:
+            op, average, premul = _reduce_op(reduce_op, tensor.dtype)
+            wire = self._transport(tensor)
+        except ArgumentError as exc:
+            error = exc
+        # (a coalesced call's first check agrees on every tensor of the call)
+        label = None if shapes is None else ("coalesced tensors", f"{shapes}, average={average}")
+        call = start_tensor(
+            tensor, op, self.algorithm, self.links, wire, None, average, self.check,
+            tensor.dtype in HALF, refuse=error, premul=premul, label=label,
+        )  # fmt: skip
+        return call
 
     # -- everything else: the library underneath ------------------------------------------------
-    # torch's trampoline for a Python process group calls the base class's version of
-    # these with the GIL held when the subclass does not define them; a gloo thread that
-    # then needs the GIL (to free a tensor it holds) while the base class waits for that
-    # thread's queue deadlocks (1 call in 8 or so here). Defined here, each is a plain
-    # call of the library's own binding, which lets the GIL go.
-    def _library(self, tensors: list[torch.Tensor]) -> Any:
+    def _library(self, tensors: Sequence[Any]) -> Any:
         """The library that moves ``tensors``: NCCL for CUDA tensors, else gloo."""
-        if tensors and tensors[0].is_cuda:
+        first = tensors[0] if tensors else None
+        while isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        if isinstance(first, torch.Tensor) and first.is_cuda:
             if self._nccl is None:
                 raise ArgumentError("CUDA tensors need CUDA and NCCL on every rank")
             return self._nccl
         return self._gloo
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        return self._library(tensors).broadcast(tensors, opts)
+    def _library_call(self, tensors: Sequence[Any], call: Callable[[], Any]) -> Any:
+        """``call()`` (a call of the library underneath) in the group's order: at once
+        when nothing is queued (the library's own work), else on the group's thread
+        after the calls before it.
 
-    def allgather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any
-    ) -> Any:
-        return self._library(inputs).allgather(outputs, inputs, opts)
+        torch's trampoline for a Python process group calls the base class's version of
+        a collective with the GIL held when the subclass does not define it; a gloo thread
+        that then needs the GIL (to free a tensor it holds) while the base class waits for
+        that thread's queue deadlocks. Defined here, each is a plain call of the
+        library's own binding, which lets the GIL go."""
+        ran, work = self._worker.now(call)
+        if ran:
+            return work
+        flat = [t for t in _flatten(tensors) if isinstance(t, torch.Tensor)]
+        return submit(self._worker, flat, lambda: call().wait(), self.timeout)
 
-    def reduce_scatter(
-        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any
-    ) -> Any:
-        return self._library(outputs).reduce_scatter(outputs, inputs, opts)
+    def _pass(self, method: str, tensors: Sequence[Any], *args: Any) -> Any:
+        """The library's ``method(*args)`` for ``tensors``, in the group's order."""
+        library = self._library(tensors)
+        return self._library_call(tensors, lambda: getattr(library, method)(*args))
+
+    def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> Any:
+        tensors = _tensor_list(tensors)
+        if opts is None:
+            opts = BroadcastOptions()
+        elif not isinstance(opts, BroadcastOptions):
+            root, opts = opts, BroadcastOptions()  # broadcast(tensor, root)
+            opts.rootRank = root
+        return self._pass("broadcast", tensors, tensors, opts)
+
+    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        if isinstance(inputs, torch.Tensor):  # allgather(outputs, tensor)
+            outputs, inputs = [list(outputs)], [inputs]
+        if opts is None:
+            opts = AllgatherOptions()
+        return self._pass("allgather", inputs, outputs, inputs, opts)
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        if isinstance(outputs, torch.Tensor):  # reduce_scatter(output, inputs, op)
+            op = _op_of(opts)
+            outputs, inputs, opts = [outputs], [list(inputs)], ReduceScatterOptions()
+            opts.reduceOp = op
+        elif opts is None:
+            opts = ReduceScatterOptions()
+        return self._pass("reduce_scatter", outputs, outputs, inputs, opts)
 
     def all_to_all_single(
         self,
@@ -557,47 +791,81 @@ class OptccProcessGroup(dist.ProcessGroup):
         input: torch.Tensor,  # noqa: A002 - c10d's name
         output_splits: list[int],
         input_splits: list[int],
-        opts: Any,
+        opts: Any = None,
     ) -> Any:
-        return self._library([input]).alltoall_base(
-            output, input, output_splits, input_splits, opts
-        )
+        args = (output, input, output_splits, input_splits) + (() if opts is None else (opts,))
+        return self._pass("alltoall_base", [input], *args)
 
-    def barrier(self, opts: Any) -> Any:
-        return self._gloo.barrier(opts)
+    alltoall_base = all_to_all_single
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
-        return self._library(tensors).send(tensors, dst, tag)
+    def barrier(self, opts: Any = None) -> Any:
+        """A barrier that completes after every call made on the group before it (the
+        reductions queued and those in flight), as gloo's does."""
+        if not isinstance(opts, BarrierOptions):
+            timeout, opts = opts, BarrierOptions()
+            if isinstance(timeout, datetime.timedelta):
+                opts.timeout = timeout
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        return self._library(tensors).recv(tensors, src, tag)
+        def job() -> None:
+            self._gloo.barrier(opts).wait()
+
+        return submit(self._worker, [], job, self.timeout)
+
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """gloo's monitored barrier (names the ranks that did not arrive), after every
+        call made on the group before it. torch's ``dist.monitored_barrier`` refuses
+        every backend but gloo by name: call this method of the group instead."""
+        self.barrier().wait()
+        args = () if timeout is None else (timeout,)
+        self._gloo.monitored_barrier(*args, wait_all_ranks=wait_all_ranks)
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
+        tensors = _tensor_list(tensors)
+        return self._pass("send", tensors, tensors, dst, tag)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
+        tensors = _tensor_list(tensors)
+        return self._pass("recv", tensors, tensors, src, tag)
 
     # -- teardown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Finish the submitted reductions, stop the group's thread and shut its groups
-        down (``destroy_process_group`` calls it)."""
+        """Finish the submitted calls, stop the group's thread and shut its groups down
+        (``destroy_process_group`` calls it)."""
         if self._down:
             return
         self._down = True
         self._worker.close(timeout=self.timeout.total_seconds())
+        self._close_groups(abort=False)
+
+    def abort(self) -> None:
+        """Stop at once: queued and running work fails with :class:`AbortedError`, the
+        libraries underneath are aborted (not shut down in order), and nothing waits for
+        a peer (torch's error path; ``destroy_process_group`` after it returns)."""
+        if self._down:
+            return
+        self._down = True
+        self._worker.abort(AbortedError(f"{_WHAT}: the process group was aborted"))
+        self._close_groups(abort=True)
+        self._worker.join(timeout=4 * _POLL_S)
+
+    def _close_groups(self, abort: bool) -> None:
         for t in (self._cpu, self._cuda):
             if t is not None:
-                t.close()
+                t.abort() if abort else t.close()
         for backend in (self._gloo, self._nccl):
             if backend is not None:
                 try:
-                    backend.shutdown()
+                    backend.abort() if abort else backend.shutdown()
                 except RuntimeError:  # a peer already gone
                     pass
 
-    def abort(self) -> None:
-        """Stop without waiting for submitted reductions (torch's error path)."""
-        self._worker.close(timeout=0.0)
-        self.shutdown()
 
-
-def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.device == b.device
+def _flatten(items: Any) -> list[Any]:
+    if isinstance(items, (list, tuple)):
+        return [x for item in items for x in _flatten(item)]
+    return [items]
 
 
 def _create(backend_opts: Any, pg_options: Any) -> OptccProcessGroup:

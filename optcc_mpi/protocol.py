@@ -239,5 +239,7 @@ def disagreement(
         detail = "; ".join(
             f"{value} on {agreement.describe_ranks(rs)}" for value, rs in groups.items()
         )
-        raise ArgumentError(f"{what}: {field} differs across ranks: {detail}")
+        # A caller's own argument rides in the params field under its own name.
+        name = shown.get(f"{field} name", field)
+        raise ArgumentError(f"{what}: {name} differs across ranks: {detail}")
     raise ArgumentError(f"{what}: the ranks' arguments differ")  # pragma: no cover

@@ -2,29 +2,35 @@
 reduction of a tensor over a transport that :mod:`optcc_mpi.torch` (its ``allreduce``
 and DDP hook) and the ``optcc`` backend (:mod:`optcc_mpi.process_group`) share.
 
-:func:`reduce_tensor` checks its arguments on this rank, agrees on them across the ranks
-in one small collective (the same error on every rank, before anything changes), then
-runs :func:`optcc_mpi.allreduce` over the transport, with the division of an average
-before or after the sum.
+:func:`start_tensor` checks on this rank what only a tensor has (its kind, the average),
+then starts :func:`optcc_mpi.allreduce` over the transport, whose one argument check
+agrees on everything across the ranks (the same error on every rank, before anything
+changes); the division of an average comes before the sum (into a copy the sum reads)
+or after it. :func:`reduce_tensor` waits for it.
 """
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import ml_dtypes
 import torch
 
-import optcc_mpi
-from optcc_mpi import agreement, algorithms
-from optcc_mpi.backend import as_array as backend_as_array
-from optcc_mpi.backend import get_cupy
-from optcc_mpi.dtypes import check_dtype, check_op
-from optcc_mpi.errors import ArgumentError, ArgumentTypeError
-from optcc_mpi.links import Links
+from optcc_mpi import collectives
+from optcc_mpi.backend import TORCH_DTYPES, get_cupy
+from optcc_mpi.communicators import CallRecord
+from optcc_mpi.dtypes import check_op
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError, as_ours
 
-__all__ = ["as_array", "reduce_tensor", "check_average", "ours", "HALF"]
+__all__ = [
+    "as_array",
+    "start_tensor",
+    "reduce_tensor",
+    "TensorCall",
+    "check_average",
+    "ours",
+    "HALF",
+]
 
 #: Tensor dtypes reduced in their own precision after dividing, as DDP's default hook does.
 HALF = (torch.float16, torch.bfloat16)
@@ -117,87 +123,137 @@ def check_average(tensor: torch.Tensor, op: str, average: bool) -> None:
         )
 
 
-_FIELDS = ("error", "element count", "dtype", "op", "algorithm", "link profile", "average")
-
-
-def _code(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
 def ours(exc: Exception) -> Exception:
     """``exc`` as one of optcc_mpi's error classes (same message)."""
-    if isinstance(exc, (ArgumentError, ArgumentTypeError)):
-        return exc
-    cls = ArgumentTypeError if isinstance(exc, TypeError) else ArgumentError
-    new = cls(str(exc))
-    new.__cause__ = exc
-    return new
+    new = as_ours(exc)
+    return new if isinstance(new, Exception) else exc
 
 
-def _check_local(
-    tensor: Any, op: Any, algorithm: Any, links: Any, average: Any, wire: Any, mpi: bool
-) -> tuple[Any, list[int], dict[str, str]]:
-    """This rank's checks. Returns what to reduce (a NumPy/CuPy view over MPI, the tensor
-    over torch.distributed), the signature every rank must share (element count, dtype,
-    op, algorithm, link profile, average) and its readable form."""
+def _data(tensor: Any, op: Any, average: Any, mpi: bool) -> tuple[Any, str]:
+    """This rank's checks of what only the tensor path knows (the tensor itself, the
+    average); returns what :func:`optcc_mpi.allreduce` reduces and the op's name. Over
+    MPI, and for CPU tensors everywhere, that is a NumPy (CuPy) view of the tensor's
+    memory: on a process group the argument check then carries short messages itself
+    (one collective per call); other tensors stay tensors."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ArgumentTypeError(
+            f"expected a torch.Tensor, got {type(tensor).__module__}.{type(tensor).__name__}"
+        )
     opname = check_op(op)
     check_average(tensor, opname, average)
-    if not isinstance(algorithm, str):
-        raise ArgumentTypeError(f"algorithm must be a string, not {type(algorithm).__name__}")
-    if algorithm != "auto":
-        algorithms.get(algorithm)  # the error names the choices
-    if links is None:
-        # $OPTCC_LINKS is optcc_mpi.allreduce's to read and check (it may translate the
-        # job's numbering to this communicator's).
-        profile = "default"
-    elif isinstance(links, str) and links.strip().lower() in ("probe", "watch"):
-        profile = links.strip().lower()
-    else:
-        link_obj = Links.coerce(links)
-        link_obj.check(wire.size)
-        profile = str(link_obj)
     if mpi:
-        arr = as_array(tensor)
-        check_dtype(arr.dtype)
-        count = arr.size
-    else:
-        if not isinstance(tensor, torch.Tensor):
-            raise ArgumentTypeError(
-                f"expected a torch.Tensor, got {type(tensor).__module__}.{type(tensor).__name__}"
-            )
-        arr, backend = backend_as_array(tensor, what="tensor", tensors=True)
-        wire.check_backend(backend)
-        arr = tensor
-        count = tensor.numel()
-    shown = {
-        "dtype": str(tensor.dtype),
-        "op": opname,
-        "algorithm": algorithm,
-        "link profile": profile,
-    }
-    sig = [count, *(_code(shown[f]) for f in _FIELDS[2:6]), int(average)]
-    return arr, sig, shown
+        return as_array(tensor), opname
+    if tensor.device.type == "cpu" and tensor.dtype in _VIEWED:
+        return as_array(tensor), opname
+    # (a dtype outside the tensors' set is refused by the library's check, by name)
+    return tensor, opname
 
 
-def _agree(
-    wire: Any, sig: list[int], error: Exception | None, shown: dict[str, str], what: str
-) -> None:
-    """One small collective (:func:`optcc_mpi.agreement.agree_fields` over the signature):
-    raise the same error on every rank if any rank found an error or the ranks disagree."""
-    lo, hi = agreement.agree_fields(wire, sig)
-    if hi[0]:
-        # Somebody failed: share the words (a second collective, on the error path only).
-        agreement.agree(
-            wire, None if error is None else ours(error), what=f"{what}: arguments rejected"
-        )
-    for i in range(1, len(sig)):
-        if hi[i] != lo[i]:
-            field = _FIELDS[i]
-            if field in ("element count", "average"):
-                detail = f"{lo[i]} on some ranks, {hi[i]} on others (this rank: {sig[i]})"
-            else:
-                detail = f"this rank has {shown[field]}"
-            raise ArgumentError(f"{what}: {field} differs across ranks: {detail}")
+#: The tensor dtypes the package reduces (on every device), as torch's dtypes: a CPU
+#: tensor of one of them is reduced through a NumPy view of its memory.
+_VIEWED = frozenset(getattr(torch, name) for name in TORCH_DTYPES if hasattr(torch, name))
+
+
+class TensorCall:
+    """A started in-place reduction of one tensor (:func:`start_tensor`): the library's
+    AllReduce may still be in flight (:attr:`request`); :meth:`finish` completes it once
+    that request completed, :meth:`wait` waits for it first."""
+
+    __slots__ = ("started", "tensor", "p", "divide_after", "cuda_mpi")
+
+    def __init__(
+        self,
+        started: collectives.Started,
+        tensor: torch.Tensor,
+        p: int,
+        divide_after: bool,
+        cuda_mpi: bool,
+    ) -> None:
+        self.started, self.tensor, self.p = started, tensor, p
+        self.divide_after, self.cuda_mpi = divide_after, cuda_mpi
+
+    @property
+    def request(self) -> object | None:
+        """The library's AllReduce still in flight, or None."""
+        return self.started.request
+
+    def finish(self) -> CallRecord | None:
+        """Complete the reduction (its request complete): the division of an average
+        taken after the sum; the call's record."""
+        self.started.finish()
+        if self.cuda_mpi:
+            # The result was written on CuPy's stream; PyTorch's stream must see it.
+            get_cupy().cuda.get_current_stream().synchronize()
+        if self.divide_after:
+            self.tensor.detach().div_(self.p)  # detach: a parameter is divided like its .data
+        return self.started.record
+
+    def wait(self) -> CallRecord | None:
+        """Wait for the library's AllReduce, then :meth:`finish`."""
+        if self.started.request is not None:
+            self.started.st.transport.wait(self.started.request)
+        return self.finish()
+
+
+def start_tensor(
+    tensor: Any,
+    op: Any,
+    algorithm: Any,
+    links: Any,
+    wire: Any,
+    mpi_comm: Any,
+    average: Any,
+    check: bool,
+    divide_first: bool,
+    *,
+    refuse: Exception | None = None,
+    premul: float | torch.Tensor | None = None,
+    label: tuple[str, str] | None = None,
+) -> TensorCall:
+    """Start the reduction behind ``optcc_mpi.torch.allreduce``, the hook and the
+    ``optcc`` backend, over ``wire`` (the transport; ``mpi_comm`` the MPI communicator when
+    it is MPI's), with one argument check across the ranks (:func:`optcc_mpi.allreduce`'s,
+    which also agrees on ``average``). With ``average``, the division by the number of
+    ranks comes before the sum if ``divide_first``, else after it; ``premul``: a factor
+    multiplied in before the sum (torch's ``PREMUL_SUM``). Whatever comes before the sum
+    is computed into a scaled copy that the reduction reads, so that the tensor is
+    unchanged until every rank agreed. ``refuse``: an error this rank found already (the
+    ranks still agree, so every rank raises). ``label``: what must agree besides the
+    arguments, as ``(name, value in words)`` (default: the average)."""
+    p = wire.size
+    mpi = mpi_comm is not None
+    error: Exception | None = refuse
+    arr: Any = None
+    send: Any = None
+    opname: Any = op
+    if error is None:
+        try:
+            arr, opname = _data(tensor, op, average, mpi)
+            scaled = None
+            if average and divide_first:
+                scaled = tensor.detach() / p
+            elif premul is not None:
+                scaled = tensor.detach() * premul
+            if scaled is not None:
+                send = scaled if arr is tensor else as_array(scaled)
+                if mpi and tensor.is_cuda:
+                    # The scaling was queued on PyTorch's stream; CuPy's reads it.
+                    torch.cuda.current_stream(tensor.device).synchronize()
+        except (ValueError, TypeError) as exc:
+            error = exc
+    if label is None and isinstance(average, bool):
+        label = ("average", str(average))
+    started = collectives.start(
+        arr, comm=mpi_comm if mpi else wire, op=opname, algorithm=algorithm, links=links,
+        check=check, sendbuf=send, error=None if error is None else ours(error), label=label,
+    )  # fmt: skip
+    return TensorCall(
+        started,
+        tensor,
+        p,
+        bool(average) and not divide_first,
+        mpi and isinstance(tensor, torch.Tensor) and tensor.is_cuda,
+    )
 
 
 def reduce_tensor(
@@ -210,51 +266,13 @@ def reduce_tensor(
     average: Any,
     check: bool,
     divide_first: bool,
-    what: str = "optcc_mpi.torch.allreduce",
     *,
     refuse: Exception | None = None,
     premul: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The reduction behind ``optcc_mpi.torch.allreduce``, the hook and the ``optcc``
-    backend, over ``wire`` (the transport; ``mpi_comm`` the MPI communicator when it is
-    MPI's). With ``average``, the division by the number of ranks comes before the sum if
-    ``divide_first``, else after it. ``refuse``: an error this rank found already (the
-    ranks still agree, so every rank raises); ``premul``: a factor multiplied in before
-    the sum (torch's ``PREMUL_SUM``), after the checks."""
-    p = wire.size
-    error: Exception | None = refuse
-    sig = [0] * len(_FIELDS)
-    shown: dict[str, str] = {}
-    arr = None
-    mpi = mpi_comm is not None
-    if error is None:
-        try:
-            arr, sig[1:], shown = _check_local(tensor, op, algorithm, links, average, wire, mpi)
-        except (ValueError, TypeError) as exc:
-            error = exc
-    if error is not None:
-        sig[0] = 1
-    if check and p > 1:
-        # Everything optcc_mpi.allreduce would reject (bar $OPTCC_* variables) is rejected
-        # here already, before a division first modifies the tensor.
-        _agree(wire, sig, error, shown, what)
-    elif error is not None:
-        raise ours(error)
-    if average and divide_first:
-        tensor.detach().div_(p)  # detach: a parameter is divided like its .data
-    if premul is not None:
-        tensor.detach().mul_(premul)
-    if mpi and tensor.is_cuda:
-        # PyTorch's queued kernels (the division, the backward pass) must finish before
-        # CuPy's stream reads the memory.
-        torch.cuda.current_stream(tensor.device).synchronize()
-    target = mpi_comm if mpi else wire
-    optcc_mpi.allreduce(
-        optcc_mpi.IN_PLACE, arr, op=op, comm=target, algorithm=algorithm, links=links, check=check
-    )
-    if mpi and tensor.is_cuda:
-        # The result was written on CuPy's stream; PyTorch's stream must see it.
-        get_cupy().cuda.get_current_stream().synchronize()
-    if average and not divide_first:
-        tensor.detach().div_(p)  # detach: a parameter is divided like its .data
+    """:func:`start_tensor`, waited for: ``tensor``, reduced in place."""
+    start_tensor(
+        tensor, op, algorithm, links, wire, mpi_comm, average, check, divide_first,
+        refuse=refuse, premul=premul,
+    ).wait()  # fmt: skip
     return tensor

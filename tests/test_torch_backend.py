@@ -366,3 +366,28 @@ def test_from_mpi(tmp_path: Path) -> None:
     for r in range(n):
         rec = json.loads((tmp_path / f"from_mpi-{r}.json").read_text())
         assert rec == {**rec, "value": 1.0, "backend": BACKEND, "size": n}
+
+
+@pytest.mark.timeout(900)
+def test_semantics_as_gloo(tmp_path: Path) -> None:
+    """What a user sees of each behaviour that once differed from gloo's, the same script
+    on a gloo and an optcc default group (2 ranks): every value equal; on optcc the records
+    are per work, the options' timeout holds, ``dist.monitored_barrier`` is torch's own
+    refusal (the group's method works), and an abort fails queued and running work at
+    once and the job still exits 0 (torchrun reports any rank that aborts)."""
+    seen = {}
+    for name in ("gloo", "optcc"):
+        out = tmp_path / name
+        out.mkdir()
+        seen[name] = torchrun("semantics", 2, out, SEMANTICS_BACKEND=name)
+    for r in range(2):
+        gloo, ours = seen["gloo"][r], seen["optcc"][r]
+        for key, value in gloo.items():
+            if key == "dist.monitored_barrier":
+                continue
+            assert ours[key] == value, (r, key, ours[key], value)
+        assert ours["dist.monitored_barrier"].startswith("refused: monitored_barrier is only")
+        assert ours["group.monitored_barrier"] == "ok"
+        assert ours["stats per work"] == {"ring": ["ring"], "optcc": ["optcc"]}
+        assert ours["options timeout"] == 7.0
+    assert seen["optcc"][0]["abort: queued work"] == ["AbortedError"]

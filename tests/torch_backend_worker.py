@@ -36,6 +36,12 @@ Scenarios
     ``OPTCC_LINKS=watch`` with ``OPTCC_LINKS_LOG``: the backend's calls watched and logged.
 ``from_mpi``
     Under mpiexec: ``init_process_group_from_mpi("optcc")`` and an all_reduce.
+``semantics``
+    What a user sees of each behaviour that once differed from gloo's (the methods of a
+    process group in each form, sparse tensors and DDP over them, a barrier after async
+    work, the library's own allreduce on the group while calls are queued, coalesced
+    non-contiguous tensors, records per work, the options' timeout, monitored barriers,
+    abort), on ``SEMANTICS_BACKEND`` (gloo or optcc): the test compares the two.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ SCENARIO, OUT = sys.argv[1], Path(sys.argv[2])
 if SCENARIO != "from_mpi":
     sys.modules["mpi4py"] = None  # type: ignore[assignment]  # torchrun jobs have no MPI
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -305,6 +312,146 @@ def passthrough_scenario() -> dict:
     return got
 
 
+def semantics_scenario() -> dict:
+    """The same script on ``SEMANTICS_BACKEND`` (gloo or optcc): what a user sees of each
+    behaviour the issue found different from gloo's. Values, not timings."""
+    import datetime
+    import threading
+
+    import optcc_mpi
+
+    name = os.environ.get("SEMANTICS_BACKEND", "optcc")
+    dist.init_process_group(name)
+    r, p = RANK, P
+    pg = dist.group.WORLD
+    got: dict = {}
+
+    # 9. ProcessGroup methods called from Python in each form torch accepts
+    t = torch.full((4,), float(r + 1))
+    pg.allreduce([t]).wait()
+    got["pg.allreduce([t])"] = t.tolist()
+    t = torch.full((4,), float(r + 1))
+    pg.allreduce([t], RED.MAX).wait()
+    got["pg.allreduce([t], MAX)"] = t.tolist()
+    t = torch.full((4,), float(r + 1))
+    pg.allreduce(t).wait()
+    got["pg.allreduce(t)"] = t.tolist()
+    t = torch.full((2,), float(r))
+    pg.broadcast([t]).wait()
+    got["pg.broadcast([t])"] = t.tolist()
+    t = torch.full((2,), float(r))
+    pg.broadcast(t, p - 1).wait()
+    got["pg.broadcast(t, root)"] = t.tolist()
+    outs = [[torch.empty(2) for _ in range(p)]]
+    pg.allgather(outs, [torch.full((2,), float(r))]).wait()
+    got["pg.allgather(out, in)"] = [o.tolist() for o in outs[0]]
+    pg.barrier().wait()
+    got["pg.barrier()"] = True
+    bucket = torch.full((8,), float(r))
+    fut = pg.allreduce([bucket]).get_future()  # a custom DDP hook's form
+    got["hook form"] = fut.wait()[0].tolist()
+
+    # 1. sparse tensors, alone and in DDP
+    i = torch.tensor([[0, 2 + r]]).reshape(1, 2)
+    sp = torch.sparse_coo_tensor(i, torch.tensor([1.0 + r, 2.0]), (6,))
+    dist.all_reduce(sp)
+    got["sparse all_reduce"] = sp.to_dense().tolist()
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(emb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        ddp(torch.tensor([r, step + 3])).sum().backward()
+        opt.step()
+    got["ddp sparse embedding"] = emb.weight.detach().double().sum().item()
+
+    # 2. a barrier completes after everything queued before it
+    big = torch.ones(1 << 22)
+    w = dist.all_reduce(big, async_op=True)
+    dist.barrier()
+    got["barrier after async: completed"] = w.is_completed()
+    got["barrier after async: reduced"] = bool(torch.all(big == p))
+    w.wait()
+
+    # 3. the library's own allreduce on the group while async calls are queued
+    xs = [torch.full((1 << 18,), float(k + r)) for k in range(4)]
+    works = [dist.all_reduce(x, async_op=True) for x in xs]
+    arr = optcc_mpi.allreduce(np.full(1000, float(r)), comm=pg)
+    for w in works:
+        w.wait()
+    got["optcc_mpi.allreduce(comm=group) while queued"] = [float(arr[0])] + [
+        float(x[0]) for x in xs
+    ]
+
+    # 4. coalesced with a non-contiguous tensor
+    a = torch.full((3,), float(r))
+    b = torch.arange(6, dtype=torch.float32).reshape(2, 3) + r
+    bt = b.t()
+    dist.all_reduce_coalesced([a, bt])
+    got["coalesced non-contiguous"] = [a.tolist(), bt.tolist()]
+
+    # 6. each work's own record, groups used from two threads
+    if name == "optcc":
+        g1 = dist.new_group(backend="optcc", pg_options=OptccOptions(algorithm="ring"))
+        g2 = dist.new_group(backend="optcc", pg_options=OptccOptions(algorithm="optcc"))
+        seen: dict = {"ring": [], "optcc": []}
+
+        def use(group: object, alg: str) -> None:
+            for _ in range(6):
+                w = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True)
+                w.wait()
+                seen[alg].append(w.stats.get("algorithm"))
+
+        threads = [threading.Thread(target=use, args=a) for a in ((g1, "ring"), (g2, "optcc"))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        got["stats per work"] = {k: sorted(set(v)) for k, v in seen.items()}
+        # 5. the group's timeout from OptccOptions
+        g3 = dist.new_group(
+            backend="optcc", pg_options=OptccOptions(timeout=datetime.timedelta(seconds=7))
+        )
+        got["options timeout"] = g3.timeout.total_seconds()
+        for g in (g1, g2, g3):
+            dist.destroy_process_group(g)
+
+    # 7. monitored_barrier: torch's refusal by name, the group's own method
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        got["dist.monitored_barrier"] = "ok"
+    except ValueError as exc:
+        got["dist.monitored_barrier"] = "refused: " + str(exc)[:40]
+    pg.monitored_barrier(datetime.timedelta(seconds=30), wait_all_ranks=True)
+    got["group.monitored_barrier"] = "ok"
+
+    # 8. abort: queued work fails at once, the process exits
+    if name == "optcc":
+        lone = dist.new_group(backend="optcc")
+        dist.barrier()
+        if r == 0:  # the others never call: rank 0's calls can only fail
+            pending = [
+                dist.all_reduce(torch.ones(1 << 16), group=lone, async_op=True) for _ in range(5)
+            ]
+            t0 = time.monotonic()
+            lone.abort()
+            errors = []
+            for w in pending:
+                try:
+                    w.wait(datetime.timedelta(seconds=60))
+                    errors.append("completed")
+                except Exception as exc:  # noqa: BLE001 - recorded
+                    errors.append(type(exc).__name__)
+            got["abort: queued work"] = sorted(set(errors))
+            got["abort: seconds"] = time.monotonic() - t0  # (recorded, not judged)
+        else:
+            lone.abort()
+        dist.barrier()
+    dist.destroy_process_group()
+    return got
+
+
 def build(seed: int = 0, unused: bool = False) -> torch.nn.Module:
     torch.manual_seed(seed)
     layers = [
@@ -518,6 +665,7 @@ def main() -> None:
         "kill": kill_scenario,
         "linklog": linklog_scenario,
         "from_mpi": from_mpi_scenario,
+        "semantics": semantics_scenario,
     }[SCENARIO]()
     result["work_class_ok"] = issubclass(OptccWork, dist.Work)
     (OUT / f"{SCENARIO}-{RANK}.json").write_text(json.dumps(result))

@@ -102,6 +102,10 @@ class Capabilities:
     #: Whether tensors stay tensors (:func:`optcc_mpi.backend.as_array`'s ``tensors``),
     #: rather than being seen as NumPy or CuPy arrays.
     tensors: bool = False
+    #: Whether the library's own AllReduce is bandwidth-optimal on healthy links (a ring,
+    #: as gloo's and NCCL's are): ``auto`` then leaves it every size it reduces exactly
+    #: (:meth:`Transport.native`) while no link is degraded.
+    library_optimal: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,8 +139,9 @@ class Carriers(NamedTuple):
     owned: tuple[Any, ...] = ()
 
 
-def _wait(work: Any) -> None:
-    work.wait()
+#: How long one wait for the library's work lasts before the transport looks whether it
+#: was aborted (a gloo wait is not woken by an abort of its group).
+POLL = datetime.timedelta(seconds=0.5)
 
 
 def fresh_store(store: Any, size: int) -> Any:
@@ -181,11 +182,19 @@ class TorchTransport(Transport["dist.Work"]):
             )
         self.name = library
         completion = Completion.GROUPED if library == "nccl" else Completion.ORDERED
-        self.caps = Capabilities(completion=completion, sync_device=False, tensors=True)
+        self.caps = Capabilities(
+            completion=completion,
+            sync_device=False,
+            tensors=True,
+            library_optimal=True,
+        )
         self.global_ranks = list(global_ranks)
         self.data, self.down, self.ctrl = carriers.data, carriers.down, carriers.ctrl
         self._owned = carriers.owned
         self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=16)
+        # Only the groups this transport opened itself can be aborted through it.
+        self._abortable = bool(carriers.owned)
+        self._aborted = False
         _LIVE.add(self)
         Transport.__init__(self, rank, size, "network")
         hosts = self.allgather(socket.gethostname())
@@ -258,6 +267,21 @@ class TorchTransport(Transport["dist.Work"]):
                 pass
         self._owned = ()
 
+    def abort(self) -> None:
+        """The group was aborted: as :meth:`close`, but abort the groups this transport
+        opened rather than shutting them down; a wait in progress raises within
+        :data:`POLL` (:meth:`wait`). The groups are kept to the process's end: a gloo
+        group destroyed while its own thread still waits for a peer ends the process."""
+        self._aborted = True
+        owned, self._owned = self._owned, ()
+        _ABORTED.extend(owned)
+        for group in owned:
+            try:
+                group.abort()
+            except RuntimeError:  # already aborted or shut down
+                pass
+        self.close()
+
     # -- point-to-point ------------------------------------------------------------------
     def check_backend(self, backend: Any) -> None:
         if self.name == "nccl":
@@ -301,7 +325,24 @@ class TorchTransport(Transport["dist.Work"]):
         return self._carrier(peer, self.rank).recv([data], peer, tag)
 
     def wait(self, req: Any) -> None:
-        req.wait()
+        """Wait for the library's ``req`` (a ``Work``). The wait wakes every
+        :data:`POLL` to see whether the transport was aborted: then it raises instead of
+        waiting on for a peer that will not come, and no thread is left inside the
+        library's wait when the interpreter ends."""
+        if self.closed or not self._abortable:
+            req.wait()
+            return
+        while True:
+            try:
+                req.wait(POLL)
+                return
+            except RuntimeError:
+                if req.is_completed():  # it failed: its own error
+                    raise
+                if self._aborted:
+                    raise ArgumentError(
+                        f"{self.describe()}: the process group was aborted"
+                    ) from None
 
     def batch(self, posts: Sequence[Post]) -> list[Any]:
         if self.name != "nccl":
@@ -358,12 +399,14 @@ class TorchTransport(Transport["dist.Work"]):
     def _gather_block(self, block: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.size, block.numel()), dtype=block.dtype)
         flat = out.view(-1)
-        _wait(self._held(self.ctrl._allgather_base(flat, block, AllgatherOptions()), flat, block))
+        self.wait(
+            self._held(self.ctrl._allgather_base(flat, block, AllgatherOptions()), flat, block)
+        )
         return out
 
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
         into, mine = torch.from_numpy(out.reshape(-1)), torch.from_numpy(block)
-        _wait(self._held(self.ctrl._allgather_base(into, mine, AllgatherOptions()), into, mine))
+        self.wait(self._held(self.ctrl._allgather_base(into, mine, AllgatherOptions()), into, mine))
 
     def gather_rows(self, backend: Any, arr: Any) -> Any:
         if backend.name != "torch":
@@ -371,17 +414,17 @@ class TorchTransport(Transport["dist.Work"]):
         rows = torch.empty((self.size, arr.shape[0]), dtype=arr.dtype, device=arr.device)
         # As bytes: the library moves them whatever the type (bool, bfloat16, complex).
         into, mine = rows.view(-1).view(torch.uint8), arr.view(torch.uint8)
-        _wait(self._held(self.data._allgather_base(into, mine, AllgatherOptions()), into, mine))
+        self.wait(self._held(self.data._allgather_base(into, mine, AllgatherOptions()), into, mine))
         return rows
 
     def allreduce_max(self, vec: np.ndarray) -> None:
         opts = AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         t = torch.from_numpy(vec)
-        _wait(self._held(self.ctrl.allreduce([t], opts), t))
+        self.wait(self._held(self.ctrl.allreduce([t], opts), t))
 
     def barrier(self) -> None:
-        _wait(self.ctrl.barrier(BarrierOptions()))
+        self.wait(self.ctrl.barrier(BarrierOptions()))
 
     def job_links(self, links: Links) -> Links:
         if links.healthy:
@@ -400,6 +443,8 @@ class TorchTransport(Transport["dist.Work"]):
         return f"{self.name} process group of {self.size}"
 
 
+#: The groups of aborted transports, kept to the process's end (:meth:`TorchTransport.abort`).
+_ABORTED: list[Any] = []
 #: Every transport alive, for what :func:`_close_all` keeps past the interpreter's end.
 _LIVE: weakref.WeakSet[TorchTransport] = weakref.WeakSet()
 
@@ -414,7 +459,7 @@ def _close_all() -> None:
     # (the process aborts: :meth:`TorchTransport._held`). The tensors the transports
     # handed to gloo last are kept alive past the interpreter's end (a deliberate leak of
     # a few small tensors at exit), so that no gloo thread can hold their last reference.
-    kept = [t._recent for t in list(_LIVE)]
+    kept = [t._recent for t in list(_LIVE)] + [_ABORTED]
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
 
 
