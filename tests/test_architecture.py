@@ -64,8 +64,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("what the collectives keep per communicator", ("communicators",)),
     ("the collective entry points", ("collectives",)),
     (
-        "tensors over a transport, the torch.distributed backend",
-        ("tensors", "process_group"),
+        "tensors over a transport, the torch.distributed backend and its side streams",
+        ("tensors", "process_group", "streams"),
     ),
     (
         "faces: Comm, torch, doctor, testing, CA-SGD, data",
