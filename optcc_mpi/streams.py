@@ -198,7 +198,8 @@ class StreamCall:
 
         Returns
         -------
-        The job's result (None if it failed and ``future`` took the error).
+        object or None
+            The job's result (None if it failed and ``future`` took the error).
         """
         api, sides = self._api, list(self._sides.values())
         try:
@@ -241,7 +242,8 @@ class StreamCall:
 
         Returns
         -------
-        True.
+        bool
+            True (as ``Work.wait``).
 
         Raises
         ------
