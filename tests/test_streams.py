@@ -219,3 +219,45 @@ def test_cpu_tensors_have_no_streams() -> None:
     assert call.run(lambda: 7) == 7
     assert call.wait() and call.is_completed()
     assert fake.log == []
+
+
+def test_calls_in_call_order_on_the_groups_thread() -> None:
+    """As the backend would use it: calls started by the caller, run by the group's
+    ordered thread (:class:`~optcc_mpi.process_group.OrderedWorker`); each call's work
+    follows the previous call's on the one side stream, and the second call's wait on the
+    caller's stream is queued only after the first call's completion was recorded."""
+    torch = pytest.importorskip("torch")
+    from optcc_mpi.process_group import OrderedWorker
+
+    fake = FakeStreams()
+    streams = SideStreams(fake)
+    worker = OrderedWorker("test group")
+    futures = []
+    try:
+        for name in ("bucket0", "bucket1"):
+            call = streams.start([FakeTensor(name, "cuda:0")])
+            future: Any = torch.futures.Future()
+            # The worker's own future gets None: the call's future is completed by run(),
+            # with the side streams current.
+            worker.submit(
+                lambda c=call, n=name, f=future: c.run(_job(fake, n), f),
+                future=torch.futures.Future(),
+            )
+            futures.append((call, future))
+        for call, future in futures:
+            assert future.wait() == "result"
+            call.wait()
+    finally:
+        worker.close()
+    # Event names depend on which thread made an event first: read them from the log.
+    log, side = fake.log, "side1:cuda:0"
+    ready = [e[1] for e in fake.entries("record") if e[2] == "default:cuda:0"]
+    done = [e[1] for e in fake.entries("record") if e[2] == side]
+    assert len(ready) == len(done) == 2
+    assert [e for e in fake.entries("wait") if e[1] == side] == [
+        ("wait", side, ready[0]),
+        ("wait", side, ready[1]),
+    ]
+    assert [e[1:] for e in fake.entries("launch")] == [("bucket0", side), ("bucket1", side)]
+    # The second call's work waits on the caller only after the first call was queued.
+    assert log.index(("record", done[0], side)) < log.index(("wait", side, ready[1]))
