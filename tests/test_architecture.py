@@ -64,8 +64,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("what the collectives keep per communicator", ("communicators",)),
     ("the collective entry points", ("collectives",)),
     (
-        "tensors over a transport, the torch.distributed backend",
-        ("tensors", "process_group"),
+        "tensors over a transport, the torch.distributed backend, its side streams and "
+        "device agreement",
+        ("tensors", "process_group", "streams", "devices"),
     ),
     (
         "faces: Comm, torch, doctor, testing, CA-SGD, data",

@@ -18,6 +18,10 @@ One topic per module, the public names re-exported here:
     A fake device array and backend (:func:`device_array`, :data:`FAKE_DEVICE`), so the
     GPU code paths run, and are checked for missing stream synchronisation, without a
     GPU. Importing this package registers that backend; it owns only its own arrays.
+:mod:`optcc_mpi.testing.fake_streams`
+    Recording fakes of device streams and events (:class:`FakeStreams`), so the stream
+    protocol of :mod:`optcc_mpi.streams` (side streams, completion events, a wait that
+    leaves the host free) is checked in order without a GPU.
 
 Examples
 --------
@@ -59,6 +63,7 @@ from optcc_mpi.testing.fake_device import (
     UnsynchronizedError,
     device_array,
 )
+from optcc_mpi.testing.fake_streams import FakeStreams, FakeTensor
 
 __all__ = [
     "CHECKS",
@@ -80,6 +85,8 @@ __all__ = [
     "HostDeviceArray",
     "UnsynchronizedError",
     "device_array",
+    "FakeStreams",
+    "FakeTensor",
 ]
 
 

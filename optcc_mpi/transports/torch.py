@@ -144,6 +144,20 @@ class Carriers(NamedTuple):
 POLL = datetime.timedelta(seconds=0.5)
 
 
+def _coalescing_args(carrier: Any, device: torch.device) -> tuple[torch.device, ...]:
+    """The arguments of ``carrier._start_coalescing``/``_end_coalescing`` for a group of
+    messages on ``device``.
+
+    torch 2.13 has two signatures. A registered ``ProcessGroup`` (a group the user made)
+    takes the device, to pick its backend for that device; a c10d ``Backend`` (what
+    :meth:`TorchTransport.from_store` opens: ``ProcessGroupNCCL`` on a store) is already
+    one library's and takes nothing, and a device passed to it is a ``TypeError`` on every
+    rank at the first group. ``tests/test_torch_nccl_signatures.py`` runs this against
+    fakes whose calls must fit the signatures read from torch's own classes.
+    """
+    return (device,) if isinstance(carrier, dist.ProcessGroup) else ()
+
+
 def fresh_store(store: Any, size: int) -> Any:
     """``store`` under a prefix no earlier making of groups on it used.
 
@@ -348,11 +362,11 @@ class TorchTransport(Transport["dist.Work"]):
         if self.name != "nccl":
             return super().batch(posts)
         # One NCCL group for the level (what batch_isend_irecv does on NCCL).
-        device = posts[0].data.device  # type: ignore[attr-defined]
-        self.data._start_coalescing(device)
+        where = _coalescing_args(self.data, posts[0].data.device)  # type: ignore[attr-defined]
+        self.data._start_coalescing(*where)
         for post in posts:
             (self.data.send if post.send else self.data.recv)([post.data], post.peer, post.tag)
-        return [self.data._end_coalescing(device)]
+        return [self.data._end_coalescing(*where)]
 
     # -- the library's own AllReduce -------------------------------------------------------
     def native(self, backend: Any, dtype_name: str, op: str) -> bool:
