@@ -144,10 +144,10 @@ def select(names: list[str]) -> list[str]:
 
 
 # -- the worker: inside one run, and inside every rank it spawns ---------------------------------
-# The driver starts a worker with OPTCC_SUITE_BACKEND set; torch's spawn start method
+# The driver starts a worker with TORCH_SUITE_BACKEND set; torch's spawn start method
 # imports this file again in every rank (as __mp_main__), so that the set-up below runs
 # in the ranks too, before torch's test module is imported.
-SUITE_BACKEND = os.environ.get("OPTCC_SUITE_BACKEND")
+SUITE_BACKEND = os.environ.get("TORCH_SUITE_BACKEND")
 
 if SUITE_BACKEND:
     # torch's test module reads these when imported: the suite runs as gloo's.
@@ -189,14 +189,14 @@ if SUITE_BACKEND:
 
         c10d._new_process_group_helper = _new_process_group_helper
     elif SUITE_BACKEND != "gloo":
-        raise SystemExit(f"OPTCC_SUITE_BACKEND={SUITE_BACKEND!r}: gloo or optcc")
+        raise SystemExit(f"TORCH_SUITE_BACKEND={SUITE_BACKEND!r}: gloo or optcc")
 
     class TorchSuite(TestDistBackend, DistributedTest._DistTestBase):
         """torch's distributed tests, each on ``WORLD_SIZE`` spawned ranks."""
 
         def setUp(self) -> None:
             super().setUp()
-            if os.environ.get("OPTCC_SUITE_START") == "fork":
+            if os.environ.get("TORCH_SUITE_START") == "fork":
                 # torch 2.13's MultiProcessTestCase has no fork helper left; its process
                 # starter takes any multiprocessing context.
                 self._start_processes(torch.multiprocessing.get_context("fork").Process)
@@ -254,7 +254,7 @@ class _Record(unittest.TestResult):
 def _worker(names: list[str], out: Path) -> None:
     """Run ``names`` (all selected ones if empty) in this process's configuration."""
     if not SUITE_BACKEND:
-        raise SystemExit("the worker runs with OPTCC_SUITE_BACKEND set (by the driver)")
+        raise SystemExit("the worker runs with TORCH_SUITE_BACKEND set (by the driver)")
     every = [n for n in dir(TorchSuite) if n.startswith("test_")]
     if names == ["--list"]:
         print("\n".join(select(every)))
@@ -268,12 +268,14 @@ def _worker(names: list[str], out: Path) -> None:
 
 # -- the driver -----------------------------------------------------------------------------------
 def _env(backend: str, ranks: int, temp: str, start: str = "fork") -> dict[str, str]:
+    # No MPI launcher's variables, and no OPTCC_* setting of the caller's: the optcc groups
+    # run the package's defaults (algorithm auto, healthy links), as a user's would.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "OPTCC_"))}
     # torch's test module reads these when imported; TEMP_DIR and INIT_METHOD are set
     # again per test by its setUp (a fresh directory each).
     env.update(
-        OPTCC_SUITE_BACKEND=backend,
-        OPTCC_SUITE_START=start,
+        TORCH_SUITE_BACKEND=backend,
+        TORCH_SUITE_START=start,
         BACKEND="gloo",
         WORLD_SIZE=str(ranks),
         TEMP_DIR=temp,
