@@ -26,7 +26,7 @@ MPI_RUN_TIMEOUT ?= 1500
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: install test test-serial test-mpi test-ompi package-check pypi-check demo demo-ompi lint clean help
+.PHONY: install test test-serial test-mpi test-ompi test-torch-suite package-check pypi-check demo demo-ompi lint clean help
 
 help:
 	@echo "make install   create $(VENV) (MPICH wheel) and $(VENV_OMPI) (Open MPI wheel)"
@@ -34,6 +34,8 @@ help:
 	@echo "make demo-ompi the same under Open MPI"
 	@echo "make test      serial tests, the MPI tests at $(MPI_SIZES) ranks (MPICH), then"
 	@echo "               under Open MPI at $(OMPI_SIZES) ranks with the launching tests"
+	@echo "make test-torch-suite  torch's own distributed tests (all_reduce, DDP, barrier, ...)"
+	@echo "               on gloo and on optcc at $(TORCH_SUITE_RANKS) ranks, compared (docs/torch.md)"
 	@echo "make gpu-check the GPU checks (CuPy and MPI; PyTorch with NCCL, 2+ GPUs for torchrun);"
 	@echo "               skips what is missing, exits 0 without a GPU (docs/gpu/README.md)"
 	@echo "make lint      ruff, and mypy on the core"
@@ -105,6 +107,16 @@ test-ompi: $(STAMP_OMPI)
 	done
 	@echo "== serial tests that launch ranks, Open MPI =="
 	$(PY_OMPI) -m pytest $(PYTEST_FLAGS) $(OMPI_SERIAL_TESTS)
+
+# torch's own distributed suite, every selected test on gloo and on optcc at each world size,
+# compared (tests/torch_suite.py; `make test` runs its CI selection; docs/results.md has
+# the last result). About 6 minutes on 2 loaded cores. A test's ranks are stopped after
+# 120 s, a run of one backend at one size after 1800 s, the whole target after the limit.
+TORCH_SUITE_RANKS ?= 2 3
+TORCH_SUITE_TIMEOUT ?= 7500
+test-torch-suite: $(STAMP)
+	timeout --kill-after=60 $(TORCH_SUITE_TIMEOUT) $(PY) tests/torch_suite.py \
+	  --ranks $(TORCH_SUITE_RANKS) --json results/torch-suite.json --logs results/torch-suite
 
 demo: $(STAMP)
 	$(VENV)/bin/optcc-mpi demo
