@@ -420,22 +420,37 @@ def _trace_record(ctrl: Any, stats: Any, schedule: Any) -> list[dict[str, Any]] 
     return got
 
 
-def _time(ctrl: Any, fn: Any, iters: int, warmup: int, check: Any) -> tuple[list[float], int]:
-    """Times of ``iters`` calls of ``fn`` after ``warmup`` (each the slowest rank's), and
-    the wrong elements of this rank over the timed calls: ``check(result)`` runs outside
-    the timed region, so checking (and the memory it needs) costs no algorithm anything,
-    and no result is kept. ``ctrl``: the transport whose barrier and gather frame each
-    call (outside the timed region too)."""
-    times, wrong = [], 0
+def _time(
+    ctrl: Any, fn: Any, iters: int, warmup: int, check: Any
+) -> tuple[list[float], int, float]:
+    """Times of ``iters`` calls of ``fn`` after ``warmup`` (each the slowest rank's), the
+    wrong elements of this rank over the timed calls, and this rank's CPU time (user and
+    system, all threads) per timed call: ``check(result)`` runs outside the timed region,
+    so checking (and the memory it needs) costs no algorithm anything, and no result is
+    kept. ``ctrl``: the transport whose barrier and gather frame each call (outside the
+    timed region too)."""
+    times, wrong, cpu = [], 0, 0.0
     for it in range(warmup + iters):
         ctrl.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         out = fn()
-        dt = max(ctrl.allgather(time.perf_counter() - t0))
+        t1 = time.perf_counter()
+        c1 = time.process_time()
+        dt = max(ctrl.allgather(t1 - t0))
         if it >= warmup:
             times.append(dt)
+            cpu += c1 - c0
             wrong += check(out)
-    return times, wrong
+    return times, wrong, cpu / max(iters, 1)
+
+
+def _scalars(params: Any) -> dict[str, Any]:
+    """A schedule's parameters that are numbers or strings (its segment count ``k``, ramp,
+    pattern): what says how many messages it cuts a call into, without per-rank arrays."""
+    if not isinstance(params, dict):
+        return {}
+    return {k: v for k, v in params.items() if isinstance(v, (bool, int, float, str))}
 
 
 #: The library's own AllReduce rows: called directly on the process group, without
@@ -580,17 +595,24 @@ def _run(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, A
                 if degraded or cfg.emulate is None
                 else dataclasses.replace(cfg.emulate, degrade=Links())
             )
-            times, wrong = _time(
+            times, wrong, cpu = _time(
                 ctrl, lambda a=alg, pr=prof, e=emu: call(a, pr, e), cfg.iters, cfg.warmup, check
             )
             wrong = sum(ctrl.allgather(wrong))
             # Each rank's peak memory so far: rows run in order of size, so the value beside
             # a row covers it and every smaller size before it.
             rss = ctrl.allgather(peak_rss_mib())
+            library = alg in LIBRARY_ROWS
+            ls = {} if library else last_stats()
+            st = ls.get("stats")
+            sent = (st.messages_sent + st.messages_received) if st is not None else 0
+            # Where the time goes (issue 36): the ranks' CPU per call against the call's
+            # time says whether the cores were saturated; messages per rank, what each
+            # call cost the executor.
+            spent = ctrl.allgather((cpu, sent))
             med = statistics.median(times)
             if label == "ring (fault-free)":
                 ff = med
-            library = alg in LIBRARY_ROWS
             chosen = alg if library else last_stats().get("algorithm")
             mod = bound = bound_delivered = math.nan
             if net.bw and p > 1:
@@ -650,6 +672,10 @@ def _run(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, A
                     "latency_us": latency * 1e6,
                     "rss_peak_mib": max(rss),
                     "rss_peak_mib_ranks": rss,
+                    "cpu_s_ranks": [c for c, _ in spent],
+                    "cpu_over_wall": sum(c for c, _ in spent) / med if med > 0 else math.nan,
+                    "messages_ranks": [m for _, m in spent],
+                    "schedule_params": _scalars(getattr(ls.get("schedule"), "params", None)),
                     **busy,
                     "iters": cfg.iters,
                     "warmup": cfg.warmup,
