@@ -138,3 +138,10 @@ def test_bench_at_16_ranks_with_32_mib(tmp_path: Path) -> None:
     grown = [b - a for a, b in zip(small, large)]
     # Input, output and the algorithm's buffers: measured 88-111 MiB (2.8-3.5 messages).
     assert max(grown) <= 5 * 32, f"peak RSS grew by {max(grown):.0f} MiB for 32 MiB messages"
+    # Where the time went, per rank: CPU per call and messages per call (what each
+    # algorithm's schedule sent and received), and OptCC's segment count.
+    for r in rows[2:]:
+        assert len(r["cpu_s_ranks"]) == 16 and all(c >= 0 for c in r["cpu_s_ranks"])
+        assert r["cpu_over_wall"] >= 0
+        assert len(r["messages_ranks"]) == 16 and min(r["messages_ranks"]) >= 2 * 15
+    assert rows[3]["schedule_params"]["k"] >= 1
