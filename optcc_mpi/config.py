@@ -101,6 +101,14 @@ _ALL = (
         "collectives",
     ),
     Variable(
+        "OPTCC_LINK_RATE",
+        None,
+        "One healthy link's rate (e.g. `200mbit`, `25GB/s`) for the network model that sizes "
+        "OptCC's segments and the ring's messages. Default: a 10 Gbit/s NIC's. The same on "
+        'every rank; not yet with `links="watch"` (its estimates from smaller messages).',
+        "collectives",
+    ),
+    Variable(
         "OPTCC_CUDA_AWARE",
         None,
         "`1`/`0`: force whether the MPI library is taken as CUDA-aware (default: detected).",
@@ -223,6 +231,7 @@ class Settings:
         links_log: str | None
         fastcall: bool | None
         gather_limit: str | None
+        link_rate: str | None
         cuda_aware: bool | None
         sim: str | None
         cache: str | None

@@ -32,11 +32,15 @@ message size follows from it (derived, ours):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
+from optcc_mpi import config
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
+from optcc_mpi.units import parse_rate
 
 __all__ = [
     "MAX_AUTO_OPS",
@@ -49,6 +53,7 @@ __all__ = [
     "NETWORK",
     "SHARED_MEMORY",
     "transport_of",
+    "network",
     "small_messages",
     "large_messages",
     "message_bytes",
@@ -157,9 +162,13 @@ _BY_NAME = {"network": NETWORK, "shared-memory": SHARED_MEMORY}
 
 
 def transport_of(transport: str | Transport) -> Transport:
-    """The :class:`Transport` a builder's ``transport`` parameter names (or is)."""
+    """The :class:`Transport` a builder's ``transport`` parameter names (or is):
+    ``"network"`` is :data:`NETWORK`, at the rate ``$OPTCC_LINK_RATE`` says when it is set
+    (:func:`network`)."""
     if isinstance(transport, Transport):
         return transport
+    if transport == "network":
+        return network()
     got = _BY_NAME.get(transport) if isinstance(transport, str) else None
     if got is None:
         raise ArgumentError(
@@ -167,6 +176,35 @@ def transport_of(transport: str | Transport) -> Transport:
             f"got {transport!r}"
         )
     return got
+
+
+def network() -> Transport:
+    """The network model in force: :data:`NETWORK`, whose rate is a 10 Gbit/s NIC's, or
+    the same model at ``$OPTCC_LINK_RATE`` (one healthy link's rate, e.g. ``200mbit``).
+
+    The rate sizes what a message's fixed cost is weighed against: OptCC's smallest
+    section (``optcc.section_floor``, ``2 * message_cost * rate``) and the ring's message
+    (:meth:`Transport.message_bytes`). At 10 Gbit/s the floor is 97.7 KiB, which at 16
+    ranks leaves an 8 MiB message 5 segments (1/5 of pipeline head and tail); on 200
+    Mbit/s links a message's 40 us moves 1 KB, and 34 segments took 1.15x the bound on
+    the testbed where 5 took 1.52x (docs/testbed.md, issue 36). It is the job's to set,
+    the same on every rank (the ranks build their schedules from it and must build the
+    same one). Not set by default, nor by the testbed: with ``links="watch"`` the smaller
+    messages it gives make the watch read a recovered link as still slow (the testbed's
+    watch test stayed at ``1:0.53`` after rank 1 recovered), since the watch measures
+    links by the times of the calls' own messages.
+    """
+    text = config.get("OPTCC_LINK_RATE")
+    return NETWORK if text is None else _network_at(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _network_at(text: str) -> Transport:
+    try:
+        rate = parse_rate(text)
+    except ArgumentError as exc:
+        raise ArgumentError(f"OPTCC_LINK_RATE={text!r}: {exc}") from None
+    return dataclasses.replace(NETWORK, rate=rate)
 
 
 def small_messages(p: int, nbytes: float, links: Links) -> bool:

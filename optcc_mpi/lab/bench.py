@@ -9,7 +9,11 @@ fault-free ring measured in the same run, and the modelled time and lower bound.
 
 Every timed result is checked: inputs are small integers, exact in every dtype, and each
 iteration's output is compared element by element with the exact reduction (outside the
-timed region).
+timed region). The inputs repeat every 17 elements and every 17 ranks, so the exact
+reduction is a closed form of 17 values (:func:`exact_period`) and the check a chunked
+comparison (:func:`count_wrong`): the memory each rank needs is its message, the result
+and a few MB, whatever the number of ranks. Each row also reports the largest peak
+resident memory of any rank (``peak RSS (MiB)``; every rank's in ``rss_peak_mib_ranks``).
 
 Two transports carry the algorithms (``BenchConfig.transport``): ``mpi`` (an mpi4py
 communicator, the default) and ``gloo`` (a torch.distributed process group on gloo, under
@@ -53,6 +57,9 @@ from optcc_mpi.links import Links
 __all__ = [
     "BenchConfig",
     "sizes",
+    "exact_period",
+    "count_wrong",
+    "peak_rss_mib",
     "run",
     "table",
     "notes",
@@ -78,6 +85,7 @@ COLUMNS = (
     ("ratio_fault_free", "x ff-ring", ".3f"),
     ("model_us", "model (us)", ".1f"),
     ("bound_us", "bound (us)", ".1f"),
+    ("rss_peak_mib", "peak RSS (MiB)", ".0f"),
 )
 #: Extra columns with ``trace``: the degraded rank's send and receive busy fractions.
 TRACE_COLUMNS = (
@@ -126,16 +134,82 @@ def sizes(begin: int, end: int, factor: float) -> list[int]:
     return out
 
 
-def _inputs(count: int, rank: int, p: int, dtype: np.dtype, op: str) -> tuple[np.ndarray, Any]:
-    """This rank's input and the exact result: small integers, exact in every dtype
-    (partial sums stay within 8p, exact in bfloat16 up to p = 32)."""
-    i = np.arange(count, dtype=np.int64)
-    x = ((i * 7 + rank * 13) % 17 - 8).astype(dtype)
-    vals = np.stack([(i * 7 + r * 13) % 17 - 8 for r in range(p)]) if count else None
-    if count == 0:
-        return x, np.zeros(0)
-    exact = {"sum": vals.sum(0), "max": vals.max(0), "min": vals.min(0)}[op]
-    return x, exact.astype(np.float64)
+#: The inputs repeat with this period along the element index and along the ranks: rank
+#: ``r``'s element ``i`` is ``((7 i + 13 r) mod 17) - 8`` (7 and 13 are invertible modulo
+#: 17, so each of the 17 values -8..8 appears once per period in either direction).
+PERIOD = 17
+#: Elements the check compares at a time (a whole number of periods, about a million):
+#: it holds one such chunk of float64 values, not a copy of the result.
+CHECK_CHUNK = PERIOD * 61681
+
+
+def _values(rank: int) -> np.ndarray:
+    """One period of rank ``rank``'s input, as integers: element ``i mod 17``'s value."""
+    return (np.arange(PERIOD, dtype=np.int64) * 7 + rank * 13) % PERIOD - 8
+
+
+def _inputs(count: int, rank: int, dtype: np.dtype) -> np.ndarray:
+    """This rank's input of ``count`` elements: one period repeated, built directly in
+    ``dtype`` (no wider temporary), so it takes the message's size and no more."""
+    return np.resize(_values(rank).astype(dtype), count)
+
+
+def exact_period(p: int, op: str) -> np.ndarray:
+    """The exact reduction of every rank's input over one period (float64, length 17):
+    element ``i`` of the result is ``exact_period(p, op)[i % 17]``.
+
+    Closed form, in O(17^2) whatever ``p``: the value of rank ``r`` depends on ``r`` only
+    modulo 17, and ``p`` ranks hold each residue ``c`` ``p // 17`` times, plus once more if
+    ``c < p % 17``; a sum weights each residue's value by that count, max and min take
+    the residues present. The result is within -36..36 (the 17 values of a full period
+    sum to 0), exact in every type the benchmark checks. A partial sum over a run of
+    consecutive ranks is within -72..72 for any ``p`` (exact in bfloat16, whose integers
+    are exact to 256); over any set of ranks within 36 per started period of 17 ranks,
+    so up to 119 ranks in bfloat16 and 967 in float16 whatever the algorithm's order.
+    """
+    if p < 1:
+        raise ValueError(f"exact_period: need at least 1 rank, got {p}")
+    counts = np.full(PERIOD, p // PERIOD, dtype=np.int64)
+    counts[: p % PERIOD] += 1
+    # table[c, i]: rank residue c's value at element residue i.
+    table = np.stack([_values(c) for c in range(PERIOD)])
+    present = counts > 0
+    if op == "sum":
+        out = counts @ table
+    elif op == "max":
+        out = table[present].max(axis=0)
+    elif op == "min":
+        out = table[present].min(axis=0)
+    else:
+        raise ValueError(f"the benchmark checks sum, max and min, not {op!r}")
+    return out.astype(np.float64)
+
+
+def count_wrong(out: Any, period: np.ndarray) -> int:
+    """Elements of ``out`` (flattened) that differ from the exact result ``period``
+    repeated (:func:`exact_period`); NaN counts as wrong. Compares ``CHECK_CHUNK``
+    elements at a time, so the check needs a constant few MB beside the result, where
+    comparing the whole result at once would take a float64 copy of it (twice a float32
+    message) and the exact result as large again."""
+    flat = np.asarray(out).reshape(-1)
+    expected = np.tile(period, min(flat.size, CHECK_CHUNK) // PERIOD + 1)
+    wrong = 0
+    for start in range(0, flat.size, CHECK_CHUNK):
+        part = flat[start : start + CHECK_CHUNK]
+        # start is a multiple of the period, so the chunk's expected values start at 0.
+        wrong += int(np.count_nonzero(part.astype(np.float64) != expected[: part.size]))
+    return wrong
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (``getrusage``'s maximum RSS:
+    kilobytes on Linux, bytes on macOS); NaN where the platform has no ``resource``."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return math.nan
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
 class _Network:
@@ -346,22 +420,37 @@ def _trace_record(ctrl: Any, stats: Any, schedule: Any) -> list[dict[str, Any]] 
     return got
 
 
-def _time(ctrl: Any, fn: Any, iters: int, warmup: int, check: Any) -> tuple[list[float], int]:
-    """Times of ``iters`` calls of ``fn`` after ``warmup`` (each the slowest rank's), and
-    the wrong elements of this rank over the timed calls: ``check(result)`` runs outside
-    the timed region, so checking (and the memory it needs) costs no algorithm anything,
-    and no result is kept. ``ctrl``: the transport whose barrier and gather frame each
-    call (outside the timed region too)."""
-    times, wrong = [], 0
+def _time(
+    ctrl: Any, fn: Any, iters: int, warmup: int, check: Any
+) -> tuple[list[float], int, float]:
+    """Times of ``iters`` calls of ``fn`` after ``warmup`` (each the slowest rank's), the
+    wrong elements of this rank over the timed calls, and this rank's CPU time (user and
+    system, all threads) per timed call: ``check(result)`` runs outside the timed region,
+    so checking (and the memory it needs) costs no algorithm anything, and no result is
+    kept. ``ctrl``: the transport whose barrier and gather frame each call (outside the
+    timed region too)."""
+    times, wrong, cpu = [], 0, 0.0
     for it in range(warmup + iters):
         ctrl.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         out = fn()
-        dt = max(ctrl.allgather(time.perf_counter() - t0))
+        t1 = time.perf_counter()
+        c1 = time.process_time()
+        dt = max(ctrl.allgather(t1 - t0))
         if it >= warmup:
             times.append(dt)
+            cpu += c1 - c0
             wrong += check(out)
-    return times, wrong
+    return times, wrong, cpu / max(iters, 1)
+
+
+def _scalars(params: Any) -> dict[str, Any]:
+    """A schedule's parameters that are numbers or strings (its segment count ``k``, ramp,
+    pattern): what says how many messages it cuts a call into, without per-rank arrays."""
+    if not isinstance(params, dict):
+        return {}
+    return {k: v for k, v in params.items() if isinstance(v, (bool, int, float, str))}
 
 
 #: The library's own AllReduce rows: called directly on the process group, without
@@ -470,8 +559,8 @@ def _run(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, A
     rows: list[dict[str, Any]] = []
     for size in cfg.sizes:
         count = size // dtype.itemsize
-        x, exact = _inputs(count, rank, p, dtype, cfg.op)
-        bufs = _Buffers(x, tensors)
+        exact = exact_period(p, cfg.op)
+        bufs = _Buffers(_inputs(count, rank, dtype), tensors)
 
         def call(alg: str, prof: Links, emu: Any, bufs: _Buffers = bufs) -> Any:
             if alg in LIBRARY_ROWS:
@@ -490,7 +579,7 @@ def _run(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, A
             )
 
         def check(o: Any, exact: np.ndarray = exact) -> int:
-            return int(np.count_nonzero(np.asarray(o).astype(np.float64) != exact))
+            return count_wrong(o, exact)
 
         ff = math.nan
         plan: list[tuple[str, str, Links]] = []
@@ -506,14 +595,24 @@ def _run(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, A
                 if degraded or cfg.emulate is None
                 else dataclasses.replace(cfg.emulate, degrade=Links())
             )
-            times, wrong = _time(
+            times, wrong, cpu = _time(
                 ctrl, lambda a=alg, pr=prof, e=emu: call(a, pr, e), cfg.iters, cfg.warmup, check
             )
             wrong = sum(ctrl.allgather(wrong))
+            # Each rank's peak memory so far: rows run in order of size, so the value beside
+            # a row covers it and every smaller size before it.
+            rss = ctrl.allgather(peak_rss_mib())
+            library = alg in LIBRARY_ROWS
+            ls = {} if library else last_stats()
+            st = ls.get("stats")
+            sent = (st.messages_sent + st.messages_received) if st is not None else 0
+            # Where the time goes (issue 36): the ranks' CPU per call against the call's
+            # time says whether the cores were saturated; messages per rank, what each
+            # call cost the executor.
+            spent = ctrl.allgather((cpu, sent))
             med = statistics.median(times)
             if label == "ring (fault-free)":
                 ff = med
-            library = alg in LIBRARY_ROWS
             chosen = alg if library else last_stats().get("algorithm")
             mod = bound = bound_delivered = math.nan
             if net.bw and p > 1:
@@ -571,6 +670,12 @@ def _run(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, A
                     "bound_delivered_us": bound_delivered * 1e6,
                     "efficiency": cfg.efficiency,
                     "latency_us": latency * 1e6,
+                    "rss_peak_mib": max(rss),
+                    "rss_peak_mib_ranks": rss,
+                    "cpu_s_ranks": [c for c, _ in spent],
+                    "cpu_over_wall": sum(c for c, _ in spent) / med if med > 0 else math.nan,
+                    "messages_ranks": [m for _, m in spent],
+                    "schedule_params": _scalars(getattr(ls.get("schedule"), "params", None)),
                     **busy,
                     "iters": cfg.iters,
                     "warmup": cfg.warmup,

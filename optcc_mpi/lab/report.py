@@ -62,6 +62,7 @@ LEAD_COLUMNS = (
     "ratio_fault_free",
     "model_us",
     "bound_us",
+    "rss_peak_mib",
     "solver",
     "s",
     "b",
