@@ -14,22 +14,21 @@ The path of one call
 
     dist.all_reduce(t)                           torch.distributed, Python
       -> OptccProcessGroup.allreduce([t], opts)  this module: torch's forms, its op
-         -> OrderedWorker.now(job)               the group idle: in the caller's thread
-            (else OrderedWorker.submit(job)      behind the calls queued before it)
+         -> submit(worker, ...) -> OptccWork     queued in call order, returned at once
+      -> OptccWork.wait()                        the caller waits: its job's turn has
+         -> OrderedWorker.steal(job)             come, so it runs here (else the group's
+                                                 thread runs it, and wait() waits)
             -> tensors.start_tensor              a NumPy view of a CPU tensor
-               -> collectives.start              one argument check (short messages
-                                                 travel in it: done), the plan, then
-                  -> TorchTransport.allreduce    gloo's AllReduce, left in flight
+               -> collectives.start              one argument check (a short message
+                                                 travels in it: done), the plan, then
+                  -> TorchTransport.allreduce    gloo's AllReduce (healthy links)
                   or the executor                OptCC's schedule (degraded links)
-      <- OptccWork                               completes when gloo's work does
 
-A call of a group with nothing queued or running runs in the caller's thread up to the
-posting of the library's AllReduce, which goes on by itself: a short message costs the
-check (one collective that carries the data) and nothing else, a longer one the check
-and gloo's own AllReduce, and the caller is free once it is posted. A call made while
-others are queued or running, and every call with CUDA tensors, is queued on the
-group's own thread (:class:`OrderedWorker`), in call order, so DDP and FSDP2 overlap
-them with the backward pass as they do with gloo and NCCL.
+A synchronous call thus wakes no other thread: the check (one collective, which carries
+short messages itself) and gloo's AllReduce for longer ones run in the caller's thread. A
+call made while others are queued, or not waited for at once (DDP's buckets, FSDP2's
+reductions), runs on the group's own thread (:class:`OrderedWorker`) in call order, so
+DDP and FSDP2 overlap them with the backward pass as they do with gloo and NCCL.
 
 What a group does
 -----------------
@@ -109,7 +108,8 @@ __all__ = [
 #: The name torch.distributed knows the backend by.
 BACKEND = "optcc"
 _WHAT = "all_reduce on the optcc backend"
-_RED = dist.ReduceOp.RedOpType
+#: torch's reductions (``RedOpType`` members; the stubs name them on ``ReduceOp`` only).
+_RED: Any = dist.ReduceOp.RedOpType
 #: How long an aborted group's thread may take to leave the library's wait.
 _POLL_S = POLL.total_seconds()
 _T = TypeVar("_T")
@@ -465,7 +465,9 @@ def submit(
     A caller that waits for a job of CPU tensors runs it itself when its turn has come
     (:meth:`OrderedWorker.steal`)."""
     devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-    future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices or None)
+    future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
+        devices=list[int | str | torch.device](devices) or None
+    )
     stolen: list[_Job] = []
     work = OptccWork(future, timeout, None if devices else lambda: worker.steal(stolen[0]))
     ready = None
@@ -557,7 +559,7 @@ class OptccProcessGroup(dist.ProcessGroup):
         global_ranks: Sequence[int] | None = None,
         options: OptccOptions | None = None,
     ) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (a Python process group's form)
         if options is None:
             options = OptccOptions()
         if not isinstance(options, OptccOptions):
@@ -577,8 +579,11 @@ class OptccProcessGroup(dist.ProcessGroup):
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(size))
         store = fresh_store(store, size)  # not the keys of a group made before this one
         self._store = store
-        # The library underneath, for everything that is not an AllReduce.
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+        # The library underneath, for everything that is not an AllReduce (Any: the stubs
+        # of ProcessGroupGloo list none of its collectives).
+        self._gloo: Any = dist.ProcessGroupGloo(
+            dist.PrefixStore("gloo", store), rank, size, timeout
+        )
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._nccl = None
         if torch.cuda.is_available() and dist.is_nccl_available():
@@ -776,7 +781,9 @@ class OptccProcessGroup(dist.ProcessGroup):
             opts = AllgatherOptions()
         return self._pass("allgather", inputs, outputs, inputs, opts)
 
-    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+    def reduce_scatter(  # type: ignore[override]  # (each of torch's forms, told apart here)
+        self, outputs: Any, inputs: Any, opts: Any = None
+    ) -> Any:
         if isinstance(outputs, torch.Tensor):  # reduce_scatter(output, inputs, op)
             op = _op_of(opts)
             outputs, inputs, opts = [outputs], [list(inputs)], ReduceScatterOptions()
@@ -796,7 +803,7 @@ class OptccProcessGroup(dist.ProcessGroup):
         args = (output, input, output_splits, input_splits) + (() if opts is None else (opts,))
         return self._pass("alltoall_base", [input], *args)
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # (c10d's name for it)
 
     def barrier(self, opts: Any = None) -> Any:
         """A barrier that completes after every call made on the group before it (the

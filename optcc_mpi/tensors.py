@@ -183,7 +183,9 @@ class TensorCall:
         self.started.finish()
         if self.cuda_mpi:
             # The result was written on CuPy's stream; PyTorch's stream must see it.
-            get_cupy().cuda.get_current_stream().synchronize()
+            cp = get_cupy()
+            assert cp is not None  # (a CuPy view was made: _cuda_array)
+            cp.cuda.get_current_stream().synchronize()
         if self.divide_after:
             self.tensor.detach().div_(self.p)  # detach: a parameter is divided like its .data
         return self.started.record

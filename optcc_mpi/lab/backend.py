@@ -7,10 +7,12 @@ started from whichever launched it, :mod:`optcc_mpi.lab.world`)::
 
 Two process groups over the same ranks: the default gloo group, and a group of the
 ``optcc`` backend (:mod:`optcc_mpi.process_group`; ``--algorithm`` and ``--links`` are
-its options, else ``$OPTCC_ALGORITHM`` and ``$OPTCC_LINKS``). At each size (float32 SUM,
-in place, the same buffers for both) the two are timed in alternation, ``--iters`` calls
+its options, else ``$OPTCC_ALGORITHM`` and ``$OPTCC_LINKS``), and with ``--no-check`` one
+with ``OptccOptions(check=False)``. At each size (float32 SUM, in place, the same buffers
+for all) the groups are timed in turn, the order rotated call by call, ``--iters`` calls
 each, from a barrier on the control group to the end of the call on the slowest rank; the
-first ``--warmup`` calls of each are left out. The table gives the median, minimum and
+first ``--warmup`` calls of each are left out. With ``--queued N``, what is timed is N
+``all_reduce(async_op=True)`` calls, then a wait for each. The table gives the median, minimum and
 maximum per call and the ratio of the optcc median to gloo's, with what the backend ran.
 With ``--out``, one JSON object per (size, group), with the command.
 """
@@ -25,7 +27,6 @@ from typing import Any
 
 from optcc_mpi import algorithms, transports
 from optcc_mpi.argtypes import int_at_least, links_learnt_arg, positive_size_arg
-from optcc_mpi.collectives import last_stats
 from optcc_mpi.lab import world
 from optcc_mpi.lab.tools import append_rows, tool_main
 from optcc_mpi.units import format_size
@@ -37,7 +38,7 @@ SUMMARY = "dist.all_reduce through the optcc backend against gloo's, interleaved
 
 
 def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
-    """Time both groups at each size (collective); the rows, on every rank."""
+    """Time the groups at each size (collective); the rows, on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -45,24 +46,42 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
 
     torch.set_num_threads(1)
     wire = transports.of(group)
-    ours = dist.new_group(
-        backend="optcc", pg_options=ot.OptccOptions(algorithm=args.algorithm, links=args.links)
-    )
+    groups = {
+        "gloo": group,
+        "optcc": dist.new_group(
+            backend="optcc",
+            pg_options=ot.OptccOptions(algorithm=args.algorithm, links=args.links),
+        ),
+    }
+    if args.no_check:
+        groups["optcc nocheck"] = dist.new_group(
+            backend="optcc",
+            pg_options=ot.OptccOptions(algorithm=args.algorithm, links=args.links, check=False),
+        )
+    names = list(groups)
     rows: list[dict[str, Any]] = []
     for nbytes in args.sizes:
         n = max(1, nbytes // 4)
-        buf = torch.ones(n)
-        times: dict[str, list[float]] = {"optcc": [], "gloo": []}
-        ran: set[str] = set()
+        bufs = [torch.ones(n) for _ in range(args.queued or 1)]
+        times: dict[str, list[float]] = {name: [] for name in names}
+        ran: dict[str, set[str]] = {name: set() for name in names}
         for i in range(args.warmup + args.iters):
-            order = ("optcc", "gloo") if i % 2 == 0 else ("gloo", "optcc")
-            for name in order:
+            # Each group in turn, the order rotated call by call: none is always first.
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                pg = groups[name]
                 wire.barrier()
                 t0 = time.perf_counter()
-                dist.all_reduce(buf, group=ours if name == "optcc" else group)
+                if args.queued:
+                    works = [dist.all_reduce(b, group=pg, async_op=True) for b in bufs]
+                    for w in works:
+                        w.wait()
+                else:
+                    works = [dist.all_reduce(bufs[0], group=pg, async_op=True)]
+                    works[0].wait()
                 dt = max(wire.allgather(time.perf_counter() - t0))
-                if name == "optcc":
-                    ran.add(str(last_stats().get("algorithm")))
+                stats = getattr(works[-1], "stats", None)
+                if stats:
+                    ran[name].add(str(stats.get("algorithm")))
                 if i >= args.warmup:
                     times[name].append(dt)
         ref = statistics.median(times["gloo"])
@@ -73,18 +92,20 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                     "group": name,
                     "bytes": n * 4,
                     "p": wire.size,
+                    "queued": args.queued,
                     "median_ms": med * 1e3,
                     "min_ms": min(t) * 1e3,
                     "max_ms": max(t) * 1e3,
                     "calls": len(t),
                     "ratio_to_gloo": med / ref,
-                    "ran": sorted(ran) if name == "optcc" else ["gloo all_reduce"],
+                    "ran": sorted(ran[name]) if name != "gloo" else ["gloo all_reduce"],
                     "algorithm": args.algorithm or "$OPTCC_ALGORITHM/auto",
                     "links": args.links,
                     "command": args.command_line,
                 }
             )
-    dist.destroy_process_group(ours)
+    for name in names[1:]:
+        dist.destroy_process_group(groups[name])
     return rows
 
 
@@ -129,6 +150,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RANK:FRACTION[,...]|probe|watch",
         help="the optcc group's link profile (default $OPTCC_LINKS)",
     )
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="also time an optcc group with OptccOptions(check=False)",
+    )
+    parser.add_argument(
+        "--queued",
+        type=int_at_least(1, "calls"),
+        default=0,
+        metavar="N",
+        help="time N all_reduce(async_op=True) calls queued, then all waited for (one "
+        "buffer each), instead of one call",
+    )
     parser.add_argument("--out", help="append rows as JSON lines to this file")
 
 
@@ -140,13 +174,14 @@ def run_args(args: argparse.Namespace) -> int:
     group, started = world.torch_group()
     rows = measure(args, group)
     if transports.of(group).rank == 0:
-        print(f"# {args.command_line}\n# {rows[0]['p']} ranks, float32 SUM, in place")
+        what = f"{args.queued} calls queued, then waited" if args.queued else "one call"
+        print(f"# {args.command_line}\n# {rows[0]['p']} ranks, float32 SUM, in place, {what}")
         print(
-            f"{'size':>8} {'group':<6} {'median ms':>10} {'min':>9} {'max':>9} {'x gloo':>7}  ran"
+            f"{'size':>8} {'group':<13} {'median ms':>10} {'min':>9} {'max':>9} {'x gloo':>7}  ran"
         )
         for r in rows:
             print(
-                f"{format_size(r['bytes']):>8} {r['group']:<6} {r['median_ms']:>10.2f} "
+                f"{format_size(r['bytes']):>8} {r['group']:<13} {r['median_ms']:>10.3f} "
                 f"{r['min_ms']:>9.2f} {r['max_ms']:>9.2f} {r['ratio_to_gloo']:>7.3f}  "
                 f"{', '.join(r['ran'])}"
             )

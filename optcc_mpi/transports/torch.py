@@ -72,7 +72,9 @@ from optcc_mpi.transports.base import Capabilities, Completion, Post, Transport
 
 __all__ = ["TorchTransport", "Carriers", "transport", "group_of", "fresh_store"]
 
-_REDUCE_OPS = {
+#: The options' ``reduceOp`` of each op (the stubs call the members ``RedOpType`` and the
+#: field ``ReduceOp``; torch converts one to the other).
+_REDUCE_OPS: dict[str, Any] = {
     "sum": dist.ReduceOp.SUM,
     "prod": dist.ReduceOp.PRODUCT,
     "max": dist.ReduceOp.MAX,
@@ -433,7 +435,7 @@ class TorchTransport(Transport["dist.Work"]):
 
     def allreduce_max(self, vec: np.ndarray) -> None:
         opts = AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = _REDUCE_OPS["max"]
         t = torch.from_numpy(vec)
         self.wait(self._held(self.ctrl.allreduce([t], opts), t))
 
@@ -485,7 +487,7 @@ def transport(group: Any) -> TorchTransport:
     group = group_of(group)
     own = getattr(group, "optcc_transport", None)
     if callable(own):
-        return own()  # type: ignore[no-any-return]
+        return own()
     t = _TRANSPORTS.get(group)
     if t is None or t.closed:
         t = _TRANSPORTS[group] = TorchTransport.of_group(group)
