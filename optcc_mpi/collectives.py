@@ -1044,10 +1044,19 @@ def _address(arr: Array) -> int | None:
 
 
 # -- the compiled call path ----------------------------------------------------------------------
+#: Per transport class, whether it offers the compiled path (asked once per class: a
+#: check against a runtime protocol costs tens of microseconds a call).
+_COMPILABLE: dict[type, bool] = {}
+
+
 def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Plan) -> None:
     """After a short call whose data travelled in the check with default arguments:
     let the next such calls of this size and type take the compiled path."""
-    if not isinstance(st.transport, fastcall.Compilable):
+    transport = st.transport
+    known = _COMPILABLE.get(type(transport))
+    if known is None:
+        known = _COMPILABLE[type(transport)] = isinstance(transport, fastcall.Compilable)
+    if not known:
         return
     if _REGISTRY.fold is None:
         # Bound at the first MPI call that could use it (binding it loads MPI, which a
@@ -1058,7 +1067,8 @@ def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Plan) ->
     key = (nbytes, dtype)
     if key not in st.folds:
         st.folds.put(key, _fold_entry(st, plan))
-    st.check.make_compiled(functools.partial(_compiled_context, st.transport))
+    compilable = cast(fastcall.Compilable, transport)  # (known above)
+    st.check.make_compiled(functools.partial(_compiled_context, compilable))
 
 
 def _fold_entry(st: CommState, plan: Plan) -> Fold:

@@ -185,11 +185,13 @@ class OptccWork(dist.Work):
         future: torch.futures.Future[list[torch.Tensor]],
         timeout: datetime.timedelta,
         steal: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self._future = future
         self._timeout = timeout
-        self._steal = steal  # runs the call's last step here, if no thread took it yet
+        self._steal = steal  # runs the call here, if its turn came and no thread took it
+        self._release = release  # hands a parked call to the group's thread
         self._done = threading.Event()
         #: What this call did (a :class:`~optcc_mpi.communicators.CallRecord`: the
         #: algorithm, its schedule, the executor's stats), once complete; empty for the
@@ -223,10 +225,14 @@ class OptccWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         """The future that completes with the reduced tensors (DDP chains on it)."""
+        if self._release is not None:
+            self._release()
         return self._future
 
     def is_completed(self) -> bool:
         """Whether the call has finished (successfully or not)."""
+        if self._release is not None:
+            self._release()
         return self._future.done()
 
     def is_success(self) -> bool:
@@ -303,6 +309,7 @@ class OrderedWorker:
         self._aborted: AbortedError | None = None
         self._running: _Job | None = None
         self._stopping: threading.Thread | None = None
+        self._parked: _Job | None = None
         _WORKERS.add(self)
 
     def now(self, job: Callable[[], _T]) -> tuple[bool, _T | None]:
@@ -313,9 +320,13 @@ class OrderedWorker:
                 return False, None
             return True, job()
 
-    def submit(self, job: Callable[[], Any], future: torch.futures.Future[Any]) -> _Job:
+    def submit(
+        self, job: Callable[[], Any], future: torch.futures.Future[Any], park: bool = False
+    ) -> _Job:
         """Run ``job()`` after every job submitted before it; complete ``future`` with its
-        result or its error."""
+        result or its error. ``park``: its caller waits for it at once (and so runs it,
+        :meth:`steal`): it is not handed to the worker's thread, which would only wake to
+        find it taken, unless something else needs the thread to run it (:meth:`release`)."""
         with self._lock:
             if self._aborted is not None:
                 raise self._aborted
@@ -328,14 +339,36 @@ class OrderedWorker:
                 self._thread.start()
             item = _Job(job, future, self._submitted)
             self._submitted += 1
-            self._jobs.put(item)
+            self._release_locked()
+            if park:
+                self._parked = item
+            else:
+                self._jobs.put(item)
         return item
+
+    def release(self, job: _Job | None = None) -> None:
+        """Hand the parked job (if it is ``job``, or any with None) to the worker's thread."""
+        with self._lock:
+            if self._parked is not None and (job is None or self._parked is job):
+                self._release_locked()
+
+    def _release_locked(self) -> None:
+        if self._parked is not None:
+            self._jobs.put(self._parked)
+            self._parked = None
 
     def steal(self, job: _Job) -> None:
         """Run ``job`` in this thread if every job before it is done and no thread
         claimed it yet; else leave it to the worker's thread."""
+        with self._lock:
+            parked = self._parked is job
+            if parked:
+                self._parked = None
         if self._completed == job.seq and job.claim.acquire(blocking=False):
             self._execute(job)
+        elif parked:
+            with self._lock:
+                self._jobs.put(job)  # (jobs before it still run: its turn comes after)
 
     def _execute(self, job: _Job) -> None:
         self._running = job
@@ -375,6 +408,7 @@ class OrderedWorker:
             if self._closed and self._thread is None:
                 return True
             self._closed = True
+            self._release_locked()
             thread, self._thread = self._thread, None
         _WORKERS.discard(self)
         if thread is None:
@@ -392,6 +426,7 @@ class OrderedWorker:
             self._aborted = error
             self._closed = True
             self._stopping, self._thread = self._thread, None
+            self._release_locked()
             # The running job may wait inside the library for a peer that never comes (an
             # aborted gloo group does not wake its waiters): its work fails now, and the
             # thread, a daemon, is left to it.
@@ -456,6 +491,7 @@ def submit(
     tensors: list[torch.Tensor],
     job: Callable[[], object],
     timeout: datetime.timedelta,
+    park: bool = False,
 ) -> OptccWork:
     """Queue ``job()``, which reduces ``tensors`` in place, on ``worker``; its
     :class:`OptccWork`. On CUDA the job starts after the work queued so far on the
@@ -469,7 +505,13 @@ def submit(
         devices=list[int | str | torch.device](devices) or None
     )
     stolen: list[_Job] = []
-    work = OptccWork(future, timeout, None if devices else lambda: worker.steal(stolen[0]))
+    park = park and not devices
+    work = OptccWork(
+        future,
+        timeout,
+        None if devices else lambda: worker.steal(stolen[0]),
+        (lambda: worker.release(stolen[0])) if park else None,
+    )
     ready = None
     if devices:
         # The backward pass that wrote a gradient was queued on the caller's stream.
@@ -487,7 +529,7 @@ def submit(
             work.stats = record
         return tensors
 
-    stolen.append(worker.submit(run, future))
+    stolen.append(worker.submit(run, future, park))
     return work
 
 
@@ -617,7 +659,7 @@ class OptccProcessGroup(dist.ProcessGroup):
         :func:`optcc_mpi.allreduce` runs a call given this group as ``comm`` (its
         messages share the group's transport with the calls queued on it)."""
         future: torch.futures.Future[_T] = torch.futures.Future()
-        job = self._worker.submit(lambda: call(self._cpu), future)
+        job = self._worker.submit(lambda: call(self._cpu), future, park=True)
         OptccWork(future, self.timeout, lambda: self._worker.steal(job)).wait()  # type: ignore[arg-type]
         return future.value()
 
@@ -640,11 +682,11 @@ class OptccProcessGroup(dist.ProcessGroup):
         return self._cuda
 
     # -- ordering ------------------------------------------------------------------------------
-    def _call(self, tensors: list[Any], job: Callable[[], _Step]) -> OptccWork:
+    def _call(self, tensors: list[Any], job: Callable[[], _Step], park: bool) -> OptccWork:
         """Run ``job`` in the group's order (on the group's thread, or in the caller's
-        when it waits: :meth:`OrderedWorker.steal`); its :class:`OptccWork`."""
-
-        return submit(self._worker, tensors, lambda: job().wait(), self.timeout)
+        when it waits: :meth:`OrderedWorker.steal`); its :class:`OptccWork`. ``park``:
+        the caller waits at once."""
+        return submit(self._worker, tensors, lambda: job().wait(), self.timeout, park)
 
     # -- AllReduce -----------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> OptccWork:
@@ -658,7 +700,11 @@ class OptccProcessGroup(dist.ProcessGroup):
             # Sparse tensors: gloo's own AllReduce, as on a gloo group.
             args = () if opts is None else (opts,)
             return self._library_call(tensors, lambda: self._gloo.allreduce(tensors, *args))
-        return self._call(tensors, lambda: self._reduce(tensors, reduce_op))
+        # torch's dist.all_reduce says whether it waits at once (opts.asyncOp False): the
+        # call is then parked for it to run (OrderedWorker.submit), and the group's
+        # thread is not woken for nothing.
+        park = getattr(opts, "asyncOp", True) is False
+        return self._call(tensors, lambda: self._reduce(tensors, reduce_op), park)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> OptccWork:
         """Start reducing several tensors in place, as one message per run of tensors
@@ -666,7 +712,9 @@ class OptccProcessGroup(dist.ProcessGroup):
         before any is written."""
         tensors = _tensor_list(tensors)
         reduce_op = _op_of(opts)
-        return self._call(tensors, lambda: self._reduce(tensors, reduce_op, coalesced=True))
+        return self._call(
+            tensors, lambda: self._reduce(tensors, reduce_op, coalesced=True), park=False
+        )
 
     def run(self, tensors: list[torch.Tensor], job: Callable[[TorchTransport], Any]) -> OptccWork:
         """Run ``job(transport)`` on the group's thread, after every call made before it,
