@@ -910,11 +910,13 @@ def _finish(st: CommState, call: _Call) -> Any:  # what allreduce returns
         plan.library_only
         and work is not None
         and st.size > 1
+        and not st.transport.caps.library_identical
         and call.opn in ("sum", "prod")
         and CATEGORY[call.name] in ("float", "complex")
     ):
         # Which NaN an addition returns depends on operand order, which the library may
-        # vary by rank: make every NaN the canonical one.
+        # vary by rank (MPI's recursive doubling: a + b here, b + a there): make every NaN
+        # the canonical one. A ring's results are one element's one sum, copied.
         backend.canonical_nans(call.flat_out)
     _REGISTRY.last = call.record = CallRecord(
         plan.algorithm,

@@ -68,13 +68,14 @@ be made again afterwards. ``abort()`` fails queued and running work at once.
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
 import queue
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,7 @@ __all__ = [
     "OptccProcessGroup",
     "OptccWork",
     "OrderedWorker",
+    "InFlight",
     "register",
     "submit",
     "worker_for",
@@ -259,6 +261,7 @@ class _Done:
     """A call finished already: its record (what :meth:`TensorCall.wait` returns)."""
 
     __slots__ = ("record",)
+    request = None
 
     def __init__(self, record: CallRecord | None = None) -> None:
         self.record = record
@@ -271,13 +274,26 @@ class _Done:
 _Step = TensorCall | _Done
 
 
+class InFlight:
+    """What a job returns when its library's work is still in flight: the worker's thread
+    goes on to the next job (a reduction's check and posting) and completes this one,
+    in order, with ``finish()`` (which waits for the library first)."""
+
+    __slots__ = ("finish",)
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self.finish = finish
+
+
 class _Job:
     """One job of an :class:`OrderedWorker`: run once, by whichever thread claims it."""
 
-    __slots__ = ("fn", "future", "seq", "claim", "done")
+    __slots__ = ("fn", "future", "seq", "claim", "done", "overlap")
 
-    def __init__(self, fn: Callable[[], Any], future: torch.futures.Future[Any], seq: int) -> None:
-        self.fn, self.future, self.seq = fn, future, seq
+    def __init__(
+        self, fn: Callable[[], Any], future: torch.futures.Future[Any], seq: int, overlap: bool
+    ) -> None:
+        self.fn, self.future, self.seq, self.overlap = fn, future, seq, overlap
         self.claim = threading.Lock()  # acquired once, by the thread that runs it
         self.done = threading.Event()
 
@@ -310,6 +326,10 @@ class OrderedWorker:
         self._running: _Job | None = None
         self._stopping: threading.Thread | None = None
         self._parked: _Job | None = None
+        # Jobs whose library's work is in flight, oldest first (the worker's thread alone
+        # appends and completes them), and a job taken from the queue that waits for them.
+        self._inflight: collections.deque[tuple[_Job, InFlight]] = collections.deque()
+        self._head: _Job | None | object = _EMPTY
         _WORKERS.add(self)
 
     def now(self, job: Callable[[], _T]) -> tuple[bool, _T | None]:
@@ -321,12 +341,19 @@ class OrderedWorker:
             return True, job()
 
     def submit(
-        self, job: Callable[[], Any], future: torch.futures.Future[Any], park: bool = False
+        self,
+        job: Callable[[], Any],
+        future: torch.futures.Future[Any],
+        park: bool = False,
+        overlap: bool = False,
     ) -> _Job:
         """Run ``job()`` after every job submitted before it; complete ``future`` with its
         result or its error. ``park``: its caller waits for it at once (and so runs it,
         :meth:`steal`): it is not handed to the worker's thread, which would only wake to
-        find it taken, unless something else needs the thread to run it (:meth:`release`)."""
+        find it taken, unless something else needs the thread to run it (:meth:`release`).
+        ``overlap``: the job may start while jobs before it still have their library's
+        work in flight (:class:`InFlight`: reductions, which touch only their own
+        tensors); any other job starts after every job before it completed."""
         with self._lock:
             if self._aborted is not None:
                 raise self._aborted
@@ -337,7 +364,7 @@ class OrderedWorker:
                 # the interpreter's exit) stops it properly first.
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            item = _Job(job, future, self._submitted)
+            item = _Job(job, future, self._submitted, overlap)
             self._submitted += 1
             self._release_locked()
             if park:
@@ -370,16 +397,25 @@ class OrderedWorker:
             with self._lock:
                 self._jobs.put(job)  # (jobs before it still run: its turn comes after)
 
-    def _execute(self, job: _Job) -> None:
+    def _execute(self, job: _Job, worker: bool = False) -> None:
+        """Run ``job``; on the worker's thread a job whose library's work is still in
+        flight is completed later (:meth:`_complete_oldest`), elsewhere here."""
         self._running = job
         try:
             if self._aborted is not None:
                 raise self._aborted
             result = job.fn()
+            if isinstance(result, InFlight):
+                if worker:
+                    self._inflight.append((job, result))
+                    return
+                result = result.finish()
         except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
-            failed: BaseException | None = exc
+            self._complete(job, None, exc)
         else:
-            failed = None
+            self._complete(job, result, None)
+
+    def _complete(self, job: _Job, result: Any, failed: BaseException | None) -> None:
         with self._lock:
             self._completed += 1
             self._running = None
@@ -391,13 +427,42 @@ class OrderedWorker:
                 job.future.set_exception(self._aborted or failed)
             job.done.set()
 
+    def _complete_oldest(self) -> None:
+        job, pending = self._inflight.popleft()
+        try:
+            if self._aborted is not None:
+                raise self._aborted
+            result = pending.finish()
+        except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
+            self._complete(job, None, exc)
+        else:
+            self._complete(job, result, None)
+
     def _run(self) -> None:
+        inflight = self._inflight
         while True:
-            job = self._jobs.get()
+            if inflight:
+                # Another reduction may start while these are on the wire; anything else,
+                # an empty queue or a full pipeline completes the oldest first.
+                if self._head is _EMPTY and len(inflight) < _IN_FLIGHT:
+                    try:
+                        self._head = self._jobs.get_nowait()
+                    except queue.Empty:
+                        pass
+                head = self._head
+                if not isinstance(head, _Job) or not head.overlap:
+                    self._complete_oldest()
+                    continue
+                job: _Job | None = head
+                self._head = _EMPTY
+            elif self._head is not _EMPTY:
+                job, self._head = cast("_Job | None", self._head), _EMPTY
+            else:
+                job = self._jobs.get()
             if job is None:
                 return
             if job.claim.acquire(blocking=False):
-                self._execute(job)
+                self._execute(job, worker=True)
             else:
                 job.done.wait()  # its caller runs it: the next job starts after it
 
@@ -430,10 +495,10 @@ class OrderedWorker:
             # The running job may wait inside the library for a peer that never comes (an
             # aborted gloo group does not wake its waiters): its work fails now, and the
             # thread, a daemon, is left to it.
-            running = self._running
-            if running is not None and not running.done.is_set():
-                running.future.set_exception(error)
-                running.done.set()
+            for job in [self._running] + [job for job, _ in self._inflight]:
+                if job is not None and not job.done.is_set():
+                    job.future.set_exception(error)
+                    job.done.set()
         _WORKERS.discard(self)
         while True:
             try:
@@ -455,6 +520,12 @@ class OrderedWorker:
         thread.join(timeout)
         return not thread.is_alive()
 
+
+#: No job taken from the queue ahead of its turn (:meth:`OrderedWorker._run`).
+_EMPTY = object()
+#: Reductions whose library's work a group's thread keeps in flight at once (queued calls
+#: pipeline as gloo's own queue does; one more check waits for the oldest to complete).
+_IN_FLIGHT = 8
 
 #: Live workers, stopped at exit: a thread left inside a gloo wait while the interpreter
 #: finalises is ended mid-C++ call, and the process aborts ("terminate called without an
@@ -492,6 +563,7 @@ def submit(
     job: Callable[[], object],
     timeout: datetime.timedelta,
     park: bool = False,
+    overlap: bool = False,
 ) -> OptccWork:
     """Queue ``job()``, which reduces ``tensors`` in place, on ``worker``; its
     :class:`OptccWork`. On CUDA the job starts after the work queued so far on the
@@ -518,18 +590,24 @@ def submit(
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(devices[0]))
 
-    def run() -> list[torch.Tensor]:
+    def done(record: object) -> list[torch.Tensor]:
+        if isinstance(record, CallRecord):
+            work.stats = record
+        return tensors
+
+    def run() -> list[torch.Tensor] | InFlight:
         if ready is None:
             record = job()
         else:
             with torch.cuda.device(devices[0]):
                 torch.cuda.current_stream().wait_event(ready)
                 record = job()
-        if isinstance(record, CallRecord):
-            work.stats = record
-        return tensors
+        if isinstance(record, InFlight):
+            finish = record.finish
+            return InFlight(lambda: done(finish()))
+        return done(record)
 
-    stolen.append(worker.submit(run, future, park))
+    stolen.append(worker.submit(run, future, park, overlap))
     return work
 
 
@@ -686,7 +764,15 @@ class OptccProcessGroup(dist.ProcessGroup):
         """Run ``job`` in the group's order (on the group's thread, or in the caller's
         when it waits: :meth:`OrderedWorker.steal`); its :class:`OptccWork`. ``park``:
         the caller waits at once."""
-        return submit(self._worker, tensors, lambda: job().wait(), self.timeout, park)
+
+        def run() -> CallRecord | InFlight | None:
+            step = job()
+            if step.request is not None:
+                return InFlight(step.wait)  # (the group's thread goes on meanwhile)
+            return step.wait()
+
+        cpu = all(isinstance(t, torch.Tensor) and not t.is_cuda for t in tensors)
+        return submit(self._worker, tensors, run, self.timeout, park, overlap=cpu)
 
     # -- AllReduce -----------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> OptccWork:

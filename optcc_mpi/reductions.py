@@ -7,8 +7,10 @@
   makes them exact and commutative, so a library's result is the same bits on every
   rank too;
 * ``sum``/``prod`` on floats follow IEEE arithmetic in an order fixed by the algorithm;
-  a NaN input gives a NaN result (for results a library reduced, the canonical NaN,
-  since which NaN an addition returns depends on the operand order);
+  a NaN input gives a NaN result (for results an MPI library reduced, the canonical NaN,
+  since which NaN an addition returns depends on the operand order, which MPI may vary by
+  rank; gloo's and NCCL's rings reduce each element once and copy it, so their NaNs are
+  left as the sum made them, the same bits on every rank);
 * 16-bit floats are reduced in float32 and rounded after every step.
 
 The functions take the array module ``xp`` (NumPy or CuPy, whose APIs agree on what is

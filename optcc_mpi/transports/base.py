@@ -106,6 +106,10 @@ class Capabilities:
     #: as gloo's and NCCL's are): ``auto`` then leaves it every size it reduces exactly
     #: (:meth:`Transport.native`) while no link is degraded.
     library_optimal: bool = False
+    #: Whether the library's AllReduce reduces each element once, in one order, and copies
+    #: the result to every rank (a ring, as gloo's and NCCL's): its results are the same
+    #: bits everywhere, NaN payloads included, with no pass over them afterwards.
+    library_identical: bool = False
 
 
 @dataclass(frozen=True, slots=True)

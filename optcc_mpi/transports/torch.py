@@ -203,6 +203,7 @@ class TorchTransport(Transport["dist.Work"]):
             sync_device=False,
             tensors=True,
             library_optimal=True,
+            library_identical=True,
         )
         self.global_ranks = list(global_ranks)
         self.data, self.down, self.ctrl = carriers.data, carriers.down, carriers.ctrl
