@@ -89,8 +89,10 @@ from torch._C._distributed_c10d import (
 from optcc_mpi import algorithms
 from optcc_mpi.communicators import CallRecord
 from optcc_mpi.config import rc
+from optcc_mpi.devices import agree_device_kind
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, OptccError
 from optcc_mpi.links import Links
+from optcc_mpi.streams import SideStreams, StreamApi, StreamCall
 from optcc_mpi.tensors import HALF, TensorCall, start_tensor
 from optcc_mpi.transports.torch import POLL, TorchTransport, fresh_store
 
@@ -188,10 +190,12 @@ class OptccWork(dist.Work):
         timeout: datetime.timedelta,
         steal: Callable[[], None] | None = None,
         release: Callable[[], None] | None = None,
+        streams: StreamCall | None = None,
     ) -> None:
         super().__init__()
         self._future = future
         self._timeout = timeout
+        self._streams = streams  # a CUDA call's events (NCCL's wait semantics)
         self._steal = steal  # runs the call here, if its turn came and no thread took it
         self._release = release  # hands a parked call to the group's thread
         self._done = threading.Event()
@@ -214,6 +218,10 @@ class OptccWork(dist.Work):
             The call did not complete within ``timeout`` (default: the group's), or a
             peer failed.
         """
+        if self._streams is not None:
+            # NCCL's: the caller's current streams wait for the job's completion events;
+            # the host waits only for the job to be queued (with a timeout: for the device).
+            return self._streams.wait(timeout)
         limit = timeout if timeout and timeout.total_seconds() > 0 else self._timeout
         if self._steal is not None and not self._done.is_set():
             self._steal()
@@ -235,6 +243,8 @@ class OptccWork(dist.Work):
         """Whether the call has finished (successfully or not)."""
         if self._release is not None:
             self._release()
+        if self._streams is not None:
+            return self._streams.is_completed()
         return self._future.done()
 
     def is_success(self) -> bool:
@@ -243,6 +253,8 @@ class OptccWork(dist.Work):
 
     def exception(self) -> BaseException | None:
         """The call's error, once finished (None while running or on success)."""
+        if self._streams is not None:
+            return self._streams.exception()
         if not self._future.done():
             return None
         try:
@@ -326,11 +338,21 @@ class OrderedWorker:
         self._running: _Job | None = None
         self._stopping: threading.Thread | None = None
         self._parked: _Job | None = None
+        #: The device runtime of the side streams (a recording fake in tests).
+        self.stream_api: StreamApi | None = None
+        self._side_streams: SideStreams | None = None
         # Jobs whose library's work is in flight, oldest first (the worker's thread alone
         # appends and completes them), and a job taken from the queue that waits for them.
         self._inflight: collections.deque[tuple[_Job, InFlight]] = collections.deque()
         self._head: _Job | None | object = _EMPTY
         _WORKERS.add(self)
+
+    def side_streams(self, timeout: datetime.timedelta) -> SideStreams:
+        """The group's side streams (one per device, made at its first CUDA call), on
+        :attr:`stream_api` (default: CUDA's)."""
+        if self._side_streams is None:
+            self._side_streams = SideStreams(self.stream_api, timeout)
+        return self._side_streams
 
     def now(self, job: Callable[[], _T]) -> tuple[bool, _T | None]:
         """``(True, job())`` run in this thread if no job is pending (its errors are
@@ -419,7 +441,8 @@ class OrderedWorker:
         with self._lock:
             self._completed += 1
             self._running = None
-            if job.done.is_set():  # failed already by abort()
+            if job.done.is_set() or job.future.done():  # by abort(), or by the job itself
+                job.done.set()
                 return
             if failed is None:
                 job.future.set_result(result)
@@ -559,55 +582,57 @@ def worker_for(transport: TorchTransport) -> OrderedWorker:
 
 def submit(
     worker: OrderedWorker,
-    tensors: list[torch.Tensor],
+    tensors: list[Any],
     job: Callable[[], object],
     timeout: datetime.timedelta,
     park: bool = False,
     overlap: bool = False,
 ) -> OptccWork:
     """Queue ``job()``, which reduces ``tensors`` in place, on ``worker``; its
-    :class:`OptccWork`. On CUDA the job starts after the work queued so far on the
-    caller's current stream and runs on that device's current stream in the worker; the
-    future carries its completion to whoever waits. A job that returns a
-    :class:`~optcc_mpi.communicators.CallRecord` gives the work its :attr:`~OptccWork.stats`.
-    A caller that waits for a job of CPU tensors runs it itself when its turn has come
-    (:meth:`OrderedWorker.steal`)."""
-    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str)
-    future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(
-        devices=list[int | str | torch.device](devices) or None
-    )
-    stolen: list[_Job] = []
-    park = park and not devices
-    work = OptccWork(
-        future,
-        timeout,
-        None if devices else lambda: worker.steal(stolen[0]),
-        (lambda: worker.release(stolen[0])) if park else None,
-    )
-    ready = None
-    if devices:
-        # The backward pass that wrote a gradient was queued on the caller's stream.
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(devices[0]))
+    :class:`OptccWork`. A job that returns a :class:`~optcc_mpi.communicators.CallRecord`
+    gives the work its :attr:`~OptccWork.stats`. A caller that waits for a job of CPU
+    tensors runs it itself when its turn has come (:meth:`OrderedWorker.steal`).
 
-    def done(record: object) -> list[torch.Tensor]:
+    CUDA tensors follow NCCL's stream semantics (:mod:`optcc_mpi.streams`): the call
+    records an event on the caller's current stream of every device of the tensors, the
+    job runs on the group's side stream of each device after it, the future is completed
+    there, and ``wait()`` makes the caller's current streams wait for the job's completion
+    without blocking the host beyond the job's queueing."""
+    cuda = any(t.is_cuda for t in tensors)
+    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str) if cuda else []
+    # A CUDA-aware future (its events follow the side streams) where CUDA is there; the
+    # stream API may be a recording fake on a build without it.
+    aware = list[int | str | torch.device](devices) if torch.cuda.is_available() else []
+    future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=aware or None)
+    stolen: list[_Job] = []
+    if cuda:
+        call = worker.side_streams(timeout).start(tensors)
+        work = OptccWork(future, timeout, streams=call)
+    else:
+        work = OptccWork(
+            future,
+            timeout,
+            lambda: worker.steal(stolen[0]),
+            (lambda: worker.release(stolen[0])) if park else None,
+        )
+
+    def done(record: object) -> list[Any]:
         if isinstance(record, CallRecord):
             work.stats = record
         return tensors
 
-    def run() -> list[torch.Tensor] | InFlight:
-        if ready is None:
-            record = job()
-        else:
-            with torch.cuda.device(devices[0]):
-                torch.cuda.current_stream().wait_event(ready)
-                record = job()
+    def run() -> list[Any] | InFlight | None:
+        if cuda:
+            # (the future is completed with the side streams current; the worker leaves it)
+            call.run(lambda: done(job()), future)
+            return None
+        record = job()
         if isinstance(record, InFlight):
             finish = record.finish
             return InFlight(lambda: done(finish()))
         return done(record)
 
-    stolen.append(worker.submit(run, future, park, overlap))
+    stolen.append(worker.submit(run, future, park and not cuda, overlap and not cuda))
     return work
 
 
@@ -765,13 +790,14 @@ class OptccProcessGroup(dist.ProcessGroup):
         when it waits: :meth:`OrderedWorker.steal`); its :class:`OptccWork`. ``park``:
         the caller waits at once."""
 
+        cpu = all(isinstance(t, torch.Tensor) and not t.is_cuda for t in tensors)
+
         def run() -> CallRecord | InFlight | None:
             step = job()
-            if step.request is not None:
+            if cpu and step.request is not None:
                 return InFlight(step.wait)  # (the group's thread goes on meanwhile)
             return step.wait()
 
-        cpu = all(isinstance(t, torch.Tensor) and not t.is_cuda for t in tensors)
         return submit(self._worker, tensors, run, self.timeout, park, overlap=cpu)
 
     # -- AllReduce -----------------------------------------------------------------------------
@@ -853,6 +879,11 @@ class OptccProcessGroup(dist.ProcessGroup):
         error: Exception | None = None
         op, average, premul = "sum", False, None
         wire = self._cpu
+        if self._nccl is not None and self.check and self.size() > 1:
+            # Where CUDA tensors could go over NCCL, a rank with CPU tensors and one with
+            # CUDA tensors would agree on different control groups and wait out the
+            # timeout: the kind of device is agreed first, on the CPU transport.
+            agree_device_kind(self._cpu, [tensor], _WHAT)
         try:
             op, average, premul = _reduce_op(reduce_op, tensor.dtype)
             wire = self._transport(tensor)

@@ -261,3 +261,36 @@ def test_calls_in_call_order_on_the_groups_thread() -> None:
     assert [e[1:] for e in fake.entries("launch")] == [("bucket0", side), ("bucket1", side)]
     # The second call's work waits on the caller only after the first call was queued.
     assert log.index(("record", done[0], side)) < log.index(("wait", side, ready[1]))
+
+
+def test_the_backends_cuda_path_follows_the_protocol() -> None:
+    """``process_group.submit`` for tensors on a device, as the backend and the hook call
+    it, driven with the recording fake: the caller's ready event, the job on the side
+    stream, the future completed there, and ``wait()`` making the caller's stream wait on
+    the completion without a host synchronisation."""
+    torch = pytest.importorskip("torch")
+    import datetime
+
+    from optcc_mpi.process_group import OrderedWorker, submit
+
+    fake = FakeStreams()
+    worker = OrderedWorker("test group")
+    worker.stream_api = fake
+    tensor = FakeTensor("grad", "cuda:0")
+    try:
+        work = submit(worker, [tensor], _job(fake, "bucket"), datetime.timedelta(seconds=30))
+        assert work.wait() is True
+        assert work.is_completed() is False  # the device has not got there
+        fake.finish()
+        assert work.is_completed() and work.exception() is None
+        assert work.get_future().wait() == [tensor]
+    finally:
+        worker.close()
+    side = "side1:cuda:0"
+    assert [e[1:] for e in fake.entries("launch")] == [("bucket", side)]
+    assert fake.entries("host-sync") == []
+    ready = [e[1] for e in fake.entries("record") if e[2] == "default:cuda:0"]
+    done = [e[1] for e in fake.entries("record") if e[2] == side]
+    assert ("wait", side, ready[0]) in fake.log
+    assert ("wait", "default:cuda:0", done[0]) in fake.log  # the caller's stream waits
+    del torch
