@@ -589,7 +589,7 @@ def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Array, Back
     else:
         raise ArgumentError(
             f"{what}: a buffer specification has 2 to 4 items "
-            "([buf, datatype], [buf, count, datatype], ...), got {n}"
+            f"([buf, datatype], [buf, count, datatype], ...), got {n}"
         )
     if isinstance(buf, (bool, int, float, complex, list, tuple)):
         raise ArgumentTypeError(

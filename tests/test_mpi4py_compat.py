@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import optcc_mpi
+from optcc_mpi.errors import ArgumentError
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi
@@ -477,3 +478,11 @@ def test_face_delegates_everything_else() -> None:
         dup.Free()
     with pytest.raises(ValueError, match="needs a recvbuf"):
         face.Allreduce(np.ones(2), None)
+
+
+@pytest.mark.timeout(300)
+def test_a_list_that_is_no_buffer_specification_is_named() -> None:
+    """A plain list of numbers is neither an array nor an mpi4py buffer specification:
+    the error says how many items it had (the count, not a placeholder)."""
+    with pytest.raises(ArgumentError, match=r"has 2 to 4 items .*got 8$"):
+        optcc_mpi.allreduce([1.0] * 8)
