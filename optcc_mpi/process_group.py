@@ -919,16 +919,19 @@ class OptccProcessGroup(dist.ProcessGroup):
         that then needs the GIL (to free a tensor it holds) while the base class waits for
         that thread's queue deadlocks. Defined here, each is a plain call of the
         library's own binding, which lets the GIL go."""
+        flat = [t for t in _flatten(tensors) if isinstance(t, torch.Tensor)]
         ran, work = self._worker.now(call)
         if ran:
-            return work
-        flat = [t for t in _flatten(tensors) if isinstance(t, torch.Tensor)]
+            # The library's threads let go of a call's tensors after reporting it done:
+            # the transport keeps the last few, so that none of those threads frees a
+            # tensor Python saw while the interpreter finalises (TorchTransport._held).
+            return self._cpu._held(work, *flat)
         return submit(self._worker, flat, lambda: call().wait(), self.timeout)
 
     def _pass(self, method: str, tensors: Sequence[Any], *args: Any) -> Any:
         """The library's ``method(*args)`` for ``tensors``, in the group's order."""
         library = self._library(tensors)
-        return self._library_call(tensors, lambda: getattr(library, method)(*args))
+        return self._library_call(args, lambda: getattr(library, method)(*args))
 
     def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> Any:
         tensors = _tensor_list(tensors)

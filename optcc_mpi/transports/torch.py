@@ -283,6 +283,9 @@ class TorchTransport(Transport["dist.Work"]):
             except RuntimeError:  # already shut down, or torch's shutdown of a dead peer
                 pass
         self._owned = ()
+        # gloo's threads may still hold this transport's last tensors a moment after
+        # the groups went away: kept past the object (and, at exit, past the interpreter).
+        _CLOSED_RECENT.append(self._recent)
 
     def abort(self) -> None:
         """The group was aborted: as :meth:`close`, but abort the groups this transport
@@ -462,6 +465,8 @@ class TorchTransport(Transport["dist.Work"]):
 
 #: The groups of aborted transports, kept to the process's end (:meth:`TorchTransport.abort`).
 _ABORTED: list[Any] = []
+#: The tensors closed transports handed gloo last (the latest transports' only).
+_CLOSED_RECENT: collections.deque[collections.deque[torch.Tensor]] = collections.deque(maxlen=64)
 #: Every transport alive, for what :func:`_close_all` keeps past the interpreter's end.
 _LIVE: weakref.WeakSet[TorchTransport] = weakref.WeakSet()
 
@@ -476,7 +481,7 @@ def _close_all() -> None:
     # (the process aborts: :meth:`TorchTransport._held`). The tensors the transports
     # handed to gloo last are kept alive past the interpreter's end (a deliberate leak of
     # a few small tensors at exit), so that no gloo thread can hold their last reference.
-    kept = [t._recent for t in list(_LIVE)] + [_ABORTED]
+    kept = [t._recent for t in list(_LIVE)] + [_ABORTED, _CLOSED_RECENT]
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
 
 
