@@ -992,9 +992,15 @@ class OptccProcessGroup(dist.ProcessGroup):
         """gloo's monitored barrier (names the ranks that did not arrive), after every
         call made on the group before it. torch's ``dist.monitored_barrier`` refuses
         every backend but gloo by name: call this method of the group instead."""
-        self.barrier().wait()
         args = () if timeout is None else (timeout,)
-        self._gloo.monitored_barrier(*args, wait_all_ranks=wait_all_ranks)
+
+        def job() -> None:
+            self._gloo.monitored_barrier(*args, wait_all_ranks=wait_all_ranks)
+
+        # (in the group's order, run here: its turn comes after this rank's calls before
+        # it, with no collective of its own in front, so that a rank that never arrives
+        # is named by gloo's barrier rather than waited for)
+        submit(self._worker, [], job, self.timeout, park=True).wait()
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
         tensors = _tensor_list(tensors)

@@ -85,6 +85,7 @@ CI_TESTS = (
     "test_get_backend",
     "test_monitored_barrier_gloo",
     "test_monitored_barrier_gloo_subgroup",
+    "test_monitored_barrier_gloo_rank_0_timeout",
 )
 
 # Outcomes of one test in one run.
