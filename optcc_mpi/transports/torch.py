@@ -208,7 +208,8 @@ class TorchTransport(Transport["dist.Work"]):
         self.global_ranks = list(global_ranks)
         self.data, self.down, self.ctrl = carriers.data, carriers.down, carriers.ctrl
         self._owned = carriers.owned
-        self._recent: collections.deque[torch.Tensor] = collections.deque(maxlen=16)
+        # The last works handed to gloo and their tensors (_held).
+        self._recent: collections.deque[Any] = collections.deque(maxlen=48)
         # Only the groups this transport opened itself can be aborted through it.
         self._abortable = bool(carriers.owned)
         self._aborted = False
@@ -339,10 +340,10 @@ class TorchTransport(Transport["dist.Work"]):
         return self.data if src < dst else self.down
 
     def isend(self, data: Any, peer: int, tag: int) -> Any:
-        return self._carrier(self.rank, peer).send([data], peer, tag)
+        return self._held(self._carrier(self.rank, peer).send([data], peer, tag), data)
 
     def irecv(self, data: Any, peer: int, tag: int) -> Any:
-        return self._carrier(peer, self.rank).recv([data], peer, tag)
+        return self._held(self._carrier(peer, self.rank).recv([data], peer, tag), data)
 
     def wait(self, req: Any) -> None:
         """Wait for the library's ``req`` (a ``Work``). The wait wakes every
@@ -387,18 +388,21 @@ class TorchTransport(Transport["dist.Work"]):
         return self._held(self.data.allreduce([tensor], opts), tensor)
 
     def _held(self, work: Any, *tensors: torch.Tensor) -> Any:
-        """``work``, with its tensors kept by this transport for a while.
+        """``work``, kept by this transport for a while with its tensors.
 
-        gloo's worker thread lets go of a queued collective's tensors just after it
-        reports the collective complete. Where Python let go first, the last reference is
-        the worker thread's, and freeing a tensor Python once saw needs the GIL: at
-        interpreter exit (the last call of a job, then ``destroy_process_group``) the
-        thread then finds Python finalising and is ended inside C++, and the process
-        aborts ("terminate called without an active exception", 1 job in 12 to 25 here;
-        the core shows a gloo worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` ->
-        ``take_gil`` -> ``pthread_exit``). The last few tensors stay referenced here, and
-        at exit they are kept past the interpreter's end (:func:`_close_all`).
+        gloo's worker thread lets go of a queued collective's work just after it reports
+        the collective complete. Where Python let go of the work first, the worker
+        thread's release destroys it, and its tensors (which Python saw) then hand their
+        Python objects back, which needs the GIL, whether or not Python still holds the
+        tensors: at interpreter exit (the last call of a job, then
+        ``destroy_process_group``) the thread finds Python finalising and is ended inside
+        C++, and the process aborts ("terminate called without an active exception"; the
+        core shows a gloo worker in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` ->
+        ``take_gil`` -> ``pthread_exit``). The last works and their tensors stay
+        referenced here, so that the worker thread's release never is the last, and at
+        exit they are kept past the interpreter's end (:func:`_close_all`).
         """
+        self._recent.append(work)
         self._recent.extend(tensors)
         return work
 
@@ -466,7 +470,7 @@ class TorchTransport(Transport["dist.Work"]):
 #: The groups of aborted transports, kept to the process's end (:meth:`TorchTransport.abort`).
 _ABORTED: list[Any] = []
 #: The tensors closed transports handed gloo last (the latest transports' only).
-_CLOSED_RECENT: collections.deque[collections.deque[torch.Tensor]] = collections.deque(maxlen=64)
+_CLOSED_RECENT: collections.deque[collections.deque[Any]] = collections.deque(maxlen=64)
 #: Every transport alive, for what :func:`_close_all` keeps past the interpreter's end.
 _LIVE: weakref.WeakSet[TorchTransport] = weakref.WeakSet()
 
