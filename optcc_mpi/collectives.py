@@ -390,6 +390,108 @@ def start(
     return Started(st, call, defer=True)
 
 
+class Prepared:
+    """In-place calls of one signature on one communicator, checked and planned on this
+    rank once (:func:`prepare`): each later call goes from the check straight to the
+    wire, through the same steps as :func:`start` takes for it (the same header, the same
+    gather, the same library AllReduce), so that a rank on this path and a rank on
+    :func:`start` run the same collectives and get the same bits.
+
+    What it serves: NumPy arrays of a type and op the transport reduces exactly as we do,
+    on healthy links, ``auto``, no emulation, on a transport whose AllReduce is
+    bandwidth-optimal and gives the same bits on every rank (gloo's ring): the calls of
+    the ``optcc`` torch backend on CPU tensors.
+    """
+
+    __slots__ = ("st", "fields", "fold", "opn", "name", "dtype", "count", "nbytes",
+                 "short", "check", "shown", "records", "env")  # fmt: skip
+
+    def __init__(self, st: CommState, call: _Call, env: tuple[object, object]) -> None:
+        plan = call.plan
+        assert plan is not None  # (prepare: a planned call)
+        flat = cast(np.ndarray, call.flat_in)
+        self.st, self.fields, self.fold, self.check = st, call.fields, call.fold, call.check
+        self.opn, self.name, self.dtype = call.opn, call.name, flat.dtype
+        self.count, self.nbytes = call.count, call.nbytes
+        p = st.size
+        self.short = 1 < p <= GATHER_MAX_P  # (auto, the library alone, no emulation)
+        self.shown = call.shown()
+        self.env = env
+        name = st.transport.name
+        #: The record of a call whose data travelled in the check, and of one that did not.
+        self.records = tuple(
+            CallRecord(plan.algorithm, plan.schedule, ExecStats(), _HEALTHY, None, {}, inline, name)
+            for inline in (False, True)
+        )
+
+    def current(self) -> bool:
+        """Whether the settings it was prepared under still hold (``$OPTCC_LINKS`` and
+        ``$OPTCC_EMULATE`` as read now)."""
+        rc = config.rc
+        return self.env[0] is rc.links and self.env[1] is rc.emulate
+
+    def start(self, flat: np.ndarray) -> tuple[CallRecord, object | None]:
+        """Reduce ``flat`` (an array of the signature) in place: ``(record, request)``,
+        the library's AllReduce left in flight as ``request`` (None: complete). Raises
+        the same :class:`~optcc_mpi.errors.ArgumentError` on every rank if the ranks'
+        arguments differ (then ``flat`` is unchanged)."""
+        st = self.st
+        if self.check and st.size > 1:
+            try:
+                inline = protocol.agree(st.check, self.fields, None, self.fold, flat, None)
+            except Mismatch as mismatch:
+                protocol.disagreement(st.check, None, mismatch, self.shown)
+            if inline:
+                protocol.reduce_gathered(st.check, self.opn, self.dtype, self.nbytes, flat)
+                _REGISTRY.last = record = self.records[1]
+                return record, None
+        _REGISTRY.last = record = self.records[0]
+        if st.size == 1:
+            return record, None
+        if self.short and self.nbytes and _gathered(st, self.nbytes):
+            _gather_reduce(st, self.opn, flat, flat, NUMPY)  # (as _run: rank order)
+            return record, None
+        return record, st.transport.allreduce(NUMPY, flat, self.name, self.opn)
+
+
+def prepare(
+    buf: np.ndarray,
+    *,
+    comm: Communicator,
+    op: str = "sum",
+    algorithm: str = "auto",
+    links: Links | str | None = None,
+    check: bool = True,
+    label: tuple[str, str] | None = None,
+) -> Prepared | None:
+    """The :class:`Prepared` calls of ``buf``'s signature (its dtype and length, in
+    place) with these arguments, or None where such a call is not one it serves (then
+    :func:`start` each). Checks on this rank only: nothing is communicated."""
+    if type(buf) is not _NDARRAY:
+        return None
+    st = _state(comm)
+    rc = config.rc
+    env = (rc.links, rc.emulate)
+    call = _Call(st, IN_PLACE_MARK, buf, op, algorithm, links, None, None, check, label=label)
+    transport = st.transport
+    plan = call.plan
+    if (
+        call.err is not None
+        or call.backend is not NUMPY
+        or not call.in_place
+        or call.algorithm != "auto"
+        or call.link_obj is not _HEALTHY
+        or call.emu is not None
+        or plan is None
+        or not (plan.library_only or st.size == 1)
+        or call.opn != "sum"
+        or not (transport.caps.library_optimal and transport.caps.library_identical)
+        or not transport.native(NUMPY, call.name, call.opn)
+    ):
+        return None
+    return Prepared(st, call, env)
+
+
 def _known(comm: object) -> CommState | None:
     """The state of an MPI communicator seen before (None: COMM_WORLD), found with one
     dictionary lookup; else None."""

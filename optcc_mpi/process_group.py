@@ -93,7 +93,7 @@ from optcc_mpi.devices import agree_device_kind
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, OptccError
 from optcc_mpi.links import Links
 from optcc_mpi.streams import SideStreams, StreamApi, StreamCall
-from optcc_mpi.tensors import HALF, TensorCall, start_tensor
+from optcc_mpi.tensors import HALF, Lane, LaneCall, TensorCall, lane, start_tensor
 from optcc_mpi.transports.torch import POLL, TorchTransport, fresh_store
 
 __all__ = [
@@ -283,7 +283,7 @@ class _Done:
 
 
 #: What a job hands back: a started call, whose ``wait()`` completes it (its record).
-_Step = TensorCall | _Done
+_Step = TensorCall | LaneCall | _Done
 
 
 class InFlight:
@@ -331,6 +331,9 @@ class OrderedWorker:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # Signalled whenever a job completes: the worker's thread waits on it for a job run
+        # in a caller's thread (stolen, or run at once) to finish before the next starts.
+        self._turn = threading.Condition(self._lock)
         self._submitted = 0  # jobs submitted so far (the next job's place)
         self._completed = 0  # jobs completed so far: they complete in order
         self._closed = False
@@ -361,6 +364,22 @@ class OrderedWorker:
             if self._completed != self._submitted or self._closed:
                 return False, None
             return True, job()
+
+    def run_here(self, job: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """``(True, job())`` run in this thread, in the group's order, if no job is
+        pending (jobs submitted meanwhile start after it); else ``(False, None)`` and
+        nothing ran: :meth:`submit` it. Unlike :meth:`now`, the lock is not held while
+        ``job`` runs (it may wait for peers: an abort must not wait for it)."""
+        with self._lock:
+            if self._completed != self._submitted or self._closed or self._parked is not None:
+                return False, None
+            self._submitted += 1
+        try:
+            return True, job()
+        finally:
+            with self._lock:
+                self._completed += 1
+                self._turn.notify_all()
 
     def submit(
         self,
@@ -441,6 +460,7 @@ class OrderedWorker:
         with self._lock:
             self._completed += 1
             self._running = None
+            self._turn.notify_all()
             if job.done.is_set() or job.future.done():  # by abort(), or by the job itself
                 job.done.set()
                 return
@@ -484,10 +504,21 @@ class OrderedWorker:
                 job = self._jobs.get()
             if job is None:
                 return
+            self._wait_turn(job)
             if job.claim.acquire(blocking=False):
                 self._execute(job, worker=True)
             else:
                 job.done.wait()  # its caller runs it: the next job starts after it
+
+    def _wait_turn(self, job: _Job) -> None:
+        """Wait until every job before ``job`` completed or is this thread's in flight:
+        a job run in a caller's thread (:meth:`steal`, :meth:`run_here`) may still run."""
+        inflight = self._inflight
+        if self._completed + len(inflight) >= job.seq:
+            return
+        with self._lock:
+            while self._completed + len(inflight) < job.seq and self._aborted is None:
+                self._turn.wait()
 
     def close(self, timeout: float = 10.0) -> bool:
         """Let the submitted jobs finish and stop the thread; whether it stopped within
@@ -522,6 +553,7 @@ class OrderedWorker:
                 if job is not None and not job.done.is_set():
                     job.future.set_exception(error)
                     job.done.set()
+            self._turn.notify_all()
         _WORKERS.discard(self)
         while True:
             try:
@@ -544,6 +576,8 @@ class OrderedWorker:
         return not thread.is_alive()
 
 
+#: Signatures whose short path (or its absence) a group keeps.
+_LANES = 64
 #: No job taken from the queue ahead of its turn (:meth:`OrderedWorker._run`).
 _EMPTY = object()
 #: Reductions whose library's work a group's thread keeps in flight at once (queued calls
@@ -744,6 +778,9 @@ class OptccProcessGroup(dist.ProcessGroup):
         self._cuda: TorchTransport | None = None
         self._worker = OrderedWorker(f"optcc group of {size} (rank {rank})")
         self._down = False
+        # The short path of each signature seen (dtype, size, op), or None where a call of
+        # it takes the whole path (tensors.lane); bounded (_LANES).
+        self._lanes: dict[tuple[torch.dtype, int, Any], Lane | None] = {}
 
     # -- torch.distributed's view ------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
@@ -813,10 +850,59 @@ class OptccProcessGroup(dist.ProcessGroup):
             args = () if opts is None else (opts,)
             return self._library_call(tensors, lambda: self._gloo.allreduce(tensors, *args))
         # torch's dist.all_reduce says whether it waits at once (opts.asyncOp False): the
-        # call is then parked for it to run (OrderedWorker.submit), and the group's
-        # thread is not woken for nothing.
+        # call is then run here if nothing is queued, else parked for it to run
+        # (OrderedWorker.submit), and the group's thread is not woken for nothing.
         park = getattr(opts, "asyncOp", True) is False
+        if len(tensors) == 1:
+            short = self._lane(tensors[0], reduce_op)
+            if short is not None:
+                tensor = tensors[0]
+                if park:
+                    ran, work = self._worker.run_here(lambda: self._now(short, tensor))
+                    if ran:
+                        return cast(OptccWork, work)
+                return self._call(tensors, lambda: short.start(tensor), park)
         return self._call(tensors, lambda: self._reduce(tensors, reduce_op), park)
+
+    def _lane(self, tensor: Any, reduce_op: Any) -> Lane | None:
+        """The short path for ``tensor`` and ``reduce_op`` (:func:`~optcc_mpi.tensors.lane`),
+        made at the first call of the signature; None: the whole path. Where NCCL is
+        there, every call takes the whole path (it agrees on the kind of device first)."""
+        if self._nccl is not None or not isinstance(tensor, torch.Tensor):
+            return None
+        kind = getattr(reduce_op, "op", reduce_op)
+        if kind == _RED.PREMUL_SUM:
+            return None
+        key = (tensor.dtype, tensor.numel(), kind)
+        try:
+            found = self._lanes[key]
+        except KeyError:
+            found = None
+            names = _OPS.get(kind)
+            if names is not None and names[tensor.dtype == torch.bool] == "sum":  # SUM, AVG
+                found = lane(
+                    tensor, "sum", kind == _RED.AVG, self._cpu, self.algorithm, self.links,
+                    self.check,
+                )  # fmt: skip
+            if len(self._lanes) >= _LANES:
+                self._lanes.clear()
+            self._lanes[key] = found
+        return found if found is not None and found.takes(tensor) else None
+
+    def _now(self, short: Lane, tensor: torch.Tensor) -> OptccWork:
+        """A call on the short path, run in the caller's thread: its completed work."""
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        record = None
+        try:
+            record = short.start(tensor).wait()
+        except Exception as exc:  # noqa: BLE001 - raised by the work's wait(), as queued
+            future.set_exception(cast(Any, exc))  # (torch's stub types it as the value)
+        else:
+            future.set_result([tensor])
+        work = OptccWork(future, self.timeout)
+        if record is not None:
+            work.stats = record
+        return work
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> OptccWork:
         """Start reducing several tensors in place, as one message per run of tensors

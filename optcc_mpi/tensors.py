@@ -27,6 +27,9 @@ __all__ = [
     "start_tensor",
     "reduce_tensor",
     "TensorCall",
+    "Lane",
+    "LaneCall",
+    "lane",
     "check_average",
     "ours",
     "HALF",
@@ -194,6 +197,89 @@ class TensorCall:
         """Wait for the library's AllReduce, then :meth:`finish`."""
         self.started.wait()  # (the collectives' own wait and finish; finish() is then a no-op)
         return self.finish()
+
+
+class Lane:
+    """The short path of one signature of in-place tensor reductions (a CPU tensor's
+    dtype and size, a sum or an average, one transport): :func:`lane` checks it on this
+    rank once, then each call is the check and the library's AllReduce of a NumPy view
+    of the tensor (:class:`~optcc_mpi.collectives.Prepared`), with nothing else between
+    the caller and the wire. The same collectives and bits as :func:`start_tensor`'s.
+    """
+
+    __slots__ = ("prepared", "average", "p", "transport")
+
+    def __init__(self, prepared: collectives.Prepared, average: bool, transport: Any) -> None:
+        self.prepared, self.average, self.transport = prepared, average, transport
+        self.p = transport.size
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (of the lane's dtype and size) is one this lane reduces:
+        dense, contiguous, on the CPU, not a lazy view; and the settings hold."""
+        return (
+            tensor.layout is torch.strided
+            and not tensor.is_cuda
+            and tensor.is_contiguous()
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+            and self.prepared.current()
+        )
+
+    def start(self, tensor: torch.Tensor) -> LaneCall:
+        """Start reducing ``tensor`` in place (the check is done when this returns: a
+        mismatch raises here, on every rank, with the tensor unchanged)."""
+        record, request = self.prepared.start(tensor.detach().reshape(-1).numpy())
+        return LaneCall(self, tensor, record, request)
+
+
+class LaneCall:
+    """A started call of a :class:`Lane` (its library's AllReduce may be in flight:
+    :attr:`request`); :meth:`wait` completes it and returns its record."""
+
+    __slots__ = ("lane", "tensor", "record", "request")
+
+    def __init__(self, lane: Lane, tensor: torch.Tensor, record: CallRecord, request: Any) -> None:
+        self.lane, self.tensor, self.record, self.request = lane, tensor, record, request
+
+    def wait(self) -> CallRecord:
+        """Wait for the library's AllReduce, divide an average; the call's record."""
+        if self.request is not None:
+            request, self.request = self.request, None
+            self.lane.transport.wait(request)
+        if self.lane.average:
+            self.tensor.detach().div_(self.lane.p)
+        return self.record
+
+
+def lane(
+    tensor: torch.Tensor,
+    op: str,
+    average: bool,
+    wire: Any,
+    algorithm: str,
+    links: Any,
+    check: bool,
+) -> Lane | None:
+    """The :class:`Lane` of ``tensor``'s signature, or None where its calls take
+    :func:`start_tensor` (a device tensor, a dtype NumPy lacks or the transport does not
+    reduce as we do, an op other than a sum, an average of half precision, links not
+    healthy, another algorithm than ``auto``, emulation). Nothing is communicated."""
+    if (
+        type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+        or tensor.is_cuda
+        or tensor.layout is not torch.strided
+        or tensor.dtype not in _VIEWED
+        or tensor.dtype is torch.bfloat16
+        or (average and (tensor.dtype in HALF or not tensor.is_floating_point()))
+        or not tensor.is_contiguous()
+    ):
+        return None
+    label = ("average", str(bool(average)))
+    flat = tensor.detach().reshape(-1).numpy()
+    prepared = collectives.prepare(
+        flat, comm=wire, op=op, algorithm=algorithm, links=links, check=check, label=label
+    )
+    return None if prepared is None else Lane(prepared, bool(average), wire)
 
 
 def start_tensor(

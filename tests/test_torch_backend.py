@@ -169,6 +169,45 @@ def test_ordered_worker_keeps_order_and_reports_errors() -> None:
         worker.submit(lambda: None, torch.futures.Future())
 
 
+def test_a_job_run_in_the_callers_thread_ends_before_the_next_starts() -> None:
+    """A job run in its caller's thread (run_here, the short path of a waited call;
+    steal) holds the group's turn: a job queued meanwhile from another thread starts on
+    the group's thread only after it ended, and then runs."""
+    worker = OrderedWorker("test")
+    seen: list[str] = []
+    inside, release, queued_ran = threading.Event(), threading.Event(), threading.Event()
+
+    def here() -> str:
+        seen.append("here")
+        inside.set()
+        assert release.wait(10)
+        seen.append("here done")
+        return "ran"
+
+    result: list[object] = []
+    caller = threading.Thread(target=lambda: result.append(worker.run_here(here)))
+    caller.start()
+    assert inside.wait(10)
+    fut: torch.futures.Future[object] = torch.futures.Future()
+    worker.submit(lambda: (seen.append("queued"), queued_ran.set()), fut)
+    # While the caller's job runs, the queued one must not start.
+    assert not queued_ran.wait(0.3)
+    release.set()
+    caller.join(10)
+    fut.wait()
+    assert seen == ["here", "here done", "queued"]
+    assert result == [(True, "ran")]
+    # With a job pending, nothing runs here: the caller submits it instead.
+    blocker, unblock = threading.Event(), threading.Event()
+    pending: torch.futures.Future[object] = torch.futures.Future()
+    worker.submit(lambda: (blocker.set(), unblock.wait(10)), pending)
+    assert blocker.wait(10)
+    assert worker.run_here(lambda: "no") == (False, None)
+    unblock.set()
+    pending.wait()
+    assert worker.close()
+
+
 def test_work_wait_times_out_rather_than_hanging() -> None:
     fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
     work = OptccWork(fut, datetime.timedelta(seconds=30))
@@ -238,6 +277,8 @@ def test_errors_on_every_rank_nothing_changed(tmp_path: Path) -> None:
         "avg_int": "AVG needs a floating-point tensor",
         "one_rank_bad_dtype": "uint32 is not supported",
         "complex_max": "complex",
+        "mixed_count": "element count differs",
+        "mixed_avg": "average differs",
     }
     for rank, rec in enumerate(ranks):
         for key, words in expect.items():
@@ -248,6 +289,9 @@ def test_errors_on_every_rank_nothing_changed(tmp_path: Path) -> None:
             )
             assert rec[key]["unchanged"], (rank, key)
         assert rec["after"] == [float(n)] * 8
+    # The short path and the whole one on different ranks: bit-identical results.
+    assert len({tuple(rec["mixed"]) for rec in ranks}) == 1
+    assert all(rec["mixed_error"] < 1e-6 for rec in ranks)
 
 
 @pytest.mark.timeout(600)

@@ -256,6 +256,28 @@ def errors_scenario() -> dict:
     t = torch.ones(8)
     dist.all_reduce(t)
     out["after"] = t.tolist()
+    # The last rank takes the whole path, the others the short one (tensors.lane): the
+    # same collectives, so the same bits and the same errors.
+    world = dist.distributed_c10d._get_default_group()
+    if last:
+        world._lane = lambda tensor, op: None  # type: ignore[method-assign]
+    mixed, errors = [], []
+    for n in (3, 5_000, 70_001):  # in the check, gathered after it, gloo's AllReduce
+        xs = [torch.arange(n, dtype=torch.float32) * (r + 1) / 7 for r in range(P)]
+        for op in (RED.SUM, RED.AVG):
+            ref = sum(x.double() for x in xs) / (P if op == RED.AVG else 1)
+            for async_op in (False, True):
+                t = xs[RANK].clone()
+                work = dist.all_reduce(t, op=op, async_op=async_op)
+                if async_op:
+                    work.wait()
+                errors.append(((t.double() - ref).abs().max() / ref.abs().max()).item())
+                mixed.append(digest(t))
+    out["mixed"], out["mixed_error"] = mixed, max(errors)
+    attempt("mixed_count", torch.ones(5 + last))
+    attempt("mixed_avg", torch.ones(8), RED.AVG if last else RED.SUM)
+    if last:
+        del world._lane
     dist.destroy_process_group()
     return out
 
