@@ -1,5 +1,5 @@
 """README.md's code blocks run as written, each with the launch command beside it, and so
-do those the README sent to the docs.
+do those the README sent to the docs; the README stays short.
 
 The blocks are read at collection time from all of README.md and from the sections of the
 pages in ``PAGES`` between ``<!-- run by tests/test_readme.py: begin -->`` and ``<!-- run
@@ -24,6 +24,11 @@ Each block runs in a fresh temporary folder with this environment's ``bin`` firs
 ``PATH`` (``python``, ``mpiexec``, ``torchrun``, ``optcc-mpi`` are this checkout's),
 without any launcher's or ``OPTCC_*`` variables, under a time limit. On this 2-core
 machine all of them take about two minutes.
+
+The README itself, for a reader with five minutes: at most ``MAX_WORDS`` words (as ``wc
+-w`` counts them), the quick start (``make install``, ``make demo``, ``make test``) and
+the PyTorch adoption (``dist.init_process_group("optcc")`` under DDP) on its first screen
+(``FIRST_SCREEN`` lines), and every relative link to a file, and heading, that exists.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ README = ROOT / "README.md"
 PAGES = ("docs/torch.md", "docs/doctor.md")
 BEGIN = "<!-- run by tests/test_readme.py: begin -->"
 END = "<!-- run by tests/test_readme.py: end -->"
+MAX_WORDS = 2000
+FIRST_SCREEN = 40
 LANGUAGES = ("sh", "python", "text")
 NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
 EXPECTED = "<!-- expected output -->"
@@ -156,6 +163,59 @@ def test_every_block_says_what_it_is() -> None:
         assert page in PAGES or BEGIN not in path.read_text(), f"{page}: add it to PAGES"
     # What is not run is said in the test's output, so that nobody hides a block there.
     print("not run:", [(b.where, b.skip) for b in ALL if b.skip])
+
+
+def test_readme_is_short() -> None:
+    """A newcomer reads it in five minutes: the details are one link away, in docs/."""
+    words = len(README.read_text().split())
+    assert words <= MAX_WORDS, (
+        f"README.md has {words} words (wc -w), more than {MAX_WORDS}: move expected outputs, "
+        "tables and details to the docs page it links to (the blocks can run there, "
+        f"between {BEGIN} and {END}; PAGES)"
+    )
+
+
+def test_first_screen_says_how_to_start() -> None:
+    """The quick start and the PyTorch adoption come before anything else."""
+    first = "\n".join(README.read_text().splitlines()[:FIRST_SCREEN])
+    needs = ("make install", "make demo", "make test", "import optcc_mpi.torch")
+    for needed in (*needs, 'dist.init_process_group("optcc")', "DistributedDataParallel"):
+        assert needed in first, f"README.md: {needed!r} not in its first {FIRST_SCREEN} lines"
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of Markdown ``text`` (lower case, punctuation
+    but hyphens and underscores dropped, spaces as hyphens, ``-1``, ``-2`` on repeats)."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6}\s+(.+?)\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            found.add(f"{slug}-{n}" if n else slug)
+    return found
+
+
+def test_readme_links_resolve() -> None:
+    """Every relative link of the README names a file that exists, and a heading of it."""
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path if path else README
+        assert target.is_file(), f"README.md links to {path}, which does not exist"
+        if anchor:
+            assert anchor in anchors(target.read_text()), (
+                f"README.md links to {link}: {path or 'README.md'} has no such heading"
+            )
 
 
 def _env() -> dict[str, str]:
