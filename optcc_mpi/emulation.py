@@ -81,8 +81,11 @@ class Emulation:
 
     Examples
     --------
-    >>> Emulation.parse("bw=200MB/s,latency=20us")
-    Emulation(bw=200000000.0, latency=2e-05, degrade=None)
+    >>> e = Emulation.parse("bw=200MB/s,latency=20us")
+    >>> e.bw, round(e.latency * 1e6, 9)
+    (200000000.0, 20.0)
+    >>> str(e)
+    'bw=200MB/s,latency=20us'
     """
 
     bw: float | None = None

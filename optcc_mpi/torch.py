@@ -40,6 +40,29 @@ Every rank must make the same calls with the same arguments, as for any collecti
 arguments raise the same error on every rank before any tensor is modified.
 
 This module is ``optcc_mpi.torch``; it imports the real PyTorch by absolute import.
+
+Examples
+--------
+The backend, on a world of one process (a ``HashStore`` stands in for the store torchrun
+gives; under ``torchrun`` ``dist.init_process_group("optcc")`` is all it takes):
+
+>>> import torch
+>>> import torch.distributed as dist
+>>> import optcc_mpi.torch  # registers the backend "optcc"
+>>> dist.init_process_group("optcc", store=dist.HashStore(), rank=0, world_size=1)
+>>> dist.get_backend()
+'optcc'
+>>> t = torch.arange(4.0)
+>>> dist.all_reduce(t)  # any all_reduce of the job runs optcc_mpi's algorithms
+>>> t
+tensor([0., 1., 2., 3.])
+>>> net = torch.nn.Linear(4, 2)
+>>> model = torch.nn.parallel.DistributedDataParallel(net)  # no hook needed
+>>> model(torch.ones(3, 4)).sum().backward()  # the gradient buckets too
+>>> net.weight.grad
+tensor([[3., 3., 3., 3.],
+        [3., 3., 3., 3.]])
+>>> dist.destroy_process_group()
 """
 
 from __future__ import annotations
@@ -304,6 +327,34 @@ def comm_hook(
         ``links_log`` without ``links="watch"`` (or naming a folder); at the first
         bucket, on every rank, when ``comm`` and the process group are not the same
         processes.
+
+    Examples
+    --------
+    On a gloo group of one process (under ``torchrun``, ``dist.init_process_group("gloo")``):
+
+    >>> import torch
+    >>> import torch.distributed as dist
+    >>> import optcc_mpi
+    >>> from optcc_mpi.torch import comm_hook
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> net = torch.nn.Linear(4, 2)
+    >>> model = torch.nn.parallel.DistributedDataParallel(net)
+    >>> model.register_comm_hook(state=None, hook=comm_hook(algorithm="ring"))
+    >>> model(torch.ones(3, 4)).sum().backward()  # buckets averaged by the hook
+    >>> optcc_mpi.collectives.last_stats()["algorithm"]
+    'ring'
+    >>> net.weight.grad
+    tensor([[3., 3., 3., 3.],
+            [3., 3., 3., 3.]])
+
+    A profile naming a rank the group does not have fails at registration, not in the
+    backward pass:
+
+    >>> comm_hook(links="3:0.5")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    optcc_mpi.errors.ArgumentError: link profile names rank 3, outside the communicator...
+    >>> dist.destroy_process_group()
     """
     if comm is not None and group is not None:
         raise ArgumentError(

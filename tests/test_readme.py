@@ -1,8 +1,11 @@
-"""README.md's code blocks run as written, each with the launch command beside it.
+"""README.md's code blocks run as written, each with the launch command beside it, and so
+do those the README sent to the docs; the README stays short.
 
-The blocks are read from README.md at collection time, so this test follows whatever the
-README says today. What it expects of the README (and says, failing, where one is not
-met):
+The blocks are read at collection time from all of README.md and from the sections of the
+pages in ``PAGES`` between ``<!-- run by tests/test_readme.py: begin -->`` and ``<!-- run
+by tests/test_readme.py: end -->`` (the README's examples that moved there with their
+outputs), so this test follows whatever they say today. What it expects of those blocks
+(and says, failing, where one is not met):
 
 * every fenced block names its language: ``sh`` (commands, run as a bash script, stopped
   at the first that fails), ``python`` (run by the launch command of its first line) or
@@ -21,6 +24,11 @@ Each block runs in a fresh temporary folder with this environment's ``bin`` firs
 ``PATH`` (``python``, ``mpiexec``, ``torchrun``, ``optcc-mpi`` are this checkout's),
 without any launcher's or ``OPTCC_*`` variables, under a time limit. On this 2-core
 machine all of them take about two minutes.
+
+The README itself, for a reader with five minutes: at most ``MAX_WORDS`` words (as ``wc
+-w`` counts them), the quick start (``make install``, ``make demo``, ``make test``) and
+the PyTorch adoption (``dist.init_process_group("optcc")`` under DDP) on its first screen
+(``FIRST_SCREEN`` lines), and every relative link to a file, and heading, that exists.
 """
 
 from __future__ import annotations
@@ -37,6 +45,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: Pages with sections of blocks that run as the README's do (marked by BEGIN and END).
+PAGES = ("docs/torch.md", "docs/doctor.md")
+BEGIN = "<!-- run by tests/test_readme.py: begin -->"
+END = "<!-- run by tests/test_readme.py: end -->"
+MAX_WORDS = 2000
+FIRST_SCREEN = 40
 LANGUAGES = ("sh", "python", "text")
 NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
 EXPECTED = "<!-- expected output -->"
@@ -47,8 +61,10 @@ WORD = re.compile(r"^(#|[A-Za-z][A-Za-z-]*:?)(\s|$)")
 
 @dataclass
 class Block:
-    """One fenced block of the README."""
+    """One fenced block of the README (or of a marked section of a page)."""
 
+    page: str
+    """Its file, relative to the repository root."""
     line: int
     """Line of its opening fence (1-based)."""
     lang: str
@@ -64,8 +80,12 @@ class Block:
     def runs(self) -> bool:
         return self.lang in ("sh", "python") and self.skip is None
 
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
-def blocks(text: str) -> list[Block]:
+
+def blocks(text: str, page: str = "README.md") -> list[Block]:
     """Every fenced block of ``text``, in order, with what the comments before it say."""
     lines = text.splitlines()
     out: list[Block] = []
@@ -82,7 +102,7 @@ def blocks(text: str) -> list[Block]:
             j += 1
         before = lines[start - 1].strip() if start else ""
         skip = NOT_RUN.match(before)
-        block = Block(start + 1, lang, "\n".join(lines[start + 1 : j]) + "\n")
+        block = Block(page, start + 1, lang, "\n".join(lines[start + 1 : j]) + "\n")
         block.skip = skip.group(1) if skip else None
         if before == EXPECTED:
             block.expected, block.expected_of = True, last_run
@@ -93,7 +113,25 @@ def blocks(text: str) -> list[Block]:
     return out
 
 
-ALL = blocks(README.read_text())
+def marked(text: str, page: str) -> str:
+    """``text`` with every line outside its sections marked BEGIN ... END blanked (the
+    line numbers stay those of the page)."""
+    out: list[str] = []
+    inside = False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip() in (BEGIN, END):
+            opens = line.strip() == BEGIN
+            assert opens != inside, f"{page}:{n}: {line.strip()} out of turn"
+            inside = opens
+            line = ""
+        out.append(line if inside else "")
+    assert not inside, f"{page}: {BEGIN} without {END}"
+    return "\n".join(out)
+
+
+ALL = blocks(README.read_text()) + [
+    b for page in PAGES for b in blocks(marked((ROOT / page).read_text(), page), page)
+]
 RUN = [b for b in ALL if b.runs]
 
 
@@ -101,21 +139,83 @@ def test_every_block_says_what_it_is() -> None:
     """Languages from the list, launch commands on python blocks, reasons for what is
     not run, expected output after something that runs."""
     for b in ALL:
-        assert b.lang in LANGUAGES, f"README.md:{b.line}: fence without one of {LANGUAGES}"
+        assert b.lang in LANGUAGES, f"{b.where}: fence without one of {LANGUAGES}"
         if b.lang == "python":
             first = b.code.splitlines()[0] if b.code.strip() else ""
             assert first.startswith("# ") and re.search(r"\S+\.py\b", first), (
-                f"README.md:{b.line}: a python block starts with its launch command, "
-                "e.g. '# python demo.py'"
+                f"{b.where}: a python block starts with its launch command, e.g. '# python demo.py'"
             )
         if b.expected:
             assert b.lang == "text" and b.expected_of is not None, (
-                f"README.md:{b.line}: expected output is a text block after a block that runs"
+                f"{b.where}: expected output is a text block after a block that runs"
             )
-    assert sum(b.expected for b in ALL) >= 1
-    assert len(RUN) >= 4, "the quick start and the code examples run"
+    assert sum(b.expected for b in ALL if b.page == "README.md") >= 1
+    assert sum(b.runs for b in ALL if b.page == "README.md") >= 4, (
+        "the quick start and the code examples run"
+    )
+    for page in PAGES:
+        assert any(b.runs for b in ALL if b.page == page), (
+            f"{page}: no block runs between {BEGIN} and {END}"
+        )
+    # A page marked for this test is in PAGES, so that its blocks do not silently go unrun.
+    for path in sorted((ROOT / "docs").rglob("*.md")):
+        page = path.relative_to(ROOT).as_posix()
+        assert page in PAGES or BEGIN not in path.read_text(), f"{page}: add it to PAGES"
     # What is not run is said in the test's output, so that nobody hides a block there.
-    print("not run:", [(b.line, b.skip) for b in ALL if b.skip])
+    print("not run:", [(b.where, b.skip) for b in ALL if b.skip])
+
+
+def test_readme_is_short() -> None:
+    """A newcomer reads it in five minutes: the details are one link away, in docs/."""
+    words = len(README.read_text().split())
+    assert words <= MAX_WORDS, (
+        f"README.md has {words} words (wc -w), more than {MAX_WORDS}: move expected outputs, "
+        "tables and details to the docs page it links to (the blocks can run there, "
+        f"between {BEGIN} and {END}; PAGES)"
+    )
+
+
+def test_first_screen_says_how_to_start() -> None:
+    """The quick start and the PyTorch adoption come before anything else."""
+    first = "\n".join(README.read_text().splitlines()[:FIRST_SCREEN])
+    needs = ("make install", "make demo", "make test", "import optcc_mpi.torch")
+    for needed in (*needs, 'dist.init_process_group("optcc")', "DistributedDataParallel"):
+        assert needed in first, f"README.md: {needed!r} not in its first {FIRST_SCREEN} lines"
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of Markdown ``text`` (lower case, punctuation
+    but hyphens and underscores dropped, spaces as hyphens, ``-1``, ``-2`` on repeats)."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6}\s+(.+?)\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            found.add(f"{slug}-{n}" if n else slug)
+    return found
+
+
+def test_readme_links_resolve() -> None:
+    """Every relative link of the README names a file that exists, and a heading of it."""
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path if path else README
+        assert target.is_file(), f"README.md links to {path}, which does not exist"
+        if anchor:
+            assert anchor in anchors(target.read_text()), (
+                f"README.md links to {link}: {path or 'README.md'} has no such heading"
+            )
 
 
 def _env() -> dict[str, str]:
@@ -147,18 +247,18 @@ def _run(block: Block, where: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("block", RUN, ids=[f"line{b.line}-{b.lang}" for b in RUN])
+@pytest.mark.parametrize("block", RUN, ids=[f"{b.page}-line{b.line}-{b.lang}" for b in RUN])
 def test_block_runs_as_written(block: Block, tmp_path: Path) -> None:
     done = _run(block, tmp_path)
-    shown = f"README.md:{block.line}:\n{block.code}\n--- stdout\n{done.stdout[-3000:]}"
+    shown = f"{block.where}:\n{block.code}\n--- stdout\n{done.stdout[-3000:]}"
     shown += f"\n--- stderr\n{done.stderr[-3000:]}"
     assert done.returncode == 0, shown
     printed = (done.stdout + done.stderr).splitlines()
-    for expect in (b for b in ALL if b.expected_of == block.line):
+    for expect in (b for b in ALL if b.page == block.page and b.expected_of == block.line):
         for line in expect.code.splitlines():
             m = WORD.match(line)
             if m and not any(p.startswith(m.group(1)) for p in printed):
                 pytest.fail(
-                    f"README.md:{expect.line}: the expected output has a line starting "
+                    f"{expect.where}: the expected output has a line starting "
                     f"{m.group(1)!r} that the block above did not print\n{shown}"
                 )
