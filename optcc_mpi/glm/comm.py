@@ -193,13 +193,30 @@ def checksum(a: Any) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).ravel())
 
 
+def _as_group(group: Any) -> Group:
+    """``group`` as a :class:`Group`: a communicator or process group (the argument before
+    :class:`Group` existed) is wrapped, at once, rather than failing at the first reduce."""
+    if isinstance(group, Group):
+        return group
+    try:
+        return Group(group)
+    except ArgumentTypeError:
+        raise ArgumentTypeError(
+            "group must be an optcc_mpi.glm.Group, an mpi4py communicator (e.g. "
+            "MPI.COMM_WORLD) or a torch.distributed process group, not "
+            f"{type(group).__name__}"
+        ) from None
+
+
 class Reducer:
     """A counted, timed, pluggable in-place SUM AllReduce (module docstring).
 
     Parameters
     ----------
-    group : Group
-        The ranks that hold the column blocks.
+    group : Group, mpi4py communicator, torch.distributed.ProcessGroup or None
+        The ranks that hold the column blocks; a communicator or process group (what
+        this argument took before :class:`Group`), or None, is wrapped in a
+        :class:`Group` here.
     allreduce : str or callable
         ``"native"`` (or ``"mpi"``), an ``optcc_mpi.allreduce`` algorithm name, or
         ``f(buf, comm) -> None``.
@@ -223,13 +240,13 @@ class Reducer:
 
     def __init__(
         self,
-        group: Group,
+        group: Group | Any,
         allreduce: str | Callable[[Any, Any], None] = LIBRARY,
         *,
         links: Any = None,
         emulate: Emulation | str | None = None,
     ) -> None:
-        self.group = group
+        self.group = _as_group(group)
         self.links = links
         self.calls = 0
         self.nbytes = 0
@@ -263,7 +280,7 @@ class Reducer:
         self.emulate: Emulation | None = Emulation.coerce(emulate)
         self.pacer: Pacer | None = None
         if self._pace_here and self.emulate and (self.emulate.latency or self.emulate.bw):
-            self.pacer = self.emulate.pacer(group.rank, group.size, Links())
+            self.pacer = self.emulate.pacer(self.group.rank, self.group.size, Links())
 
     def __call__(self, buf: Any) -> Any:
         """SUM-reduce ``buf`` (a contiguous 1-D array or tensor) over the group."""
