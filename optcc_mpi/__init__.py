@@ -13,6 +13,9 @@ Collectives
     Pass as ``sendbuf`` to reduce ``recvbuf`` in place (as in mpi4py).
 ``Comm``
     ``Comm(MPI.COMM_WORLD)``: an mpi4py communicator whose ``Allreduce`` is ours.
+``last_stats()``
+    What the last ``allreduce`` of this process did: ``last_stats()["algorithm"]`` is the
+    algorithm that ran (also under torch.distributed's ``"optcc"`` backend).
 
 Modules
 -------
@@ -43,6 +46,7 @@ _EXPORTS = {
     "IN_PLACE": "optcc_mpi.collectives",
     "Comm": "optcc_mpi.comm",
     "ALGORITHMS": "optcc_mpi.collectives",
+    "last_stats": "optcc_mpi.collectives",
     "Links": "optcc_mpi.links",
     "Emulation": "optcc_mpi.emulation",
 }

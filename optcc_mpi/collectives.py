@@ -56,7 +56,7 @@ from optcc_mpi.communicators import CallRecord, CommState, Fold, Plan, Registry
 from optcc_mpi.dtypes import CATEGORY, NAME_OF, OPS, VALID_PAIRS, dtype_name, op_name
 from optcc_mpi.dtypes import check_op_dtype as _check_op_dtype
 from optcc_mpi.emulation import Emulation, Pacer, forced_fraction
-from optcc_mpi.errors import ArgumentError, ArgumentTypeError, as_ours
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError, ExecutionError, as_ours
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult, probe
@@ -1328,6 +1328,6 @@ def _compiled(
         }
         protocol.disagreement(chk, None, Mismatch(table=table), shown)
     elif answer != fastcall.DONE:
-        raise RuntimeError(f"the compiled call path failed (code {answer})")
+        raise ExecutionError(f"the compiled call path failed (code {answer})")
     _REGISTRY.last = entry.gathered if inline else entry.library
     return True

@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from optcc_mpi.errors import ArgumentTypeError
+
 __all__ = ["Variable", "VARIABLES", "Settings", "rc", "get", "is_set", "reload", "markdown"]
 
 
@@ -272,7 +274,9 @@ class Settings:
         elif isinstance(value, str):
             text = value
         else:
-            raise TypeError(f"rc.{attr} takes a string (or None), not {type(value).__name__}")
+            raise ArgumentTypeError(
+                f"rc.{attr} takes a string (or None), not {type(value).__name__}"
+            )
         if "_text" not in self.__dict__:
             self._load()
         self.__dict__["_text"][var.name] = _text(var, text)

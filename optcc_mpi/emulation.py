@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from optcc_mpi import config
-from optcc_mpi.errors import ArgumentError
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.model import library_allreduce
 from optcc_mpi.units import parse_duration, parse_rate
@@ -94,9 +94,9 @@ class Emulation:
 
     def __post_init__(self) -> None:
         if self.bw is not None and not (self.bw > 0 and math.isfinite(self.bw)):
-            raise ValueError(f"emulation: bandwidth {self.bw!r} must be positive")
+            raise ArgumentError(f"emulation: bandwidth {self.bw!r} must be positive")
         if not (self.latency >= 0 and math.isfinite(self.latency)):
-            raise ValueError(f"emulation: latency {self.latency!r} must be >= 0")
+            raise ArgumentError(f"emulation: latency {self.latency!r} must be >= 0")
 
     @classmethod
     def parse(cls, text: str) -> Emulation:
@@ -113,7 +113,7 @@ class Emulation:
                 continue
             in_degrade = False
             if not sep:
-                raise ValueError(f"emulation: expected KEY=VALUE, got {item!r} in {text!r}")
+                raise ArgumentError(f"emulation: expected KEY=VALUE, got {item!r} in {text!r}")
             if key in ("bw", "bandwidth", "rate"):
                 bw = parse_rate(value)
             elif key in ("latency", "lat", "alpha"):
@@ -122,7 +122,7 @@ class Emulation:
                 degrade.append(value)
                 in_degrade = True
             else:
-                raise ValueError(
+                raise ArgumentError(
                     f"emulation: unknown key {key!r} in {text!r}; use bw, latency, degrade"
                 )
         links = Links.parse(",".join(degrade)) if degrade else None
@@ -138,7 +138,9 @@ class Emulation:
             return emulate
         if isinstance(emulate, str):
             return cls.parse(emulate) if emulate.strip() else None
-        raise TypeError(f"emulate must be an Emulation or a string, not {type(emulate).__name__}")
+        raise ArgumentTypeError(
+            f"emulate must be an Emulation or a string, not {type(emulate).__name__}"
+        )
 
     def pacer(self, rank: int, p: int, links: Links) -> Pacer:
         """The virtual NIC of ``rank`` in a communicator of ``p`` ranks (slow ranks from

@@ -13,10 +13,13 @@ __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
     "DatasetError",
+    "FileMissingError",
     "DivergenceError",
     "VerificationError",
     "PlanError",
     "TestbedError",
+    "ExecutionError",
+    "WaitTimeoutError",
     "MPIUnavailableError",
     "TooLargeError",
     "mark_everywhere",
@@ -41,6 +44,10 @@ class DatasetError(OptccError, ValueError):
     """A dataset file is missing, malformed, corrupt or does not match what was asked."""
 
 
+class FileMissingError(OptccError, FileNotFoundError):
+    """A file we were asked to read (a dataset, a file to convert) is not there."""
+
+
 class DivergenceError(OptccError, RuntimeError):
     """Training diverged (non-finite loss, or a loss far above its best value)."""
 
@@ -57,6 +64,15 @@ class TestbedError(OptccError, RuntimeError):
     """The network-namespace testbed could not be set up, used or removed."""
 
     __test__ = False  # not a pytest test class, despite its name
+
+
+class ExecutionError(OptccError, RuntimeError):
+    """A call could not run to its end: a schedule that deadlocks or stalls, a call not
+    complete in time, a step below us that failed, or what it needs missing here."""
+
+
+class WaitTimeoutError(OptccError, TimeoutError):
+    """A wait ran past its time limit (a rank that never made its part of the call)."""
 
 
 class MPIUnavailableError(OptccError, ImportError):

@@ -80,6 +80,7 @@ import numpy as np
 from optcc_mpi import transports
 from optcc_mpi.backend import Array, Backend
 from optcc_mpi.emulation import Pacer
+from optcc_mpi.errors import ArgumentError, ExecutionError
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
 from optcc_mpi.transports.base import Completion, Post, Req, Transport
 
@@ -222,7 +223,7 @@ def levels(schedule: Schedule) -> np.ndarray:
                     work.append(x)
     out = np.asarray(level, dtype=np.int64)
     if n and out.min() < 0:
-        raise RuntimeError(f"{schedule.name}: deadlocks (the verifier would reject it)")
+        raise ExecutionError(f"{schedule.name}: deadlocks (the verifier would reject it)")
     schedule.__dict__["_levels"] = out
     return out
 
@@ -432,7 +433,7 @@ def _topological(plan: _Plan) -> list[int]:
             if waiting[d] == 0:
                 todo.append(d)
     if k != plan.n:  # pragma: no cover - the builder rejects cycles
-        raise RuntimeError("the program's dependencies have a cycle")
+        raise ExecutionError("the program's dependencies have a cycle")
     return pos
 
 
@@ -507,7 +508,7 @@ def execute(
         return stats
     grouped = transport.caps.completion is Completion.GROUPED
     if pacer is not None and grouped:
-        raise ValueError(f"a {transport.name} transport cannot be paced (emulation)")
+        raise ArgumentError(f"a {transport.name} transport cannot be paced (emulation)")
     if staging is None:
         staging = transport.staging(backend)
     sourcing = plan.sourced() if source is not None else None
@@ -709,7 +710,7 @@ class _Run(Generic[Req]):
         elif kind == COLL:
             self.start_coll(i)
         else:  # pragma: no cover - the builder rejects unknown kinds
-            raise ValueError(f"unknown operation kind {kind}")
+            raise ArgumentError(f"unknown operation kind {kind}")
 
     def defer(self, i: int, when: float, action: int) -> None:
         heapq.heappush(self.timers, (when, self.seq, action, i))
@@ -839,7 +840,7 @@ class _Run(Generic[Req]):
             if len(self.reqs) > stats.max_in_flight:
                 stats.max_in_flight = len(self.reqs)
             if not self.reqs and not self.timers:
-                raise RuntimeError(
+                raise ExecutionError(
                     f"rank {self.t.rank}: {self.schedule.name} stalled with "
                     f"{n - self.completed} operations left (the schedule should have "
                     "failed verification)"

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from optcc_mpi import config
+from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 
 __all__ = ["ENV_LINKS_LOG", "LinkLog", "from_env", "recording", "read", "Record"]
@@ -73,9 +74,9 @@ class LinkLog:
     def __init__(self, path: str | os.PathLike[str], *, every: float = 10.0) -> None:
         self.path = Path(path)
         if not str(path).strip():
-            raise ValueError("link log: the file name is empty")
+            raise ArgumentError("link log: the file name is empty")
         if self.path.is_dir():
-            raise ValueError(f"link log: {self.path} is a folder, not a file")
+            raise ArgumentError(f"link log: {self.path} is a folder, not a file")
         self.every = float(every)
         # Unique per log: host, process, start time, and the logs this process made.
         _MADE[0] += 1
@@ -248,8 +249,8 @@ def read(path: str | os.PathLike[str]) -> list[Record]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                raise ArgumentError(f"{path}:{number}: not JSON ({exc.msg})") from None
             if not isinstance(rec, dict) or "event" not in rec:
-                raise ValueError(f"{path}:{number}: not a link record (no 'event')")
+                raise ArgumentError(f"{path}:{number}: not a link record (no 'event')")
             out.append(rec)
     return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from optcc_mpi import config
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.units import parse_duration, parse_rate, parse_size
 
 __all__ = ["Links", "parse_size", "parse_rate", "parse_duration", "ENV_LINKS"]
@@ -53,9 +54,9 @@ class Links:
             rank_i = int(rank)
             frac_f = float(frac)
             if rank_i < 0:
-                raise ValueError(f"link profile: rank {rank_i} is negative")
+                raise ArgumentError(f"link profile: rank {rank_i} is negative")
             if not (0.0 < frac_f <= 1.0) or not np.isfinite(frac_f):
-                raise ValueError(
+                raise ArgumentError(
                     f"link profile: fraction {frac!r} for rank {rank_i} is outside (0, 1]"
                 )
             if frac_f < 1.0:
@@ -76,23 +77,23 @@ class Links:
         for item in text.split(","):
             m = _ITEM.match(item)
             if not m:
-                raise ValueError(
+                raise ArgumentError(
                     f"link profile: cannot parse {item.strip()!r} in {text!r}; "
                     "expected RANK:FRACTION, e.g. 0:0.5"
                 )
             first = int(m.group(1))
             last = int(m.group(2)) if m.group(2) is not None else first
             if last < first:
-                raise ValueError(f"link profile: empty rank range {item.strip()!r}")
+                raise ArgumentError(f"link profile: empty rank range {item.strip()!r}")
             try:
                 frac = float(m.group(3))
             except ValueError:
-                raise ValueError(
+                raise ArgumentError(
                     f"link profile: fraction {m.group(3)!r} in {item.strip()!r} is not a number"
                 ) from None
             for rank in range(first, last + 1):
                 if rank in fracs:
-                    raise ValueError(f"link profile: rank {rank} is named twice in {text!r}")
+                    raise ArgumentError(f"link profile: rank {rank} is named twice in {text!r}")
                 fracs[rank] = frac
         return cls(fracs)
 
@@ -107,7 +108,7 @@ class Links:
         if vec.size == 0:
             return cls({})
         if not np.all(np.isfinite(vec)) or np.any(vec <= 0):
-            raise ValueError(f"link profile: bandwidths must be positive and finite: {vec}")
+            raise ArgumentError(f"link profile: bandwidths must be positive and finite: {vec}")
         vec = vec / vec.max()
         return cls({i: float(f) for i, f in enumerate(vec)})
 
@@ -122,7 +123,9 @@ class Links:
             return cls.parse(links)
         if isinstance(links, Mapping):
             return cls(links)
-        raise TypeError(f"links must be a Links, a string or a mapping, not {type(links).__name__}")
+        raise ArgumentTypeError(
+            f"links must be a Links, a string or a mapping, not {type(links).__name__}"
+        )
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -139,7 +142,7 @@ class Links:
         """Raise ValueError if a degraded rank is outside a communicator of size ``p``."""
         bad = [r for r in self.fractions if r >= p]
         if bad:
-            raise ValueError(
+            raise ArgumentError(
                 f"link profile names rank {bad[0]}, outside the communicator of size {p} "
                 f"(ranks 0..{p - 1})"
             )

@@ -50,7 +50,7 @@ from typing import Any, TypeAlias, cast
 import numpy as np
 import numpy.typing as npt
 
-from optcc_mpi.errors import TooLargeError
+from optcc_mpi.errors import ArgumentError, TooLargeError
 
 __all__ = [
     "SEND",
@@ -308,13 +308,13 @@ class Schedule:
         if sends.size != recvs.size or not np.array_equal(s_key, r_key):
             s3 = np.stack([self.rank[sends], self.peer[sends], self.chan[sends]], axis=1)
             r3 = np.stack([self.peer[recvs], self.rank[recvs], self.chan[recvs]], axis=1)
-            raise ValueError(f"{self.name}: unmatched messages: {_first_unmatched(s3, r3)}")
+            raise ArgumentError(f"{self.name}: unmatched messages: {_first_unmatched(s3, r3)}")
         del s_key, r_key
         bad = (self.hi[sends] - self.lo[sends]) != (self.hi[recvs] - self.lo[recvs])
         if bad.any():
             j = int(np.flatnonzero(bad)[0])
             a, b, ch = self.rank[sends[j]], self.peer[sends[j]], self.chan[sends[j]]
-            raise ValueError(
+            raise ArgumentError(
                 f"{self.name}: message {a}->{b} on channel {ch}: send of "
                 f"{self.length[sends[j]]} elements meets receive of {self.length[recvs[j]]}"
             )
@@ -393,9 +393,9 @@ class ScheduleBuilder:
         **params: object,
     ) -> None:
         if p < 1:
-            raise ValueError(f"schedule needs at least one rank, got p={p}")
+            raise ArgumentError(f"schedule needs at least one rank, got p={p}")
         if count < 0:
-            raise ValueError(f"element count must be >= 0, got {count}")
+            raise ArgumentError(f"element count must be >= 0, got {count}")
         self.p = int(p)
         self.count = int(count)
         self.name = name
@@ -667,14 +667,14 @@ class ScheduleBuilder:
             bad = dep_on >= dep_op
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ValueError(
+                raise ArgumentError(
                     f"{self.name}: op {dep_op[i]} depends on later op {dep_on[i]} "
                     "(dependencies must point backwards in program order)"
                 )
             bad = rank[dep_op] != rank[dep_on]
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise ValueError(
+                raise ArgumentError(
                     f"{self.name}: op {dep_op[i]} (rank {rank[dep_op[i]]}) depends on op "
                     f"{dep_on[i]} of rank {rank[dep_on[i]]}; dependencies are per rank"
                 )
@@ -718,12 +718,12 @@ class ScheduleBuilder:
     def _check(self, cols: dict[str, np.ndarray]) -> None:
         kind, rank, peer = cols["kind"], cols["rank"], cols["peer"]
         if np.any((rank < 0) | (rank >= self.p)):
-            raise ValueError(f"{self.name}: operation on a rank outside 0..{self.p - 1}")
+            raise ArgumentError(f"{self.name}: operation on a rank outside 0..{self.p - 1}")
         comm = kind <= RECV_REDUCE
         bad = comm & ((peer < 0) | (peer >= self.p) | (peer == rank))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"{self.name}: op {i} on rank {rank[i]} has invalid peer {peer[i]}")
+            raise ArgumentError(f"{self.name}: op {i} on rank {rank[i]} has invalid peer {peer[i]}")
         del comm, bad
         # Target ranges within their buffers; sources of local operations too. Masks per
         # buffer rather than a per-operation size array: this runs over every operation.
@@ -733,7 +733,7 @@ class ScheduleBuilder:
         bad |= (bufs == 1) & (hi > self.scratch)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise ValueError(
+            raise ArgumentError(
                 f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) target range "
                 f"[{lo[i]}, {hi[i]}) of buffer {bufs[i]} is out of bounds"
             )
@@ -746,7 +746,7 @@ class ScheduleBuilder:
             if bad.any():
                 j = int(np.flatnonzero(bad)[0])
                 i = int(local[j])
-                raise ValueError(
+                raise ArgumentError(
                     f"{self.name}: op {i} ({KIND_NAMES[kind[i]]}) source range "
                     f"[{slo[j]}, {shi[j]}) of buffer {sb[j]} is out of bounds"
                 )

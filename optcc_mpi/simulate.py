@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from optcc_mpi import config
-from optcc_mpi.errors import TooLargeError
+from optcc_mpi.errors import ExecutionError, TooLargeError
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import (
     COLL,
@@ -127,7 +127,7 @@ def simulate(
     )
     unfinished = int(np.sum(np.asarray(posted) < 0.0))
     if unfinished:
-        raise RuntimeError(
+        raise ExecutionError(
             f"{s.name}: {unfinished} operations never became ready (deadlock); "
             "run optcc_mpi.verify.verify on the schedule for details"
         )

@@ -61,6 +61,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from optcc_mpi.errors import ExecutionError
+
 __all__ = ["StreamApi", "Stream", "Event", "CudaStreams", "SideStreams", "StreamCall"]
 
 T = TypeVar("T")
@@ -257,7 +259,7 @@ class StreamCall:
         queued_by = limit if limit is not None else self._timeout
         start = time.monotonic()
         if not self._queued.wait(queued_by.total_seconds()):
-            raise RuntimeError(
+            raise ExecutionError(
                 f"the optcc call was not queued after {queued_by} (a rank that never made "
                 "the call, or a stalled peer)"
             )
@@ -269,7 +271,7 @@ class StreamCall:
             deadline = start + limit.total_seconds()
             while not self.is_completed():
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(f"the optcc call did not complete within {limit}")
+                    raise ExecutionError(f"the optcc call did not complete within {limit}")
                 time.sleep(_POLL_S)
         return True
 

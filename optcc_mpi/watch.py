@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from optcc_mpi import linklog
+from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import SEND, Schedule
@@ -310,11 +311,11 @@ class LinkWatch:
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
-            raise ValueError(f"watch: threshold {self.threshold!r} must be in (0, 1)")
+            raise ArgumentError(f"watch: threshold {self.threshold!r} must be in (0, 1)")
         if self.confirm < 1:
-            raise ValueError(f"watch: confirm {self.confirm!r} must be at least 1")
+            raise ArgumentError(f"watch: confirm {self.confirm!r} must be at least 1")
         if self.explore < 0 or self.explore_max < self.explore:
-            raise ValueError(
+            raise ArgumentError(
                 f"watch: explore {self.explore!r} must be at least 0 and at most "
                 f"explore_max {self.explore_max!r}"
             )

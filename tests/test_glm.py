@@ -19,6 +19,7 @@ import pytest
 import scipy.sparse as sp
 from mpi4py import MPI
 
+from optcc_mpi.errors import ArgumentTypeError
 from optcc_mpi.glm import (
     RECIPES,
     SLOTS,
@@ -393,6 +394,51 @@ def test_callable_allreduce_and_emulation_settings():
     red = Reducer(group, "mpi", emulate="latency=50us")
     assert red.name == "native" and red.emulate.latency == pytest.approx(50e-6)
     assert red.pacer is not None
+
+
+def test_reducer_wraps_a_communicator():
+    """A communicator where a Group is expected (the call before Group existed) is wrapped
+    at construction, not left to fail at the first reduce."""
+    seen = []
+    red = Reducer(MPI.COMM_WORLD, lambda buf, comm: seen.append(comm))
+    assert isinstance(red.group, Group) and red.group.comm is MPI.COMM_WORLD
+    red(np.ones(3))
+    assert seen == [MPI.COMM_WORLD]  # a callable still gets the communicator
+    buf = np.arange(4.0)
+    np.testing.assert_array_equal(Reducer(MPI.COMM_SELF, "native")(buf), np.arange(4.0))
+    group = Group(MPI.COMM_SELF)
+    assert Reducer(group).group is group  # a Group is kept as it is
+
+
+def test_reducer_wraps_a_transport_over_several_ranks():
+    """Over 3 ranks (threads of a local world): the wrapped transport reduces."""
+    from optcc_mpi.testing.local import LocalWorld
+
+    def call(t):
+        red = Reducer(t, "native")
+        x = np.full(5, float(t.rank + 1))
+        red(x)
+        return x.tolist(), red.calls
+
+    for got, calls in LocalWorld(3).run(call):
+        assert got == [6.0] * 5 and calls == 1
+
+
+@pytest.mark.parametrize("bad", [object(), "MPI.COMM_WORLD", 3])
+def test_reducer_refuses_what_is_no_group_at_construction(bad):
+    with pytest.raises(ArgumentTypeError, match="group must be an optcc_mpi.glm.Group, an mpi4py"):
+        Reducer(bad)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("allreduce", ["native", "ring"])
+def test_mpi_reducer_given_a_communicator_reduces(allreduce):
+    comm = MPI.COMM_WORLD
+    red = Reducer(comm, allreduce)
+    x = np.full(7, float(comm.rank + 1))
+    red(x)
+    np.testing.assert_array_equal(x, np.full(7, comm.size * (comm.size + 1) / 2))
+    assert red.calls == 1 and red.nbytes == x.nbytes
 
 
 def test_optcc_allreduce_algorithms_plug_in():

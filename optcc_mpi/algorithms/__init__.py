@@ -182,10 +182,10 @@ def register(
         module = fn.__module__
         key = name or module.rsplit(".", 1)[-1]
         if not key.isidentifier() or key == "auto":
-            raise ValueError(f"algorithm name {key!r} must be an identifier other than 'auto'")
+            raise ArgumentError(f"algorithm name {key!r} must be an identifier other than 'auto'")
         old = _REGISTRY.get(key)
         if old is not None and old.module != module:
-            raise ValueError(f"algorithm {key!r} registered by both {old.module} and {module}")
+            raise ArgumentError(f"algorithm {key!r} registered by both {old.module} and {module}")
         _REGISTRY[key] = Algorithm(
             name=key,
             summary=summary,

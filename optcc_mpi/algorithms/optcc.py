@@ -65,7 +65,7 @@ import numpy.typing as npt
 
 from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import MAX_AUTO_OPS, Transport, large_messages, transport_of
-from optcc_mpi.errors import PlanError
+from optcc_mpi.errors import ArgumentError, PlanError
 from optcc_mpi.links import Links
 from optcc_mpi.model import fractions, lower_bound
 from optcc_mpi.schedule import (
@@ -425,7 +425,7 @@ def _grid_shape(plan: OptccPlan, grid: int | str) -> tuple[int, int]:
     if grid != "auto":
         a = int(grid)
         if a not in allowed:
-            raise ValueError(
+            raise ArgumentError(
                 f"optcc: grid rows {a} must divide the owners at every share level "
                 f"(allowed: {allowed})"
             )
@@ -1339,7 +1339,7 @@ def optcc(
         setting) is a fabric whose messages cost only their bytes.
     """
     if pattern not in PATTERNS:
-        raise ValueError(f"unknown OptCC pattern {pattern!r}; choose one of {PATTERNS}")
+        raise ArgumentError(f"unknown OptCC pattern {pattern!r}; choose one of {PATTERNS}")
     links = links if links is not None else Links()
     plan = optcc_plan(p, links)
     a, nb = _grid_shape(plan, grid)

@@ -49,6 +49,7 @@ from optcc_mpi.algorithms._policy import (
     transport_of,
 )
 from optcc_mpi.algorithms.ring import add_ring_allreduce, reduce_scatter, ring_chunks
+from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
 from optcc_mpi.schedule import SEND, Schedule, ScheduleBuilder, check_size, split
@@ -242,7 +243,7 @@ def r2ccl(
         "R2CCL").
     """
     if schedule not in (None, 0, 1, 2):
-        raise ValueError(f"r2ccl: schedule must be None, 0, 1 or 2, not {schedule!r}")
+        raise ArgumentError(f"r2ccl: schedule must be None, 0, 1 or 2, not {schedule!r}")
     if chunk_bytes is None:
         chunk_bytes = message_bytes(-(-count // max(p, 1)) * itemsize, transport, window)
     else:

@@ -13,7 +13,7 @@ from typing import Any
 import h5py
 
 from optcc_mpi import agreement, config, transports
-from optcc_mpi.errors import DatasetError
+from optcc_mpi.errors import DatasetError, ExecutionError, FileMissingError
 
 from .synthetic import SYNTH_VERSION, synth
 
@@ -100,7 +100,7 @@ def default_dataset(comm: Any = None) -> Path:
             error = f"{type(exc).__name__}: {exc}"
     error = agreement.agree(t, None, error)[0]  # rank 0's outcome, on every rank
     if error is not None:
-        raise RuntimeError(f"rank 0 could not create the default dataset {path}: {error}")
+        raise ExecutionError(f"rank 0 could not create the default dataset {path}: {error}")
     if not path.exists():
         _ensure_default(path)
     return path
@@ -135,7 +135,7 @@ def shipped(name: str) -> Path:
         raise DatasetError(f"unknown shipped dataset {name!r}; expected one of {known}")
     path = _repo_data_dir() / f"{name}.h5"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise FileMissingError(
             f"shipped dataset {name!r} not found at {path}; the files live in the source "
             "repository's data/ folder (regenerate with data/make_datasets.py)"
         )

@@ -35,7 +35,7 @@ from typing import IO, Any
 import h5py
 import numpy as np
 
-from optcc_mpi.errors import DatasetError
+from optcc_mpi.errors import DatasetError, FileMissingError
 from optcc_mpi.labels import LabelScan
 from optcc_mpi.progress import Progress
 
@@ -429,7 +429,7 @@ def convert_svmlight(
     h5_filters(compression)
     src, dst = Path(src), Path(dst)
     if not src.is_file():
-        raise FileNotFoundError(f"svmlight file not found: {src}")
+        raise FileMissingError(f"svmlight file not found: {src}")
 
     scan = _scan_pass(src, name, progress)
     plan = _plan(

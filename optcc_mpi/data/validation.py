@@ -27,7 +27,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from optcc_mpi.errors import DatasetError
+from optcc_mpi.errors import DatasetError, FileMissingError
 
 from .layout import (
     BF16,
@@ -46,7 +46,7 @@ SPARSE_SLAB = 1 << 22
 def open_dataset(path: str | os.PathLike) -> h5py.File:
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"dataset file not found: {p}")
+        raise FileMissingError(f"dataset file not found: {p}")
     if not p.is_file():
         raise DatasetError(f"{p} is not a file")
     try:

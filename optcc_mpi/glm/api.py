@@ -36,6 +36,7 @@ import scipy.sparse as sp
 from .. import config as _config
 from ..backend import get_cupy
 from ..data import column_block
+from ..errors import ArgumentError
 from ..progress import Progress
 from . import auto
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -79,13 +80,13 @@ def resolve_device(device: Any) -> Any:
     if name == "cpu":
         return np
     if name not in ("gpu", "auto"):
-        raise ValueError(f"unknown device {device!r}; choose cpu, gpu or auto")
+        raise ArgumentError(f"unknown device {device!r}; choose cpu, gpu or auto")
     cp = get_cupy()
     if cp is not None:
         return cp
     if name == "auto":
         return np
-    raise ValueError(
+    raise ArgumentError(
         "device='gpu' but no usable GPU (CuPy missing or cupy.is_available() is False)"
     )
 
@@ -174,14 +175,14 @@ class FitResult:
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or int(value) != value or int(value) < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
 def _finite(name: str, value: Any, *, positive: bool = False) -> float:
     v = float(value)
     if not math.isfinite(v) or (v <= 0 if positive else v < 0):
-        raise ValueError(
+        raise ArgumentError(
             f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
             f"got {value!r}"
         )
@@ -202,17 +203,17 @@ def _check_tensor_X(X: Any) -> Any:
     import torch  # loaded already: X is a tensor
 
     if X.layout != torch.strided:
-        raise ValueError(
+        raise ArgumentError(
             "X is a sparse tensor: pass a dense tensor (or a SciPy CSR matrix under MPI)"
         )
     if X.ndim != 2:
-        raise ValueError(f"X must be a 2-D tensor (rows = samples), got shape {tuple(X.shape)}")
+        raise ArgumentError(f"X must be a 2-D tensor (rows = samples), got shape {tuple(X.shape)}")
     if not X.is_floating_point():
         if X.is_complex():
-            raise ValueError(f"X must hold floating-point numbers, got dtype {X.dtype}")
+            raise ArgumentError(f"X must hold floating-point numbers, got dtype {X.dtype}")
         X = X.double()
     if not bool(X.isfinite().all()):
-        raise ValueError("X contains NaN or inf")
+        raise ArgumentError("X contains NaN or inf")
     return X
 
 
@@ -226,20 +227,20 @@ def _check_X(X: Any) -> Any:
         return _check_tensor_X(X)
     if sp.issparse(X):
         if X.ndim != 2:
-            raise ValueError(f"X must be 2-D, got shape {X.shape}")
+            raise ArgumentError(f"X must be 2-D, got shape {X.shape}")
         values = X.tocsr().data
     else:
         if not hasattr(X, "shape") or not hasattr(X, "dtype"):
             X = np.asarray(X)
         if X.ndim != 2:
-            raise ValueError(f"X must be a 2-D array (rows = samples), got shape {X.shape}")
+            raise ArgumentError(f"X must be a 2-D array (rows = samples), got shape {X.shape}")
         if X.dtype.kind in "iub":
             X = X.astype(np.float64)
         values = X
     if values.dtype.kind not in "fV" and values.dtype.name != "bfloat16":
-        raise ValueError(f"X must hold floating-point numbers, got dtype {values.dtype}")
+        raise ArgumentError(f"X must hold floating-point numbers, got dtype {values.dtype}")
     if not np.isfinite(values).all():
-        raise ValueError("X contains NaN or inf")
+        raise ArgumentError("X contains NaN or inf")
     return X
 
 
@@ -253,20 +254,20 @@ def _sample_weights(sample_weight: Any, m: int) -> np.ndarray | None:
         return None
     sw = np.asarray(sample_weight)
     if sw.dtype.kind not in "fiub":
-        raise ValueError(f"sample_weight must hold numbers, got dtype {sw.dtype}")
+        raise ArgumentError(f"sample_weight must hold numbers, got dtype {sw.dtype}")
     sw = sw.astype(np.float64)
     if sw.ndim == 0:
         sw = np.full(m, float(sw))
     if sw.shape != (m,):
-        raise ValueError(f"sample_weight needs shape ({m},) like y, got {sw.shape}")
+        raise ArgumentError(f"sample_weight needs shape ({m},) like y, got {sw.shape}")
     if not np.isfinite(sw).all():
-        raise ValueError("sample_weight contains NaN or inf")
+        raise ArgumentError("sample_weight contains NaN or inf")
     if (sw < 0).any():
         i = int(np.flatnonzero(sw < 0)[0])
-        raise ValueError(f"sample_weight must be non-negative; sample_weight[{i}] = {sw[i]:g}")
+        raise ArgumentError(f"sample_weight must be non-negative; sample_weight[{i}] = {sw[i]:g}")
     total = float(sw.sum())
     if not total > 0:
-        raise ValueError("sample_weight sums to 0: at least one row needs a positive weight")
+        raise ArgumentError("sample_weight sums to 0: at least one row needs a positive weight")
     if np.all(sw == sw[0]):
         return None
     return sw * (m / total)
@@ -598,10 +599,10 @@ def _check_options(
     """Check :func:`fit`'s settings on this rank; a ``ValueError`` names the first bad one."""
     mdl = get_model(model)
     if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+        raise ArgumentError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     rcp = get_recipe(recipe, slots)
     if gram_layout not in GRAM_LAYOUTS:
-        raise ValueError(f"unknown gram_layout {gram_layout!r}; choose one of {GRAM_LAYOUTS}")
+        raise ArgumentError(f"unknown gram_layout {gram_layout!r}; choose one of {GRAM_LAYOUTS}")
     s = 0 if isinstance(s, str) and s == "auto" else _positive_int("s", s)
     b = _positive_int("b", b)
     max_iter = _positive_int("epochs" if fixed_epochs else "max_iter", max_iter, 0)
@@ -609,16 +610,18 @@ def _check_options(
         tol = _finite("tol", tol)
     n_iter_no_change = _positive_int("n_iter_no_change", n_iter_no_change)
     if learning_rate not in LEARNING_RATES:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown learning_rate {learning_rate!r}; choose one of {', '.join(LEARNING_RATES)}"
         )
     if not isinstance(early_stopping, (bool, np.bool_)):
-        raise ValueError(f"early_stopping must be True or False, got {early_stopping!r}")
+        raise ArgumentError(f"early_stopping must be True or False, got {early_stopping!r}")
     fraction = 0.0
     if early_stopping:
         fraction = float(validation_fraction)
         if not 0.0 < fraction < 1.0:
-            raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
+            raise ArgumentError(
+                f"validation_fraction must be in (0, 1), got {validation_fraction!r}"
+            )
     seed = _positive_int("seed", seed, 0)
     eval_every = _positive_int("eval_every", eval_every, 0)
     checkpoint_every = _positive_int("checkpoint_every", checkpoint_every, 0)
@@ -627,13 +630,13 @@ def _check_options(
     if divergence_factor is not None:
         factor = float(divergence_factor)
         if not factor > 1:
-            raise ValueError(
+            raise ArgumentError(
                 f"divergence_factor must be a number > 1 (or None to turn the check "
                 f"off), got {divergence_factor!r}"
             )
         divergence_factor = None if math.isinf(factor) else factor
     if resume and checkpoint is None:
-        raise ValueError("resume needs a checkpoint file")
+        raise ArgumentError("resume needs a checkpoint file")
     return _Options(
         model=mdl,
         solver=solver,
@@ -686,29 +689,29 @@ def _kernels(group: Group, X: Any, device: Any) -> _Kernels:
         dev = X.device
     elif group.library == "nccl":
         if not torch.cuda.is_available():
-            raise ValueError("an NCCL process group but no usable CUDA device in this process")
+            raise ArgumentError("an NCCL process group but no usable CUDA device in this process")
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
     if isinstance(device, str) and device.lower() in ("cpu", "gpu"):
         want = "cpu" if device.lower() == "cpu" else "cuda"
         if dev.type != want:
-            raise ValueError(
+            raise ArgumentError(
                 f"device={device!r} but the data are on {dev} (over {group.describe()})"
             )
     elif device not in (None, "auto"):
-        raise ValueError(
+        raise ArgumentError(
             f"device={device!r}: over a torch.distributed group the tensors stay on X's "
             "device, or the group's (gloo: cpu, NCCL: the current CUDA device); pass "
             "None, 'auto', 'cpu' or 'gpu'"
         )
     if group.library == "gloo" and dev.type != "cpu":
-        raise ValueError(
+        raise ArgumentError(
             f"X is on {dev} but the process group is gloo's, which moves CPU tensors: use "
             "an NCCL group for CUDA tensors, or move X to the CPU"
         )
     if group.library == "nccl" and dev.type != "cuda":
-        raise ValueError(
+        raise ArgumentError(
             f"X is on {dev} but the process group is NCCL's, which moves CUDA tensors: "
             "move X to the GPU (or train over gloo on the CPU)"
         )
@@ -757,7 +760,7 @@ def _check_inputs(
     if kernels.kind == "numpy" and is_tensor(X):
         X = _to_numpy(X)  # over MPI the kernels are NumPy's
     if kernels.kind == "torch" and sp.issparse(X):
-        raise ValueError(
+        raise ArgumentError(
             "sparse X trains over MPI only: pass a dense array or tensor over a "
             "torch.distributed group"
         )
@@ -767,24 +770,24 @@ def _check_inputs(
     else:
         y64 = mdl.check_labels(y_in)
     if y64.shape[0] != X.shape[0]:
-        raise ValueError(f"X has {X.shape[0]} rows but y has {y64.shape[0]} labels")
+        raise ArgumentError(f"X has {X.shape[0]} rows but y has {y64.shape[0]} labels")
     sw = _sample_weights(_host(sample_weight), X.shape[0])
     if cols is not None:
         if not isinstance(cols, slice) or cols.step not in (None, 1):
-            raise ValueError(f"cols must be a contiguous slice, got {cols!r}")
+            raise ArgumentError(f"cols must be a contiguous slice, got {cols!r}")
         if cols.stop - cols.start != X.shape[1]:
-            raise ValueError(
+            raise ArgumentError(
                 f"cols {cols.start}:{cols.stop} name {cols.stop - cols.start} columns but "
                 f"X has {X.shape[1]}"
             )
     if n_features is not None:
         if cols is None:
-            raise ValueError("n_features goes with cols (this rank's block of the columns)")
+            raise ArgumentError("n_features goes with cols (this rank's block of the columns)")
         n_features = _positive_int("n_features", n_features)
     if w0 is not None:
         w0 = _host(w0)
         if np.shape(w0) != (X.shape[1], *y64.shape[1:]):
-            raise ValueError(
+            raise ArgumentError(
                 f"w0 needs shape {(X.shape[1], *y64.shape[1:])} (X's columns, y's outputs), "
                 f"got {np.shape(w0)}"
             )
@@ -802,31 +805,31 @@ def _check_across(
     """
     m = shared[0][0]
     if any(p[0] != m for p in shared):
-        raise ValueError(f"ranks disagree on the number of rows: {[p[0] for p in shared]}")
+        raise ArgumentError(f"ranks disagree on the number of rows: {[p[0] for p in shared]}")
     if any(p[3] != shared[0][3] for p in shared):
-        raise ValueError("ranks hold different labels y (they must be replicated)")
+        raise ArgumentError("ranks hold different labels y (they must be replicated)")
     if any(p[4] != shared[0][4] for p in shared):
-        raise ValueError("ranks hold different sample_weight (it must be replicated)")
+        raise ArgumentError("ranks hold different sample_weight (it must be replicated)")
     devices = [p[5] for p in shared]
     if len(set(devices)) > 1:
         where = ", ".join(f"rank {r} {d}" for r, d in enumerate(devices))
-        raise ValueError(
+        raise ArgumentError(
             f"the ranks hold their data on different kinds of device ({where}): every rank "
             "must compute on the same kind (all CPU, or all GPU)"
         )
     if len({p[2] is None for p in shared}) > 1:
-        raise ValueError("either every rank passes cols (its column block) or none does")
+        raise ArgumentError("either every rank passes cols (its column block) or none does")
     if inputs.cols is None:
         n_features = shared[0][1]
         if any(p[1] != n_features for p in shared):
-            raise ValueError("without cols every rank must pass the full X (same shape)")
+            raise ArgumentError("without cols every rank must pass the full X (same shape)")
     else:
         spans = [p[2] for p in shared]
         declared = {p[6] for p in shared}
         if len(declared) > 1:
-            raise ValueError(f"ranks disagree on n_features: {[p[6] for p in shared]}")
+            raise ArgumentError(f"ranks disagree on n_features: {[p[6] for p in shared]}")
         if spans[0][0] != 0 or any(spans[i][1] != spans[i + 1][0] for i in range(size - 1)):
-            raise ValueError(
+            raise ArgumentError(
                 f"the ranks' cols must tile 0..n in rank order, got {spans}: were the blocks "
                 f"split for another communicator (another number of ranks, or another order) "
                 f"than this one ({size} ranks)?"
@@ -834,34 +837,34 @@ def _check_across(
         n_features = spans[-1][1]
         total = declared.pop()
         if total is not None and total != n_features:
-            raise ValueError(
+            raise ArgumentError(
                 f"the {size} ranks' blocks cover columns 0..{n_features} of {total}: the data "
                 f"were split for another communicator (another number of ranks) than this "
                 f"one; load them with the communicator that trains"
             )
     if n_features < size:
-        raise ValueError(
+        raise ArgumentError(
             f"{size} ranks but only {n_features} features: every rank needs at least one "
             f"column; run on at most {n_features} ranks"
         )
     if any(p[1] == 0 for p in shared) and inputs.cols is not None:
-        raise ValueError("every rank needs at least one column (a block has width 0)")
+        raise ArgumentError("every rank needs at least one column (a block has width 0)")
     m_train = m - _validation_size(inputs.y, opts)
     s, b = opts.s, opts.b
     if opts.validation_fraction and m_train < m:
         held = m - m_train
         if held < 1 or m_train < 1:
-            raise ValueError(
+            raise ArgumentError(
                 f"validation_fraction={opts.validation_fraction:g} of {m} rows leaves "
                 f"{m_train} to train on and {held} to validate: lower or raise it"
             )
     if b > m_train:
-        raise ValueError(f"the batch size b = {b} exceeds the {m_train} training rows")
+        raise ArgumentError(f"the batch size b = {b} exceeds the {m_train} training rows")
     if opts.solver == "sgd":
         # SGD groups steps only for bookkeeping: any s works ("auto": one step).
         opts = dataclasses.replace(opts, s=min(s or 1, m_train // b))
     elif s * b > m_train:
-        raise ValueError(
+        raise ArgumentError(
             f"s*b = {s}*{b} = {s * b} exceeds the {m_train} training rows; lower s or b"
         )
     return opts, n_features

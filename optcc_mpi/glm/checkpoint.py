@@ -35,6 +35,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from ..errors import ArgumentError
 from .comm import Group
 
 __all__ = ["FORMAT", "load_checkpoint", "save_checkpoint"]
@@ -121,9 +122,9 @@ def load_checkpoint(
             try:
                 with h5py.File(path, "r") as f:
                     if f.attrs.get("format") != FORMAT:
-                        raise ValueError(f"{path} is not a optcc_mpi.glm checkpoint")
+                        raise ArgumentError(f"{path} is not a optcc_mpi.glm checkpoint")
                     if int(f.attrs.get("version", 0)) != VERSION:
-                        raise ValueError(
+                        raise ArgumentError(
                             f"{path} is a checkpoint of format version "
                             f"{int(f.attrs.get('version', 0))}, written before the stopping "
                             f"rule was saved (this is version {VERSION}): start afresh"
@@ -137,7 +138,7 @@ def load_checkpoint(
                             f"{k}: checkpoint {saved.get(k)!r} vs now {config.get(k)!r}"
                             for k in diff
                         )
-                        raise ValueError(
+                        raise ArgumentError(
                             f"checkpoint {path} was written by a different run ({shown})"
                         )
                     state = {

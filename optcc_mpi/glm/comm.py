@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,8 +48,26 @@ from ..collectives import allreduce as _allreduce
 from ..emulation import Emulation, Pacer
 from ..errors import ArgumentError, ArgumentTypeError
 from ..links import Links
+from . import _removed
 
 __all__ = ["LIBRARY", "Group", "Reducer", "agree", "checksum", "default_comm"]
+
+#: Names this module exported before the trainer's AllReduce went through the public
+#: collectives, and what replaced each: they still resolve, for one release, with a
+#: FutureWarning (their code as it was, in :mod:`optcc_mpi.glm._removed`).
+_REMOVED = {
+    "PATHS": "optcc_mpi.model.library_allreduce, which picks the library's algorithm by size",
+    "allreduce_path": (
+        "optcc_mpi.model.recursive_doubling_rounds(p) for the critical path's messages, "
+        "optcc_mpi.model.library_allreduce for the time"
+    ),
+    "allreduce_cost": "optcc_mpi.model.library_allreduce(p, nbytes, bw, latency=latency)",
+    "NetworkPacer": (
+        "optcc_mpi.Emulation(latency=..., bw=...).pacer(rank, p, links), whose hold(started, "
+        "nbytes) sleeps to the deadline"
+    ),
+}
+
 
 T = TypeVar("T")
 
@@ -193,13 +212,30 @@ def checksum(a: Any) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).ravel())
 
 
+def _as_group(group: Any) -> Group:
+    """``group`` as a :class:`Group`: a communicator or process group (the argument before
+    :class:`Group` existed) is wrapped, at once, rather than failing at the first reduce."""
+    if isinstance(group, Group):
+        return group
+    try:
+        return Group(group)
+    except ArgumentTypeError:
+        raise ArgumentTypeError(
+            "group must be an optcc_mpi.glm.Group, an mpi4py communicator (e.g. "
+            "MPI.COMM_WORLD) or a torch.distributed process group, not "
+            f"{type(group).__name__}"
+        ) from None
+
+
 class Reducer:
     """A counted, timed, pluggable in-place SUM AllReduce (module docstring).
 
     Parameters
     ----------
-    group : Group
-        The ranks that hold the column blocks.
+    group : Group, mpi4py communicator, torch.distributed.ProcessGroup or None
+        The ranks that hold the column blocks; a communicator or process group (what
+        this argument took before :class:`Group`), or None, is wrapped in a
+        :class:`Group` here.
     allreduce : str or callable
         ``"native"`` (or ``"mpi"``), an ``optcc_mpi.allreduce`` algorithm name, or
         ``f(buf, comm) -> None``.
@@ -223,13 +259,13 @@ class Reducer:
 
     def __init__(
         self,
-        group: Group,
+        group: Group | Any,
         allreduce: str | Callable[[Any, Any], None] = LIBRARY,
         *,
         links: Any = None,
         emulate: Emulation | str | None = None,
     ) -> None:
-        self.group = group
+        self.group = _as_group(group)
         self.links = links
         self.calls = 0
         self.nbytes = 0
@@ -263,7 +299,7 @@ class Reducer:
         self.emulate: Emulation | None = Emulation.coerce(emulate)
         self.pacer: Pacer | None = None
         if self._pace_here and self.emulate and (self.emulate.latency or self.emulate.bw):
-            self.pacer = self.emulate.pacer(group.rank, group.size, Links())
+            self.pacer = self.emulate.pacer(self.group.rank, self.group.size, Links())
 
     def __call__(self, buf: Any) -> Any:
         """SUM-reduce ``buf`` (a contiguous 1-D array or tensor) over the group."""
@@ -319,3 +355,16 @@ class Reducer:
                 net_overrun_s=pacer.overrun_s,
             )
         return out
+
+
+def __getattr__(name: str) -> Any:
+    replacement = _REMOVED.get(name)
+    if replacement is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"optcc_mpi.glm.comm.{name} is deprecated and will be removed in the next release: "
+        f"use {replacement}",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return getattr(_removed, name)

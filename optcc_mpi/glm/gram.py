@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ArgumentError, ExecutionError
+
 __all__ = [
     "CUBLAS_COMPUTE_32F",
     "CUBLAS_GEMM_DEFAULT",
@@ -54,7 +56,7 @@ def gemm_nt_plan(m: int, n: int, k: int) -> dict[str, int]:
         naming which row-major operand (``"A"`` or ``"B"``) goes in each pointer slot.
     """
     if min(m, n, k) < 1:
-        raise ValueError(f"GEMM sizes must be positive, got m={m}, n={n}, k={k}")
+        raise ArgumentError(f"GEMM sizes must be positive, got m={m}, n={n}, k={k}")
     return {
         "transa": CUBLAS_OP_T,
         "transb": CUBLAS_OP_N,
@@ -125,7 +127,7 @@ def gram_bf16(cp: Any, Y: Any, *, cublas: Any = None) -> Any:
     exact in fp32).
     """
     if not cp.is_available():
-        raise RuntimeError("gram_bf16 needs a CUDA device (cupy.is_available() is False)")
+        raise ExecutionError("gram_bf16 needs a CUDA device (cupy.is_available() is False)")
     Y = cp.ascontiguousarray(Y)
     rows, k = Y.shape
     major = int(cp.cuda.Device().compute_capability) // 10

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from ..errors import ArgumentError
 from .gram import gram_bf16
 from .precision import Recipe, compute_dtype, is_half, rounded, storage_dtype
 
@@ -96,7 +97,7 @@ class LocalData:
 
     def __init__(self, X: Any, recipe: Recipe, *, xp: Any = None, layout: str = "lower") -> None:
         if layout not in GRAM_LAYOUTS:
-            raise ValueError(f"unknown Gram layout {layout!r}; choose one of {GRAM_LAYOUTS}")
+            raise ArgumentError(f"unknown Gram layout {layout!r}; choose one of {GRAM_LAYOUTS}")
         self.recipe = recipe
         self.layout = layout
         self.xp = np if xp is None else xp
@@ -107,7 +108,7 @@ class LocalData:
         data = recipe.data
         if self.sparse:
             if self.on_device:
-                raise ValueError("sparse X runs on the CPU only")
+                raise ArgumentError("sparse X runs on the CPU only")
             # SciPy has no 16-bit sparse arithmetic: hold 16-bit values in float32.
             self.X = rounded(sp.csr_matrix(X), data)
         else:
@@ -122,7 +123,7 @@ class LocalData:
         if self.on_device and any(p == "bf16" for p in recipe.slots().values()):
             major = _cupy_major(self.xp)
             if major is not None and major < CUPY_BF16_MIN:
-                raise ValueError(
+                raise ArgumentError(
                     f"bf16 on the GPU needs CuPy >= {CUPY_BF16_MIN} (found "
                     f"{self.xp.__version__}): pip install 'cupy-cuda12x>={CUPY_BF16_MIN}'"
                 )

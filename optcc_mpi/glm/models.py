@@ -186,7 +186,7 @@ def get_model(name: str | Model) -> Model:
     try:
         return MODELS[str(name).lower()]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}") from None
+        raise ArgumentError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}") from None
 
 
 def model_for_task(task: str) -> str:
@@ -194,6 +194,6 @@ def model_for_task(task: str) -> str:
     try:
         return TASKS[task]
     except KeyError:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown dataset task {task!r}; expected one of {', '.join(TASKS)}"
         ) from None

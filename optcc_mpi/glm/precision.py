@@ -39,6 +39,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ..errors import ArgumentError
+
 __all__ = [
     "PRECISIONS",
     "RECIPES",
@@ -97,7 +99,7 @@ _ALIASES = {
 def _precision(value: str, slot: str) -> str:
     name = _ALIASES.get(str(value).lower(), str(value).lower())
     if name not in _STORAGE:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown precision {value!r} for slot {slot!r}; choose one of {', '.join(PRECISIONS)}"
         )
     return name
@@ -205,7 +207,9 @@ class Recipe:
         changes = {}
         for slot, value in overrides.items():
             if slot not in SLOTS:
-                raise ValueError(f"unknown precision slot {slot!r}; slots are {', '.join(SLOTS)}")
+                raise ArgumentError(
+                    f"unknown precision slot {slot!r}; slots are {', '.join(SLOTS)}"
+                )
             changes[slot] = _precision(value, slot)
         if not changes:
             return self
@@ -261,7 +265,7 @@ def parse_slots(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, st
                 continue
             slot, sep, value = part.partition("=")
             if not sep or not slot.strip() or not value.strip():
-                raise ValueError(f"slot override {part!r} is not of the form SLOT=PRECISION")
+                raise ArgumentError(f"slot override {part!r} is not of the form SLOT=PRECISION")
             out[slot.strip()] = value.strip()
     return out
 
@@ -295,6 +299,6 @@ def get_recipe(
     else:
         key = {k.lower(): k for k in RECIPES}.get(str(recipe).lower())
         if key is None:
-            raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+            raise ArgumentError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
         base = RECIPES[key]
     return base.with_slots(parse_slots(slots))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ArgumentError
+
 __all__ = ["Sampler"]
 
 
@@ -45,9 +47,9 @@ class Sampler:
 
     def __post_init__(self) -> None:
         if self.b < 1 or self.s < 1:
-            raise ValueError(f"b and s must be at least 1, got b={self.b}, s={self.s}")
+            raise ArgumentError(f"b and s must be at least 1, got b={self.b}, s={self.s}")
         if self.s * self.b > self.m:
-            raise ValueError(
+            raise ArgumentError(
                 f"s*b = {self.s}*{self.b} = {self.s * self.b} exceeds the {self.m} training rows; "
                 "lower s or b"
             )

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 from scipy.linalg import solve_triangular
 
-from ..errors import DivergenceError
+from ..errors import ArgumentError, DivergenceError
 from .comm import Group, Reducer
 from .models import Model
 from .precision import Recipe, as_compute, is_half, is_tensor, rounded, torch_dtype
@@ -484,7 +484,7 @@ class Trainer:
         shape = (self.local.n_local, *self.outputs)
         w = np.zeros(shape) if w0 is None else np.asarray(w0, dtype=np.float64)
         if w.shape != shape:
-            raise ValueError(f"initial weights for this rank need shape {shape}, got {w.shape}")
+            raise ArgumentError(f"initial weights for this rank need shape {shape}, got {w.shape}")
         return self.local.initial(w, self.recipe.update)
 
     # -- loss ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..data import DatasetError, synth_arrays
+from ..errors import ArgumentError
 
 __all__ = ["make_glm_data"]
 
@@ -33,5 +34,5 @@ def make_glm_data(
     try:
         X, y, _ = synth_arrays(model, m, n, seed, dtype=dtype)
     except DatasetError as exc:
-        raise ValueError(str(exc)) from None
+        raise ArgumentError(str(exc)) from None
     return X, y

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
 from .kernels import GRAM_LAYOUTS, lower_block_index, packed_size
 from .precision import Recipe, is_half, rounded, storage_dtype, torch_dtype
 
@@ -86,7 +87,7 @@ class TorchLocalData:
         self, X: Any, recipe: Recipe, *, device: torch.device, layout: str = "lower"
     ) -> None:
         if layout not in GRAM_LAYOUTS:
-            raise ValueError(f"unknown Gram layout {layout!r}; choose one of {GRAM_LAYOUTS}")
+            raise ArgumentError(f"unknown Gram layout {layout!r}; choose one of {GRAM_LAYOUTS}")
         self.recipe = recipe
         self.layout = layout
         self.torch_device = device

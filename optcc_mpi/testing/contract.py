@@ -61,6 +61,7 @@ import numpy as np
 
 from optcc_mpi import algorithms
 from optcc_mpi.collectives import allreduce
+from optcc_mpi.errors import ArgumentError, OptccError
 from optcc_mpi.links import Links
 from optcc_mpi.model import lower_bound
 from optcc_mpi.schedule import Schedule
@@ -107,7 +108,7 @@ MPI_DTYPES = (np.float64, np.float32)
 MPI_TIMEOUT = 300
 
 
-class ContractError(AssertionError):
+class ContractError(OptccError, AssertionError):
     """An algorithm breaks the contract; the message names every failed check."""
 
 
@@ -395,7 +396,7 @@ def select_checks(checks: Iterable[str] | str | None = None) -> list[Check]:
     wanted = [checks] if isinstance(checks, str) else list(checks)
     unknown = [c for c in wanted if c not in CHECKS]
     if unknown:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown check(s) {', '.join(map(repr, unknown))}; choose from {', '.join(CHECKS)}"
         )
     return [CHECKS[c] for c in wanted]

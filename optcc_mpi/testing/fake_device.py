@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from optcc_mpi.backend import Backend, register_backend
 from optcc_mpi.dtypes import NAME_OF
+from optcc_mpi.errors import OptccError
 from optcc_mpi.reductions import reduce_into, reduce_with
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["HostDeviceArray", "FakeDeviceBackend", "UnsynchronizedError", "device_array"]
 
 
-class UnsynchronizedError(AssertionError):
+class UnsynchronizedError(OptccError, AssertionError):
     """A device buffer reached MPI while work on the stream was still queued."""
 
 

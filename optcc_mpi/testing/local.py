@@ -24,6 +24,7 @@ from typing import TypeVar, cast
 
 import numpy as np
 
+from optcc_mpi.errors import ArgumentError, WaitTimeoutError
 from optcc_mpi.transports.base import Capabilities, Completion, Transport
 
 __all__ = ["LocalWorld", "LocalTransport", "LocalRequest"]
@@ -57,7 +58,7 @@ class LocalWorld:
 
     def __init__(self, size: int, timeout: float = 60.0) -> None:
         if size < 1:
-            raise ValueError(f"a world needs at least one rank, not {size}")
+            raise ArgumentError(f"a world needs at least one rank, not {size}")
         self.size = size
         self.timeout = timeout
         self._cond = threading.Condition()
@@ -88,7 +89,7 @@ class LocalWorld:
         for t in threads:
             t.join(self.timeout * 4)
             if t.is_alive():
-                raise TimeoutError(
+                raise WaitTimeoutError(
                     f"a rank of the local world still runs after {self.timeout * 4} s"
                 )
         for exc in errors:
@@ -113,7 +114,7 @@ class LocalWorld:
         with self._cond:
             box = self._mail.setdefault(key, [])
             if not self._cond.wait_for(lambda: len(box) > index, self.timeout):
-                raise TimeoutError(f"rank {key[1]} waited {self.timeout} s for rank {key[0]}")
+                raise WaitTimeoutError(f"rank {key[1]} waited {self.timeout} s for rank {key[0]}")
             data = box[index]
             box[index] = None  # taken: the memory goes
         assert data is not None, "a message taken twice"
@@ -130,7 +131,7 @@ class LocalWorld:
                 self._round += 1
                 self._cond.notify_all()
             elif not self._cond.wait_for(lambda: self._round != mine, self.timeout):
-                raise TimeoutError(f"rank {rank} waited {self.timeout} s in a collective")
+                raise WaitTimeoutError(f"rank {rank} waited {self.timeout} s in a collective")
             return list(self._results)
 
 

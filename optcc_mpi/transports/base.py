@@ -61,6 +61,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from optcc_mpi.backend import NUMPY, Array, Backend
+from optcc_mpi.errors import ArgumentTypeError
 from optcc_mpi.links import Links
 
 __all__ = ["Transport", "Capabilities", "Completion", "Post", "Req", "WORLD"]
@@ -154,7 +155,7 @@ class Transport(Generic[Req]):
         super().__init_subclass__(**kwargs)
         missing = [m for m in Transport.REQUIRED if getattr(cls, m) is getattr(Transport, m)]
         if missing and not abstract:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"transport {cls.__name__} must implement {', '.join(missing)} "
                 "(optcc_mpi.transports.base; or declare it abstract=True)"
             )
