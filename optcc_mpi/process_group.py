@@ -90,7 +90,7 @@ from optcc_mpi import algorithms
 from optcc_mpi.communicators import CallRecord
 from optcc_mpi.config import rc
 from optcc_mpi.devices import agree_device_kind
-from optcc_mpi.errors import ArgumentError, ArgumentTypeError, OptccError
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError, ExecutionError, OptccError
 from optcc_mpi.links import Links
 from optcc_mpi.streams import SideStreams, StreamApi, StreamCall
 from optcc_mpi.tensors import HALF, Lane, LaneCall, TensorCall, lane, start_tensor
@@ -226,7 +226,7 @@ class OptccWork(dist.Work):
         if self._steal is not None and not self._done.is_set():
             self._steal()
         if not self._done.wait(limit.total_seconds()):
-            raise RuntimeError(
+            raise ExecutionError(
                 f"{_WHAT}: not complete after {limit} (a rank that never made the call, "
                 "or a stalled peer)"
             )

@@ -94,10 +94,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "PyTorch missing, at import: as for scikit-learn, the command line's handling of "
         "an ImportError that is not ours is kept"
     ),
-    # -- being edited elsewhere (issue 34: torch side); convert when that lands --------
-    ("optcc_mpi/process_group.py", "OptccWork.wait", "RuntimeError"): (
-        "a timeout of a torch Work; the torch side is being reworked in another branch"
-    ),
 }
 
 #: (file, class): why it derives from a built-in exception and not from OptccError.
