@@ -37,7 +37,7 @@ from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult
 from optcc_mpi.schedule import Schedule
 from optcc_mpi.state import CheckState
-from optcc_mpi.transports.base import WORLD, Transport
+from optcc_mpi.transports import Transport, world_handle
 from optcc_mpi.watch import LinkWatch
 
 __all__ = ["CommState", "Plan", "CallRecord", "Fold", "Registry", "PLAN_CACHE"]
@@ -191,11 +191,12 @@ class Registry:
     one-lookup search, by MPI handle); the last call's record. One instance, owned by
     :mod:`optcc_mpi.collectives`."""
 
-    __slots__ = ("_states", "_by_handle", "_lock", "recent", "last", "fold")
+    __slots__ = ("_states", "_by_handle", "_world", "_lock", "recent", "last", "fold")
 
     def __init__(self) -> None:
         self._states: dict[int, CommState] = {}
         self._by_handle: dict[int, CommState] = {}
+        self._world: int | None = None  # COMM_WORLD's handle, once MPI is loaded
         self._lock = threading.Lock()
         #: ``(communicator object, its state)`` of the last call the compiled path took:
         #: a loop over one communicator skips the lookup. One tuple, replaced whole, so
@@ -226,9 +227,11 @@ class Registry:
         """The state of the MPI communicator with ``handle`` (None: COMM_WORLD) if one
         was made, with one dictionary lookup; else None."""
         if handle is None:
-            if not WORLD:
-                return None
-            handle = WORLD[0]
+            handle = self._world
+            if handle is None:
+                handle = self._world = world_handle()
+                if handle is None:
+                    return None
         return self._by_handle.get(handle)
 
     def _drop(self, transport: Transport) -> None:

@@ -27,20 +27,29 @@ Each transport object belongs to one communicator or group and is made once (:fu
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Union
 
 from optcc_mpi.errors import ArgumentTypeError
-from optcc_mpi.transports.base import WORLD, Capabilities, Completion, Post, Transport
+from optcc_mpi.transports.base import Capabilities, Completion, Post, Transport
 
 if TYPE_CHECKING:
     from mpi4py import MPI
     from torch.distributed import ProcessGroup
 
-__all__ = ["Transport", "Capabilities", "Completion", "Post", "of", "WORLD", "Communicator"]
+__all__ = ["Transport", "Capabilities", "Completion", "Post", "of", "world_handle", "Communicator"]
 
 #: What a collective runs over: an mpi4py communicator (None: ``COMM_WORLD``), a
 #: ``torch.distributed`` process group, or a :class:`Transport` itself (:func:`of`).
 Communicator = Union["MPI.Comm", "ProcessGroup", Transport, None]
+
+
+def world_handle() -> int | None:
+    """The handle of MPI's ``COMM_WORLD`` where the MPI transport is loaded, else None
+    (then no MPI communicator has a transport yet). Read from that module, not imported:
+    a job of torch alone never loads MPI."""
+    mpi = sys.modules.get("optcc_mpi.transports.mpi")
+    return None if mpi is None else int(mpi.WORLD_HANDLE)
 
 
 def of(comm: Communicator) -> Transport:

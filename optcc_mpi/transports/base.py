@@ -64,11 +64,7 @@ from optcc_mpi.backend import NUMPY, Array, Backend
 from optcc_mpi.errors import ArgumentTypeError
 from optcc_mpi.links import Links
 
-__all__ = ["Transport", "Capabilities", "Completion", "Post", "Req", "WORLD"]
-
-#: ``[handle of MPI.COMM_WORLD]`` once the MPI transport is loaded: the default
-#: communicator's handle, for the compiled call path's one-lookup search.
-WORLD: list[int] = []
+__all__ = ["Transport", "Capabilities", "Completion", "Post", "Req"]
 
 #: A transport's request: what its ``isend``/``irecv`` return and its ``wait`` takes.
 Req = TypeVar("Req")

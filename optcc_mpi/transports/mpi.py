@@ -36,7 +36,7 @@ from optcc_mpi.dtypes import ALIASES, CATEGORY, DTYPES, LOW_PRECISION, check_op_
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.transports.base import WORLD, Capabilities, Completion, T, Transport
+from optcc_mpi.transports.base import Capabilities, Completion, T, Transport
 
 if TYPE_CHECKING:
     from mpi4py.typing import Buffer, BufSpec
@@ -50,7 +50,8 @@ __all__ = [
 ]
 
 IN_PLACE: MPI.InPlaceType = MPI.IN_PLACE
-WORLD.append(MPI.COMM_WORLD.handle)
+#: The handle of ``MPI.COMM_WORLD`` (:func:`optcc_mpi.transports.world_handle`).
+WORLD_HANDLE: int = MPI.COMM_WORLD.handle
 _KEYVAL: list[int] = []
 #: The transports made so far, by communicator handle: found with one lookup.
 _BY_HANDLE: dict[int, MpiTransport] = {}
