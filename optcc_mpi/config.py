@@ -66,6 +66,14 @@ _ALL = (
         "collectives",
     ),
     Variable(
+        "OPTCC_CARRIER",
+        None,
+        "How the `optcc` torch.distributed backend moves CUDA tensors when its group's "
+        "options name no carrier: `nccl` (the default where NCCL is available) or `host` "
+        "(staged through host memory and moved by gloo: ranks that share a GPU).",
+        "collectives",
+    ),
+    Variable(
         "OPTCC_EMULATE",
         None,
         "Software link emulation used when `allreduce` gets no `emulate`, e.g. "
@@ -228,6 +236,7 @@ class Settings:
         # table above). Declared only: at run time the values live in the instance.
         links: str | None
         algorithm: str | None
+        carrier: str | None
         emulate: str | None
         emulate_fraction: str | None
         links_log: str | None

@@ -114,6 +114,7 @@ __all__ = [
     "OrderedWorker",
     "InFlight",
     "register",
+    "stage_through_host",
     "submit",
     "worker_for",
 ]
@@ -168,12 +169,20 @@ class OptccOptions:
         The group's timeout, in place of the one ``init_process_group``/``new_group``
         (or the device mesh) is given: for the groups underneath and for
         :meth:`OptccWork.wait`.
+    carrier : {"nccl", "host"}, optional
+        How CUDA tensors travel: ``"nccl"`` (NCCL underneath, the default) or ``"host"``:
+        each call's tensors are copied to pinned host memory on the group's side stream,
+        reduced there as CPU tensors are (gloo underneath), and copied back, so that
+        ranks that share a GPU (which NCCL refuses) can run the CUDA path; the group's
+        thread then waits for its own copies, the caller's thread never does. Default
+        ``$OPTCC_CARRIER``, else ``"nccl"``. The same on every rank.
     """
 
     algorithm: str | None = None
     links: Links | str | None = None
     check: bool = True
     timeout: datetime.timedelta | None = None
+    carrier: str | None = None
 
     @property
     def _timeout(self) -> datetime.timedelta | None:
@@ -585,6 +594,36 @@ class OrderedWorker:
         return not thread.is_alive()
 
 
+#: How an optcc group's CUDA tensors can travel (OptccOptions.carrier).
+_CARRIERS = ("nccl", "host")
+
+
+def _any_cuda(tensors: Sequence[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+
+
+def stage_through_host(
+    tensors: Sequence[torch.Tensor],
+    reduce: Callable[[list[torch.Tensor]], _T],
+    synchronize: Callable[[], None],
+) -> _T:
+    """``reduce(hosts)`` of host copies of ``tensors``, whose results are copied back: the
+    host-staged carrier of CUDA tensors. The copies are queued on the current streams
+    (pinned host memory where CUDA is there, so that they are asynchronous and the
+    allocator keeps each buffer until its copy is done); ``synchronize()`` waits for the
+    copies to the host before ``reduce`` reads them; the copies back are queued, not
+    waited for (the call's completion event follows them)."""
+    pinned = torch.cuda.is_available()
+    hosts = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned) for t in tensors]
+    for host, t in zip(hosts, tensors):
+        host.copy_(t.detach(), non_blocking=pinned)
+    synchronize()
+    result = reduce(hosts)
+    for host, t in zip(hosts, tensors):
+        t.detach().copy_(host, non_blocking=pinned)
+    return result
+
+
 #: Signatures whose short path (or its absence) a group keeps.
 _LANES = 64
 #: No job taken from the queue ahead of its turn (:meth:`OrderedWorker._run`).
@@ -761,6 +800,13 @@ class OptccProcessGroup(dist.ProcessGroup):
         self.algorithm = algorithm
         self.links = options.links
         self.check = options.check
+        carrier = options.carrier or rc.carrier or "nccl"
+        if carrier not in _CARRIERS:
+            raise ArgumentError(
+                f"carrier must be one of {', '.join(map(repr, _CARRIERS))}, not {carrier!r}"
+            )
+        #: How CUDA tensors travel (:class:`OptccOptions`).
+        self.carrier = carrier
         if options.timeout is not None:
             timeout = options.timeout
         self.timeout = timeout
@@ -774,7 +820,13 @@ class OptccProcessGroup(dist.ProcessGroup):
         )
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._nccl = None
-        if torch.cuda.is_available() and dist.is_nccl_available():
+        if carrier == "host":
+            # CUDA tensors are staged through host memory: gloo underneath for them too
+            # (its own broadcast and all_reduce take CUDA tensors; the rest, as on gloo).
+            self._register_backend(
+                torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, self._gloo
+            )
+        elif torch.cuda.is_available() and dist.is_nccl_available():
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, opts)
@@ -862,6 +914,8 @@ class OptccProcessGroup(dist.ProcessGroup):
         # call is then run here if nothing is queued, else parked for it to run
         # (OrderedWorker.submit), and the group's thread is not woken for nothing.
         park = getattr(opts, "asyncOp", True) is False
+        if self.carrier == "host" and _any_cuda(tensors):
+            return self._staged(tensors, reduce_op, coalesced=False)
         if len(tensors) == 1:
             short = self._lane(tensors[0], reduce_op)
             if short is not None:
@@ -919,9 +973,30 @@ class OptccProcessGroup(dist.ProcessGroup):
         before any is written."""
         tensors = _tensor_list(tensors)
         reduce_op = _op_of(opts)
+        if self.carrier == "host" and _any_cuda(tensors):
+            return self._staged(tensors, reduce_op, coalesced=True)
         return self._call(
             tensors, lambda: self._reduce(tensors, reduce_op, coalesced=True), park=False
         )
+
+    def _staged(self, tensors: list[Any], reduce_op: Any, coalesced: bool) -> OptccWork:
+        """Reduce CUDA ``tensors`` through host memory (``carrier="host"``): on the
+        group's thread with its side streams current, after the caller's work on them."""
+
+        def job() -> CallRecord | None:
+            devices = {t.device for t in tensors if t.is_cuda}
+
+            def synchronize() -> None:
+                for device in devices:
+                    torch.cuda.current_stream(device).synchronize()
+
+            return stage_through_host(
+                tensors,
+                lambda hosts: self._reduce(hosts, reduce_op, coalesced).wait(),
+                synchronize,
+            )
+
+        return submit(self._worker, tensors, job, self.timeout)
 
     def run(self, tensors: list[torch.Tensor], job: Callable[[TorchTransport], Any]) -> OptccWork:
         """Run ``job(transport)`` on the group's thread, after every call made before it,
@@ -998,7 +1073,7 @@ class OptccProcessGroup(dist.ProcessGroup):
         first = tensors[0] if tensors else None
         while isinstance(first, (list, tuple)) and first:
             first = first[0]
-        if isinstance(first, torch.Tensor) and first.is_cuda:
+        if isinstance(first, torch.Tensor) and first.is_cuda and self.carrier != "host":
             if self._nccl is None:
                 raise ArgumentError("CUDA tensors need CUDA and NCCL on every rank")
             return self._nccl

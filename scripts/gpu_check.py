@@ -57,6 +57,11 @@ With PyTorch:
    reference and the same bits on every rank, the transport NCCL's; an asynchronous
    call's Work; broadcast and all_gather passed through to NCCL; DDP with no hook against
    the same five steps computed by hand in float64 (``scripts/gpu_check_backend.py``).
+9. ``staged``: the same at 2 and 4 ranks that all share one GPU (``cuda:0``), with
+   ``OPTCC_CARRIER=host``: CUDA tensors staged through pinned host memory on the group's
+   side stream and moved by gloo, which NCCL (one rank per GPU) cannot do; also whether
+   a kernel queued after an asynchronous all_reduce ran while the reduction was still
+   in flight (the side stream's overlap).
 
 It prints one line per check (``PASS``/``FAIL``/``SKIP``, and ``TIME`` for
 measurements), a summary, and exits 1 if any check failed. Without a usable GPU it says
@@ -82,7 +87,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +97,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = Path(__file__).resolve().with_name("gpu_check_rank.py")
 BACKEND_SCRIPT = Path(__file__).resolve().with_name("gpu_check_backend.py")
 SIZES = (1, 4097, 1 << 18)  # elements: one, odd, and past the short-message threshold
-CHECKS = ("allreduce", "gram", "training", "torch", "reductions", "timing", "ranks", "backend")
+CHECKS = (
+    "allreduce", "gram", "training", "torch", "reductions", "timing", "ranks", "backend", "staged",
+)  # fmt: skip
 #: Host synchronisations a call that sent no messages may make: none (short messages are
 #: gathered on the device, optcc_mpi.transports.torch.TorchTransport.gather_rows).
 SYNCS_WITHOUT_MESSAGES = 0
@@ -270,26 +277,29 @@ def torch_status() -> dict[str, Any]:
     return status
 
 
-def _rank_env() -> dict[str, str]:
+def _rank_env(**extra: str) -> dict[str, str]:
     """The environment for the torch ranks: no launcher's, no rank variables, no link
-    profile inherited; one thread per rank."""
+    profile or carrier inherited; one thread per rank; then ``extra``."""
     from optcc_mpi.lab import launch
 
     env = launch.clean_env()
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OPTCC_LINKS"):
+    for var in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OPTCC_LINKS",
+        "OPTCC_CARRIER",
+    ):  # fmt: skip
         env.pop(var, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
 
 
-def _run_group(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+def _run_group(cmd: list[str], timeout: float, **env: str) -> tuple[int | None, str]:
     """Run ``cmd`` in its own process group: ``(exit status, stderr)``, or ``(None, ...)``
     after ``timeout`` seconds, with the whole group (torchrun and its ranks) stopped."""
     from optcc_mpi.lab import launch
 
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=err, env=_rank_env(), text=True,
+            cmd, stdout=subprocess.DEVNULL, stderr=err, env=_rank_env(**env), text=True,
             start_new_session=True,
         )  # fmt: skip
         try:
@@ -317,14 +327,20 @@ def first_error(stderr: str) -> str:
 
 
 def _run_ranks(
-    k: int, device: str, timeout: float, what: str, script: Path = RANK_SCRIPT
+    k: int,
+    device: str,
+    timeout: float,
+    what: str,
+    script: Path = RANK_SCRIPT,
+    more: Sequence[str] = (),
+    **env: str,
 ) -> list[dict[str, Any]] | None:
     """Start ``script`` (``scripts/gpu_check_rank.py``, or the backend's) on ``k`` ranks (a
-    world of one over a FileStore, or torchrun); every rank's record, or None after
-    printing why there is none."""
+    world of one over a FileStore, or torchrun), with ``more`` arguments and ``env`` in
+    its environment; every rank's record, or None after printing why there is none."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         out = Path(tmp)
-        args = ["--device", device, "--out", str(out)]
+        args = ["--device", device, "--out", str(out), *more]
         if k == 1:
             cmd = [sys.executable, str(script), *args, "--store", str(out / "store")]
         else:
@@ -333,7 +349,7 @@ def _run_ranks(
                 sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={k}", str(script), *args, *extra,
             ]  # fmt: skip
-        code, err = _run_group(cmd, timeout)
+        code, err = _run_group(cmd, timeout, **env)
         if code is None:
             _line("FAIL", what, f"timed out after {timeout:.0f}s (every rank stopped)")
             return None
@@ -533,12 +549,16 @@ def check_ranks(use_cpu: bool, counts: list[int], timeout: float) -> bool:
 
 
 # -- check 8: the torch.distributed backend "optcc" ------------------------------------------
-def judge_backend(records: list[dict[str, Any]], device: str) -> Verdict:
-    """Every row within its bound and the same bits on every rank, on the device's
-    library; the Work, the pass-through collectives and DDP with no hook right."""
+def judge_backend(
+    records: list[dict[str, Any]], device: str, library: str | None = None, what: str = ""
+) -> Verdict:
+    """Every row within its bound and the same bits on every rank, on ``library`` (default
+    the device's: NCCL on CUDA, else gloo); the Work, the pass-through collectives and DDP
+    with no hook right; on a GPU, a kernel queued after an async all_reduce not waiting
+    for it."""
     p = len(records)
-    library = "nccl" if device == "cuda" else "gloo"
-    what = f"optcc backend p={p} ({library} underneath)"
+    library = library or ("nccl" if device == "cuda" else "gloo")
+    what = what or f"optcc backend p={p} ({library} underneath)"
     problems = [f"rank {r['rank']}: {r['error']}" for r in records if "error" in r]
     if problems:
         return ("FAIL", what, problems[0], {})
@@ -560,6 +580,11 @@ def judge_backend(records: list[dict[str, Any]], device: str) -> Verdict:
             problems.append(f"rank {rank}: all_reduce returned a {rec['work']}")
         if not rec["ddp_gap"] <= 1e-5:
             problems.append(f"rank {rank}: DDP {rec['ddp_gap']:g} from the float64 steps")
+        if "overlap" in rec and not rec["overlap"]["reduction_pending"]:
+            problems.append(
+                f"rank {rank}: the kernel queued after an async all_reduce ended after it "
+                f"({rec['overlap']['compute_ms']:.2f} ms): no overlap"
+            )
     if problems:
         return ("FAIL", what, "; ".join(problems[:2]), {})
     ran = sorted({str(r["algorithm"]) for r in first["rows"]})
@@ -571,6 +596,20 @@ def judge_backend(records: list[dict[str, Any]], device: str) -> Verdict:
         f"{max(r['ddp_gap'] for r in records):.1e} from float64",
         {},
     )
+
+
+def check_staged(use_cpu: bool, timeout: float) -> bool:
+    """Check 9: the optcc backend at 2 and 4 ranks on one GPU, CUDA tensors staged through
+    host memory (``OPTCC_CARRIER=host``; gloo underneath)."""
+    device = "cpu" if use_cpu else "cuda"
+    ok = True
+    for k in (2, 4):
+        what = f"optcc backend p={k} on one device (host carrier, gloo underneath)"
+        records = _run_ranks(
+            k, device, timeout, what, BACKEND_SCRIPT, ["--share-device"], OPTCC_CARRIER="host"
+        )
+        ok &= records is not None and _report([judge_backend(records, device, "gloo", what)])
+    return ok
 
 
 def check_backend(use_cpu: bool, gpus: int, timeout: float) -> bool:
@@ -1031,6 +1070,8 @@ def main(argv: list[str] | None = None) -> int:
     if "backend" in only and need("optcc backend (NCCL underneath)", torch_st, "PyTorch"):
         gpus = int(torch_st.get("devices", 0))
         attempt("backend", lambda: check_backend(args.cpu, gpus, torch_timeout))
+    if "staged" in only and need("optcc backend, ranks sharing a GPU", torch_st, "PyTorch"):
+        attempt("staged", lambda: check_staged(args.cpu, torch_timeout))
     failed = results.count(False)
     took = time.perf_counter() - t0
     verdict = "all passed" if not failed else f"{failed} check(s) failed"

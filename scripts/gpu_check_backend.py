@@ -113,7 +113,29 @@ def run(device: torch.device, rank: int, p: int) -> dict[str, Any]:
     theirs = torch.cat([q.detach().reshape(-1) for q in ref_net.parameters()])
     out["ddp_gap"] = (ours - theirs).abs().max().item() / theirs.abs().max().item()
     out["ddp_transport"] = last_stats().get("transport")
+    if device.type == "cuda":
+        out["overlap"] = overlap(device)
     return out
+
+
+def overlap(device: torch.device) -> dict[str, Any]:
+    """Whether a kernel queued after an async all_reduce runs without waiting for the
+    reduction (NCCL's semantics: the reduction is on the group's side stream): the
+    kernel's time, and whether the reduction was still incomplete when it ended."""
+    big = torch.ones(1 << 24, device=device)
+    a = torch.randn(2048, 2048, device=device)
+    torch.cuda.synchronize(device)
+    work = dist.all_reduce(big, async_op=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(4):
+        a = torch.tanh(a @ a / 2048)
+    end.record()
+    end.synchronize()
+    pending = not work.is_completed()
+    work.wait()
+    torch.cuda.synchronize(device)
+    return {"compute_ms": start.elapsed_time(end), "reduction_pending": pending}
 
 
 def main() -> int:
@@ -121,6 +143,11 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--store", type=Path, help="a FileStore for a world of one (no torchrun)")
+    ap.add_argument(
+        "--share-device",
+        action="store_true",
+        help="every rank on cuda:0 (with OPTCC_CARRIER=host: ranks that share a GPU)",
+    )
     args = ap.parse_args()
     timeout = datetime.timedelta(minutes=5)
     if args.store is not None:
@@ -130,7 +157,7 @@ def main() -> int:
         dist.init_process_group("optcc", timeout=timeout)
     rank, p = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = 0 if args.share_device else int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:

@@ -49,11 +49,12 @@ rank = _load("gpu_check_rank")
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``gpu_check.py --cpu`` of the torch checks (4 to 8) at 1 and 2 ranks: its JSON."""
+    """``gpu_check.py --cpu`` of the torch checks (4 to 9) at 1 and 2 ranks (9: 2 and 4):
+    its JSON."""
     out = tmp_path_factory.mktemp("gpu-check") / "run.json"
     argv = [
         sys.executable, str(SCRIPTS / "gpu_check.py"), "--cpu", "--only",
-        "torch,reductions,timing,ranks,backend", "--max-ranks", "2", "--repeats", "3",
+        "torch,reductions,timing,ranks,backend,staged", "--max-ranks", "2", "--repeats", "3",
         "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=launch.clean_env())
@@ -108,6 +109,8 @@ def test_cpu_run_backend(cpu_run: dict[str, Any]) -> None:
     assert set(lines) == {
         "optcc backend p=1 (gloo underneath)",
         "optcc backend p=2 (gloo underneath)",
+        "optcc backend p=2 on one device (host carrier, gloo underneath)",
+        "optcc backend p=4 on one device (host carrier, gloo underneath)",
     }
     for line in lines.values():
         assert line["status"] == "PASS", line
@@ -135,6 +138,14 @@ def test_backend_judge_fails_what_is_wrong() -> None:
     assert gc.judge_backend([{**good, "rows": [{**row, "transport": "gloo"}]}], "cuda")[0] == "FAIL"
     assert gc.judge_backend([{"error": "RuntimeError: x", "rank": 0}], "cuda")[0] == "FAIL"
     assert gc.judge_backend([{**good, "ddp_gap": 1e-2}], "cuda")[0] == "FAIL"
+    # Check 9's: gloo underneath CUDA tensors, and the overlap of a kernel queued after.
+    staged = {**good, "rows": [{**row, "transport": "gloo"}]}
+    overlapped = {"compute_ms": 3.0, "reduction_pending": True}
+    assert gc.judge_backend([{**staged, "overlap": overlapped}], "cuda", "gloo")[0] == "PASS"
+    assert gc.judge_backend([staged], "cuda")[0] == "FAIL"  # (NCCL expected by default)
+    serial = {**staged, "overlap": {**overlapped, "reduction_pending": False}}
+    verdict = gc.judge_backend([serial], "cuda", "gloo")
+    assert verdict[0] == "FAIL" and "no overlap" in verdict[2]
 
 
 @pytest.mark.timeout(700)

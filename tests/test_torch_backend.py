@@ -38,6 +38,7 @@ from optcc_mpi.process_group import (  # noqa: E402
     OptccProcessGroup,
     OptccWork,
     OrderedWorker,
+    stage_through_host,
 )
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
@@ -147,6 +148,68 @@ def test_algorithm_from_options_and_environment(monkeypatch: pytest.MonkeyPatch)
     finally:
         monkeypatch.delenv("OPTCC_ALGORITHM")
         config.reload()
+
+
+def test_carrier_from_options_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``carrier``: "nccl" by default, "host" from the options or $OPTCC_CARRIER, anything
+    else refused when the group is made; CPU tensors reduce as ever under "host"."""
+    from optcc_mpi import config
+
+    with pytest.raises(ArgumentError, match="carrier must be one of 'nccl', 'host'"):
+        dist.init_process_group(
+            BACKEND, store=dist.HashStore(), rank=0, world_size=1,
+            pg_options=OptccOptions(carrier="pcie"),
+        )  # fmt: skip
+    if dist.is_initialized():  # pragma: no cover
+        dist.destroy_process_group()
+    monkeypatch.setenv("OPTCC_CARRIER", "host")
+    config.reload()
+    try:
+        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=1)
+        assert dist.group.WORLD.carrier == "host"
+        g = dist.new_group(backend=BACKEND, pg_options=OptccOptions(carrier="nccl"))
+        assert g.carrier == "nccl"
+        t = torch.arange(5.0)
+        dist.all_reduce(t)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        dist.destroy_process_group()
+    finally:
+        monkeypatch.delenv("OPTCC_CARRIER")
+        config.reload()
+
+
+def test_staging_through_host_copies_waits_reduces_and_copies_back() -> None:
+    """The host-staged carrier's steps, in order: copies to host buffers of their own,
+    the wait for them, the reduction of the host copies, the copies back; a reduction that
+    fails leaves the tensors as they were."""
+    tensors = [torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.int64)]
+    steps: list[str] = []
+    seen: list[torch.Tensor] = []
+
+    def reduce(hosts: list[torch.Tensor]) -> str:
+        steps.append("reduce")
+        assert all(h.device.type == "cpu" and h.shape == t.shape for h, t in zip(hosts, tensors))
+        assert all(h.data_ptr() != t.data_ptr() for h, t in zip(hosts, tensors))
+        seen.extend(h.clone() for h in hosts)
+        for h in hosts:
+            h.mul_(3)
+        return "record"
+
+    result = stage_through_host(tensors, reduce, lambda: steps.append("synchronize"))
+    assert result == "record" and steps == ["synchronize", "reduce"]
+    assert torch.equal(seen[0], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(tensors[0], 3 * torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(tensors[1], torch.full((4,), 3, dtype=torch.int64))
+
+    def fail(hosts: list[torch.Tensor]) -> None:
+        for h in hosts:
+            h.zero_()
+        raise ArgumentError("element count differs")
+
+    before = [t.clone() for t in tensors]
+    with pytest.raises(ArgumentError, match="differs"):
+        stage_through_host(tensors, fail, lambda: None)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
 
 
 def test_ordered_worker_keeps_order_and_reports_errors() -> None:
