@@ -21,6 +21,7 @@ fails, the error is reported through :func:`agree` as well.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, cast, overload
 
@@ -30,13 +31,13 @@ import numpy.typing as npt
 from optcc_mpi import transports
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, mark_everywhere
 
-__all__ = ["agree", "agree_fields", "describe_ranks", "run_everywhere", "Group"]
+__all__ = ["agree", "agree_fields", "describe_ranks", "run_everywhere", "Members"]
 
 T = TypeVar("T")
 P = TypeVar("P")
 
 
-class Group(Protocol):
+class Members(Protocol):
     """The ranks that must agree, as :func:`agree` sees them: mpi4py's communicators and
     :class:`~optcc_mpi.transports.Transport` both have these."""
 
@@ -44,6 +45,19 @@ class Group(Protocol):
     def size(self) -> int: ...
 
     def allgather(self, obj: object, /) -> list[object]: ...
+
+
+def __getattr__(name: str) -> object:
+    # The protocol was called Group, the name of the GLM trainer's class too (issue 34):
+    # the old name works one more release.
+    if name == "Group":
+        warnings.warn(
+            "optcc_mpi.agreement.Group is now Members; the old name goes in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return Members
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def describe_ranks(ranks: list[int], size: int | None = None) -> str:
@@ -72,7 +86,7 @@ def _verdict(error: BaseException | str | None) -> tuple[bool, str] | None:
 
 @overload
 def agree(
-    comm: Group,
+    comm: Members,
     error: BaseException | str | None,
     *,
     what: str = "",
@@ -82,7 +96,7 @@ def agree(
 
 @overload
 def agree(
-    comm: Group,
+    comm: Members,
     error: BaseException | str | None,
     payload: P,
     *,
@@ -92,7 +106,7 @@ def agree(
 
 
 def agree(
-    comm: Group,
+    comm: Members,
     error: BaseException | str | None,
     payload: object = None,
     *,
@@ -161,7 +175,7 @@ def agree(
 
 
 def run_everywhere(
-    comm: Group, step: Callable[[], T], *, what: str = "", cls: type[Exception] = ArgumentError
+    comm: Members, step: Callable[[], T], *, what: str = "", cls: type[Exception] = ArgumentError
 ) -> T:
     """Run ``step()`` on every rank; if it raised on any rank, raise on every rank.
 

@@ -7,7 +7,7 @@ What a transport hands to its library is the transport's business
 (:mod:`optcc_mpi.transports`): the backend only says where the memory lives.
 
 This is the only module that imports CuPy, and only when a CuPy array shows up; likewise
-PyTorch, only when a tensor shows up. :func:`as_array` turns what users pass (arrays,
+PyTorch, only when a tensor shows up. :func:`buffer_of` turns what users pass (arrays,
 buffers, mpi4py buffer specifications, tensors, objects with the CUDA array interface)
 into a 1-D array and its backend, without a copy.
 """
@@ -15,6 +15,7 @@ into a 1-D array and its backend, without a copy.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union, cast
@@ -51,7 +52,7 @@ __all__ = [
     "register_backend",
     "torch_backend",
     "TORCH_DTYPES",
-    "as_array",
+    "buffer_of",
     "result_like",
     "cupy_status",
     "get_cupy",
@@ -288,7 +289,7 @@ class TorchBackend(Backend["torch.Tensor", "torch.dtype"]):
     """PyTorch tensors, kept as tensors: reductions by torch on the tensors' device.
 
     The torch.distributed transport moves tensors (:mod:`optcc_mpi.transports.torch`);
-    over MPI a tensor is viewed as a NumPy or CuPy array instead (:func:`as_array`). One
+    over MPI a tensor is viewed as a NumPy or CuPy array instead (:func:`buffer_of`). One
     instance per device (:func:`torch_backend`). Work is queued on torch's current
     stream, which NCCL's operations are ordered with, so nothing here synchronises.
     """
@@ -410,7 +411,7 @@ def instance(factory: Callable[[], Backend]) -> Backend:
     return inst
 
 
-#: The NumPy backend (the fast path of :func:`as_array`).
+#: The NumPy backend (the fast path of :func:`buffer_of`).
 NUMPY = instance(NumpyBackend)
 
 
@@ -440,7 +441,20 @@ def _contiguous_flat(arr: Array, backend: Backend, what: str) -> Array:
     return backend.flat(arr)
 
 
-def as_array(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[Array, Backend]:
+def __getattr__(name: str) -> object:
+    # buffer_of was called as_array, the name of the tensor view in optcc_mpi.tensors too
+    # (issue 34): the old name works one more release.
+    if name == "as_array":
+        warnings.warn(
+            "optcc_mpi.backend.as_array is now buffer_of; the old name goes in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return buffer_of
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def buffer_of(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[Array, Backend]:
     """A 1-D array over the memory of ``obj`` (no copy), and the backend that owns it.
 
     Accepted: NumPy and CuPy arrays of any shape and either memory order, if contiguous;
@@ -463,7 +477,7 @@ def as_array(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[
         if tensors:
             return _tensor(obj, what)
         arr = _from_torch(obj, what)
-        return as_array(arr, what=what)
+        return buffer_of(arr, what=what)
     for factory in _BACKENDS:
         inst = instance(factory)
         if inst.owns(obj):
@@ -597,7 +611,7 @@ def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Array, Back
             "[buf, datatype] whose first item is the buffer; for numbers pass "
             "np.array([...])"
         )
-    seen, backend = as_array(buf, what=what)
+    seen, backend = buffer_of(buf, what=what)
     raw = cast(np.ndarray, seen)  # not a tensor (tensors=False): NumPy's API (CuPy's too)
     dtype, per = (raw.dtype, 1) if datatype is None else _datatype_dtype(datatype, what)
     nbytes = raw.size * raw.dtype.itemsize
@@ -658,7 +672,7 @@ def result_like(obj: Any, flat: Array, backend: Backend) -> tuple[Array, Array]:
         import torch
 
         made = torch.empty_like(obj, memory_format=torch.preserve_format)
-        return made, as_array(made, what="result", tensors=backend.name == "torch")[0]
+        return made, buffer_of(made, what="result", tensors=backend.name == "torch")[0]
     if backend is not NUMPY and not isinstance(obj, (list, tuple)) and backend.owns(obj):
         own = backend.empty_like(obj)
         return own, backend.flat(own)

@@ -12,12 +12,12 @@ Each phase is a function of a few named arguments, shared by every transport:
 
 1. **check** (:class:`_Call`): this rank's arguments as flat arrays of one backend, the
    reduction, the link profile and the emulation; any error is kept, not raised;
-2. **agree** (:func:`_agree`): one collective of fixed shape (:mod:`optcc_mpi.protocol`),
+2. **agree** (:func:`_agree_call`): one collective of fixed shape (:mod:`optcc_mpi.protocol`),
    after which every rank goes on, or raises the same error before any buffer changed;
 3. **plan** (:func:`_plan_call`): the link profile (given, probed or watched) and the
    schedule of the algorithm (``auto``: the fastest by the model), cached per
    communicator;
-4. **run** (:func:`_run`): the data already reduced in the check, the library's own
+4. **run** (:func:`_run_data`): the data already reduced in the check, the library's own
    AllReduce, every rank's data gathered and reduced in rank order, or the schedule on
    the executor over the communicator's transport (:mod:`optcc_mpi.transports`);
 5. **finish** (:func:`_finish`): keys back to floats, canonical NaNs, the record of the
@@ -51,7 +51,7 @@ import numpy as np
 
 from optcc_mpi import algorithms, config, crossover, fastcall, protocol, transports
 from optcc_mpi.algorithms._policy import SMALL_BYTES
-from optcc_mpi.backend import NUMPY, Array, Backend, as_array, result_like
+from optcc_mpi.backend import NUMPY, Array, Backend, buffer_of, result_like
 from optcc_mpi.communicators import CallRecord, CommState, Fold, Plan, Registry
 from optcc_mpi.dtypes import CATEGORY, NAME_OF, OPS, VALID_PAIRS, dtype_name, op_name
 from optcc_mpi.dtypes import check_op_dtype as _check_op_dtype
@@ -132,7 +132,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-#: What :func:`start` passes as the send buffer of an in-place call (recognised by its
+#: What :func:`start_call` passes as the send buffer of an in-place call (recognised by its
 #: type's name, as mpi4py's ``MPI.IN_PLACE`` is).
 IN_PLACE_MARK = InPlaceType()
 
@@ -336,7 +336,7 @@ class Started:
     a queue of its own (the ``optcc`` torch backend) holds while the library's AllReduce
     is in flight, so that the caller's thread can go on.
 
-    Made by :func:`start` (and by :func:`allreduce`, which waits at once). Unless
+    Made by :func:`start_call` (and by :func:`allreduce`, which waits at once). Unless
     :attr:`request` is set, the call is complete; else :meth:`wait` completes it, or
     :meth:`finish` once the request completed.
 
@@ -358,11 +358,11 @@ class Started:
         #: The library's AllReduce still in flight (a request of the transport), or None.
         self.request: object | None = None
         self.result: Any = None  # what allreduce returns
-        if _agree(st, call):
+        if _agree_call(st, call):
             self.result = _finish_inline(st, call)
             return
         _plan_call(st, call)
-        _run(st, call)
+        _run_data(st, call)
         if call.request is None:
             self.result = _finish(st, call)
         else:
@@ -388,7 +388,7 @@ class Started:
         return self.call.record
 
 
-def start(
+def start_call(
     buf: Any,
     *,
     comm: Communicator,
@@ -427,9 +427,9 @@ def start(
 class Prepared:
     """In-place calls of one signature on one communicator, checked and planned on this
     rank once (:func:`prepare`): each later call goes from the check straight to the
-    wire, through the same steps as :func:`start` takes for it (the same header, the same
+    wire, through the same steps as :func:`start_call` takes for it (the same header, the same
     gather, the same library AllReduce), so that a rank on this path and a rank on
-    :func:`start` run the same collectives and get the same bits.
+    :func:`start_call` run the same collectives and get the same bits.
 
     What it serves: NumPy arrays of a type and op the transport reduces exactly as we do,
     on healthy links, ``auto``, no emulation, on a transport whose AllReduce is
@@ -472,7 +472,7 @@ class Prepared:
         st = self.st
         if self.check and st.size > 1:
             try:
-                inline = protocol.agree(st.check, self.fields, None, self.fold, flat, None)
+                inline = protocol.agree_header(st.check, self.fields, None, self.fold, flat, None)
             except Mismatch as mismatch:
                 protocol.disagreement(st.check, None, mismatch, self.shown)
             if inline:
@@ -500,7 +500,7 @@ def prepare(
 ) -> Prepared | None:
     """The :class:`Prepared` calls of ``buf``'s signature (its dtype and length, in
     place) with these arguments, or None where such a call is not one it serves (then
-    :func:`start` each). Checks on this rank only: nothing is communicated."""
+    :func:`start_call` each). Checks on this rank only: nothing is communicated."""
     if type(buf) is not _NDARRAY:
         return None
     st = _state(comm)
@@ -607,7 +607,7 @@ class _Call:
         backend: Backend
         in_place = _is_in_place(sendbuf) or sendbuf is recvbuf
         if type(sendbuf) is _NDARRAY and not in_place:
-            # The commonest calls, checked inline (as_array does the same, slower).
+            # The commonest calls, checked inline (buffer_of does the same, slower).
             flat_in, backend = _numpy_flat(sendbuf, "sendbuf"), NUMPY
             if recvbuf is None:
                 flat_out = None
@@ -631,10 +631,10 @@ class _Call:
                     "sendbuf is IN_PLACE (or None) but no recvbuf was given: pass the "
                     "buffer to reduce in place as recvbuf"
                 )
-            flat_out, backend = as_array(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
+            flat_out, backend = buffer_of(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
             flat_in = flat_out
         else:
-            flat_in, backend = as_array(sendbuf, what="sendbuf", tensors=transport.caps.tensors)
+            flat_in, backend = buffer_of(sendbuf, what="sendbuf", tensors=transport.caps.tensors)
             flat_out = None
             if recvbuf is not None:
                 flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
@@ -752,14 +752,16 @@ def _params_code(params: Params | None, label: tuple[str, str] | None) -> int:
 
 
 # -- phase 2: agree -----------------------------------------------------------------------------
-def _agree(st: CommState, call: _Call) -> bool:
+def _agree_call(st: CommState, call: _Call) -> bool:
     """The check (:mod:`optcc_mpi.protocol`); True when the data travelled in it. Raises
     the same error on every rank if any rank failed or the ranks disagree."""
     if call.check and st.size > 1:
         # (Only NumPy arrays travel in the check: _settings decides fold.)
         data = cast("np.ndarray | None", call.flat_in if call.fold else None)
         try:
-            inline = protocol.agree(st.check, call.fields, call.err, call.fold, data, call.seen)
+            inline = protocol.agree_header(
+                st.check, call.fields, call.err, call.fold, data, call.seen
+            )
         except Mismatch as mismatch:
             protocol.disagreement(st.check, call.err, mismatch, call.shown())
         call.epoch = perf_counter()  # a collective just ended: about the same instant everywhere
@@ -870,7 +872,7 @@ def _plan_call(st: CommState, call: _Call) -> None:
 
 
 # -- phase 4: run -------------------------------------------------------------------------------
-def _run(st: CommState, call: _Call) -> None:
+def _run_data(st: CommState, call: _Call) -> None:
     """The data phase: gathered and reduced in rank order, the library's AllReduce, or
     the schedule on the executor."""
     p, backend, flat_out, plan = st.size, call.backend, call.flat_out, call.plan
@@ -1106,7 +1108,7 @@ def _recvbuf_for(
 ) -> tuple[Array, bool]:
     """``recvbuf`` as a flat array of ``sendbuf``'s kind, checked, and whether it is
     ``sendbuf``'s very memory (then the call is in place, as in mpi4py)."""
-    flat_out, out_backend = as_array(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
+    flat_out, out_backend = buffer_of(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
     if out_backend is not backend:
         raise ArgumentTypeError(
             f"sendbuf is a {backend.name} buffer but recvbuf a "
@@ -1140,8 +1142,8 @@ def _numpy_flat(arr: np.ndarray, what: str) -> np.ndarray:
         flags = arr.flags
         if flags.c_contiguous or flags.f_contiguous:
             return arr.ravel(order="K")
-    as_array(arr, what=what)  # raises the error
-    raise AssertionError("unreachable: as_array refuses a non-contiguous array")  # pragma: no cover
+    buffer_of(arr, what=what)  # raises the error
+    raise AssertionError("unreachable: buffer_of refuses non-contiguous")  # pragma: no cover
 
 
 class Overlap(enum.Enum):

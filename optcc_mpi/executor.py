@@ -38,7 +38,7 @@ Cost per message
 ----------------
 Everything that depends only on the schedule and this rank (operation kinds, peers, tags,
 byte offsets, dependency counts, the operations ready at the start) is computed once and
-cached on the schedule (:class:`_Plan`), so a call only copies two small lists before the
+cached on the schedule (:class:`_Program`), so a call only copies two small lists before the
 loop starts. The loop creates one slice per message and keeps received-then-reduced data in
 a pool of temporary buffers reused across calls (a fresh large allocation costs page faults
 on first touch). Completed requests are removed by swapping with the last one, without
@@ -228,7 +228,7 @@ def levels(schedule: Schedule) -> np.ndarray:
     return out
 
 
-class _Plan:
+class _Program:
     """One rank's program as flat per-operation lists for the executor's loop.
 
     Built once per (schedule, rank, itemsize) and cached on the schedule; the loop only
@@ -343,7 +343,7 @@ class _Sourcing:
 
     __slots__ = ("rbuf", "sbuf", "pieces", "pre", "post")
 
-    def __init__(self, plan: _Plan) -> None:
+    def __init__(self, plan: _Program) -> None:
         n, count = plan.n, plan.count
         self.rbuf = list(plan.buf)
         self.sbuf = list(plan.sbuf)
@@ -418,7 +418,7 @@ class _Sourcing:
         self.post = _ranges(bounds, (first[:nseg] == n) & ~copied)
 
 
-def _topological(plan: _Plan) -> list[int]:
+def _topological(plan: _Program) -> list[int]:
     """Each operation's number in one topological order of the dependencies."""
     waiting = plan.waiting.copy()
     todo = deque(i for i in range(plan.n) if waiting[i] == 0)
@@ -446,12 +446,12 @@ def _ranges(bounds: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
     return [(int(bounds[x]), int(bounds[y])) for x, y in zip(starts, stops)]
 
 
-def _plan(schedule: Schedule, rank: int, itemsize: int) -> _Plan:
+def _program(schedule: Schedule, rank: int, itemsize: int) -> _Program:
     cache = schedule.__dict__.setdefault("_exec_plans", {})
     key = (rank, itemsize)
     plan = cache.get(key)
     if plan is None:
-        plan = cache[key] = _Plan(schedule, rank, itemsize)
+        plan = cache[key] = _Program(schedule, rank, itemsize)
     return plan
 
 
@@ -498,7 +498,7 @@ def execute(
         is the same, bit for bit, as with ``buf`` holding the input (module docstring).
     """
     transport = comm if isinstance(comm, Transport) else transports.of(comm)
-    plan = _plan(schedule, transport.rank, buf.dtype.itemsize)
+    plan = _program(schedule, transport.rank, buf.dtype.itemsize)
     stats = ExecStats()
     if source is buf:
         source = None
@@ -530,7 +530,7 @@ class _Run(Generic[Req]):
     def __init__(
         self,
         schedule: Schedule,
-        plan: _Plan,
+        plan: _Program,
         buf: Array,
         transport: Transport[Req],
         op: str,

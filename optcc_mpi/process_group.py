@@ -26,7 +26,7 @@ The path of one call
          -> OrderedWorker.steal(job)             come, so it runs here (else the group's
                                                  thread runs it, and wait() waits)
             -> tensors.start_tensor              a NumPy view of a CPU tensor
-               -> collectives.start              one argument check, the plan, then
+               -> collectives.start_call         one argument check, the plan, then
                   -> TorchTransport.allreduce    gloo's AllReduce (healthy links)
                   or the executor                OptCC's schedule (degraded links)
 

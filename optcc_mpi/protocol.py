@@ -61,7 +61,7 @@ __all__ = [
     "OP_CODE",
     "Mismatch",
     "code",
-    "agree",
+    "agree_header",
     "extra_fits",
     "gathered_extra",
     "reduce_gathered",
@@ -118,7 +118,7 @@ class Mismatch(Exception):
         self.table, self.bounds = table, bounds
 
 
-def agree(
+def agree_header(
     st: CheckState,
     fields: tuple[int, ...],
     err: BaseException | None,

@@ -330,7 +330,7 @@ def start_tensor(
             error = exc
     if label is None and isinstance(average, bool):
         label = ("average", str(average))
-    started = collectives.start(
+    started = collectives.start_call(
         arr, comm=mpi_comm if mpi else wire, op=opname, algorithm=algorithm, links=links,
         check=check, sendbuf=send, error=None if error is None else ours(error), label=label,
     )  # fmt: skip

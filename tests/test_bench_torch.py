@@ -65,10 +65,10 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_launcher_is_read_from_the_environment() -> None:
-    assert world.launcher({"PMI_RANK": "0", "PMI_SIZE": "2"}) == "mpi"
-    assert world.launcher({"OMPI_COMM_WORLD_SIZE": "2", "RANK": "0", "WORLD_SIZE": "2"}) == "mpi"
-    assert world.launcher({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "x"}) == "torchrun"
-    assert world.launcher({}) == "none" and world.launcher({"RANK": "0"}) == "none"
+    assert world.started_by({"PMI_RANK": "0", "PMI_SIZE": "2"}) == "mpi"
+    assert world.started_by({"OMPI_COMM_WORLD_SIZE": "2", "RANK": "0", "WORLD_SIZE": "2"}) == "mpi"
+    assert world.started_by({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "x"}) == "torchrun"
+    assert world.started_by({}) == "none" and world.started_by({"RANK": "0"}) == "none"
     assert world.default_transport({"RANK": "1", "WORLD_SIZE": "4"}) == "gloo"
     assert world.default_transport({"PMI_RANK": "1"}) == "mpi"
 

@@ -151,3 +151,15 @@ def test_last_stats_from_the_package_face_in_a_fresh_process() -> None:
         "assert last_stats is c.last_stats\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_renamed_helpers_keep_their_old_names_one_release() -> None:
+    """``backend.as_array`` (now ``buffer_of``: ``tensors.as_array`` is another thing) still
+    imports, with a FutureWarning naming the new name."""
+    import pytest
+
+    from optcc_mpi import backend
+
+    with pytest.warns(FutureWarning, match="now buffer_of"):
+        old = backend.as_array
+    assert old is backend.buffer_of

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from optcc_mpi import algorithms
-from optcc_mpi.executor import PIECES, SOURCE, _plan, _Sourcing
+from optcc_mpi.executor import PIECES, SOURCE, _program, _Sourcing
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, ScheduleBuilder
 from optcc_mpi.verify import verify
@@ -123,7 +123,7 @@ def test_every_algorithm_reads_the_source_as_in_place(name: str, p: int) -> None
             small = {"chunk_bytes": 4096} if "chunk_bytes" in algorithms.get(name).params else {}
             sched = algorithms.build(name, p, count, Links(links), itemsize=4, **small)
             for rank in range(p):
-                plan = _plan(sched, rank, 4)
+                plan = _program(sched, rank, 4)
                 sourcing = _same(plan, sched.scratch, seed=rank + count)
                 colls = [(lo, hi) for k, lo, hi in zip(plan.kind, plan.lo, plan.hi) if k == COLL]
                 assert sourcing.pre == colls, (links, count, rank)
@@ -161,7 +161,7 @@ def test_every_case_of_the_analysis() -> None:
     report = verify(sched, raise_on_error=False)
     assert report.errors and not any(e.startswith(("race", "matching")) for e in report.errors)
     for rank in range(2):
-        plan = _plan(sched, rank, 8)
+        plan = _program(sched, rank, 8)
         sourcing = _same(plan, sched.scratch, seed=3)
         # up front: the copy's operand [8, 16), the send's [32, 40), the COLL's [60, 64)
         assert sourcing.pre == [(8, 16), (32, 40), (60, 64)]
@@ -179,7 +179,7 @@ def test_every_case_of_the_analysis() -> None:
 
 def test_analysis_is_cached_per_plan() -> None:
     sched = algorithms.build("ring", 4, 4096, Links(), itemsize=4)
-    plan = _plan(sched, 1, 4)
+    plan = _program(sched, 1, 4)
     assert plan.sourcing is None  # made on the first call out of place only
     assert plan.sourced() is plan.sourced()
     assert RECV in plan.kind or RECV_REDUCE in plan.kind

@@ -13,7 +13,7 @@ from optcc_mpi.algorithms._policy import (
     NETWORK,
     NETWORK_MESSAGE_BYTES,
     SHARED_MEMORY,
-    Transport,
+    Fabric,
     message_bytes,
     transport_of,
 )
@@ -44,36 +44,36 @@ def test_default_network_model_gives_the_network_message_size() -> None:
 
 def test_message_size_from_the_model() -> None:
     # beta * bw / eps = 100e-6 * 1e9 / 0.05 = 2e6 B, rounded up to a power of two.
-    slow_start = Transport("t", latency=0.0, message_cost=100e-6, rate=1e9)
+    slow_start = Fabric("t", latency=0.0, message_cost=100e-6, rate=1e9)
     assert slow_start.message_bytes(1 << 30) == 1 << 21
     # alpha * bw / (window - 1): 4 ms at 1 GB/s with one companion = 4e6 B -> 4 MiB; a
     # deeper window covers the same reaction time with smaller messages.
-    laggy = Transport("t", latency=4e-3, message_cost=0.0, rate=1e9)
+    laggy = Fabric("t", latency=4e-3, message_cost=0.0, rate=1e9)
     assert laggy.message_bytes(1 << 30, window=2) == 1 << 22
     assert laggy.message_bytes(1 << 30, window=5) == 1 << 20
     # A slow network with cheap messages: the floor that the testbed measured.
-    cheap = Transport("t", latency=1e-6, message_cost=1e-6, rate=50e6)
+    cheap = Fabric("t", latency=1e-6, message_cost=1e-6, rate=50e6)
     assert cheap.message_bytes(1 << 30) == MIN_MESSAGE_BYTES
     # Without overlap a section is one message, whatever the costs.
-    shm = Transport("t", latency=1e-6, message_cost=1e-6, rate=50e6, overlap=False)
+    shm = Fabric("t", latency=1e-6, message_cost=1e-6, rate=50e6, overlap=False)
     assert shm.message_bytes(12345) == 12345 and shm.messages(12345) == 1
     assert slow_start.messages(5 << 20) == 3 and slow_start.messages(0) == 0
     with pytest.raises(ArgumentError, match="rate > 0"):
-        Transport("t", latency=0.0, message_cost=0.0, rate=0.0)
+        Fabric("t", latency=0.0, message_cost=0.0, rate=0.0)
     with pytest.raises(ArgumentError, match="message_cost >= 0"):
-        Transport("t", latency=0.0, message_cost=-1.0, rate=1.0)
+        Fabric("t", latency=0.0, message_cost=-1.0, rate=1.0)
     with pytest.raises(ArgumentError, match="eps"):
         NETWORK.message_bytes(1 << 30, eps=1.5)
 
 
 def test_ring_takes_a_measured_transport() -> None:
     p, count = 4, 4 * (8 << 20) // 4  # 8 MiB sections of float32
-    t = Transport("calibrated", latency=0.0, message_cost=100e-6, rate=1e9)  # 2 MiB messages
+    t = Fabric("calibrated", latency=0.0, message_cost=100e-6, rate=1e9)  # 2 MiB messages
     sched = algorithms.build("ring", p, count, itemsize=4, transport=t)
     verify(sched)
     assert _sends(sched) == 2 * (p - 1) * p * 4
-    # Passed through allreduce's params, a Transport is part of the plan's cache key.
-    assert repr(t) == repr(Transport("calibrated", 0.0, 100e-6, 1e9, True))
+    # Passed through allreduce's params, a Fabric is part of the plan's cache key.
+    assert repr(t) == repr(Fabric("calibrated", 0.0, 100e-6, 1e9, True))
 
 
 def test_ring_model_charges_a_measured_transport() -> None:
@@ -83,7 +83,7 @@ def test_ring_model_charges_a_measured_transport() -> None:
     assert ring_time(p, n, bw, latency=1e-3) == pytest.approx(ff + 6 * 1e-3)
     assert ring_time(p, n, bw, transport="shared-memory") == pytest.approx(ff)
     # With overlap: the delivered rate, and per step one latency and one exposed message.
-    net = Transport("c", latency=2e-4, message_cost=1e-4, rate=40e6)
+    net = Fabric("c", latency=2e-4, message_cost=1e-4, rate=40e6)
     ff40 = 2 * (p - 1) / p * n / 40e6
     assert ring_time(p, n, bw, transport=net) == pytest.approx(ff40 + 6 * (2e-4 + 1e-4))
     # The larger of the caller's latency and the transport's.
@@ -92,7 +92,7 @@ def test_ring_model_charges_a_measured_transport() -> None:
     )
     # Without overlap: every message of a section costs its fixed time (16 MiB sections
     # in 4 MiB messages: 4 per step); the rate above the link's is capped at the link's.
-    shm = Transport("c", latency=1e-5, message_cost=2e-4, rate=1e12, overlap=False)
+    shm = Fabric("c", latency=1e-5, message_cost=2e-4, rate=1e12, overlap=False)
     got = ring_time(p, n, bw, transport=shm, chunk_bytes=4 << 20)
     assert got == pytest.approx(ff + 6 * (1e-5 + 4 * 2e-4))
     # The registry passes the builder's parameters to the cost.
@@ -159,7 +159,7 @@ def test_allreduce_with_a_measured_transport() -> None:
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
     count = 4 * (MIN_MESSAGE_BYTES // 4) * p  # sections of 4 minimal messages
-    t = Transport("calibrated", latency=0.0, message_cost=0.0, rate=1e9)  # the floor
+    t = Fabric("calibrated", latency=0.0, message_cost=0.0, rate=1e9)  # the floor
     x = np.arange(count, dtype=np.float32) % 5 * (comm.rank + 1)
     want = np.arange(count, dtype=np.float32) % 5 * (p * (p + 1) // 2)
     for _ in range(2):  # the second call takes the cached plan
@@ -167,7 +167,7 @@ def test_allreduce_with_a_measured_transport() -> None:
         np.testing.assert_array_equal(y, want)
         assert _sends(last_stats()["schedule"]) == 2 * (p - 1) * p * 4
     # A rank with another model is an error on every rank, not a hang.
-    other = Transport("calibrated", latency=0.0, message_cost=0.0, rate=2e9)
+    other = Fabric("calibrated", latency=0.0, message_cost=0.0, rate=2e9)
     mine = other if comm.rank == p - 1 else t
     with pytest.raises(ArgumentError, match="params"):
         optcc_mpi.allreduce(x, algorithm="ring", params={"transport": mine})
@@ -182,7 +182,7 @@ def test_optcc_section_floor_by_transport() -> None:
     assert net == pytest.approx(2 * NETWORK.message_cost * NETWORK.rate, abs=1)
     assert net > SECTION_BYTES
     # A transport whose messages cost nothing keeps the simulator's floor.
-    free = Transport("free", latency=1e-6, message_cost=0.0, rate=NETWORK.rate)
+    free = Fabric("free", latency=1e-6, message_cost=0.0, rate=NETWORK.rate)
     assert section_floor(free) == SECTION_BYTES
     # Without overlap the floor never binds a real size: the fewest segments.
     assert section_floor("shared-memory") > 1 << 50
@@ -219,3 +219,13 @@ def test_optcc_segments_follow_the_transport(p: int) -> None:
         "optcc", p, count, itemsize=4, links=links, transport="network", k=7
     )
     assert explicit.params["k"] == 7
+
+
+def test_the_models_old_name_still_works_with_a_warning() -> None:
+    """The fabric model was called ``Transport`` (the transports' contract's name too):
+    the old name imports one more release, with a FutureWarning naming the new one."""
+    import optcc_mpi.algorithms._policy as policy
+
+    with pytest.warns(FutureWarning, match="now Fabric"):
+        old = policy.Transport
+    assert old is Fabric

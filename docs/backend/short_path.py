@@ -5,7 +5,7 @@
 
 Blocks of back-to-back ``dist.all_reduce`` calls (float32 SUM, in place, the check on):
 on the default gloo group, on an optcc group, and on the same optcc group with its short
-path turned off (every call takes the whole path: tensors.start_tensor, collectives.start,
+path turned off (every call takes the whole path: tensors.start_tensor, collectives.start_call,
 the group's job), the blocks' order reversed every round. Rank 0 prints the median over
 the rounds of the time per call, and its ratio to gloo's.
 """

@@ -10,8 +10,8 @@ Message size by transport (measured, docs/bench.md): a builder that declares a
 ``transport`` parameter is told by :func:`optcc_mpi.allreduce` which kind of transport
 joins the communicator's ranks, ``"shared-memory"`` (MPI says every rank shares one node)
 or ``"network"`` (anything else, and every emulated network), or is given a measured
-:class:`Transport` (``params={"transport": Transport(...)}``, e.g. from
-``python -m optcc_mpi.lab.calibrate``). A :class:`Transport` is a small model of what joins
+:class:`Fabric` (``params={"transport": Fabric(...)}``, e.g. from
+``python -m optcc_mpi.lab.calibrate``). A :class:`Fabric` is a small model of what joins
 the ranks: a latency per step ``alpha``, a fixed cost per message ``beta``, the rate
 ``bw`` it delivers, and whether it moves data while the CPU reduces (``overlap``). The
 message size follows from it (derived, ours):
@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 
 from optcc_mpi import config
@@ -49,7 +50,7 @@ __all__ = [
     "TRANSPORTS",
     "MIN_MESSAGE_BYTES",
     "EPS",
-    "Transport",
+    "Fabric",
     "NETWORK",
     "SHARED_MEMORY",
     "transport_of",
@@ -79,7 +80,7 @@ EPS = 0.05
 
 
 @dataclass(frozen=True)
-class Transport:
+class Fabric:
     """A small model of what joins the ranks (module docstring).
 
     Parameters
@@ -113,7 +114,7 @@ class Transport:
         )
         if not ok:
             raise ArgumentError(
-                "Transport: need finite latency, message_cost >= 0 and rate > 0 (got "
+                "Fabric: need finite latency, message_cost >= 0 and rate > 0 (got "
                 f"latency={self.latency}, message_cost={self.message_cost}, rate={self.rate})"
             )
 
@@ -148,12 +149,12 @@ class Transport:
 
 
 #: Default model of a network (10 Gbit/s, 50 us per step, 40 us per message): messages of
-#: NETWORK_MESSAGE_BYTES. Pass a calibrated :class:`Transport` for another network.
-NETWORK = Transport("network", latency=50e-6, message_cost=40e-6, rate=1.25e9, overlap=True)
+#: NETWORK_MESSAGE_BYTES. Pass a calibrated :class:`Fabric` for another network.
+NETWORK = Fabric("network", latency=50e-6, message_cost=40e-6, rate=1.25e9, overlap=True)
 #: Default model of shared memory (one node): CPU copies, no overlap, so one message per
 #: section. The figures are what ``python -m optcc_mpi.lab.calibrate`` measured at p = 2 on
 #: the development machine (12 us per step, 196 us per 512 KiB message, 6.7 GB/s).
-SHARED_MEMORY = Transport(
+SHARED_MEMORY = Fabric(
     "shared-memory", latency=12e-6, message_cost=200e-6, rate=6.5e9, overlap=False
 )
 #: The kinds of transport a builder's ``transport`` parameter may name.
@@ -161,30 +162,44 @@ TRANSPORTS = ("network", "shared-memory")
 _BY_NAME = {"network": NETWORK, "shared-memory": SHARED_MEMORY}
 
 
-def transport_of(transport: str | Transport) -> Transport:
-    """The :class:`Transport` a builder's ``transport`` parameter names (or is):
+def __getattr__(name: str) -> object:
+    # The model was called Transport, the name of the transports' contract too (issue 34):
+    # the old name works one more release.
+    if name == "Transport":
+        warnings.warn(
+            "optcc_mpi.algorithms._policy.Transport is now Fabric; the old name goes in the "
+            "next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return Fabric
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def transport_of(transport: str | Fabric) -> Fabric:
+    """The :class:`Fabric` a builder's ``transport`` parameter names (or is):
     ``"network"`` is :data:`NETWORK`, at the rate ``$OPTCC_LINK_RATE`` says when it is set
     (:func:`network`)."""
-    if isinstance(transport, Transport):
+    if isinstance(transport, Fabric):
         return transport
     if transport == "network":
         return network()
     got = _BY_NAME.get(transport) if isinstance(transport, str) else None
     if got is None:
         raise ArgumentError(
-            f"transport must be one of {', '.join(map(repr, TRANSPORTS))} or a Transport, "
+            f"transport must be one of {', '.join(map(repr, TRANSPORTS))} or a Fabric, "
             f"got {transport!r}"
         )
     return got
 
 
-def network() -> Transport:
+def network() -> Fabric:
     """The network model in force: :data:`NETWORK`, whose rate is a 10 Gbit/s NIC's, or
     the same model at ``$OPTCC_LINK_RATE`` (one healthy link's rate, e.g. ``200mbit``).
 
     The rate sizes what a message's fixed cost is weighed against: OptCC's smallest
     section (``optcc.section_floor``, ``2 * message_cost * rate``) and the ring's message
-    (:meth:`Transport.message_bytes`). At 10 Gbit/s the floor is 97.7 KiB, which at 16
+    (:meth:`Fabric.message_bytes`). At 10 Gbit/s the floor is 97.7 KiB, which at 16
     ranks leaves an 8 MiB message 5 segments (1/5 of pipeline head and tail); on 200
     Mbit/s links a message's 40 us moves 1 KB, and 34 segments took 1.15x the bound on
     the testbed where 5 took 1.52x (docs/testbed.md, issue 36). It is the job's to set,
@@ -199,7 +214,7 @@ def network() -> Transport:
 
 
 @functools.lru_cache(maxsize=8)
-def _network_at(text: str) -> Transport:
+def _network_at(text: str) -> Fabric:
     try:
         rate = parse_rate(text)
     except ArgumentError as exc:
@@ -217,9 +232,7 @@ def large_messages(p: int, nbytes: float, links: Links) -> bool:
     return not small_messages(p, nbytes, links)
 
 
-def message_bytes(
-    section_bytes: int, transport: str | Transport = "network", window: int = 2
-) -> int:
+def message_bytes(section_bytes: int, transport: str | Fabric = "network", window: int = 2) -> int:
     """Target size of one message when a section of ``section_bytes`` is sent over
     ``transport`` (see the module docstring)."""
     return transport_of(transport).message_bytes(section_bytes, window)

@@ -64,7 +64,7 @@ import numpy as np
 import numpy.typing as npt
 
 from optcc_mpi.algorithms import register
-from optcc_mpi.algorithms._policy import MAX_AUTO_OPS, Transport, large_messages, transport_of
+from optcc_mpi.algorithms._policy import MAX_AUTO_OPS, Fabric, large_messages, transport_of
 from optcc_mpi.errors import ArgumentError, PlanError
 from optcc_mpi.links import Links
 from optcc_mpi.model import fractions, lower_bound
@@ -98,7 +98,7 @@ PATTERNS = ("auto", "fold", "closer")
 SECTION_BYTES = 16 * 1024
 
 
-def section_floor(transport: str | Transport | None) -> int:
+def section_floor(transport: str | Fabric | None) -> int:
     """Smallest section of a segment over ``transport``: :data:`SECTION_BYTES` without one
     (the simulator's fabric, where a message costs only its bytes); over a transport that
     overlaps, the bytes the fixed costs of one message at both its ends could have moved
@@ -211,11 +211,11 @@ def optcc_plan(p: int, links: Links | str | None = None) -> OptccPlan:
     f = fractions(links, p)
     # Rounded to 12 significant digits (not decimals: 1e-13 must not become 0) so that
     # profiles equal up to rounding share a cache entry.
-    return _plan(p, tuple(float(f"{x:.12g}") for x in f.tolist()))
+    return _optcc_plan_cached(p, tuple(float(f"{x:.12g}") for x in f.tolist()))
 
 
 @lru_cache(maxsize=256)
-def _plan(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
+def _optcc_plan_cached(p: int, f_tuple: tuple[float, ...]) -> OptccPlan:
     if p < 2:
         return OptccPlan((1.0,) * p, 0.0)
     f = np.asarray(f_tuple)
@@ -1299,7 +1299,7 @@ def optcc(
     ratio: float = 1.4,
     row_lag: int = 1,
     ag_lag: int = 0,
-    transport: str | Transport | None = None,
+    transport: str | Fabric | None = None,
 ) -> Schedule:
     """OptCC AllReduce schedule.
 
@@ -1332,7 +1332,7 @@ def optcc(
     ramp : int, optional
         Geometrically smaller segments at each end of the pipeline (see
         :func:`segment_bounds`); by default :func:`auto_ramp` of the segment count.
-    transport : {"network", "shared-memory"}, Transport or None
+    transport : {"network", "shared-memory"}, Fabric or None
         What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator):
         it sets the smallest section of a segment (:func:`section_floor`), so the number
         of segments when ``k`` is not given. None (the default, and the simulator's
@@ -1391,7 +1391,7 @@ def _segments(
     *,
     k: int | None,
     ramp: int | None,
-    transport: str | Transport | None,
+    transport: str | Fabric | None,
     pattern: str,
 ) -> tuple[int, int]:
     """Segments and ramp segments of a buffer of ``nbytes``: ``k`` and ``ramp`` where

@@ -43,7 +43,7 @@ import numpy as np
 from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import (
     MAX_AUTO_OPS,
-    Transport,
+    Fabric,
     large_messages,
     message_bytes,
     transport_of,
@@ -205,7 +205,7 @@ def r2ccl(
     chunks: int = 16,
     window: int = 2,
     chunk_bytes: int | None = None,
-    transport: str | Transport = "network",
+    transport: str | Fabric = "network",
     schedule: int | None = None,
 ) -> Schedule:
     """R2CCL-AllReduce schedule.
@@ -229,7 +229,7 @@ def r2ccl(
         Message size target of the rings; default from ``transport``
         (:func:`optcc_mpi.algorithms._policy.message_bytes`, sized for the full ring's
         sections).
-    transport : {"network", "shared-memory"} or Transport
+    transport : {"network", "shared-memory"} or Fabric
         What joins the ranks (set by :func:`optcc_mpi.allreduce`; see the ring).
     schedule : {None, 0, 1, 2}
         When a degraded rank sends its raw tail. R2CCL's overlap schedules: 1 once its

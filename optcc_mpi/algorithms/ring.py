@@ -16,7 +16,7 @@ import numpy.typing as npt
 from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import (
     NETWORK_MESSAGE_BYTES,
-    Transport,
+    Fabric,
     large_messages,
     message_bytes,
     transport_of,
@@ -151,7 +151,7 @@ def ring_time(
     links: Links | str | None = None,
     *,
     latency: float = 0.0,
-    transport: str | Transport = "network",
+    transport: str | Fabric = "network",
     chunk_bytes: int | None = None,
     itemsize: int = 4,
     window: int = 2,
@@ -159,7 +159,7 @@ def ring_time(
     """The ring, held back at every step by the slowest NIC, ``T_ff / min_r f_r``, plus one
     latency per step (2(p-1) steps; the chunks of one step are pipelined).
 
-    A measured :class:`~optcc_mpi.algorithms._policy.Transport` (not a name, whose figures
+    A measured :class:`~optcc_mpi.algorithms._policy.Fabric` (not a name, whose figures
     are only defaults for the message size) adds its costs (derived, ours): data moves at
     ``min(bw, transport.rate)``, and each step pays the transport's latency and, with
     overlap, one exposed message cost (the others run while earlier messages travel),
@@ -167,7 +167,7 @@ def ring_time(
     if p < 2:
         return 0.0
     steps = 2 * (p - 1)
-    if not isinstance(transport, Transport):
+    if not isinstance(transport, Fabric):
         return fault_free(p, nbytes, bw) / fractions(links, p).min() + steps * latency
     tr = transport_of(transport)
     section = -(-int(nbytes) // (max(1, itemsize) * p)) * max(1, itemsize)
@@ -192,7 +192,7 @@ def ring(
     itemsize: int = 4,
     chunk_bytes: int | None = None,
     window: int = 2,
-    transport: str | Transport = "network",
+    transport: str | Fabric = "network",
 ) -> Schedule:
     """Ring AllReduce over ranks 0..p-1 in rank order.
 
@@ -209,9 +209,9 @@ def ring(
         (:func:`optcc_mpi.algorithms._policy.message_bytes`).
     window : int
         Messages in flight per connection.
-    transport : {"network", "shared-memory"} or Transport
+    transport : {"network", "shared-memory"} or Fabric
         What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator,
-        or a measured :class:`~optcc_mpi.algorithms._policy.Transport`): the message size
+        or a measured :class:`~optcc_mpi.algorithms._policy.Fabric`): the message size
         follows from its model; in shared memory each section travels as one message.
     """
     section = -(-count // max(p, 1))

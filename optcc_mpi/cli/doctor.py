@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     world.end(started)
     status = diag.exit_status
-    if world.launcher() == "torchrun":
+    if world.started_by() == "torchrun":
         # torchrun reports every worker that exits non-zero as a failure of its own, with a
         # block each, and stops the workers still running once one has failed (listing
         # them as ended by SIGTERM): rank 0 alone carries the verdict (its summary in that
@@ -412,7 +412,7 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _frac(row: dict[str, Any]) -> str:
+def _fraction_arg(row: dict[str, Any]) -> str:
     f = row.get("fraction")
     return "?" if f is None else f"{f:.2f}"
 
@@ -442,7 +442,7 @@ def _check(args: argparse.Namespace) -> int:
         return "unmeasured" if v == "healthy" and r.get("fraction") is None else v
 
     def said(rows: list[dict[str, Any]]) -> str:
-        return ", ".join(f"rank {r['rank']} {verdict(r)} at {_frac(r)}" for r in rows)
+        return ", ".join(f"rank {r['rank']} {verdict(r)} at {_fraction_arg(r)}" for r in rows)
 
     named = [r for r in mine if verdict(r) in ("degraded", "node", "intra")]
     if named:

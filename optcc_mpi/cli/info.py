@@ -98,7 +98,7 @@ def collect() -> dict[str, Any]:
         "mpi_library": lib["library"] if mpi_mod is not None else None,
         "mpi_error": mpi_error,
         "mpi_ranks": mpi_mod.COMM_WORLD.Get_size() if mpi_mod is not None else None,
-        "launcher": provenance.launcher(),
+        "launcher": provenance.launcher_record(),
         "cupy": backend.cupy_status(),
         "cuda_aware_mpi": _cuda_aware() if mpi_mod is not None else None,
         "torch": _torch(),

@@ -260,7 +260,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if info["consistent"] is not False else 1
 
 
-def _rate(q: dict[str, Any] | None) -> str:
+def _rate_arg(q: dict[str, Any] | None) -> str:
     if q is None:
         return "-"
     if q["rate_bit"] is None:
@@ -289,8 +289,8 @@ def _format_status(info: dict[str, Any]) -> str:
             rx = "-" if r["rx_bytes"] is None else f"{r['rx_bytes']:,}"
             lines.append(
                 f"  {r['rank']:>4}  {r['namespace']:<18} {r['addr']:<12} "
-                f"{tb.format_bitrate(r['rate_bit']):>9}  {_rate(r['egress']):<16} "
-                f"{_rate(r['ingress']):<16} {tx:>12} {rx:>12}"
+                f"{tb.format_bitrate(r['rate_bit']):>9}  {_rate_arg(r['egress']):<16} "
+                f"{_rate_arg(r['ingress']):<16} {tx:>12} {rx:>12}"
             )
     elif info["namespaces"]:
         lines.append("  namespaces: " + ", ".join(info["namespaces"]))

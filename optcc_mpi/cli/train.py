@@ -297,7 +297,7 @@ def start_group(transport: str | None) -> tuple[Any, bool]:
         return dist.group.WORLD, False
     if not torch.cuda.is_available():
         raise ArgumentError("--transport nccl needs a CUDA device; this process sees none")
-    how = world.launcher()
+    how = world.started_by()
     if how == "torchrun":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
@@ -367,7 +367,7 @@ def command_line(args: argparse.Namespace, size: int) -> str:
         else:
             words += [flag, str(value)]
     inner = " ".join(shlex.quote(w) for w in words)
-    if world.launcher() == "torchrun":
+    if world.started_by() == "torchrun":
         launch = f"torchrun --standalone --nproc-per-node={size} --no-python sh -c"
         return f"{launch} {shlex.quote(inner)}"
     return f"mpiexec -n {size} {inner}"

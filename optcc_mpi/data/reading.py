@@ -176,7 +176,7 @@ class Partition:
         return self.cols.stop - self.cols.start
 
 
-def _rank_size(comm: Any, rank: int | None, size: int | None) -> tuple[int, int]:
+def _rank_and_size(comm: Any, rank: int | None, size: int | None) -> tuple[int, int]:
     if comm is not None:
         t = transports.of(comm)  # an mpi4py communicator or a torch.distributed group
         crank, csize = t.rank, t.size
@@ -475,7 +475,7 @@ def load_partition(
         decompress (the message names the dataset).
     """
     target = dtype_name(dtype)
-    rank, size = _rank_size(comm, rank, size)
+    rank, size = _rank_and_size(comm, rank, size)
     path = Path(path)
     part: Partition | None = None
     error: BaseException | None = None

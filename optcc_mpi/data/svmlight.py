@@ -432,7 +432,7 @@ def convert_svmlight(
         raise FileMissingError(f"svmlight file not found: {src}")
 
     scan = _scan_pass(src, name, progress)
-    plan = _plan(
+    plan = _decide_output(
         scan,
         src,
         task=task,
@@ -518,7 +518,7 @@ class _Storage:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Output:
     """What the second pass writes, decided from the first pass and the options."""
 
     task: str
@@ -548,7 +548,7 @@ class _Plan:
         return (blk.labels > 0).astype(np.float64) if self.encoding else blk.labels
 
 
-def _plan(
+def _decide_output(
     scan: _Scan,
     src: Path,
     *,
@@ -558,7 +558,7 @@ def _plan(
     layout: str,
     csc: bool,
     storage: _Storage,
-) -> _Plan:
+) -> _Output:
     """Check the options against what the first pass saw, and settle the output's shape."""
     task = task or scan.labels.task()
     encoding = scan.labels.encoding(task, str(src))
@@ -591,10 +591,10 @@ def _plan(
         raw = scan.col_counts[shift : shift + n]
         counts[: raw.size] = raw
     scan.col_counts = None  # the first pass's largest array: free it before the second
-    return _Plan(task, encoding, bool(zero_based), m, n, nnz, layout, counts, storage)
+    return _Output(task, encoding, bool(zero_based), m, n, nnz, layout, counts, storage)
 
 
-def _write_dense(f: h5py.File, src: Path, plan: _Plan, bar: Progress) -> int:
+def _write_dense(f: h5py.File, src: Path, plan: _Output, bar: Progress) -> int:
     """Pass 2, dense ``X``: parse again and write whole chunk rows; returns the rows."""
     st, m, shift = plan.storage, plan.m, plan.shift
     ydset = create_y(f, m, st.compression, st.checksum)
@@ -624,7 +624,7 @@ def _write_dense(f: h5py.File, src: Path, plan: _Plan, bar: Progress) -> int:
     return r
 
 
-def _write_csr(f: h5py.File, src: Path, plan: _Plan, spill: Path, bar: Progress) -> int:
+def _write_csr(f: h5py.File, src: Path, plan: _Output, spill: Path, bar: Progress) -> int:
     """Pass 2, CSR ``X``: parse again and append each block's rows; spill the entries by
     column band for the CSC copy and build it at the end. Returns the rows."""
     st, m, nnz, shift = plan.storage, plan.m, plan.nnz, plan.shift

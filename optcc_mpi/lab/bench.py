@@ -531,7 +531,7 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
                     f"gloo needs torch ({exc}; pip install torch); drop it from --algorithms"
                 ) from None
             started.append(made)
-    rows = _run(cfg, comm, ctrl, group)
+    rows = _run_case(cfg, comm, ctrl, group)
     # Groups started here end here (not after an error: the other ranks may never come
     # to the barrier that ending takes).
     for made in reversed(started):
@@ -539,7 +539,7 @@ def run(cfg: BenchConfig, comm: Any = None) -> list[dict[str, Any]]:
     return rows
 
 
-def _run(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, Any]]:
+def _run_case(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[str, Any]]:
     """:func:`run` once ``comm`` (the algorithms'), ``ctrl`` (its transport) and ``group``
     (the library rows' process group, or None) are known."""
     rank, p = ctrl.rank, ctrl.size

@@ -1,4 +1,4 @@
-"""Measure the transport model (:class:`optcc_mpi.algorithms._policy.Transport`) through
+"""Measure the transport model (:class:`optcc_mpi.algorithms._policy.Fabric`) through
 the executor: per-step latency, per-message cost and the rate it delivers.
 
 Run under mpiexec, e.g. ``mpiexec -n 2 optcc-mpi lab calibrate``. Three tiny
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi.algorithms._policy import Transport
+from optcc_mpi.algorithms._policy import Fabric
 from optcc_mpi.argtypes import int_at_least, positive_size_arg
 from optcc_mpi.backend import NumpyBackend
 from optcc_mpi.errors import ArgumentError
@@ -77,7 +77,7 @@ def measure(
     pieces: int = 16,
     repeats: int = 5,
     small: int = 64,
-) -> tuple[Transport, dict[str, Any]]:
+) -> tuple[Fabric, dict[str, Any]]:
     """Measure the transport (collective on ``comm``; the same result on every rank).
 
     Parameters
@@ -97,7 +97,7 @@ def measure(
 
     Returns
     -------
-    Transport, dict
+    Fabric, dict
         The model, and how it was measured (sizes, repeats, seconds taken).
     """
     from mpi4py import MPI
@@ -148,7 +148,7 @@ def measure(
         "repeats": repeats,
         "seconds": time.perf_counter() - t_start,
     }
-    return Transport("calibrated", alpha, beta, bw, overlap), how
+    return Fabric("calibrated", alpha, beta, bw, overlap), how
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +205,7 @@ def run_args(args: argparse.Namespace) -> int:
         print(t)
         print(f"messages for a {args.section} B section: {m} B ({t.messages(args.section)})")
         print(
-            "use: params={'transport': Transport("
+            "use: params={'transport': Fabric("
             f"'calibrated', {t.latency:.3g}, {t.message_cost:.3g}, {t.rate:.4g}, {t.overlap})}}"
         )
         if args.json:

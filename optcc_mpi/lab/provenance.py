@@ -24,7 +24,7 @@ from optcc_mpi import __version__, config
 from optcc_mpi.errors import OptccError
 from optcc_mpi.lab import launch
 
-__all__ = ["ENV_PREFIXES", "git", "launcher", "mpi", "record", "slurm", "versions"]
+__all__ = ["ENV_PREFIXES", "git", "launcher_record", "mpi", "record", "slurm", "versions"]
 
 #: Environment variables worth recording with every run: the knobs that change what MPI,
 #: UCX, libfabric, PMI and NCCL do, and our own.
@@ -83,7 +83,7 @@ def mpi() -> dict[str, Any]:
     return out
 
 
-def launcher() -> dict[str, Any]:
+def launcher_record() -> dict[str, Any]:
     """The launcher :func:`optcc_mpi.lab.launch.launcher` picks here, or why there is none."""
 
     try:
@@ -140,7 +140,7 @@ def record() -> dict[str, Any]:
         "host": socket.gethostname(),
         "slurm": slurm(),
         "mpi": mpi(),
-        "launcher": launcher(),
+        "launcher": launcher_record(),
         "python": sys.version.split()[0],
         "versions": versions(),
         "optcc_mpi": git(),

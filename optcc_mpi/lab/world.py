@@ -30,7 +30,7 @@ from typing import Any
 
 from optcc_mpi.errors import ArgumentError
 
-__all__ = ["TRANSPORTS", "MPI_VARIABLES", "launcher", "default_transport", "start", "end"]
+__all__ = ["TRANSPORTS", "MPI_VARIABLES", "started_by", "default_transport", "start", "end"]
 
 #: The transports a command can run over.
 TRANSPORTS = ("mpi", "gloo")
@@ -46,7 +46,7 @@ MPI_VARIABLES = (
 )
 
 
-def launcher(env: Mapping[str, str] | None = None) -> str:
+def started_by(env: Mapping[str, str] | None = None) -> str:
     """How this process was started: ``"mpi"`` (an MPI launcher's variables are set),
     ``"torchrun"`` (torch's ``RANK`` and ``WORLD_SIZE`` are, and no MPI launcher's), or
     ``"none"`` (a plain process)."""
@@ -60,7 +60,7 @@ def launcher(env: Mapping[str, str] | None = None) -> str:
 
 def default_transport(env: Mapping[str, str] | None = None) -> str:
     """``"gloo"`` under ``torchrun``, else ``"mpi"``."""
-    return "gloo" if launcher(env) == "torchrun" else "mpi"
+    return "gloo" if started_by(env) == "torchrun" else "mpi"
 
 
 def start(transport: str | None = None) -> tuple[Any, bool]:
@@ -88,7 +88,7 @@ def start(transport: str | None = None) -> tuple[Any, bool]:
     if transport not in TRANSPORTS:
         raise ArgumentError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
     if transport == "mpi":
-        if launcher() == "torchrun":
+        if started_by() == "torchrun":
             raise ArgumentError(
                 f"started by torchrun (RANK={os.environ['RANK']}, WORLD_SIZE="
                 f"{os.environ['WORLD_SIZE']}) without an MPI launcher: over MPI every "
@@ -109,7 +109,7 @@ def torch_group() -> tuple[Any, bool]:
 
     if dist.is_initialized():
         return dist.group.WORLD, False
-    how = launcher()
+    how = started_by()
     if how == "torchrun":
         dist.init_process_group("gloo")
     elif how == "mpi":

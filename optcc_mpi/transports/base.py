@@ -96,7 +96,7 @@ class Capabilities:
     #: Whether a device buffer needs the current stream synchronised before the library
     #: reads it (MPI: yes; NCCL orders itself after the current stream).
     sync_device: bool = True
-    #: Whether tensors stay tensors (:func:`optcc_mpi.backend.as_array`'s ``tensors``),
+    #: Whether tensors stay tensors (:func:`optcc_mpi.backend.buffer_of`'s ``tensors``),
     #: rather than being seen as NumPy or CuPy arrays.
     tensors: bool = False
     #: Whether the library's own AllReduce is bandwidth-optimal on healthy links (a ring,
