@@ -46,6 +46,12 @@ __all__ = [
 TINY_FRACTION = 0.01
 
 
+def print_help(parser: argparse.ArgumentParser) -> int:
+    """A command group called with no command: its help, and status 2."""
+    parser.print_help()
+    return 2
+
+
 def print_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, right: int = 1) -> None:
     """Print an aligned text table; columns from index ``right`` on are right-aligned."""
     cells = [[str(h) for h in header]] + [[str(c) for c in r] for r in rows]

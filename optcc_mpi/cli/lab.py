@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from optcc_mpi.cli._common import print_help
 from optcc_mpi.lab import backend, calibrate, ddp, hsdp, percall, profiles, transition, transport
 
 #: The tools, in the order ``optcc-mpi lab --help`` lists them.
@@ -54,7 +55,7 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.set_defaults(func=lambda args: _print_help(parser))
+    parser.set_defaults(func=lambda args: print_help(parser))
     sub = parser.add_subparsers(dest="lab_tool", metavar="TOOL")
     for name, tool in TOOLS.items():
         p = sub.add_parser(
@@ -62,8 +63,3 @@ def register(subparsers: Any) -> None:
         )
         tool.add_arguments(p)
         p.set_defaults(func=tool.run_args)
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2

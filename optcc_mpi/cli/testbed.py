@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from optcc_mpi.argtypes import alias, key_values
+from optcc_mpi.cli._common import print_help
 from optcc_mpi.lab import testbed as tb
 
 DESCRIPTION = """\
@@ -54,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.set_defaults(func=lambda args: _print_help(parser))
+    parser.set_defaults(func=lambda args: print_help(parser))
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--name",
@@ -192,11 +193,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--healthy", action="store_true", help="every link at the full rate")
     p_shape.add_argument("--rate", default=None, help="new healthy rate (default: unchanged)")
     p_shape.set_defaults(func=cmd_shape)
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
 
 
 def cmd_up(args: argparse.Namespace) -> int:

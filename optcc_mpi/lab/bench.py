@@ -52,6 +52,7 @@ from optcc_mpi.collectives import cached_probe, last_stats
 from optcc_mpi.dtypes import DTYPES
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.lab import testbed, world
+from optcc_mpi.lab.provenance import load_average
 from optcc_mpi.links import Links
 
 __all__ = [
@@ -679,20 +680,12 @@ def _run_case(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[s
                     **busy,
                     "iters": cfg.iters,
                     "warmup": cfg.warmup,
-                    "load": _load(),
+                    "load": load_average(),
                     "command": cfg.command,
                 }
             )
     net.degraded(True)
     return rows
-
-
-def _load() -> float:
-    """The machine's one-minute load average (what else competed for its cores)."""
-    try:
-        return os.getloadavg()[0]
-    except OSError:  # pragma: no cover - platforms without getloadavg
-        return math.nan
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -66,6 +65,7 @@ from optcc_mpi.collectives import last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.lab import testbed, world
+from optcc_mpi.lab.provenance import load_average
 from optcc_mpi.lab.tools import append_rows, tool_main
 from optcc_mpi.links import Links
 
@@ -86,13 +86,6 @@ def _model(width: int, layers: int, seed: int) -> Any:
         mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
     mods.append(torch.nn.Linear(width, 1))
     return torch.nn.Sequential(*mods)
-
-
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:  # pragma: no cover - platforms without getloadavg
-        return float("nan")
 
 
 class _Trainer:
@@ -219,7 +212,7 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                 ot.comm_hook(algorithm="ring", links="healthy")
             )
             healthy = _Trainer(args, rank, ring, str(fine))
-    load0 = _load()
+    load0 = load_average()
     order = list(trainers)
     for step in range(args.steps):
         for name in order if step % 2 == 0 else order[::-1]:
@@ -243,7 +236,7 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
     rel = max(wire.allgather(gap / scale if scale > 0 else gap))
     n_params = ours_p.numel()
     buckets = len(seen["ran"]) if not args.backend else _buckets(ours.model)
-    load1 = _load()
+    load1 = load_average()
     command = args.command_line
     rows = []
     network = "testbed" if bed is not None else "emulation" if emu is not None else "none"

@@ -24,7 +24,9 @@ from optcc_mpi import __version__, config
 from optcc_mpi.errors import OptccError
 from optcc_mpi.lab import launch
 
-__all__ = ["ENV_PREFIXES", "git", "launcher_record", "mpi", "record", "slurm", "versions"]
+__all__ = [
+    "ENV_PREFIXES", "git", "launcher_record", "load_average", "mpi", "record", "slurm", "versions",
+]  # fmt: skip
 
 #: Environment variables worth recording with every run: the knobs that change what MPI,
 #: UCX, libfabric, PMI and NCCL do, and our own.
@@ -81,6 +83,15 @@ def mpi() -> dict[str, Any]:
         out["mpi4py"] = None
         out.setdefault("error", str(exc))
     return out
+
+
+def load_average() -> float:
+    """The machine's one-minute load average (what else competed for its cores), NaN
+    where the platform has none: recorded beside every measurement."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - platforms without getloadavg
+        return float("nan")
 
 
 def launcher_record() -> dict[str, Any]:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ import optcc_mpi
 from optcc_mpi.argtypes import float_above, int_at_least, positive_size_arg, size_arg
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.lab.bench import sizes as size_list
+from optcc_mpi.lab.provenance import load_average
 from optcc_mpi.lab.tools import append_rows, tool_main
 from optcc_mpi.schedule import split
 
@@ -92,13 +92,6 @@ def sendrecv_ring(comm: Any, x: np.ndarray, out: np.ndarray, tmp: np.ndarray) ->
         s, g = (r + 1 - t) % p, (r - t) % p
         comm.Sendrecv(out[b[s] : b[s + 1]], right, 8, out[b[g] : b[g + 1]], left, 8)
     return out
-
-
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:  # pragma: no cover - platforms without getloadavg
-        return float("nan")
 
 
 def run(
@@ -152,7 +145,7 @@ def run(
         methods = list(calls)
         times: dict[str, list[float]] = {m: [] for m in methods}
         wrong = dict.fromkeys(methods, 0)
-        load0 = _load()
+        load0 = load_average()
         for it in range(warmup + iters):
             for m in methods:
                 if m in IN_PLACE_METHODS:
@@ -178,7 +171,7 @@ def run(
                     "max_ms": max(t) * 1e3,
                     "iters": iters,
                     "wrong": comm.allreduce(wrong[m], op=MPI.SUM),
-                    "load": [load0, _load()],
+                    "load": [load0, load_average()],
                     "command": command,
                 }
             )
