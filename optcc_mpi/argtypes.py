@@ -199,7 +199,7 @@ def algorithms_arg(text: str) -> list[str]:
     return names
 
 
-def _typed(text: str) -> Any:
+def _typed_value(text: str) -> Any:
     # true/false, then int, then float, else the text itself: what a schedule parameter or
     # a table cell means when typed on a command line.
     if text.lower() in ("true", "false"):
@@ -239,7 +239,7 @@ def parse_key_value(text: str, *, typed: bool = True, what: str = "KEY=VALUE") -
     key, sep, value = str(text).partition("=")
     if not sep or not key.strip():
         raise ArgumentError(f"expected {what}, got {text!r}")
-    return key.strip(), (_typed(value.strip()) if typed else value)
+    return key.strip(), (_typed_value(value.strip()) if typed else value)
 
 
 def key_value_arg(text: str) -> tuple[str, Any]:

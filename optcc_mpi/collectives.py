@@ -103,7 +103,7 @@ _COMPILED_HEADER = (
     protocol.PROTOCOL, 0, 0, 0, 0, _AUTO_CODE, 0, 0, _NUMPY_CODE, 0, 0, 0
 )  # fmt: skip
 #: Every communicator's state, and the last call's record: the collectives' only state.
-_REGISTRY = Registry()
+_STATES = Registry()
 
 
 class InPlaceType:
@@ -148,7 +148,7 @@ def last_stats() -> Mapping[str, object]:
     (:class:`~optcc_mpi.executor.ExecStats`), ``links``, ``emulate``, ``params``,
     ``inline`` (True when the data travelled with the argument check) and ``transport``
     (its library: ``mpi``, ``gloo``, ``nccl``). Empty before the first call."""
-    rec = _REGISTRY.last
+    rec = _STATES.last
     return rec if rec is not None else {}
 
 
@@ -311,7 +311,7 @@ def allreduce(
         and links is None
         and emulate is None
         and params is None
-        and _REGISTRY.fold is not None
+        and _STATES.fold is not None
     ):
         done = _try_compiled(sendbuf, recvbuf, op, comm, check)
         if done is not None:
@@ -477,9 +477,9 @@ class Prepared:
                 protocol.disagreement(st.check, None, mismatch, self.shown)
             if inline:
                 protocol.reduce_gathered(st.check, self.opn, self.dtype, self.nbytes, flat)
-                _REGISTRY.last = record = self.records[1]
+                _STATES.last = record = self.records[1]
                 return record, None
-        _REGISTRY.last = record = self.records[0]
+        _STATES.last = record = self.records[0]
         if st.size == 1:
             return record, None
         if self.short and self.nbytes and _gathered(st, self.nbytes):
@@ -530,15 +530,15 @@ def _known(comm: object) -> CommState | None:
     """The state of an MPI communicator seen before (None: COMM_WORLD), found with one
     dictionary lookup; else None."""
     if comm is None:
-        return _REGISTRY.known(None)
+        return _STATES.known(None)
     handle = getattr(comm, "handle", None)
-    return _REGISTRY.known(handle) if type(handle) is int else None
+    return _STATES.known(handle) if type(handle) is int else None
 
 
 def _state(comm: Communicator) -> CommState:
     """The communicator's state (:func:`_known`, else made or found by its transport)."""
     st = _known(comm)
-    return st if st is not None else _REGISTRY.state(transports.of(comm))
+    return st if st is not None else _STATES.state(transports.of(comm))
 
 
 # -- phase 1: this rank's arguments --------------------------------------------------------------
@@ -1056,7 +1056,7 @@ def _finish(st: CommState, call: _Call) -> Any:  # what allreduce returns
         # vary by rank (MPI's recursive doubling: a + b here, b + a there): make every NaN
         # the canonical one. A ring's results are one element's one sum, copied.
         backend.canonical_nans(call.flat_out)
-    _REGISTRY.last = call.record = CallRecord(
+    _STATES.last = call.record = CallRecord(
         plan.algorithm,
         plan.schedule,
         call.stats if call.stats is not None else ExecStats(),
@@ -1087,7 +1087,7 @@ def _finish_inline(st: CommState, call: _Call) -> Any:  # what allreduce returns
     protocol.reduce_gathered(st.check, call.opn, flat_in.dtype, call.nbytes, flat_out)
     plan = call.plan
     assert plan is not None
-    _REGISTRY.last = call.record = CallRecord(
+    _STATES.last = call.record = CallRecord(
         plan.algorithm,
         plan.schedule,
         ExecStats(),
@@ -1198,11 +1198,11 @@ def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Plan) ->
         known = _COMPILABLE[type(transport)] = isinstance(transport, fastcall.Compilable)
     if not known:
         return
-    if _REGISTRY.fold is None:
+    if _STATES.fold is None:
         # Bound at the first MPI call that could use it (binding it loads MPI, which a
         # torch-only job never does).
-        _REGISTRY.fold = fastcall.fold_function()
-        if _REGISTRY.fold is None:
+        _STATES.fold = fastcall.fold_function()
+        if _STATES.fold is None:
             return
     key = (nbytes, dtype)
     if key not in st.folds:
@@ -1283,12 +1283,12 @@ def _compiled(
     communicator object keeps its identity from being reused; a freed communicator's state
     has no compiled context (the registry drops it when the transport closes), so its
     calls go to Python."""
-    recent_comm, st = _REGISTRY.recent
+    recent_comm, st = _STATES.recent
     if comm is not recent_comm or st is None:
         st = _known(comm)
         if st is None:
             return False
-        _REGISTRY.recent = (comm, st)
+        _STATES.recent = (comm, st)
     chk = st.check
     fast = chk.compiled
     if fast is None or (check and not chk.ready):
@@ -1305,7 +1305,7 @@ def _compiled(
     if entry is None:
         return False
     # allreduce() comes here only once fold is bound (not None): no check on this path.
-    answer = _REGISTRY.fold(fast, sendbuf, recvbuf, opc, check)  # type: ignore[misc]
+    answer = _STATES.fold(fast, sendbuf, recvbuf, opc, check)  # type: ignore[misc]
     if answer == fastcall.FALLBACK:
         return False
     inline = bool(check)
@@ -1331,5 +1331,5 @@ def _compiled(
         protocol.disagreement(chk, None, Mismatch(table=table), shown)
     elif answer != fastcall.DONE:
         raise ExecutionError(f"the compiled call path failed (code {answer})")
-    _REGISTRY.last = entry.gathered if inline else entry.library
+    _STATES.last = entry.gathered if inline else entry.library
     return True

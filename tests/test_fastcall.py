@@ -12,7 +12,7 @@ def test_the_install_built_it() -> None:
     assert fastcall.available(), "make install builds optcc_mpi/_fastcall.c"
     assert callable(fastcall.fold_function())
     # Bound once, at the first call over MPI that can use it (test_fastcall_mpi.py).
-    assert collectives._REGISTRY.fold in (None, fastcall.fold_function())
+    assert collectives._STATES.fold in (None, fastcall.fold_function())
 
 
 def test_off_switch_declines_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:

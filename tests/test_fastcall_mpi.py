@@ -32,14 +32,14 @@ def answers(monkeypatch: pytest.MonkeyPatch) -> Counter:
     names = {fastcall.FALLBACK: "fallback", fastcall.DONE: "done", fastcall.GATHERED: "gathered"}
     names[fastcall.MISMATCH] = "mismatch"
     names[fastcall.LIBRARY] = "library"
-    real = collectives._REGISTRY.fold or fastcall.fold_function()
+    real = collectives._STATES.fold or fastcall.fold_function()
 
     def counted(*args: Any) -> int:
         answer = real(*args)
         seen[names.get(answer, "mpi error")] += 1
         return answer
 
-    monkeypatch.setattr(collectives._REGISTRY, "fold", counted)
+    monkeypatch.setattr(collectives._STATES, "fold", counted)
     monkeypatch.delenv("OPTCC_LINKS", raising=False)
     config.reload()
     monkeypatch.delenv("OPTCC_EMULATE", raising=False)

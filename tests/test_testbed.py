@@ -137,16 +137,16 @@ def test_parse_degrade_errors_are_clear(text: str, message: str) -> None:
 
 def test_parse_size_and_latency() -> None:
     # One meaning of every unit (optcc_mpi.units): KB/MB decimal, K/KiB binary.
-    assert tb.parse_size("64KiB") == tb.parse_size("64k") == 65536
-    assert tb.parse_size("64kb") == 64_000
-    assert tb.parse_size("1MB") == 10**6
-    assert tb.parse_size(1500) == 1500
+    assert tb.shaping_size("64KiB") == tb.shaping_size("64k") == 65536
+    assert tb.shaping_size("64kb") == 64_000
+    assert tb.shaping_size("1MB") == 10**6
+    assert tb.shaping_size(1500) == 1500
     assert tb.parse_latency("50ms") == 50_000
     assert tb.parse_latency(0.2) == 200_000
     with pytest.raises(ValueError):
         tb.parse_latency("soon")
     with pytest.raises(ValueError):
-        tb.parse_size("big")
+        tb.shaping_size("big")
 
 
 def test_names_are_validated() -> None:

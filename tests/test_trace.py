@@ -76,8 +76,8 @@ def test_timeline_plot_is_written(tmp_path) -> None:
 def test_trace_columns_only_when_traced() -> None:
     row = {k: 1.0 for k, _, _ in bench.COLUMNS} | {"algorithm": "ring", "size": 1, "count": 1}
     row |= {"type": "float32", "redop": "sum", "wrong": 0}
-    assert "snd busy" not in bench.table([row])
-    assert "snd busy" in bench.table([row | {"send_busy": 0.5, "recv_busy": 0.25}])
+    assert "snd busy" not in bench.rows_table([row])
+    assert "snd busy" in bench.rows_table([row | {"send_busy": 0.5, "recv_busy": 0.25}])
     json.dumps(row)
 
 

@@ -90,11 +90,11 @@ def _small_grids(monkeypatch: pytest.MonkeyPatch, budget: int) -> Iterator[None]
     operation budget to ``budget``; the cached plans cleared on the way in and out."""
     monkeypatch.setattr(optcc_alg, "DIRECT_OWNERS", 6)
     monkeypatch.setattr(optcc_alg, "MAX_AUTO_OPS", budget)
-    optcc_alg._plan.cache_clear()
+    optcc_alg._optcc_plan_cached.cache_clear()
     try:
         yield
     finally:
-        optcc_alg._plan.cache_clear()
+        optcc_alg._optcc_plan_cached.cache_clear()
 
 
 @pytest.mark.parametrize(

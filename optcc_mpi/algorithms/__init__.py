@@ -204,7 +204,7 @@ def register(
     return deco
 
 
-def _load() -> None:
+def _load_entry_points() -> None:
     """Import every module of this package and every entry point (they register).
 
     Once per process, and thread-safe: a thread that asks while another is loading waits
@@ -231,7 +231,7 @@ def _load() -> None:
 
 def all_algorithms() -> tuple[Algorithm, ...]:
     """Every registered algorithm, in listing order."""
-    _load()
+    _load_entry_points()
     return tuple(sorted(_REGISTRY.values(), key=lambda a: (a.order, a.name)))
 
 
@@ -242,7 +242,7 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> Algorithm:
     """The algorithm called ``name``; :class:`ArgumentError` naming the choices otherwise."""
-    _load()
+    _load_entry_points()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):

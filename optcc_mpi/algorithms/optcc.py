@@ -382,15 +382,15 @@ def explain_plan(p: int, links: Links | str | None = None, **_: object) -> str:
         levels.setdefault(round(plan.weights[r], 9), []).append(r)
     parts = []
     if att:
-        parts.append(f"ranks {_ranges(att)} attached (own nothing)")
+        parts.append(f"ranks {_rank_runs(att)} attached (own nothing)")
     for w, ranks in sorted(levels.items()):
-        parts.append(f"{len(ranks)} rank(s) {_ranges(ranks)} own {w:.4%} each")
+        parts.append(f"{len(ranks)} rank(s) {_rank_runs(ranks)} own {w:.4%} each")
     a, b = _grid_shape(plan, "auto")
     parts.append(f"owners in a {a} x {b} grid")
     return "; ".join(parts)
 
 
-def _ranges(ranks: tuple[int, ...] | list[int]) -> str:
+def _rank_runs(ranks: tuple[int, ...] | list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
     out: list[str] = []
     rs = sorted(ranks)

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             f"{cfg.op}, network: {net}, links: {rows[-1]['links'] if rows else '-'}"
             + (f", emulate: {cfg.emulate}" if cfg.emulate else "")
         )
-        print(bench.table(rows))
+        print(bench.rows_table(rows))
         for note in bench.notes(rows):
             print(
                 textwrap.fill(

@@ -199,7 +199,7 @@ def _bandwidths(text: str) -> list[float | None]:
     return out
 
 
-def validate(args: argparse.Namespace) -> argparse.Namespace:
+def checked_options(args: argparse.Namespace) -> argparse.Namespace:
     """Check and parse the options; raises :class:`ArgumentError` with the fix."""
     for flag, value in (("--m", args.m), ("--n", args.n), ("--b", args.b)):
         if value < 1:
@@ -243,9 +243,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace, comm: Any) -> int:
     group = Group(comm)
-    # The command from the options as given: validate() turns the lists into values.
+    # The command from the options as given: checked_options() turns the lists into values.
     command = command_line(args, group.size)
-    validate(args)
+    checked_options(args)
     if args.project:
         return _project(args, group, command)
     if args.defaults:

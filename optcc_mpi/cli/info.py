@@ -76,7 +76,7 @@ def _torch() -> dict[str, Any]:
     return out
 
 
-def collect() -> dict[str, Any]:
+def info_record() -> dict[str, Any]:
     """Everything ``info`` reports, as a dictionary (the provenance record's parts, see
     :mod:`optcc_mpi.lab.provenance`, and what needs MPI initialised).
 
@@ -140,7 +140,7 @@ def _fastcall_row(f: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    info = collect()
+    info = info_record()
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0

@@ -52,7 +52,7 @@ examples:
 """
 
 
-def _ints(text: str) -> list[int]:
+def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -96,7 +96,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--simulate", action="store_true", help="simulate instead of reading results")
     ranks = s.add_argument(
         "--ranks",
-        type=_ints,
+        type=_int_list,
         default=[8, 16, 32, 64, 128, 256, 512, 1024],
         metavar="LIST",
         help="GPU counts, i.e. ranks (default 8,16,...,1024); --p is the old name",
@@ -111,7 +111,7 @@ def register(subparsers: Any) -> None:
     )
     s.add_argument(
         "--gpus-per-server",
-        type=_ints,
+        type=_int_list,
         default=[1, 8],
         metavar="LIST",
         help="degraded GPUs g: 1 (one straggler) and 8 (one 8-GPU server); default 1,8",
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     if args.links:
         if args.results or args.simulate:
             raise ValueError("give --links FILE alone (not with RESULTS_DIR or --simulate)")
-        return _links(args)
+        return _links_arg(args)
     if args.simulate:
         if args.results:
             raise ValueError("give either RESULTS_DIR or --simulate, not both")
@@ -191,7 +191,7 @@ def _aggregate(args: argparse.Namespace) -> int:
     return 0 if res.ok else 1
 
 
-def _links(args: argparse.Namespace) -> int:
+def _links_arg(args: argparse.Namespace) -> int:
 
     path = Path(args.links)
     if not path.is_file():

@@ -319,7 +319,7 @@ def end_group(started: bool) -> None:
     world.end(started)
 
 
-def _load(args: argparse.Namespace, comm: Any, data_dtype: str) -> tuple[Any, str]:
+def _load_data(args: argparse.Namespace, comm: Any, data_dtype: str) -> tuple[Any, str]:
     """Load this rank's partition; every rank agrees on success before going on."""
     part, path, error = None, None, None
     try:
@@ -394,7 +394,7 @@ def report_errors_once(name: str, body: Any, args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``optcc-mpi train``."""
-    return report_errors_once("train", _train, args)
+    return report_errors_once("train", _train_command, args)
 
 
 def _stopping(args: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -436,7 +436,7 @@ def result_line(res: Any, model: str) -> str:
     return f"result: {text}; {epochs}, stopped because {why}"
 
 
-def _train(args: argparse.Namespace, comm: Any) -> int:
+def _train_command(args: argparse.Namespace, comm: Any) -> int:
     group = Group(comm)
     rank, size = group.rank, group.size
     if args.links_log and str(args.links or "").strip().lower() != "watch":
@@ -448,7 +448,7 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
     emulate = Emulation.parse(args.emulate) if args.emulate else None
     stopping = _stopping(args, rank)
     data_dtype = "float64" if "fp64" in (recipe.data, recipe.update) else "float32"
-    part, path = _load(args, comm, data_dtype)
+    part, path = _load_data(args, comm, data_dtype)
     model = args.model or glm.model_for_task(part.task)
 
     def show(rec: dict[str, Any]) -> None:

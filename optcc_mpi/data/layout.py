@@ -8,7 +8,7 @@ name; the tasks a file may declare, :data:`TASKS`, come with their label rules f
 (:func:`column_block`) and the chunk policy (:func:`chunk_shape`).
 
 Only ``__all__`` is re-exported by :mod:`optcc_mpi.data`. The other names without a leading
-underscore (:func:`dtype_name`, :func:`numpy_dtype`, :func:`cast_to`, :func:`storage_view`,
+underscore (:func:`storage_dtype_name`, :func:`numpy_dtype`, :func:`cast_to`, :func:`storage_view`,
 :func:`first_true` ...) are the helpers the package's modules share: public to them, not part
 of the package's API.
 """
@@ -71,7 +71,7 @@ _DTYPE_ALIASES = {
 }
 
 
-def dtype_name(dtype: Any) -> str | None:
+def storage_dtype_name(dtype: Any) -> str | None:
     """Return the canonical name (``DTYPES``) of ``dtype``, or None for None."""
     if dtype is None:
         return None
@@ -195,7 +195,7 @@ def chunk_shape(
     tuple of int
         ``(chunk_rows, chunk_cols)``.
     """
-    item = itemsize_of(dtype_name(dtype) or "float32")
+    item = itemsize_of(storage_dtype_name(dtype) or "float32")
     m, n = max(1, int(n_rows)), max(1, int(n_cols))
     if chunk_cols is None:
         cw = min(_MAX_CHUNK_COLS, _pow2_floor(n // 64))
@@ -229,3 +229,19 @@ def attr_value(v: Any) -> Any:
 def largest_finite(name: str) -> float:
     """Largest finite value of dtype ``name``: values beyond it round to infinity."""
     return float(ml_dtypes.finfo(numpy_dtype(name)).max)
+
+
+def __getattr__(name: str) -> object:
+    # Renamed (issue 34: the name meant another thing elsewhere); the old name
+    # works one more release.
+    if name == "dtype_name":
+        import warnings
+
+        warnings.warn(
+            "optcc_mpi.data.layout.dtype_name is now storage_dtype_name; the old name goes "
+            "in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return storage_dtype_name
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,9 +38,9 @@ from .layout import (
     WRITE_BUFFER_BYTES,
     cast_to,
     column_block,
-    dtype_name,
     first_true,
     numpy_dtype,
+    storage_dtype_name,
     storage_view,
 )
 from .validation import (
@@ -101,7 +101,7 @@ def validate(
     DatasetError
         Anything else wrong, with the file, dataset and offending position named.
     """
-    dtype_name(dtype)
+    storage_dtype_name(dtype)
     path = Path(path)
     with open_dataset(path) as f:
         info = read_header(f, path)
@@ -474,7 +474,7 @@ def load_partition(
         names the dataset and position), or a chunk that fails its checksum or does not
         decompress (the message names the dataset).
     """
-    target = dtype_name(dtype)
+    target = storage_dtype_name(dtype)
     rank, size = _rank_and_size(comm, rank, size)
     path = Path(path)
     part: Partition | None = None

@@ -21,9 +21,9 @@ from .layout import (
     WRITE_BUFFER_BYTES,
     cast_to,
     chunk_shape,
-    dtype_name,
     itemsize_of,
     numpy_dtype,
+    storage_dtype_name,
     storage_view,
 )
 from .writing import atomic_h5, create_dense, create_y, h5_filters, write_common_attrs
@@ -75,7 +75,7 @@ def synth_arrays(
     """
     if kind not in SYNTH_KINDS:
         raise DatasetError(f"unknown kind {kind!r}; expected one of {', '.join(SYNTH_KINDS)}")
-    name = dtype_name(dtype)
+    name = storage_dtype_name(dtype)
     m, n, seed = int(rows), int(cols), int(seed)
     w = _synth_weights(seed, n)
     X = np.empty((m, n), dtype=numpy_dtype(name))
@@ -142,7 +142,7 @@ def synth(
     """
     if kind not in SYNTH_KINDS:
         raise DatasetError(f"unknown kind {kind!r}; expected one of {', '.join(SYNTH_KINDS)}")
-    name = dtype_name(dtype)
+    name = storage_dtype_name(dtype)
     m, n, seed = int(rows), int(cols), int(seed)
     if m < 1 or n < 1:
         raise DatasetError(f"rows and cols must be positive, got {m} x {n}")

@@ -39,7 +39,7 @@ from .layout import (
     TASKS,
     cast_to,
     chunk_shape,
-    dtype_name,
+    storage_dtype_name,
     storage_view,
 )
 from .validation import (
@@ -280,7 +280,7 @@ def write_dataset(
     for key, value in (("origin", origin), ("licence", licence)):
         if not isinstance(value, str) or not value.strip():
             raise DatasetError(f"{key} must be a non-empty string, got {value!r}")
-    name = dtype_name(dtype)
+    name = storage_dtype_name(dtype)
     sparse = sp.issparse(X)
     if sparse:
         X = sp.csr_matrix(X)
@@ -297,7 +297,7 @@ def write_dataset(
         raise DatasetError(f"X is empty (shape {m} x {n})")
     if name is None:
         try:
-            name = dtype_name(values.dtype)
+            name = storage_dtype_name(values.dtype)
         except DatasetError:
             name = "float64"
     y = np.asarray(y)

@@ -909,7 +909,7 @@ def _validation_size(y: np.ndarray, opts: _Options) -> int:
 
 
 @dataclass(frozen=True)
-class _Block:
+class _DataBlock:
     """This rank's columns of ``X`` (C-contiguous, or CSR; a tensor for torch kernels),
     which they are, and its ``w0``."""
 
@@ -918,7 +918,7 @@ class _Block:
     w0: Any
 
 
-def _partition(group: Group, inputs: _Inputs, n_features: int) -> _Block:
+def _partition(group: Group, inputs: _Inputs, n_features: int) -> _DataBlock:
     """This rank's block in the 1D block-column layout (:func:`column_block`), unless the
     caller passed its block already (``cols``)."""
     cols, w0 = inputs.cols, inputs.w0
@@ -936,11 +936,11 @@ def _partition(group: Group, inputs: _Inputs, n_features: int) -> _Block:
         X_local = np.ascontiguousarray(X_local)
     else:
         X_local = X_local.tocsr()
-    return _Block(X_local, cols, w0)
+    return _DataBlock(X_local, cols, w0)
 
 
 @dataclass(frozen=True)
-class _Run:
+class _TrainRun:
     """A run set up (phase 2): what the later phases share."""
 
     group: Group
@@ -953,7 +953,7 @@ class _Run:
     kernels: _Kernels
 
 
-def _local_data(block: _Block, opts: _Options, kernels: _Kernels) -> Any:
+def _local_data(block: _DataBlock, opts: _Options, kernels: _Kernels) -> Any:
     """The kernels over this rank's block."""
     if kernels.kind == "torch":
         from .torch_kernels import TorchLocalData  # imports torch: the group is torch's
@@ -1022,7 +1022,7 @@ def _setup(
     kernels: _Kernels,
     reducer: Reducer,
     shared: list[tuple[Any, ...]],
-) -> tuple[_Run, Any]:
+) -> tuple[_TrainRun, Any]:
     """Phase 2: this rank's block of columns in the kernels' precision and array kind, the
     rows trained on, ``s``, and the trainer over it. Returns the run and this rank's part
     of ``w0`` (None: zeros)."""
@@ -1083,10 +1083,10 @@ def _setup(
     }
     if inputs.sw is not None:  # only then, so that checkpoints of unweighted runs stay as they were
         identity["sample_weight_crc32"] = checksum(inputs.sw)
-    return _Run(group, opts, block.cols, local, trainer, identity, kernels), block.w0
+    return _TrainRun(group, opts, block.cols, local, trainer, identity, kernels), block.w0
 
 
-def _resume(run: _Run, fresh: TrainState) -> tuple[TrainState, dict[str, Any] | None]:
+def _resume(run: _TrainRun, fresh: TrainState) -> tuple[TrainState, dict[str, Any] | None]:
     """Phase 3 (collective): the state saved in the run's checkpoint, or ``fresh`` if there
     is none; and where the run resumes (``steps``, ``epoch``, ``block``), or None."""
     path = run.opts.checkpoint
@@ -1119,7 +1119,7 @@ def _resume(run: _Run, fresh: TrainState) -> tuple[TrainState, dict[str, Any] | 
 
 
 def _train(
-    run: _Run,
+    run: _TrainRun,
     state: TrainState,
     *,
     progress: bool,
@@ -1175,7 +1175,7 @@ def _train(
 
 
 def _result(
-    run: _Run, state: TrainState, *, links: Any, resumed: dict[str, Any] | None
+    run: _TrainRun, state: TrainState, *, links: Any, resumed: dict[str, Any] | None
 ) -> FitResult:
     """Phase 5 (collective): all weights on every rank, and the maxima of the times."""
     group, trainer, local = run.group, run.trainer, run.local

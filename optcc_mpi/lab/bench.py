@@ -62,7 +62,7 @@ __all__ = [
     "count_wrong",
     "peak_rss_mib",
     "run",
-    "table",
+    "rows_table",
     "notes",
     "write",
     "utilisation",
@@ -144,7 +144,7 @@ PERIOD = 17
 CHECK_CHUNK = PERIOD * 61681
 
 
-def _values(rank: int) -> np.ndarray:
+def _rank_values(rank: int) -> np.ndarray:
     """One period of rank ``rank``'s input, as integers: element ``i mod 17``'s value."""
     return (np.arange(PERIOD, dtype=np.int64) * 7 + rank * 13) % PERIOD - 8
 
@@ -152,7 +152,7 @@ def _values(rank: int) -> np.ndarray:
 def _inputs(count: int, rank: int, dtype: np.dtype) -> np.ndarray:
     """This rank's input of ``count`` elements: one period repeated, built directly in
     ``dtype`` (no wider temporary), so it takes the message's size and no more."""
-    return np.resize(_values(rank).astype(dtype), count)
+    return np.resize(_rank_values(rank).astype(dtype), count)
 
 
 def exact_period(p: int, op: str) -> np.ndarray:
@@ -173,7 +173,7 @@ def exact_period(p: int, op: str) -> np.ndarray:
     counts = np.full(PERIOD, p // PERIOD, dtype=np.int64)
     counts[: p % PERIOD] += 1
     # table[c, i]: rank residue c's value at element residue i.
-    table = np.stack([_values(c) for c in range(PERIOD)])
+    table = np.stack([_rank_values(c) for c in range(PERIOD)])
     present = counts > 0
     if op == "sum":
         out = counts @ table
@@ -472,10 +472,10 @@ class _Buffers:
         self.out = np.empty_like(x)
         self.xt = self.outt = None
         if tensors:
-            self.xt, self.outt = _tensor(self.x), _tensor(self.out)
+            self.xt, self.outt = _as_torch(self.x), _as_torch(self.out)
 
 
-def _tensor(arr: np.ndarray) -> Any:
+def _as_torch(arr: np.ndarray) -> Any:
     """A CPU tensor over ``arr``'s memory (bfloat16 through its 16-bit words)."""
     import torch
 
@@ -688,7 +688,7 @@ def _run_case(cfg: BenchConfig, comm: Any, ctrl: Any, group: Any) -> list[dict[s
     return rows
 
 
-def table(rows: Sequence[dict[str, Any]]) -> str:
+def rows_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as an aligned text table (nccl-tests' columns, then ours)."""
     columns = COLUMNS + (TRACE_COLUMNS if any("send_busy" in r for r in rows) else ())
     header = [h for _, h, _ in columns]

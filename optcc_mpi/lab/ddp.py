@@ -152,7 +152,7 @@ def _emulated(emulate: Emulation | None, given: Any) -> Emulation | None:
     return dataclasses.replace(emulate, degrade=truth)
 
 
-def _links(given: Any, emulate: Emulation | None = None) -> Any:
+def _links_for(given: Any, emulate: Emulation | None = None) -> Any:
     """The hook's link profile: as given, else the emulated truth or the testbed's
     shaping in force, else None (``$OPTCC_LINKS``)."""
     if given is not None:
@@ -176,7 +176,7 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
     wire = transports.of(group)
     rank, p = wire.rank, wire.size
     emu = _emulated(getattr(args, "emulate", None), args.links)
-    links = _links(args.links, emu)
+    links = _links_for(args.links, emu)
     spec = str(emu) if emu is not None else None
     first = "backend" if args.backend else "hook"
     if args.backend:

@@ -42,7 +42,7 @@ __all__ = ["run_defaults_bench", "format_defaults"]
 MAX_ITER_CAP = 4096
 
 
-def _data(m: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _synthetic(m: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import make_classification
     from sklearn.preprocessing import StandardScaler
 
@@ -130,7 +130,7 @@ def run_defaults_bench(
 ) -> list[dict[str, Any]]:
     """The benchmark (module docstring); one row per contender."""
     say = say or (lambda msg: None)
-    X, y = _data(m, n, seed)
+    X, y = _synthetic(m, n, seed)
     makers = contenders()
     with _one_thread():
         ref, ref_s = _timed_fit(lambda: makers["LogisticRegression(lbfgs)"](10_000), X, y)

@@ -336,10 +336,9 @@ def plot_overhead_vs_loss(rows: Sequence[Mapping[str, Any]], path: Path) -> Path
             ax.scatter(xs, ys, color=color, marker=marker, s=42, zorder=3, label=f"{alg} measured")
             fn = algorithms.get(alg).time if alg in algorithms.names() else None
             if fn is not None and p > 2:
+                free = model.fault_free(p, 1.0, 1.0)
                 ys_m = [
-                    100
-                    * (fn(p, 1.0, 1.0, _links(stragglers, x)) / model.fault_free(p, 1.0, 1.0) - 1)
-                    for x in grid
+                    100 * (fn(p, 1.0, 1.0, _slow_links(stragglers, x)) / free - 1) for x in grid
                 ]
                 ax.plot(
                     [100 * x for x in grid],
@@ -353,7 +352,7 @@ def plot_overhead_vs_loss(rows: Sequence[Mapping[str, Any]], path: Path) -> Path
             yb = [
                 100
                 * (
-                    model.lower_bound(p, 1.0, 1.0, _links(stragglers, x))
+                    model.lower_bound(p, 1.0, 1.0, _slow_links(stragglers, x))
                     / model.fault_free(p, 1.0, 1.0)
                     - 1
                 )
@@ -399,7 +398,7 @@ def _stragglers_of(rows: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
     return (0,)
 
 
-def _links(stragglers: Sequence[int], loss: float) -> Links:
+def _slow_links(stragglers: Sequence[int], loss: float) -> Links:
     if loss <= 0:
         return Links()
     return Links({r: 1.0 - loss for r in stragglers})

@@ -61,7 +61,7 @@ __all__ = [
     "task_argv",
     "task_env",
     "run_task",
-    "run_command",
+    "task_command",
     "exec_command",
     "write_manifest",
     "collect",
@@ -577,7 +577,7 @@ def _train_row(doc: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_command(
+def task_command(
     kind: str,
     ranks: int,
     argv_after_program: Sequence[str],
@@ -706,7 +706,7 @@ def run_task(
     *,
     job: str | None = None,
 ) -> int:
-    """Run array task ``task`` of a sweep table and record it (see :func:`run_command`)."""
+    """Run array task ``task`` of a sweep table and record it (see :func:`task_command`)."""
     t = table if isinstance(table, Table) else read_table(table)
     results = Path(results)
     job_id, task_id = _ids(job, task)
@@ -715,7 +715,7 @@ def run_task(
         results, job_id, task_id, "bench.jsonl" if t.kind.name == "allreduce" else "train.json"
     )
     ranks = int(row["ranks"])
-    return run_command(
+    return task_command(
         t.kind.name,
         ranks,
         task_argv(t.kind, row, out),
@@ -1054,7 +1054,7 @@ def exec_command(
     if kind == "casgd":
         argv.insert(1, "--no-progress")
     params = {"ranks": str(ranks), "args": shlex.join(args)}
-    return run_command(
+    return task_command(
         kind, ranks, argv, out, params, results, job=job_id, task=task, sweep=f"run:{job_id}"
     )
 
@@ -1066,3 +1066,19 @@ if __name__ == "__main__":
         "python -m optcc_mpi.lab.sweep is now `optcc-mpi sweep` "
         "(also `python -m optcc_mpi sweep`), with the same arguments"
     )
+
+
+def __getattr__(name: str) -> object:
+    # Renamed (issue 34: the name meant another thing elsewhere); the old name
+    # works one more release.
+    if name == "run_command":
+        import warnings
+
+        warnings.warn(
+            "optcc_mpi.lab.sweep.run_command is now task_command; the old name goes in the next "
+            "release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return task_command
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

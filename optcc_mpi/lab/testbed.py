@@ -71,7 +71,7 @@ __all__ = [
     "parse_degrade",
     "parse_latency",
     "parse_bitrate",
-    "parse_size",
+    "shaping_size",
     "require_root",
     "resolve_name",
     "run",
@@ -171,7 +171,7 @@ def format_bitrate(bits: float) -> str:
     return units.format_rate(bits / 8)
 
 
-def parse_size(value: str | int) -> int:
+def shaping_size(value: str | int) -> int:
     """Return a size (``64KiB``, ``1MB``, ``32kbit``, bare bytes) in bytes, in the units of
     :mod:`optcc_mpi.units` (``KB``/``MB`` are decimal, ``K``/``KiB`` binary)."""
     size = units.parse_size(value)
@@ -877,7 +877,7 @@ def up(
         ranks=ranks,
         rate_bit=rate_bit,
         degrade=degrade_map,
-        burst=None if burst is None else parse_size(burst),
+        burst=None if burst is None else shaping_size(burst),
         latency_us=DEFAULT_LATENCY_US if latency is None else parse_latency(latency),
         mtu=mtu,
         congestion=congestion,
@@ -1264,3 +1264,19 @@ def run(
 ) -> int:
     """Run ``cmd`` as an MPI job in the current testbed; see :meth:`Testbed.run`."""
     return _require_current(name).run(cmd, n, env, timeout=timeout)
+
+
+def __getattr__(name: str) -> object:
+    # Renamed (issue 34: the name meant another thing elsewhere); the old name
+    # works one more release.
+    if name == "parse_size":
+        import warnings
+
+        warnings.warn(
+            "optcc_mpi.lab.testbed.parse_size is now shaping_size; the old name goes in the next "
+            "release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return shaping_size
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -320,7 +320,7 @@ def _check_simulated_cost(name: str, comm: MPI.Comm | None = None) -> None:
             )
 
 
-def _inputs(p: int, n: int, seed: int) -> list[np.ndarray]:
+def _contributions(p: int, n: int, seed: int) -> list[np.ndarray]:
     return [np.random.default_rng([seed, r, n]).standard_normal(n) for r in range(p)]
 
 
@@ -330,7 +330,7 @@ def _check_mpi_reference(name: str, comm: MPI.Comm | None) -> None:
     failures: list[str] = []
     for links in profiles(p):
         for n in mpi_counts(p):
-            xs = _inputs(p, n, seed=n)
+            xs = _contributions(p, n, seed=n)
             ref = np.sum(np.array(xs, dtype=np.longdouble), axis=0)
             magnitude = np.sum(np.abs(np.array(xs)), axis=0)
             for dtype in MPI_DTYPES:
