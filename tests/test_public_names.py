@@ -163,3 +163,21 @@ def test_renamed_helpers_keep_their_old_names_one_release() -> None:
     with pytest.warns(FutureWarning, match="now buffer_of"):
         old = backend.as_array
     assert old is backend.buffer_of
+
+
+def test_lab_names_renamed_for_issue_34_keep_their_old_names_one_release() -> None:
+    """Names a lab module exported that meant another thing elsewhere still import, with
+    a FutureWarning naming the new one."""
+    import pytest
+
+    from optcc_mpi.data import layout
+    from optcc_mpi.lab import bench, sweep, testbed
+
+    for module, old, new in (
+        (bench, "table", "rows_table"),
+        (sweep, "run_command", "task_command"),
+        (testbed, "parse_size", "shaping_size"),
+        (layout, "dtype_name", "storage_dtype_name"),
+    ):
+        with pytest.warns(FutureWarning, match=f"now {new}"):
+            assert getattr(module, old) is getattr(module, new)

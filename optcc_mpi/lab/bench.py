@@ -781,3 +781,18 @@ def write(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
         with path.open("w") as fh:
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
+
+
+def __getattr__(name: str) -> object:
+    # Renamed (issue 34: algorithms.table is the model's table); the old name works one
+    # more release.
+    if name == "table":
+        import warnings
+
+        warnings.warn(
+            "optcc_mpi.lab.bench.table is now rows_table; the old name goes in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return rows_table
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
