@@ -148,8 +148,9 @@ class RankProbe:
     repeats: int
 
     def __str__(self) -> str:
-        text = f"{self.links} ({len(self.shifts)} partners, {self.repeats} repeats of "
-        text += f"{self.size >> 10} KiB, {self.seconds * 1e3:.0f} ms; against {self.source}"
+        text = f"{self.links} ({len(self.shifts)} partners, {self.repeats} repeat"
+        text += f"{'s' if self.repeats != 1 else ''} of {self.size >> 10} KiB, "
+        text += f"{self.seconds * 1e3:.0f} ms; against {self.source}"
         if self.unresolved:
             text += f"; unresolved {','.join(map(str, self.unresolved))}"
         return text + ")"
@@ -224,5 +225,5 @@ def probe_ranks(
     links, unresolved, frac = linkrates.named(pair, p, ref, healthy_above)
     return RankProbe(
         links, frac, unresolved, float(ref or 0.0), source, time.perf_counter() - t_start,
-        shifts, nbytes, repeats,
+        shifts, nbytes, 1 if paced else repeats,
     )  # fmt: skip

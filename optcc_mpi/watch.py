@@ -64,6 +64,26 @@ profile stays and the next exploration waits twice as long (up to ``explore_max`
 Every input of the decision is in the gathered rows, identical on every rank, so every
 rank decides the same at the same call.
 
+What the traffic cannot tell apart (issue 35)
+---------------------------------------------
+A schedule's traffic gives lower bounds, and fractions of the fastest ranks it saw.
+Where a healthy rank's every message crosses a slow rank's link (in a ring of four with
+ranks 0 and 2 slow, ranks 1 and 3 only ever exchange with them; under OptCC's plan much
+of a healthy rank's traffic goes through the slow one) it looks as slow as they do, and
+where every link it saw is slow the reference is slow too: the ring of four with ranks
+0 and 2 at 0.6 and 0.4 shows only rank 2 slow, at 0.67. So the traffic only *suspects*:
+where the calls depart from the profile (the confirmed streak above, or an exploring
+call's rise), every rank runs a probe at that call (:func:`optcc_mpi.probe.probe_ranks`:
+the doctor's rounds and estimator, :mod:`optcc_mpi.linkrates`: every rank against
+partners spread over the ring, a rank named only where a partner was clearly faster;
+about ``probe_partners * probe_repeats`` messages of ``probe_size`` per rank) and the
+profile follows what the probe found. A suspicion the probe found wrong is not probed
+again for ``explore`` calls, twice as long each time it is found wrong again (up to
+``explore_max``): the same traffic under the same plan keeps saying the same thing, and
+a probe per call would cost more than the watch saves. On healthy links nothing departs
+and nothing is probed. The link log's ``adopt`` record says why (which calls measured
+what, what the probe found), and a ``probe`` record keeps every probe.
+
 Volume: each rank contributes ``p + 2`` values and its side of the timed messages, at
 most :func:`watch_length` int64 (16 KiB up to 16 ranks, less beyond, so that the gather
 moves at most ``FOLD_TOTAL`` bytes). When the timed messages need more, every ``s``-th of
@@ -489,9 +509,7 @@ class LinkWatch:
             self.log.probed(self.calls, self.p, _links(suspect), found, why, adopted=change)
         if change:
             self._cleared, self._clear_gap = None, max(self.explore, 1)
-            return self._adopt(
-                got, f"{why}; the probe found {found.links}: {found}", found=found.fractions
-            )
+            return self._adopt(got, f"{why}; the probe found {found}", found=found.fractions)
         self._cleared = suspect
         self._cleared_until = self.calls + self._clear_gap
         self._clear_gap = min(2 * self._clear_gap, max(self.explore_max, 1))
