@@ -305,3 +305,23 @@ def test_linkrates_tell_far_apart_slow_ranks_from_their_neighbours() -> None:
     f = Links({0: 0.6, 2: 0.4}).vector(p)
     prof, unresolved, _ = linkrates.named(links([1]), p, bw, 0.8)
     assert 1 in unresolved and 3 in unresolved
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_probe_ranks_over_the_minimal_transport(p: int) -> None:
+    """The watch's probe over a transport of the four required methods only (threads in
+    one process): every rank finds the same, and under emulation exactly the truth, two
+    slow ranks far apart and one next to them included."""
+    from optcc_mpi.emulation import Emulation
+    from optcc_mpi.probe import probe_ranks
+    from optcc_mpi.testing.local import LocalWorld
+
+    truth = Links({0: 0.6, p // 2: 0.4}) if p > 2 else Links({1: 0.5})
+    emu = Emulation(bw=2e9, degrade=truth)
+    world = LocalWorld(p)
+    found = world.run(lambda t: probe_ranks(t, nbytes=1 << 16, emulate=emu))
+    assert len({str(f.links) for f in found}) == 1
+    if p > 2:
+        assert found[0].links == truth and found[0].unresolved == []
+    else:  # two ranks: one link, whose slow end no measurement can name
+        assert found[0].links == Links() and found[0].unresolved == [0, 1]

@@ -94,3 +94,41 @@ def test_watch_adopts_exactly_the_slow_ranks(case: str) -> None:
     assert all(_close(r, truth, p) for r in ran[CALLS - 1 :]), text
     assert _close(final, truth, p), text
     assert len(changes) == 1, text
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(300)
+def test_watch_follows_two_slow_ranks_that_come_and_go() -> None:
+    """Deliver 3 under emulation: healthy, then two far-apart ranks slow (0.6 and 0.4),
+    then healthy again: each change is followed within ten calls, with one adoption per
+    change and none on the steady calls between."""
+    comm = MPI.COMM_WORLD.Dup()
+    rank, p = comm.Get_rank(), comm.Get_size()
+    x = np.full(SIZE // 4, float(rank + 1), dtype=np.float32)
+    truth = _cases(p)["far-apart"]
+    phases = [(Links(), 4), (truth, CALLS + 2), (Links(), CALLS + 2)]
+    held: list[Links] = []
+    try:
+        for links, calls in phases:
+            emu = Emulation(bw=BW, degrade=links)
+            for _ in range(calls):
+                y = optcc_mpi.allreduce(x, comm=comm, links="watch", emulate=emu)
+                assert np.all(y == p * (p + 1) / 2)
+                held.append(comm_state(comm).watch_made().profile)
+        watch = comm_state(comm).watch_made()
+        changes = list(watch.changes)
+        assert len(set(comm.allgather(repr((held, changes))))) == 1
+    finally:
+        comm.Free()
+    text = f"adopted {[(c, str(f)) for c, f in changes]}; probes {watch.probes}"
+    if rank == 0:
+        print(f"\n[{p} ranks, transitions] {text}")
+    n0, n1 = phases[0][1], phases[0][1] + phases[1][1]
+    assert all(h == Links() for h in held[:n0]), text
+    # Degraded: the truth by the tenth call of the phase, and kept to its end.
+    assert all(_close(h, truth, p) for h in held[n0 + CALLS - 1 : n1]), text
+    # Recovered: healthy by the tenth call, and kept.
+    assert all(h == Links() for h in held[n1 + CALLS - 1 :]), text
+    # One adoption per change.
+    assert [c for c, _ in changes if n0 < c <= n1] == [changes[0][0]], text
+    assert len([c for c, _ in changes if c > n1]) == 1 and len(changes) == 2, text
