@@ -2,7 +2,8 @@
 and 3 under emulation; CI runs these at 4 and 8 ranks, and at 2, 3 and 5).
 
 On emulated links whose truth is known exactly: one slow rank at 0.5; two slow ranks at
-different fractions, next to each other in the ring and far apart; every link healthy.
+different fractions, next to each other in the ring, far apart, across the ring's wrap
+and on both sides of a healthy one; every link healthy.
 Within ten calls of 2 MiB the profile the watch adopted must name exactly the slow ranks,
 each within 0.1 of its true fraction (so no healthy rank below 0.9), and on a steady
 network it adopts at most once (never flaps); with every link healthy it adopts nothing.
@@ -36,10 +37,13 @@ def _cases(p: int) -> dict[str, Links]:
         "neighbours": Links({1: 0.6, 2: 0.4}),
         "far-apart": Links({0: 0.6, far: 0.4}),
         "wrap-around": Links({0: 0.4, p - 1: 0.7}),
+        # A healthy rank (2) between two slow ones: in a ring it only ever exchanges with
+        # them (at 4 ranks rank 0 too).
+        "around-one": Links({1: 0.6, 3: 0.4}),
     }
 
 
-CASES = ["healthy", "one-half", "neighbours", "far-apart", "wrap-around"]
+CASES = ["healthy", "one-half", "neighbours", "far-apart", "wrap-around", "around-one"]
 
 
 def _watch(truth: Links) -> tuple[list[Links], list[tuple[int, Links]], Links, list[str]]:
