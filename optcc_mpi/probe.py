@@ -164,6 +164,7 @@ def probe_ranks(
     repeats: int = 3,
     healthy_above: float = 0.8,
     emulate: Emulation | str | None = None,
+    clock: bool = False,
 ) -> RankProbe:
     """Every rank's fraction from messages to and from partners spread over the ring:
     the doctor's ``inter`` rounds and estimator (:mod:`optcc_mpi.linkrates`), short and
@@ -176,7 +177,8 @@ def probe_ranks(
     (one repeat: the charges do not vary), and fractions are of the emulated rate;
     otherwise of the upper quartile of the ranks' rates (up to half of them may be
     slow). Collective on ``comm``; ``partners * repeats`` messages of ``nbytes`` per
-    rank.
+    rank. ``clock``: time the messages by the clock under emulation too, as on a real
+    network (the tests of that path; the reference stays the emulated rate).
     """
     wire = transport_of(comm)
     p, rank = wire.size, wire.rank
@@ -188,7 +190,7 @@ def probe_ranks(
     # emulation the virtual NICs' charges instead (the sender's for its send, the
     # receiver's for its receive: the slower is the link's), exact and free of the noise
     # of ranks that share cores, as the watch's own emulated observations are.
-    paced = emu is not None and emu.bw is not None
+    paced = emu is not None and emu.bw is not None and not clock
     mine: list[tuple[int, int, int, float]] = []  # (round, sender, receiver, seconds)
     for rep in range(1 if paced else repeats):  # (charges do not vary: once is enough)
         for i, s in enumerate(shifts):

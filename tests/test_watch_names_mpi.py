@@ -68,6 +68,8 @@ def _watch(truth: Links) -> tuple[list[Links], list[tuple[int, Links]], Links, l
         # Every rank took the same decisions at the same calls.
         mine = repr((ran, changes))
         assert len(set(comm.allgather(mine))) == 1
+        if not truth.fractions:
+            assert watch.probes == []  # nothing looked slow: nothing probed
         return ran, changes, watch.profile, measured
     finally:
         comm.Free()
@@ -136,3 +138,25 @@ def test_watch_follows_two_slow_ranks_that_come_and_go() -> None:
     # One adoption per change.
     assert [c for c, _ in changes if n0 < c <= n1] == [changes[0][0]], text
     assert len([c for c, _ in changes if c > n1]) == 1 and len(changes) == 2, text
+
+
+@pytest.mark.mpi(min_size=4)  # (at 3, two slow ranks leave the third only slow partners)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("clock", [False, True], ids=["charged", "clock"])
+def test_the_watchs_probe_names_the_slow_ranks(clock: bool) -> None:
+    """The probe the watch runs where its traffic cannot tell ranks apart, alone: two slow
+    ranks far apart, with a healthy one between them at 4 ranks. By the virtual NICs'
+    charges (what the watch uses under emulation) it is exact; by the clock (the real
+    network's path, ranks sharing 2 cores) within 0.1, as the doctor's tests ask."""
+    from optcc_mpi.probe import probe_ranks
+
+    comm = MPI.COMM_WORLD
+    p = comm.Get_size()
+    truth = Links({0: 0.6, p // 2: 0.4})
+    emu = Emulation(bw=50e6, degrade=truth)
+    found = probe_ranks(comm, nbytes=1 << 20, emulate=emu, clock=clock)
+    assert len(set(comm.allgather(str(found.links)))) == 1
+    if not clock:
+        assert found.links == truth and found.unresolved == [], str(found)
+    else:
+        assert _close(found.links, truth, p), str(found)
