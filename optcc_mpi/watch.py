@@ -346,9 +346,10 @@ class LinkWatch:
     probes: list[tuple[int, Links, Links, bool]] = field(default_factory=list)
     #: Why the last profile was adopted (also in the link log's ``adopt`` record).
     why: str | None = None
-    #: A suspicion a probe found wrong (the traffic's profile), asked again only from
-    #: call ``_cleared_until`` on; the wait doubles each time a probe clears it again.
-    _cleared: np.ndarray | None = None
+    #: The ranks of a suspicion a probe found wrong (those the traffic showed departing
+    #: from the profile), asked again only from call ``_cleared_until`` on; the wait
+    #: doubles each time a probe clears them again.
+    _cleared: frozenset[int] | None = None
     _cleared_until: int = 0
     _clear_gap: int = 0
     #: The probe of the call being agreed (None: none can run, adopt what the traffic
@@ -494,14 +495,19 @@ class LinkWatch:
         prober = self._prober
         if prober is None:
             return self._adopt(suspect, why)
+        cur = self.profile.vector(self.p)
+        # Which ranks the traffic blames (or clears): by rank, not by value, so that a
+        # noisy repeat of a suspicion already found wrong is still the same suspicion.
+        ranks = frozenset(
+            int(r) for r in np.flatnonzero(np.abs(suspect - cur) > self.threshold / 2)
+        )
         if (
             self._cleared is not None
             and self.calls < self._cleared_until
-            and bool(np.all(np.abs(suspect - self._cleared) <= self.threshold))
+            and ranks <= self._cleared
         ):
             return self.profile
         found = prober()
-        cur = self.profile.vector(self.p)
         got = found.links.vector(self.p)
         change = self._departs(got, cur)
         self.probes.append((self.calls, _links(suspect), found.links, change))
@@ -510,7 +516,7 @@ class LinkWatch:
         if change:
             self._cleared, self._clear_gap = None, max(self.explore, 1)
             return self._adopt(got, f"{why}; the probe found {found}", found=found.fractions)
-        self._cleared = suspect
+        self._cleared = ranks
         self._cleared_until = self.calls + self._clear_gap
         self._clear_gap = min(2 * self._clear_gap, max(self.explore_max, 1))
         return self.profile

@@ -269,7 +269,10 @@ def test_a_suspicion_is_decided_by_the_probe(monkeypatch: pytest.MonkeyPatch) ->
     # Under the new plan the traffic may repeat its suspicion: probed once more, found
     # wrong, then left alone for explore calls, twice as long each time it is found
     # wrong again (no probe per call, no flapping).
-    got = [w.agree(ring, wire) for _ in range(20)]
+    noisy = [ring.copy() for _ in range(20)]
+    for i, v in enumerate(noisy):
+        v[2] *= 1 + 0.03 * (i % 4)  # the same suspicion, not the same numbers
+    got = [w.agree(v, wire) for v in noisy]
     assert got == [truth] * 20 and w.changes == [(2, truth)]
     assert [(call, adopted) for call, *_, adopted in w.probes] == [
         (2, True), (4, False), (8, False), (16, False),
