@@ -160,3 +160,34 @@ def test_the_watchs_probe_names_the_slow_ranks(clock: bool) -> None:
         assert found.links == truth and found.unresolved == [], str(found)
     else:
         assert _close(found.links, truth, p), str(found)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(300)
+def test_watch_follows_one_degraded_profile_to_another() -> None:
+    """Deliver 3: rank 0 slow; then rank 0 recovered as rank p/2 slows and rank 1 drops
+    to 0.7; then only rank 1 slow. Each change followed within ten calls, by one adoption
+    (here two calls after it: the streak of two departing calls, then the probe)."""
+    comm = MPI.COMM_WORLD.Dup()
+    rank, p = comm.Get_rank(), comm.Get_size()
+    x = np.full(SIZE // 4, float(rank + 1), dtype=np.float32)
+    phases = [(Links({0: 0.5}), CALLS), (Links({p // 2: 0.5, 1: 0.7}), CALLS + 2)]
+    phases.append((Links({1: 0.7}), CALLS + 2))
+    held: list[Links] = []
+    try:
+        for links, calls in phases:
+            emu = Emulation(bw=BW, degrade=links)
+            for _ in range(calls):
+                optcc_mpi.allreduce(x, comm=comm, links="watch", emulate=emu)
+                held.append(comm_state(comm).watch_made().profile)
+        changes = list(comm_state(comm).watch_made().changes)
+        assert len(set(comm.allgather(repr((held, changes))))) == 1
+    finally:
+        comm.Free()
+    text = f"adopted {[(c, str(f)) for c, f in changes]}"
+    start = 0
+    for links, calls in phases:
+        # The truth by the tenth call of each phase, kept to its end, adopted once.
+        assert all(_close(h, links, p) for h in held[start + CALLS - 1 : start + calls]), text
+        assert len([c for c, _ in changes if start < c <= start + calls]) == 1, text
+        start += calls
