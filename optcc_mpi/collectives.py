@@ -865,7 +865,8 @@ def _plan_call(st: CommState, call: _Call) -> None:
         else:  # no check ran, or its room was too small: one small collective more
             rows = np.array(st.transport.allgather(watch.contribution()), dtype=np.int64)
             call.epoch = perf_counter()
-        call.link_obj = watch.agree(rows)
+        # Where the traffic suspects a change, every rank probes on the transport.
+        call.link_obj = watch.agree(rows, st.transport, call.emu)
         call.plan = _plan(st, call, call.link_obj)
     if call.flat_out is None:
         call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)

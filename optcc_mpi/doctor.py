@@ -99,7 +99,7 @@ from typing import Any
 
 import numpy as np
 
-from optcc_mpi import linklog, transports
+from optcc_mpi import linklog, linkrates, transports
 from optcc_mpi.backend import NUMPY
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError, mark_everywhere
@@ -210,7 +210,7 @@ RANK_VERDICTS = {
 SLOW_VERDICTS = (Verdict.DEGRADED, Verdict.NODE, Verdict.INTRA, Verdict.UNRESOLVED)
 #: A partner whose own rate is within this factor of a rank's low rate may have been
 #: what limited it.
-_EXPLAIN = 1.15
+_EXPLAIN = linkrates.EXPLAIN
 
 # ------------------------------------------------------------------------ who is where
 
@@ -303,11 +303,8 @@ class Round:
     schedule: Schedule
 
 
-def _spread(n: int, k: int) -> list[int]:
-    """Up to ``k`` distinct shifts in ``1..n-1``, spread over the ring: 1, about a third
-    of the way round, about two thirds (for k = 3)."""
-    k = min(k, n - 1)
-    return sorted({1 + (i * (n - 1)) // k for i in range(k)}) if k > 0 else []
+#: The shifts (shared with the watch's probe: :mod:`optcc_mpi.linkrates`).
+_spread = linkrates.spread
 
 
 def _schedule(p: int, size: int, src: np.ndarray, dst: np.ndarray, name: str) -> Schedule:
@@ -924,15 +921,8 @@ def _rank_key(r: RankRow) -> tuple[float, int]:
     return (r.fraction if math.isfinite(r.fraction) else 2.0, r.rank)
 
 
-def _fractions(values: np.ndarray, ref: float | None) -> tuple[np.ndarray, float]:
-    """``values`` over the reference (the median of the measured ones, or ``ref``),
-    at most 1; NaN where not measured."""
-    seen = np.isfinite(values) & (values > 0)
-    med = float(np.median(values[seen])) if seen.any() else math.nan
-    base = ref if ref is not None else med
-    with np.errstate(invalid="ignore", divide="ignore"):
-        frac = np.where(seen, np.minimum(values / base, 1.0), math.nan)
-    return frac, med
+#: ``values`` over the reference (:func:`optcc_mpi.linkrates.fractions`).
+_fractions = linkrates.fractions
 
 
 #: Seconds of every message, by (round, sender, receiver).
@@ -1189,18 +1179,12 @@ def _intra_rates(the_plan: Plan, secs: _Seconds) -> _Rates:
 
 
 def _explained(r: int, alone: _RankRates, thr: float) -> bool:
-    """Whether rank r's low rates could all be its partners': every partner of a low
-    direction was itself no faster than r (then either end may be slow)."""
-    low_e = alone.fe[r] < thr
-    low_i = alone.fi[r] < thr
-    ok = True
-    if low_e:
-        outs = [d for (s, d) in alone.pair if s == r]
-        ok &= all(not (alone.ingress[d] > alone.egress[r] * _EXPLAIN) for d in outs)
-    if low_i:
-        ins = [s for (s, d) in alone.pair if d == r]
-        ok &= all(not (alone.egress[s] > alone.ingress[r] * _EXPLAIN) for s in ins)
-    return bool((low_e or low_i) and ok)
+    """Whether rank r's low rates could all be its partners' (the estimator the watch's
+    probe shares: :func:`optcc_mpi.linkrates.explained`)."""
+    return linkrates.explained(
+        r, alone.pair, alone.egress, alone.ingress, bool(alone.fe[r] < thr),
+        bool(alone.fi[r] < thr), _EXPLAIN,
+    )  # fmt: skip
 
 
 def _verdicts(

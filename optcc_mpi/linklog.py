@@ -12,8 +12,16 @@ Records (every one has ``time``, Unix seconds, ``run`` and ``event``):
     and ``job`` (``$SLURM_JOB_ID``, if set).
 ``adopt``
     ``links="watch"`` adopted a new profile at call ``call``: ``links`` (the profile's
-    string form), ``fractions`` (one per rank) and ``measured`` (the fractions the
-    call's observations gave, or None).
+    string form), ``fractions`` (one per rank), ``measured`` (the fractions the
+    call's observations gave, or None), ``why`` (which calls measured what, and what the
+    probe found, if one decided; None: not said) and ``probe`` (the probe's fractions per
+    rank, or None).
+``probe``
+    The watch's calls suspected a change and every rank ran the probe at call ``call``
+    (:func:`optcc_mpi.probe.probe_ranks`): ``suspected`` (the traffic's profile),
+    ``links`` (what the probe named), ``found`` (its fraction per rank), ``unresolved``,
+    ``reference`` (what fractions are of), ``seconds``, ``adopted`` (whether the profile
+    changed: else the suspicion was wrong and the profile stays) and ``why``.
 ``call``
     What call ``call`` ran: ``algorithm``, the ``links`` in force, ``measured`` and
     ``explore`` (the watch ran it on the healthy profile to measure every rank alike);
@@ -120,8 +128,18 @@ class LinkLog:
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 
-    def adopted(self, call: int, p: int, profile: Links, measured: Links | None = None) -> None:
-        """``links="watch"`` adopted ``profile`` at call ``call``."""
+    def adopted(
+        self,
+        call: int,
+        p: int,
+        profile: Links,
+        measured: Links | None = None,
+        *,
+        why: str | None = None,
+        probe: Any = None,
+    ) -> None:
+        """``links="watch"`` adopted ``profile`` at call ``call`` (``why``: the reason;
+        ``probe``: the probe's fractions per rank, if one decided)."""
         self.write(
             {
                 "event": "adopt",
@@ -131,6 +149,30 @@ class LinkLog:
                 "links": str(profile),
                 "fractions": _vector(profile, p),
                 "measured": None if measured is None else _vector(measured, p),
+                "why": why,
+                "probe": None if probe is None else _floats(probe),
+            }
+        )
+
+    def probed(
+        self, call: int, p: int, suspected: Links, found: Any, why: str, *, adopted: bool
+    ) -> None:
+        """The watch ran its probe at call ``call`` on suspecting ``suspected``
+        (``found``: a :class:`optcc_mpi.probe.RankProbe`)."""
+        self.write(
+            {
+                "event": "probe",
+                "source": "watch",
+                "call": int(call),
+                "p": int(p),
+                "suspected": str(suspected),
+                "links": str(found.links),
+                "found": _floats(found.fractions),
+                "unresolved": [int(r) for r in found.unresolved],
+                "reference": found.source,
+                "seconds": round(float(found.seconds), 6),
+                "adopted": bool(adopted),
+                "why": why,
             }
         )
 
@@ -196,6 +238,11 @@ def _call_record(
         "measured": None if measured is None else _vector(measured, p),
         "explore": bool(explore),
     }
+
+
+def _floats(values: Any) -> list[float | None]:
+    """Numbers for JSON: NaN (not measured) as None, the rest to 4 places."""
+    return [None if v != v else round(float(v), 4) for v in values]
 
 
 def _vector(links: Links, p: int) -> list[float]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from optcc_mpi import linkrates
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
@@ -32,7 +33,7 @@ from optcc_mpi.schedule import RECV, Schedule, ScheduleBuilder
 from optcc_mpi.transports import Communicator
 from optcc_mpi.transports import of as transport_of
 
-__all__ = ["ProbeResult", "probe", "HEALTHY_ABOVE"]
+__all__ = ["ProbeResult", "probe", "HEALTHY_ABOVE", "RankProbe", "probe_ranks"]
 
 #: Measured fractions at or above this count as healthy. On the namespace testbed
 #: (2 shared cores) single measurements of healthy ranks vary by up to 20%.
@@ -125,3 +126,106 @@ def probe(
     frac = np.where(frac >= healthy_above, 1.0, np.round(frac, 2))
     links = Links({r: float(f) for r, f in enumerate(frac) if f < 1.0})
     return ProbeResult(links, send, recv, time.perf_counter() - t_start, nbytes, rates)
+
+
+@dataclass
+class RankProbe:
+    """What :func:`probe_ranks` measured and concluded (the same on every rank)."""
+
+    links: Links
+    """The ranks named slow, at their fractions."""
+    fractions: np.ndarray
+    """Per rank, the smaller of its egress and ingress fractions (NaN: not measured)."""
+    unresolved: list[int]
+    """Ranks below the threshold whose partners were as slow (not named)."""
+    reference: float
+    """The rate (bytes/s) fractions are of."""
+    source: str
+    """Where the reference came from: ``the emulated rate`` or ``the upper quartile``."""
+    seconds: float
+    shifts: list[int]
+    size: int
+    repeats: int
+
+    def __str__(self) -> str:
+        text = f"{self.links} ({len(self.shifts)} partners, {self.repeats} repeat"
+        text += f"{'s' if self.repeats != 1 else ''} of {self.size >> 10} KiB, "
+        text += f"{self.seconds * 1e3:.0f} ms; against {self.source}"
+        if self.unresolved:
+            text += f"; unresolved {','.join(map(str, self.unresolved))}"
+        return text + ")"
+
+
+def probe_ranks(
+    comm: Communicator,
+    *,
+    nbytes: int = 2 << 20,
+    partners: int = 3,
+    repeats: int = 3,
+    healthy_above: float = 0.8,
+    emulate: Emulation | str | None = None,
+    clock: bool = False,
+) -> RankProbe:
+    """Every rank's fraction from messages to and from partners spread over the ring:
+    the doctor's ``inter`` rounds and estimator (:mod:`optcc_mpi.linkrates`), short and
+    with no agreement of its own (the caller's ranks agreed to run it: the watch).
+
+    In each round every rank ``r`` sends ``nbytes`` to ``r + s`` for one shift ``s`` of
+    :func:`~optcc_mpi.linkrates.spread` (so every NIC carries one flow per direction),
+    after a barrier from whose end the receiver times its message; repeats are the outer
+    loop. Under emulation a message's seconds are what the virtual NICs charged for it
+    (one repeat: the charges do not vary), and fractions are of the emulated rate;
+    otherwise of the upper quartile of the ranks' rates (up to half of them may be
+    slow). Collective on ``comm``; ``partners * repeats`` messages of ``nbytes`` per
+    rank. ``clock``: time the messages by the clock under emulation too, as on a real
+    network (the tests of that path; the reference stays the emulated rate).
+    """
+    wire = transport_of(comm)
+    p, rank = wire.size, wire.rank
+    t_start = time.perf_counter()
+    emu = Emulation.coerce(emulate)
+    shifts = linkrates.spread(p, partners)
+    buf, backend = wire.scratch(nbytes)
+    # Per message (sender, receiver, seconds), the receiver's clock from the barrier; under
+    # emulation the virtual NICs' charges instead (the sender's for its send, the
+    # receiver's for its receive: the slower is the link's), exact and free of the noise
+    # of ranks that share cores, as the watch's own emulated observations are.
+    paced = emu is not None and emu.bw is not None and not clock
+    mine: list[tuple[int, int, int, float]] = []  # (round, sender, receiver, seconds)
+    for rep in range(1 if paced else repeats):  # (charges do not vary: once is enough)
+        for i, s in enumerate(shifts):
+            rnd = rep * len(shifts) + i
+            sched = _shift_schedule(p, nbytes, s)
+            pacer = emu.pacer(rank, p, Links()) if emu is not None else None
+            wire.quiet_barrier()
+            t0 = time.perf_counter()
+            stats = execute(
+                sched, buf, comm=wire, op="sum", backend=backend, pacer=pacer, trace=True
+            )
+            src, dst = (rank - s) % p, (rank + s) % p
+            if pacer is not None and paced:
+                mine.append((rnd, rank, dst, pacer.charged_to.get(dst, 0.0)))
+                mine.append((rnd, src, rank, pacer.charged_seconds["recv"]))
+                continue
+            for _op, kind, _posted, done in stats.trace:
+                if kind == RECV:
+                    mine.append((rnd, src, rank, stats.start + done - t0))
+    secs_of: dict[tuple[int, int, int], float] = {}
+    for rows in wire.allgather(mine):
+        for rnd, a, b, secs in rows:
+            secs_of[(rnd, a, b)] = max(secs_of.get((rnd, a, b), 0.0), secs)
+    pair: dict[tuple[int, int], float] = {}
+    for (_, a, b), secs in secs_of.items():
+        if secs > 0:
+            pair[(a, b)] = max(pair.get((a, b), 0.0), nbytes / secs)
+    if emu is not None and emu.bw is not None:  # (paced)
+        ref: float | None = float(emu.bw)
+        source = "the emulated rate"
+    else:
+        ref = linkrates.upper_quartile(*linkrates.bounds(pair, p))
+        source = "the upper quartile"
+    links, unresolved, frac = linkrates.named(pair, p, ref, healthy_above)
+    return RankProbe(
+        links, frac, unresolved, float(ref or 0.0), source, time.perf_counter() - t_start,
+        shifts, nbytes, 1 if paced else repeats,
+    )  # fmt: skip

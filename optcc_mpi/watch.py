@@ -64,6 +64,26 @@ profile stays and the next exploration waits twice as long (up to ``explore_max`
 Every input of the decision is in the gathered rows, identical on every rank, so every
 rank decides the same at the same call.
 
+What the traffic cannot tell apart (issue 35)
+---------------------------------------------
+A schedule's traffic gives lower bounds, and fractions of the fastest ranks it saw.
+Where a healthy rank's every message crosses a slow rank's link (in a ring of four with
+ranks 0 and 2 slow, ranks 1 and 3 only ever exchange with them; under OptCC's plan much
+of a healthy rank's traffic goes through the slow one) it looks as slow as they do, and
+where every link it saw is slow the reference is slow too: the ring of four with ranks
+0 and 2 at 0.6 and 0.4 shows only rank 2 slow, at 0.67. So the traffic only *suspects*:
+where the calls depart from the profile (the confirmed streak above, or an exploring
+call's rise), every rank runs a probe at that call (:func:`optcc_mpi.probe.probe_ranks`:
+the doctor's rounds and estimator, :mod:`optcc_mpi.linkrates`: every rank against
+partners spread over the ring, a rank named only where a partner was clearly faster;
+about ``probe_partners * probe_repeats`` messages of ``probe_size`` per rank) and the
+profile follows what the probe found. A suspicion the probe found wrong is not probed
+again for ``explore`` calls, twice as long each time it is found wrong again (up to
+``explore_max``): the same traffic under the same plan keeps saying the same thing, and
+a probe per call would cost more than the watch saves. On healthy links nothing departs
+and nothing is probed. The link log's ``adopt`` record says why (which calls measured
+what, what the probe found), and a ``probe`` record keeps every probe.
+
 Volume: each rank contributes ``p + 2`` values and its side of the timed messages, at
 most :func:`watch_length` int64 (16 KiB up to 16 ranks, less beyond, so that the gather
 moves at most ``FOLD_TOTAL`` bytes). When the timed messages need more, every ``s``-th of
@@ -74,17 +94,20 @@ its schedule's messages need, so a watched small call pays little.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from optcc_mpi import linklog
+from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats
 from optcc_mpi.links import Links
+from optcc_mpi.probe import RankProbe, probe_ranks
 from optcc_mpi.schedule import SEND, Schedule
 from optcc_mpi.state import FOLD_TOTAL
+from optcc_mpi.transports import Communicator
 
 __all__ = ["WATCH", "MIN_BYTES", "LinkWatch", "MessageLayout", "send_rates", "watch_length"]
 
@@ -251,6 +274,11 @@ class MessageLayout:
         return v
 
 
+def _links(fracs: np.ndarray) -> Links:
+    """The profile of the fractions ``fracs`` (one per rank; 1: healthy)."""
+    return Links({r: float(f) for r, f in enumerate(fracs) if f < 1.0})
+
+
 def _positions(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """Index of each key in the ascending ``ids``, or -1."""
     at = np.searchsorted(ids, keys)
@@ -282,6 +310,9 @@ class LinkWatch:
         Where the profiles adopted and the algorithms run are recorded
         (:mod:`optcc_mpi.linklog`; rank 0 writes); default the file of
         :func:`~optcc_mpi.linklog.recording` or ``$OPTCC_LINKS_LOG``, if any.
+    probe_size, probe_partners, probe_repeats : int
+        The probe that decides what the traffic suspects (:func:`optcc_mpi.probe.
+        probe_ranks`): bytes per message, partners per rank, repeats.
     """
 
     p: int
@@ -308,6 +339,22 @@ class LinkWatch:
     log: linklog.LinkLog | None = None
     #: This process's rank, learnt from the first call it records (only rank 0 logs).
     rank: int | None = None
+    probe_size: int = 2 << 20
+    probe_partners: int = 3
+    probe_repeats: int = 3
+    #: Every probe: (call, what the traffic suspected, what the probe found, adopted).
+    probes: list[tuple[int, Links, Links, bool]] = field(default_factory=list)
+    #: Why the last profile was adopted (also in the link log's ``adopt`` record).
+    why: str | None = None
+    #: The ranks of a suspicion a probe found wrong (those the traffic showed departing
+    #: from the profile), asked again only from call ``_cleared_until`` on; the wait
+    #: doubles each time a probe clears them again.
+    _cleared: frozenset[int] | None = None
+    _cleared_until: int = 0
+    _clear_gap: int = 0
+    #: The probe of the call being agreed (None: none can run, adopt what the traffic
+    #: shows).
+    _prober: Callable[[], RankProbe] | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
@@ -321,6 +368,7 @@ class LinkWatch:
             )
         self._mine = np.zeros(self.p)
         self._gap = self.explore
+        self._clear_gap = max(self.explore, 1)
         if self.log is None:
             self.log = linklog.from_env()
 
@@ -350,10 +398,35 @@ class LinkWatch:
             out[self.p + _HEAD : self.p + _HEAD + vals.size] = vals
         return out
 
-    def agree(self, gathered: np.ndarray) -> Links:
+    def agree(
+        self,
+        gathered: np.ndarray,
+        wire: Communicator | None = None,
+        emulate: Emulation | None = None,
+    ) -> Links:
         """Take every rank's :meth:`contribution` (one row per rank; a 1-D vector is read
         as the rates already reduced) and return the profile to run this call with (the
-        same on every rank)."""
+        same on every rank).
+
+        ``wire``: the communicator's transport, on which every rank runs the probe at the
+        same call where the traffic suspects a change (:meth:`_decide`; ``emulate``: the
+        call's emulation). Without it, what the traffic shows is adopted as it is.
+        """
+        if wire is not None:
+            self._prober = lambda: probe_ranks(
+                wire,
+                nbytes=self.probe_size,
+                partners=self.probe_partners,
+                repeats=self.probe_repeats,
+                healthy_above=self.healthy_above,
+                emulate=emulate,
+            )
+        try:
+            return self._agree(gathered)
+        finally:
+            self._prober = None
+
+    def _agree(self, gathered: np.ndarray) -> Links:
         self.calls += 1
         self._mine = np.zeros(self.p)
         gathered = np.asarray(gathered)
@@ -376,7 +449,13 @@ class LinkWatch:
             # has to depart in calls of its own.
             self._recent = []
             if np.any(new - cur > self.threshold / 2):
-                return self._adopt(np.maximum(cur, new))
+                before = len(self.changes)
+                got = self._decide(
+                    np.maximum(cur, new), f"the exploring call {self.calls - 1} (the healthy "
+                    f"profile) measured {measured}",
+                )  # fmt: skip
+                if len(self.changes) > before:
+                    return got
             self._steady, self._gap = 0, min(2 * self._gap, self.explore_max)
             return self.profile
         # A measured rate is a lower bound: a rank the plan gives little traffic never
@@ -396,15 +475,62 @@ class LinkWatch:
         best = np.where(best >= self.healthy_above, 1.0, best)
         self._recent = []
         if self._departs(best, cur):
-            return self._adopt(best)
+            first = self.calls - self.confirm
+            return self._decide(
+                best, f"calls {first}-{self.calls - 1} measured {_links(best)} "
+                f"(each departing from {self.profile})",
+            )  # fmt: skip
         return self.profile
 
-    def _adopt(self, fracs: np.ndarray) -> Links:
-        """Make ``fracs`` the profile from this call on."""
-        self.profile = Links({r: float(f) for r, f in enumerate(fracs) if f < 1.0})
-        self.changes.append((self.calls, self.profile))
+    def _decide(self, suspect: np.ndarray, why: str) -> Links:
+        """The traffic suspects ``suspect`` (``why``: which calls showed what). A
+        schedule's traffic can blame a healthy rank whose every message crossed a slow
+        one (a lower bound is all a message gives), and fractions are of the fastest ranks
+        it saw, which may all be slow: so where a probe can run, every rank runs it at
+        this call and the profile follows what it found (:func:`optcc_mpi.probe.
+        probe_ranks`: each rank against partners spread over the ring). A suspicion the
+        probe found wrong is not probed again for a while (``explore`` calls, doubling up
+        to ``explore_max`` while it stays wrong): the same traffic under the same plan
+        says the same thing, and a probe per call would cost more than the watch saves."""
+        prober = self._prober
+        if prober is None:
+            return self._adopt(suspect, why)
+        cur = self.profile.vector(self.p)
+        # Which ranks the traffic blames (or clears): by rank, not by value, so that a
+        # noisy repeat of a suspicion already found wrong is still the same suspicion.
+        ranks = frozenset(
+            int(r) for r in np.flatnonzero(np.abs(suspect - cur) > self.threshold / 2)
+        )
+        if (
+            self._cleared is not None
+            and self.calls < self._cleared_until
+            and ranks <= self._cleared
+        ):
+            return self.profile
+        found = prober()
+        got = found.links.vector(self.p)
+        change = self._departs(got, cur)
+        self.probes.append((self.calls, _links(suspect), found.links, change))
         if self.log is not None and self.rank in (None, 0):
-            self.log.adopted(self.calls, self.p, self.profile, self.measured)
+            self.log.probed(self.calls, self.p, _links(suspect), found, why, adopted=change)
+        if change:
+            self._cleared, self._clear_gap = None, max(self.explore, 1)
+            return self._adopt(got, f"{why}; the probe found {found}", found=found.fractions)
+        self._cleared = ranks
+        self._cleared_until = self.calls + self._clear_gap
+        self._clear_gap = min(2 * self._clear_gap, max(self.explore_max, 1))
+        return self.profile
+
+    def _adopt(self, fracs: np.ndarray, why: str = "", found: np.ndarray | None = None) -> Links:
+        """Make ``fracs`` the profile from this call on (``why``: the link log's reason;
+        ``found``: the probe's fractions, if one decided)."""
+        self.profile = _links(fracs)
+        self.changes.append((self.calls, self.profile))
+        self.why = why or None
+        if self.log is not None and self.rank in (None, 0):
+            self.log.adopted(
+                self.calls, self.p, self.profile, self.measured, why=why or None, probe=found
+            )
         self._steady, self._gap = 0, self.explore
         return self.profile
 

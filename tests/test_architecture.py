@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("element types and reductions by name", ("dtypes",)),
     ("how reductions compute", ("reductions",)),
-    ("array backends, link profiles", ("backend", "links", "linklog")),
+    ("array backends, link profiles", ("backend", "links", "linklog", "linkrates")),
     ("models and emulation", ("model", "emulation")),
     ("the schedule", ("schedule",)),
     (
@@ -95,6 +95,7 @@ CORE = (
     "config",
     "doctor",
     "linklog",
+    "linkrates",
     "watch",
 )
 

@@ -233,3 +233,98 @@ def test_busy_time_is_the_union_of_intervals() -> None:
             grid[a:b] = True
         assert _busy(lo.astype(float), hi.astype(float)) == grid.sum()
     assert _busy(np.array([]), np.array([])) == 0.0
+
+
+# -- issue 35: the traffic suspects, a probe decides ---------------------------------------
+
+
+def _fake_probe(found: Links, p: int, calls: list[int]):
+    """A stand-in for probe_ranks that finds ``found`` and counts its runs."""
+    from optcc_mpi.probe import RankProbe
+
+    def run(*_args: object, **_kw: object) -> RankProbe:
+        calls.append(1)
+        return RankProbe(found, found.vector(p), [], 1.0, "test", 0.0, [1], 1, 1)
+
+    return run
+
+
+def test_a_suspicion_is_decided_by_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Far-apart slow ranks in a 4-rank ring: the traffic shows 0.6 as the fastest rate
+    (ranks 1 and 3 only exchange with the slow ranks) and blames rank 2 alone at 0.67;
+    the probe finds the truth, which is adopted once, and the same suspicion is not
+    probed again until the wait (explore calls, doubling) is over."""
+    import optcc_mpi.watch as watch_mod
+
+    p = 4
+    truth = Links({0: 0.6, 2: 0.4})
+    ran: list[int] = []
+    monkeypatch.setattr(watch_mod, "probe_ranks", _fake_probe(truth, p, ran))
+    w = LinkWatch(p, confirm=2, explore=4, explore_max=16)
+    ring = ring_rates(truth.vector(p))
+    wire = object()  # only handed to the (fake) probe
+    assert w.agree(ring, wire) == Links() and ran == []  # one departing call: noise
+    assert w.agree(ring, wire) == truth and len(ran) == 1  # confirmed: probed, adopted
+    assert w.changes == [(2, truth)] and "probe found" in (w.why or "")
+    # Under the new plan the traffic may repeat its suspicion: probed once more, found
+    # wrong, then left alone for explore calls, twice as long each time it is found
+    # wrong again (no probe per call, no flapping).
+    noisy = [ring.copy() for _ in range(20)]
+    for i, v in enumerate(noisy):
+        v[2] *= 1 + 0.03 * (i % 4)  # the same suspicion, not the same numbers
+    got = [w.agree(v, wire) for v in noisy]
+    assert got == [truth] * 20 and w.changes == [(2, truth)]
+    assert [(call, adopted) for call, *_, adopted in w.probes] == [
+        (2, True), (4, False), (8, False), (16, False),
+    ]  # fmt: skip
+    # Healthy traffic never probes.
+    h = LinkWatch(p, confirm=2)
+    monkeypatch.setattr(watch_mod, "probe_ranks", _fake_probe(Links(), p, ran))
+    before = len(ran)
+    assert [h.agree(ring_rates(np.ones(p)), wire) for _ in range(8)] == [Links()] * 8
+    assert len(ran) == before and h.changes == []
+
+
+def test_linkrates_tell_far_apart_slow_ranks_from_their_neighbours() -> None:
+    """The shared estimator: from a ring's links alone the neighbours of two far-apart
+    slow ranks are unresolved (every partner as slow), from the probe's spread shifts
+    every rank meets a fast partner and exactly the slow ones are named."""
+    from optcc_mpi import linkrates
+
+    p, bw = 8, 100.0
+    f = Links({2: 0.6, 5: 0.4}).vector(p)
+
+    def links(shifts: list[int]) -> dict[tuple[int, int], float]:
+        return {(r, (r + s) % p): bw * min(f[r], f[(r + s) % p]) for s in shifts for r in range(p)}
+
+    prof, unresolved, _ = linkrates.named(links(linkrates.spread(p, 3)), p, bw, 0.8)
+    assert prof == Links({2: 0.6, 5: 0.4}) and unresolved == []
+    # Two slow ranks next to each other, at 4 ranks: still told apart.
+    p = 4
+    f = Links({1: 0.6, 2: 0.4}).vector(p)
+    prof, unresolved, _ = linkrates.named(links(linkrates.spread(p, 3)), p, bw, 0.8)
+    assert prof == Links({1: 0.6, 2: 0.4}) and unresolved == []
+    # A ring's links only, far apart at 4 ranks: ranks 1 and 3 never meet a fast partner.
+    f = Links({0: 0.6, 2: 0.4}).vector(p)
+    prof, unresolved, _ = linkrates.named(links([1]), p, bw, 0.8)
+    assert 1 in unresolved and 3 in unresolved
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_probe_ranks_over_the_minimal_transport(p: int) -> None:
+    """The watch's probe over a transport of the four required methods only (threads in
+    one process): every rank finds the same, and under emulation exactly the truth, two
+    slow ranks far apart and one next to them included."""
+    from optcc_mpi.emulation import Emulation
+    from optcc_mpi.probe import probe_ranks
+    from optcc_mpi.testing.local import LocalWorld
+
+    truth = Links({0: 0.6, p // 2: 0.4}) if p > 2 else Links({1: 0.5})
+    emu = Emulation(bw=2e9, degrade=truth)
+    world = LocalWorld(p)
+    found = world.run(lambda t: probe_ranks(t, nbytes=1 << 16, emulate=emu))
+    assert len({str(f.links) for f in found}) == 1
+    if p > 2:
+        assert found[0].links == truth and found[0].unresolved == []
+    else:  # two ranks: one link, whose slow end no measurement can name
+        assert found[0].links == Links() and found[0].unresolved == [0, 1]

@@ -714,6 +714,12 @@ def links_summary(records: Sequence[Mapping[str, Any]]) -> str:
             at = f"call {call:>6}" if call is not None else " " * 11
             if ev == "adopt":
                 text = f"adopted {rec.get('links')}"
+                if rec.get("why"):
+                    text += f": {rec['why']}"
+            elif ev == "probe":
+                text = f"probed on suspecting {rec.get('suspected')}: found {rec.get('links')}"
+                if not rec.get("adopted"):
+                    text += ", the profile stays"
             elif ev == "call":
                 text = f"ran {rec.get('algorithm')} under {rec.get('links')}"
                 if rec.get("explore"):
