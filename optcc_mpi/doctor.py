@@ -32,8 +32,8 @@ transient disturbance spoils one repeat of everything rather than every repeat o
 link. With ``N`` nodes of at most ``L`` ranks, ``k = min(partners, N - 1)`` shifts and
 ``R`` repeats, a rank sends (and receives about) ``size * R * k`` bytes in ``R * k``
 rounds when ``L = 1``, and ``size * R * (2 k + min(partners, L - 1))`` bytes in
-``R * (k (L + 1) + min(partners, L - 1))`` rounds otherwise (:attr:`Plan.rounds`;
-:meth:`Plan.bytes_sent` per rank). Over links of ``B`` bytes/s that takes about
+``R * (k (L + 1) + min(partners, L - 1))`` rounds otherwise (:attr:`RoundPlan.rounds`;
+:meth:`RoundPlan.bytes_sent` per rank). Over links of ``B`` bytes/s that takes about
 ``size * R * k / B`` at one rank per node and ``size * R * k * 2 L / B`` otherwise
 (a node round moves ``L`` messages through one NIC), plus two barriers per round
 (:func:`estimate` times the schedules with the simulator). The
@@ -126,7 +126,7 @@ __all__ = [
     "baseline_rate",
     "Layout",
     "Round",
-    "Plan",
+    "RoundPlan",
     "RankRow",
     "NodeRow",
     "Diagnosis",
@@ -325,7 +325,7 @@ def _schedule(p: int, size: int, src: np.ndarray, dst: np.ndarray, name: str) ->
 
 
 @dataclass(eq=False)
-class Plan:
+class RoundPlan:
     """Every round the doctor runs, the same on every rank (a pure function of the
     layout and the parameters)."""
 
@@ -377,7 +377,7 @@ def plan(
     size: int = DEFAULT_SIZE,
     partners: int = DEFAULT_PARTNERS,
     repeats: int = DEFAULT_REPEATS,
-) -> Plan:
+) -> RoundPlan:
     """The rounds the doctor runs on ``layout`` (module docstring).
 
     Parameters
@@ -442,7 +442,7 @@ def plan(
                 if len(src):
                     rounds.append(Round("intra", t, -1, rep, src, dst, sched))
     rounds = [r for r in rounds if len(r.src)]
-    return Plan(lay, int(size), int(partners), int(repeats), shifts, local_shifts, rounds)
+    return RoundPlan(lay, int(size), int(partners), int(repeats), shifts, local_shifts, rounds)
 
 
 def _check_params(size: Any, partners: Any, repeats: Any) -> None:
@@ -452,7 +452,7 @@ def _check_params(size: Any, partners: Any, repeats: Any) -> None:
 
 
 def estimate(
-    the_plan: Plan, bw: float, latency: float = 0.0, links: Links | str | None = None
+    the_plan: RoundPlan, bw: float, latency: float = 0.0, links: Links | str | None = None
 ) -> dict[str, Any]:
     """How long ``the_plan`` takes over links of ``bw`` bytes/s, by the simulator.
 
@@ -660,7 +660,7 @@ def _rank_size(comm: Any) -> tuple[int, int]:
 
 
 def _measure(
-    comm: Any, the_plan: Plan, emu: Emulation | None, rank: int, progress: Any
+    comm: Any, the_plan: RoundPlan, emu: Emulation | None, rank: int, progress: Any
 ) -> dict[str, Any]:
     """Run every round; this rank's record: ``rows`` (round, sender, seconds from the
     barrier to the message's completion) of the messages it received, and its own
@@ -921,8 +921,8 @@ def _rank_key(r: RankRow) -> tuple[float, int]:
     return (r.fraction if math.isfinite(r.fraction) else 2.0, r.rank)
 
 
-#: ``values`` over the reference (:func:`optcc_mpi.linkrates.fractions`).
-_fractions = linkrates.fractions
+#: ``values`` over the reference (:func:`optcc_mpi.linkrates.relative_rates`).
+_fractions = linkrates.relative_rates
 
 
 #: Seconds of every message, by (round, sender, receiver).
@@ -940,7 +940,7 @@ def _seconds(records: Sequence[dict[str, Any]]) -> _Seconds:
 
 
 def _message_rates(
-    the_plan: Plan, secs: _Seconds, phase: str
+    the_plan: RoundPlan, secs: _Seconds, phase: str
 ) -> list[tuple[Round, int, int, float]]:
     """(round, sender, receiver, bytes/s) of every timed message of ``phase``."""
     out = []
@@ -954,7 +954,7 @@ def _message_rates(
     return out
 
 
-def _node_rates(the_plan: Plan, secs: _Seconds) -> tuple[np.ndarray, np.ndarray]:
+def _node_rates(the_plan: RoundPlan, secs: _Seconds) -> tuple[np.ndarray, np.ndarray]:
     """Per node, the fastest aggregate egress and ingress of the ``node`` rounds: all the
     messages from node a to node b of a round, over the time the last of them took."""
     lay = the_plan.layout
@@ -977,7 +977,7 @@ def _node_rates(the_plan: Plan, secs: _Seconds) -> tuple[np.ndarray, np.ndarray]
 
 
 def diagnose(
-    the_plan: Plan,
+    the_plan: RoundPlan,
     records: Sequence[dict[str, Any]],
     *,
     healthy_above: float = HEALTHY_ABOVE,
@@ -992,7 +992,7 @@ def diagnose(
 
     Parameters
     ----------
-    the_plan : Plan
+    the_plan : RoundPlan
         What ran.
     records : sequence of dict
         One per rank, in rank order: ``rows``, an array of (round, sender, seconds).
@@ -1132,7 +1132,7 @@ class _RankRates(_Rates):
     """Fastest rate per (sender, receiver)."""
 
 
-def _rank_rates(the_plan: Plan, secs: _Seconds, expect: float | None) -> _RankRates:
+def _rank_rates(the_plan: RoundPlan, secs: _Seconds, expect: float | None) -> _RankRates:
     """Each rank alone: per repeat, its fastest message out and in; over the repeats,
     the fastest (the estimator of the module docstring: noise only slows a link)."""
     p, reps = the_plan.layout.p, the_plan.repeats
@@ -1156,7 +1156,7 @@ def _rank_rates(the_plan: Plan, secs: _Seconds, expect: float | None) -> _RankRa
     return _RankRates(egress, ingress, fe, fi, np.fmin(fe, fi), med_e, med_i, per_rep, pair)
 
 
-def _node_fractions(the_plan: Plan, secs: _Seconds, expect: float | None) -> _Rates:
+def _node_fractions(the_plan: RoundPlan, secs: _Seconds, expect: float | None) -> _Rates:
     """Each node's aggregate rates (:func:`_node_rates`) and their fractions."""
     neg, nin = _node_rates(the_plan, secs)
     nfe, _ = _fractions(neg, expect)
@@ -1164,7 +1164,7 @@ def _node_fractions(the_plan: Plan, secs: _Seconds, expect: float | None) -> _Ra
     return _Rates(neg, nin, nfe, nfi, np.fmin(nfe, nfi))
 
 
-def _intra_rates(the_plan: Plan, secs: _Seconds) -> _Rates:
+def _intra_rates(the_plan: RoundPlan, secs: _Seconds) -> _Rates:
     """Inside each node: each rank's fastest message to and from its node's other
     ranks, against the median intra-node rate (never ``expect``, a network rate)."""
     p = the_plan.layout.p
@@ -1723,3 +1723,18 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def __getattr__(name: str) -> object:
+    # Renamed (issue 34: communicators.Plan is what a call runs); the old name works one
+    # more release.
+    if name == "Plan":
+        import warnings
+
+        warnings.warn(
+            "optcc_mpi.doctor.Plan is now RoundPlan; the old name goes in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return RoundPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

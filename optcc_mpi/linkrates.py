@@ -5,7 +5,7 @@ A message moves at the pace of the slower of its two ends, so its rate is a lowe
 on its sender's egress and its receiver's ingress, and noise only ever makes a link look
 slower. A rank's egress is the fastest of its messages out (over every partner and
 repeat), its ingress the fastest in, and its fraction the smaller of the two against a
-reference rate (:func:`fractions`). A rank is *named* slow only where some partner of
+reference rate (:func:`relative_rates`). A rank is *named* slow only where some partner of
 its low direction was clearly faster (:func:`explained`): otherwise its low rate may be
 its partners', and the measurement cannot say which end is slow. Measurements that pair
 every rank with partners spread over the ring (:func:`spread`: 1, about a third and two
@@ -28,7 +28,7 @@ import numpy as np
 
 from optcc_mpi.links import Links
 
-__all__ = ["EXPLAIN", "spread", "bounds", "explained", "fractions", "upper_quartile", "named"]
+__all__ = ["EXPLAIN", "spread", "bounds", "explained", "relative_rates", "upper_quartile", "named"]
 
 #: A partner whose own rate is within this factor of a rank's low rate may have been
 #: what limited it.
@@ -79,7 +79,7 @@ def explained(
     return bool((low_e or low_i) and ok)
 
 
-def fractions(values: np.ndarray, ref: float | None) -> tuple[np.ndarray, float]:
+def relative_rates(values: np.ndarray, ref: float | None) -> tuple[np.ndarray, float]:
     """``values`` over the reference (the median of the measured ones, or ``ref``), at
     most 1; NaN where not measured. Also returns the median."""
     seen = np.isfinite(values) & (values > 0)
@@ -108,8 +108,8 @@ def named(
     places). Also returns the ranks below the threshold that their partners explain
     (*unresolved*: not named) and every rank's fraction (NaN: not measured)."""
     egress, ingress = bounds(pair, p)
-    fe, _ = fractions(egress, ref)
-    fi, _ = fractions(ingress, ref)
+    fe, _ = relative_rates(egress, ref)
+    fi, _ = relative_rates(ingress, ref)
     frac = np.fmin(fe, fi)
     prof: dict[int, float] = {}
     unresolved = []

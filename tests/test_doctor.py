@@ -29,7 +29,7 @@ BW = 50e6  # bytes/s: 400 Mbit/s, as on the testbed
 
 
 def synthetic(
-    the_plan: dr.Plan,
+    the_plan: dr.RoundPlan,
     truth: dict[int, float],
     *,
     node_truth: dict[int, float] | None = None,

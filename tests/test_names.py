@@ -31,8 +31,6 @@ SHARED: dict[str, str] = {
     "gram_bf16": "the bf16 Gram matrix, one kernel per array library (CuPy, torch)",
     "get": "a lookup in this module's table (algorithms by name, variables by name)",
     "markdown": "this module's table as Markdown (variables, link profiles)",
-    "Plan": "communicators.Plan is what a call runs; doctor.Plan the doctor's rounds: "
-    "to rename with the doctor's next change",
 }
 
 

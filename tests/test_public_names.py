@@ -170,10 +170,12 @@ def test_lab_names_renamed_for_issue_34_keep_their_old_names_one_release() -> No
     a FutureWarning naming the new one."""
     import pytest
 
+    from optcc_mpi import doctor
     from optcc_mpi.data import layout
     from optcc_mpi.lab import bench, sweep, testbed
 
     for module, old, new in (
+        (doctor, "Plan", "RoundPlan"),
         (bench, "table", "rows_table"),
         (sweep, "run_command", "task_command"),
         (testbed, "parse_size", "shaping_size"),

@@ -59,7 +59,7 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers like 8,16,32, got {text!r}") from None
 
 
-def _floats(text: str) -> list[float]:
+def _float_list(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -104,7 +104,7 @@ def register(subparsers: Any) -> None:
     alias(s, ranks, "--p")
     s.add_argument(
         "--loss",
-        type=_floats,
+        type=_float_list,
         default=[0.125, 0.25, 0.375, 0.5],
         metavar="LIST",
         help="bandwidth losses X (default 0.125,0.25,0.375,0.5)",

@@ -42,10 +42,10 @@ from optcc_mpi.progress import Progress
 from .layout import (
     TASKS,
     cast_to,
-    dtype_name,
     first_true,
     largest_finite,
     numpy_dtype,
+    storage_dtype_name,
     storage_view,
 )
 from .writing import (
@@ -419,7 +419,7 @@ def convert_svmlight(
         fit a forced task, an ``n_features`` smaller than the indices, unknown options.
     """
     t0 = time.perf_counter()
-    name = dtype_name(dtype)
+    name = storage_dtype_name(dtype)
     if layout not in ("auto", "dense", "csr"):
         raise DatasetError(f"unknown layout {layout!r}; expected auto, dense or csr")
     if zero_based not in ("auto", True, False):
