@@ -626,6 +626,8 @@ def stage_through_host(
 
 #: Signatures whose short path (or its absence) a group keeps.
 _LANES = 64
+#: No short path made yet for a signature (OptccProcessGroup._lane).
+_NO_LANE: Any = object()
 #: No job taken from the queue ahead of its turn (:meth:`OrderedWorker._run`).
 _EMPTY = object()
 #: Reductions whose library's work a group's thread keeps in flight at once (queued calls
@@ -937,9 +939,9 @@ class OptccProcessGroup(dist.ProcessGroup):
         if kind == _RED.PREMUL_SUM:
             return None
         key = (tensor.dtype, tensor.numel(), kind)
-        try:
-            found = self._lanes[key]
-        except KeyError:
+        found = self._lanes.get(key, _NO_LANE)
+        if found is _NO_LANE or (found is not None and not found.prepared.current()):
+            # (made again where the settings it was made under changed: config.reload())
             found = None
             names = _OPS.get(kind)
             if names is not None and names[tensor.dtype == torch.bool] == "sum":  # SUM, AVG
