@@ -21,7 +21,6 @@ fails, the error is reported through :func:`agree` as well.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, cast, overload
 
@@ -30,6 +29,7 @@ import numpy.typing as npt
 
 from optcc_mpi import transports
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, mark_everywhere
+from optcc_mpi.renames import renamed
 
 __all__ = ["agree", "agree_fields", "describe_ranks", "run_everywhere", "Members"]
 
@@ -47,17 +47,9 @@ class Members(Protocol):
     def allgather(self, obj: object, /) -> list[object]: ...
 
 
-def __getattr__(name: str) -> object:
-    # The protocol was called Group, the name of the GLM trainer's class too (issue 34):
-    # the old name works one more release.
-    if name == "Group":
-        warnings.warn(
-            "optcc_mpi.agreement.Group is now Members; the old name goes in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return Members
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Renamed (issue 34: the GLM trainer's class has the old name too): the old name
+# works one more release.
+__getattr__ = renamed(__name__, {"Group": "Members"}, globals())
 
 
 def describe_ranks(ranks: list[int], size: int | None = None) -> str:

@@ -15,7 +15,6 @@ into a 1-D array and its backend, without a copy.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union, cast
@@ -35,6 +34,7 @@ from optcc_mpi.reductions import (
     reduce_with,
     to_keys,
 )
+from optcc_mpi.renames import renamed
 
 if TYPE_CHECKING:  # names for annotations: none of these libraries is imported to run
     import cupy
@@ -441,17 +441,9 @@ def _contiguous_flat(arr: Array, backend: Backend, what: str) -> Array:
     return backend.flat(arr)
 
 
-def __getattr__(name: str) -> object:
-    # buffer_of was called as_array, the name of the tensor view in optcc_mpi.tensors too
-    # (issue 34): the old name works one more release.
-    if name == "as_array":
-        warnings.warn(
-            "optcc_mpi.backend.as_array is now buffer_of; the old name goes in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return buffer_of
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Renamed (issue 34: optcc_mpi.tensors.as_array is another thing): the old name
+# works one more release.
+__getattr__ = renamed(__name__, {"as_array": "buffer_of"}, globals())
 
 
 def buffer_of(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[Array, Backend]:

@@ -106,6 +106,7 @@ from optcc_mpi.errors import ArgumentError, mark_everywhere
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.progress import Progress
+from optcc_mpi.renames import renamed
 from optcc_mpi.schedule import RECV, Schedule, ScheduleBuilder
 from optcc_mpi.simulate import simulate
 from optcc_mpi.units import format_size
@@ -1725,16 +1726,6 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
     return path
 
 
-def __getattr__(name: str) -> object:
-    # Renamed (issue 34: communicators.Plan is what a call runs); the old name works one
-    # more release.
-    if name == "Plan":
-        import warnings
-
-        warnings.warn(
-            "optcc_mpi.doctor.Plan is now RoundPlan; the old name goes in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return RoundPlan
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Renamed (issue 34: communicators.Plan is what a call runs): the old name
+# works one more release.
+__getattr__ = renamed(__name__, {"Plan": "RoundPlan"}, globals())

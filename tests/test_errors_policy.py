@@ -47,20 +47,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "module __getattr__ (PEP 562): AttributeError is how hasattr/getattr learn a name is absent"
     ),
     ("optcc_mpi/collectives.py", "__getattr__", "AttributeError"): "module __getattr__ (PEP 562)",
-    ("optcc_mpi/agreement.py", "__getattr__", "AttributeError"): (
-        "module __getattr__ (PEP 562) of a name kept one release"
-    ),
-    ("optcc_mpi/data/layout.py", "__getattr__", "AttributeError"): (
-        "module __getattr__ (PEP 562) of a name kept one release"
-    ),
-    ("optcc_mpi/doctor.py", "__getattr__", "AttributeError"): (
-        "module __getattr__ (PEP 562) of a name kept one release"
-    ),
-    ("optcc_mpi/backend.py", "__getattr__", "AttributeError"): (
-        "module __getattr__ (PEP 562) of a name kept one release"
-    ),
-    ("optcc_mpi/algorithms/_policy.py", "__getattr__", "AttributeError"): (
-        "module __getattr__ (PEP 562) of a name kept one release"
+    ("optcc_mpi/renames.py", "renamed.__getattr__", "AttributeError"): (
+        "the module __getattr__ (PEP 562) of the names kept one release, for every module"
     ),
     ("optcc_mpi/glm/__init__.py", "__getattr__", "AttributeError"): "module __getattr__ (PEP 562)",
     ("optcc_mpi/glm/comm.py", "__getattr__", "AttributeError"): (

@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 
 from optcc_mpi import config
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
+from optcc_mpi.renames import renamed
 from optcc_mpi.units import parse_rate
 
 __all__ = [
@@ -162,18 +162,9 @@ TRANSPORTS = ("network", "shared-memory")
 _BY_NAME = {"network": NETWORK, "shared-memory": SHARED_MEMORY}
 
 
-def __getattr__(name: str) -> object:
-    # The model was called Transport, the name of the transports' contract too (issue 34):
-    # the old name works one more release.
-    if name == "Transport":
-        warnings.warn(
-            "optcc_mpi.algorithms._policy.Transport is now Fabric; the old name goes in the "
-            "next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return Fabric
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Renamed (issue 34: the transports' contract has the old name too): the old name
+# works one more release.
+__getattr__ = renamed(__name__, {"Transport": "Fabric"}, globals())
 
 
 def transport_of(transport: str | Fabric) -> Fabric:

@@ -22,6 +22,7 @@ import numpy as np
 
 from optcc_mpi.errors import DatasetError
 from optcc_mpi.labels import TASKS
+from optcc_mpi.renames import renamed
 
 __all__ = [
     "LAYOUT_VERSION",
@@ -231,17 +232,6 @@ def largest_finite(name: str) -> float:
     return float(ml_dtypes.finfo(numpy_dtype(name)).max)
 
 
-def __getattr__(name: str) -> object:
-    # Renamed (issue 34: the name meant another thing elsewhere); the old name
-    # works one more release.
-    if name == "dtype_name":
-        import warnings
-
-        warnings.warn(
-            "optcc_mpi.data.layout.dtype_name is now storage_dtype_name; the old name goes "
-            "in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return storage_dtype_name
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Renamed (issue 34: optcc_mpi.dtypes.dtype_name is another thing): the old name
+# works one more release.
+__getattr__ = renamed(__name__, {"dtype_name": "storage_dtype_name"}, globals())

@@ -54,6 +54,7 @@ from optcc_mpi.emulation import Emulation
 from optcc_mpi.lab import testbed, world
 from optcc_mpi.lab.provenance import load_average
 from optcc_mpi.links import Links
+from optcc_mpi.renames import renamed
 
 __all__ = [
     "BenchConfig",
@@ -783,16 +784,6 @@ def write(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
                 fh.write(json.dumps(r) + "\n")
 
 
-def __getattr__(name: str) -> object:
-    # Renamed (issue 34: algorithms.table is the model's table); the old name works one
-    # more release.
-    if name == "table":
-        import warnings
-
-        warnings.warn(
-            "optcc_mpi.lab.bench.table is now rows_table; the old name goes in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return rows_table
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Renamed (issue 34: algorithms.table is the model's table): the old name
+# works one more release.
+__getattr__ = renamed(__name__, {"table": "rows_table"}, globals())

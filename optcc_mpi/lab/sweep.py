@@ -50,6 +50,7 @@ from typing import Any
 
 from optcc_mpi import config
 from optcc_mpi.lab import launch, provenance
+from optcc_mpi.renames import renamed
 
 __all__ = [
     "KINDS",
@@ -1068,17 +1069,6 @@ if __name__ == "__main__":
     )
 
 
-def __getattr__(name: str) -> object:
-    # Renamed (issue 34: the name meant another thing elsewhere); the old name
-    # works one more release.
-    if name == "run_command":
-        import warnings
-
-        warnings.warn(
-            "optcc_mpi.lab.sweep.run_command is now task_command; the old name goes in the next "
-            "release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return task_command
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Renamed (issue 34: the CLI's run_command is another thing): the old name
+# works one more release.
+__getattr__ = renamed(__name__, {"run_command": "task_command"}, globals())

@@ -57,6 +57,7 @@ from optcc_mpi import config, units
 from optcc_mpi.errors import TestbedError
 from optcc_mpi.lab import launch
 from optcc_mpi.links import Links
+from optcc_mpi.renames import renamed
 
 __all__ = [
     "DEFAULT_NAME",
@@ -1266,17 +1267,6 @@ def run(
     return _require_current(name).run(cmd, n, env, timeout=timeout)
 
 
-def __getattr__(name: str) -> object:
-    # Renamed (issue 34: the name meant another thing elsewhere); the old name
-    # works one more release.
-    if name == "parse_size":
-        import warnings
-
-        warnings.warn(
-            "optcc_mpi.lab.testbed.parse_size is now shaping_size; the old name goes in the next "
-            "release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return shaping_size
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Renamed (issue 34: units.parse_size is the parser itself): the old name
+# works one more release.
+__getattr__ = renamed(__name__, {"parse_size": "shaping_size"}, globals())
