@@ -20,24 +20,36 @@ posted, even with ``MPI.ANY_SOURCE`` and ``MPI.ANY_TAG``, never matches one of t
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from optcc_mpi import linkrates
+from optcc_mpi.backend import Array, Backend
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import RECV, Schedule, ScheduleBuilder
-from optcc_mpi.transports import Communicator
+from optcc_mpi.transports import Communicator, Transport
 from optcc_mpi.transports import of as transport_of
 
-__all__ = ["ProbeResult", "probe", "HEALTHY_ABOVE", "RankProbe", "probe_ranks"]
+__all__ = [
+    "ProbeResult", "probe", "HEALTHY_ABOVE", "RankProbe", "probe_ranks", "MIN_SECONDS",
+    "MAX_BYTES",
+]  # fmt: skip
 
 #: Measured fractions at or above this count as healthy. On the namespace testbed
 #: (2 shared cores) single measurements of healthy ranks vary by up to 20%.
 HEALTHY_ABOVE = 0.75
+
+#: :func:`probe_ranks` doubles its messages until the fastest takes at least this long
+#: (a message's fixed costs then weigh under about 5% on the testbed)...
+MIN_SECONDS = 0.08
+#: ... or they reach this size.
+MAX_BYTES = 16 << 20
 
 
 @dataclass
@@ -165,6 +177,8 @@ def probe_ranks(
     healthy_above: float = 0.8,
     emulate: Emulation | str | None = None,
     clock: bool = False,
+    min_seconds: float = MIN_SECONDS,
+    max_bytes: int = MAX_BYTES,
 ) -> RankProbe:
     """Every rank's fraction from messages to and from partners spread over the ring:
     the doctor's ``inter`` rounds and estimator (:mod:`optcc_mpi.linkrates`), short and
@@ -179,45 +193,49 @@ def probe_ranks(
     slow). Collective on ``comm``; ``partners * repeats`` messages of ``nbytes`` per
     rank. ``clock``: time the messages by the clock under emulation too, as on a real
     network (the tests of that path; the reference stays the emulated rate).
+
+    Timed by the clock, a message carries a fixed cost of its own (TCP's window opening,
+    the ranks' wake-ups on shared cores) that makes a fast link look slower, and so a
+    slow rank look less slow than it is: on the 8-rank testbed at 400 Mbit/s, 2 MiB
+    messages rated the healthy links at 38-44 MB/s and ranks at 0.6 and 0.4 at 0.69 and
+    0.49; 4 MiB at 45-46 MB/s and 0.60-0.61, 0.43-0.44. So where the fastest message of a
+    repeat took under ``min_seconds``, the size doubles (up to ``max_bytes``, the same
+    on every rank: decided from the gathered times) and the repeats start again at it;
+    only the repeats at the last size count. ``size`` in the result is that size.
     """
     wire = transport_of(comm)
-    p, rank = wire.size, wire.rank
+    p = wire.size
     t_start = time.perf_counter()
     emu = Emulation.coerce(emulate)
     shifts = linkrates.spread(p, partners)
-    buf, backend = wire.scratch(nbytes)
     # Per message (sender, receiver, seconds), the receiver's clock from the barrier; under
     # emulation the virtual NICs' charges instead (the sender's for its send, the
     # receiver's for its receive: the slower is the link's), exact and free of the noise
     # of ranks that share cores, as the watch's own emulated observations are.
     paced = emu is not None and emu.bw is not None and not clock
-    mine: list[tuple[int, int, int, float]] = []  # (round, sender, receiver, seconds)
-    for rep in range(1 if paced else repeats):  # (charges do not vary: once is enough)
-        for i, s in enumerate(shifts):
-            rnd = rep * len(shifts) + i
-            sched = _shift_schedule(p, nbytes, s)
-            pacer = emu.pacer(rank, p, Links()) if emu is not None else None
-            wire.quiet_barrier()
-            t0 = time.perf_counter()
-            stats = execute(
-                sched, buf, comm=wire, op="sum", backend=backend, pacer=pacer, trace=True
-            )
-            src, dst = (rank - s) % p, (rank + s) % p
-            if pacer is not None and paced:
-                mine.append((rnd, rank, dst, pacer.charged_to.get(dst, 0.0)))
-                mine.append((rnd, src, rank, pacer.charged_seconds["recv"]))
-                continue
-            for _op, kind, _posted, done in stats.trace:
-                if kind == RECV:
-                    mine.append((rnd, src, rank, stats.start + done - t0))
+    size = nbytes
+    rows: list[list[tuple[int, int, int, float]]] = []
+    rep = 0
+    buf, backend = wire.scratch(size)
+    while rep < (1 if paced else repeats):  # (charges do not vary: once is enough)
+        mine = _probe_repeat(wire, shifts, buf, backend, size, rep, emu, paced)
+        got = wire.allgather(mine)
+        rows.extend(got)
+        fastest = min((secs for r in got for *_, secs in r if secs > 0), default=math.inf)
+        if not paced and fastest < min_seconds and size < max_bytes:
+            # Every rank saw the same gathered times: the same new size, the same restart.
+            size, rows, rep = min(2 * size, max_bytes), [], 0
+            buf, backend = wire.scratch(size)
+            continue
+        rep += 1
     secs_of: dict[tuple[int, int, int], float] = {}
-    for rows in wire.allgather(mine):
-        for rnd, a, b, secs in rows:
+    for row in rows:
+        for rnd, a, b, secs in row:
             secs_of[(rnd, a, b)] = max(secs_of.get((rnd, a, b), 0.0), secs)
     pair: dict[tuple[int, int], float] = {}
     for (_, a, b), secs in secs_of.items():
         if secs > 0:
-            pair[(a, b)] = max(pair.get((a, b), 0.0), nbytes / secs)
+            pair[(a, b)] = max(pair.get((a, b), 0.0), size / secs)
     if emu is not None and emu.bw is not None:  # (paced)
         ref: float | None = float(emu.bw)
         source = "the emulated rate"
@@ -227,5 +245,37 @@ def probe_ranks(
     links, unresolved, frac = linkrates.named(pair, p, ref, healthy_above)
     return RankProbe(
         links, frac, unresolved, float(ref or 0.0), source, time.perf_counter() - t_start,
-        shifts, nbytes, 1 if paced else repeats,
+        shifts, size, 1 if paced else repeats,
     )  # fmt: skip
+
+
+def _probe_repeat(
+    wire: Transport[Any],
+    shifts: list[int],
+    buf: Array,
+    backend: Backend[Any, Any],
+    size: int,
+    rep: int,
+    emu: Emulation | None,
+    paced: bool,
+) -> list[tuple[int, int, int, float]]:
+    """One repeat of :func:`probe_ranks`: a round per shift; this rank's records
+    ``(round, sender, receiver, seconds)``."""
+    p, rank = wire.size, wire.rank
+    mine: list[tuple[int, int, int, float]] = []
+    for i, s in enumerate(shifts):
+        rnd = rep * len(shifts) + i
+        sched = _shift_schedule(p, size, s)
+        pacer = emu.pacer(rank, p, Links()) if emu is not None else None
+        wire.quiet_barrier()
+        t0 = time.perf_counter()
+        stats = execute(sched, buf, comm=wire, op="sum", backend=backend, pacer=pacer, trace=True)
+        src, dst = (rank - s) % p, (rank + s) % p
+        if pacer is not None and paced:
+            mine.append((rnd, rank, dst, pacer.charged_to.get(dst, 0.0)))
+            mine.append((rnd, src, rank, pacer.charged_seconds["recv"]))
+            continue
+        for _op, kind, _posted, done in stats.trace:
+            if kind == RECV:
+                mine.append((rnd, src, rank, stats.start + done - t0))
+    return mine

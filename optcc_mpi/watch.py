@@ -80,7 +80,9 @@ about ``probe_partners * probe_repeats`` messages of ``probe_size`` per rank) an
 profile follows what the probe found. A suspicion the probe found wrong is not probed
 again for ``explore`` calls, twice as long each time it is found wrong again (up to
 ``explore_max``): the same traffic under the same plan keeps saying the same thing, and
-a probe per call would cost more than the watch saves. On healthy links nothing departs
+a probe per call would cost more than the watch saves; nor is any other suspicion for
+as long, up to ``probe_gap_max`` calls (noisy traffic blames a different rank each
+time). On healthy links nothing departs
 and nothing is probed. The link log's ``adopt`` record says why (which calls measured
 what, what the probe found), and a ``probe`` record keeps every probe.
 
@@ -312,7 +314,12 @@ class LinkWatch:
         :func:`~optcc_mpi.linklog.recording` or ``$OPTCC_LINKS_LOG``, if any.
     probe_size, probe_partners, probe_repeats : int
         The probe that decides what the traffic suspects (:func:`optcc_mpi.probe.
-        probe_ranks`): bytes per message, partners per rank, repeats.
+        probe_ranks`): bytes per message to start from (it doubles them while they are
+        too short to time), partners per rank, repeats.
+    probe_gap_max : int
+        After a probe that changed nothing, the longest wait before any other suspicion
+        is probed (the same suspicion waits ``explore`` calls, doubling up to
+        ``explore_max``).
     """
 
     p: int
@@ -352,6 +359,13 @@ class LinkWatch:
     _cleared: frozenset[int] | None = None
     _cleared_until: int = 0
     _clear_gap: int = 0
+    #: After a probe that changed nothing, no suspicion at all (of other ranks too) is
+    #: probed before this call: where the traffic is noisy (8 ranks on 2 shared cores
+    #: blamed a different healthy rank every other call) a probe per new suspicion would
+    #: cost more than the watch saves. ``probe_gap_max`` bounds that wait, so that a real
+    #: change after a cleared suspicion is still followed within about ten calls.
+    _quiet_until: int = 0
+    probe_gap_max: int = 8
     #: The probe of the call being agreed (None: none can run, adopt what the traffic
     #: shows).
     _prober: Callable[[], RankProbe] | None = None
@@ -501,7 +515,7 @@ class LinkWatch:
         ranks = frozenset(
             int(r) for r in np.flatnonzero(np.abs(suspect - cur) > self.threshold / 2)
         )
-        if (
+        if self.calls < self._quiet_until or (
             self._cleared is not None
             and self.calls < self._cleared_until
             and ranks <= self._cleared
@@ -518,6 +532,7 @@ class LinkWatch:
             return self._adopt(got, f"{why}; the probe found {found}", found=found.fractions)
         self._cleared = ranks
         self._cleared_until = self.calls + self._clear_gap
+        self._quiet_until = self.calls + min(self._clear_gap, self.probe_gap_max)
         self._clear_gap = min(2 * self._clear_gap, max(self.explore_max, 1))
         return self.profile
 

@@ -246,6 +246,35 @@ def test_lab_ddp_under_emulation_charges_both_copies_the_same_network(tmp_path: 
 
 
 @pytest.mark.timeout(600)
+def test_lab_ddp_told_trains_a_copy_told_the_truth_beside_the_one_that_learns(
+    tmp_path: Path,
+) -> None:
+    """--told (issue 35, Deliver 2): beside the backend copy that learns its links
+    (--links watch) a copy on a second optcc group is told the emulated truth; all three
+    copies train to the same parameters, the same bits on every rank, and the told row
+    says what it was told. Without --backend and a learnt profile it is refused."""
+    out = tmp_path / "ddp.jsonl"
+    done = torchrun(
+        3, str(NO_MPI), "optcc_mpi", "lab", "ddp", "--width", "192", "--layers", "2",
+        "--steps", "4", "--bucket-mb", "0.05", "--emulate", "bw=200MB/s,degrade=2:0.5",
+        "--backend", "--links", "watch", "--told", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "x told" in done.stdout
+    learnt, plain, told = _rows(out)
+    assert (learnt["mode"], plain["mode"], told["mode"]) == ("backend", "ddp", "backend told")
+    assert told["links"] == "2:0.5" and told["timed_steps"] == learnt["timed_steps"] == 3
+    assert learnt["rel_gap"] <= 1e-6
+    assert learnt["identical"] and plain["identical"] and told["identical"]
+    refused = torchrun(
+        3, str(NO_MPI), "optcc_mpi", "lab", "ddp", "--width", "64", "--layers", "1",
+        "--steps", "2", "--links", "2:0.5", "--told",
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "--told compares a copy that learns its links" in refused.stdout + refused.stderr
+
+
+@pytest.mark.timeout(600)
 def test_hook_records_the_link_log(tmp_path: Path) -> None:
     """``comm_hook(links="watch", links_log=FILE)``: rank 0 records what the watch adopts
     (rank 1 emulated at half rate) and what the buckets ran; a log without the watch is

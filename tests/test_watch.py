@@ -285,6 +285,43 @@ def test_a_suspicion_is_decided_by_the_probe(monkeypatch: pytest.MonkeyPatch) ->
     assert len(ran) == before and h.changes == []
 
 
+def test_after_a_cleared_probe_no_other_suspicion_is_probed_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Noisy traffic (8 ranks on 2 shared cores on the testbed) blames a different healthy
+    rank every other call: after a probe found nothing, those suspicions wait (explore
+    calls, at most probe_gap_max), and a real change after that wait is adopted at once."""
+    import optcc_mpi.watch as watch_mod
+
+    p = 8
+    found = [Links()]
+    ran: list[int] = []
+
+    def probe(*_a: object, **_k: object):
+        return _fake_probe(found[0], p, ran)()
+
+    monkeypatch.setattr(watch_mod, "probe_ranks", probe)
+    w = LinkWatch(p, confirm=1, explore=4, explore_max=64, probe_gap_max=6)
+    wire = object()
+    healthy = ring_rates(np.ones(p))
+
+    def blaming(r: int) -> np.ndarray:
+        v = healthy.copy()
+        v[r] *= 0.5
+        return v
+
+    assert w.agree(blaming(1), wire) == Links() and len(ran) == 1  # probed: cleared
+    # Calls 2-4: other ranks blamed, within the quiet wait (explore = 4 calls): no probe.
+    assert [w.agree(blaming(r), wire) for r in (3, 5, 7)] == [Links()] * 3 and len(ran) == 1
+    assert w.agree(blaming(2), wire) == Links() and len(ran) == 2  # call 5: probed again
+    # The second clearing doubles the wait to 8, bounded here by probe_gap_max = 6: a
+    # real change from call 6 on is probed at call 11 and adopted.
+    found[0] = Links({4: 0.5})
+    got = [w.agree(blaming(4), wire) for _ in range(6)]
+    assert got == [Links()] * 5 + [Links({4: 0.5})] and len(ran) == 3
+    assert w.changes == [(11, Links({4: 0.5}))]
+
+
 def test_linkrates_tell_far_apart_slow_ranks_from_their_neighbours() -> None:
     """The shared estimator: from a ring's links alone the neighbours of two far-apart
     slow ranks are unresolved (every partner as slow), from the probe's spread shifts

@@ -20,7 +20,10 @@ weights and train on the same per-rank data with SGD and momentum, each wrapped 
     (:mod:`optcc_mpi.process_group`; ``--algorithm`` and ``--links`` are its options):
     what any framework's all-reduce reaches, overlapped with the backward pass;
 ``ddp``
-    DDP's own averaging (gloo's ``all_reduce``, overlapped with the backward pass).
+    DDP's own averaging (gloo's ``all_reduce``, overlapped with the backward pass);
+``backend told`` (``--told``, with ``--backend`` and ``--links watch``)
+    the same backend told the true profile (the testbed's shaping, the emulation's
+    ``degrade=``, else ``$OPTCC_LINKS``): what learning the links costs, step for step.
 
 Their steps alternate (hook, ddp, then ddp, hook, ...), so that both see the same machine
 and network, and every step is timed from a barrier to the end of ``optimizer.step()``
@@ -75,6 +78,8 @@ __all__ = ["add_arguments", "run_args", "main", "SUMMARY", "measure"]
 SUMMARY = "DDP training steps with the optcc_mpi hook against plain DDP (gloo), side by side"
 
 IN_FEATURES = 64
+#: The row of the copy told the true profile (``--told``).
+TOLD = "backend told"
 
 
 def _model(width: int, layers: int, seed: int) -> Any:
@@ -201,6 +206,17 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
     )
     trainers = {first: ours, "ddp": _Trainer(args, rank, plain, spec)}
     records = {first: seen, "ddp": plain_seen}
+    if getattr(args, "told", False):
+        import torch.distributed as dist
+
+        # The same backend told the truth the watch has to learn: what learning costs.
+        truth = _links_for(None, emu)
+        told_seen: dict[str, Any] = {"ran": [], "links": "-", "emulate": None}
+        group_told = dist.new_group(
+            backend="optcc", pg_options=ot.OptccOptions(algorithm=args.algorithm, links=truth)
+        )
+        trainers[TOLD] = _Trainer(args, rank, None, spec, group=group_told, record=told_seen)
+        records[TOLD] = told_seen
     bed = testbed.current() if config.get("OPTCC_TESTBED_NAME") else None
     healthy: _Trainer | None = None
     if args.fault_free:
@@ -227,10 +243,12 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
         if bed is not None and rank == 0:
             testbed.set_shaping(dict(bed.degrade))
         wire.barrier()
-    ours_p, theirs = trainers[first].parameters(), trainers["ddp"].parameters()
+    params = [tr.parameters() for tr in trainers.values()]
+    ours_p, theirs = params[0], params[1]
     scale = theirs.abs().max().item()
-    gap = (ours_p - theirs).abs().max().item()
-    digests = wire.allgather([zlib.crc32(t.numpy().tobytes()) for t in (ours_p, theirs)])
+    # Every copy of ours against plain DDP's: the largest gap.
+    gap = max((q - theirs).abs().max().item() for i, q in enumerate(params) if i != 1)
+    digests = wire.allgather([zlib.crc32(t.numpy().tobytes()) for t in params])
     identical = {name: len({d[i] for d in digests}) == 1 for i, name in enumerate(trainers)}
     # Every rank judges from the same gathered numbers: the worst rank's gap.
     rel = max(wire.allgather(gap / scale if scale > 0 else gap))
@@ -256,9 +274,11 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                 "bucket_mb": args.bucket_mb,
                 "buckets": buckets,
                 "batch": args.batch,
-                "algorithm": args.algorithm if name == first else baseline,
+                "algorithm": args.algorithm if name in (first, TOLD) else baseline,
                 "ran": dict(Counter(records[name]["ran"])) if records.get(name) else None,
-                "links": "healthy" if name == "ddp fault-free" else seen["links"],
+                "links": "healthy"
+                if name == "ddp fault-free"
+                else (records[name] if name == TOLD else seen)["links"],
                 "network": network,
                 "emulate": tr.emulate,
                 # The emulation the last averaging call of this copy ran on (its pacer's).
@@ -266,7 +286,7 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                 "testbed": bed.describe() if bed is not None else None,
                 "rel_gap": rel,
                 "rtol": args.rtol,
-                "identical": identical.get(name.split()[0], None),
+                "identical": identical.get(name, identical.get(name.split()[0])),
                 "load": [load0, load1],
                 "command": command,
             }
@@ -405,6 +425,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "hook; the row is 'backend'",
     )
     parser.add_argument(
+        "--told",
+        action="store_true",
+        help="with --backend and --links watch (or probe): also train a copy on an optcc "
+        "group told the true profile (the testbed's shaping, the emulation's degrade=, "
+        "else $OPTCC_LINKS), stepped in turn with the others; its row is 'backend told' "
+        "and the table gives every copy against it (what learning the links costs)",
+    )
+    parser.add_argument(
         "--fault-free",
         action="store_true",
         help="also time plain DDP with every link healthy (on the testbed: shaping off; "
@@ -426,6 +454,19 @@ def run_args(args: argparse.Namespace) -> int:
     """Run the tool on every rank; rank 0 prints (and writes ``--out``)."""
     if args.skip >= args.steps:
         raise ArgumentError(f"--skip {args.skip} leaves none of --steps {args.steps} timed")
+    if args.told:
+        learnt = isinstance(args.links, str) and args.links.strip().lower() in ("probe", "watch")
+        if not (args.backend and learnt):
+            raise ArgumentError(
+                "--told compares a copy that learns its links with one told them: it needs "
+                "--backend and --links watch (or probe)"
+            )
+        emu = _emulated(args.emulate, args.links)
+        if _links_for(None, emu) is None and config.get("OPTCC_LINKS") is None:
+            raise ArgumentError(
+                "--told: no true profile to tell (run on the testbed, give --emulate "
+                "...,degrade=RANK:FRACTION, or set OPTCC_LINKS)"
+            )
     group, started = world.torch_group()
     rows = measure(args, group)
     wire = transports.of(group)
@@ -443,12 +484,16 @@ def run_args(args: argparse.Namespace) -> int:
                 "virtual NICs (gloo's all_reduce runs a ring; its own traffic cannot be paced)"
             )
         ref = next(r for r in rows if r["mode"] == "ddp")["step_ms"]
-        print(f"{'mode':<16} {'median ms':>10} {'min':>9} {'max':>9} {'x ddp':>6}  ran")
+        told = next((r["step_ms"] for r in rows if r["mode"] == TOLD), None)
+        extra = f" {'x told':>6}" if told else ""
+        print(f"{'mode':<16} {'median ms':>10} {'min':>9} {'max':>9} {'x ddp':>6}{extra}  ran")
         for r in rows:
             ran = ", ".join(f"{k} x{v}" for k, v in (r["ran"] or {}).items())
+            vs_told = f" {r['step_ms'] / told:>6.3f}" if told else ""
             print(
                 f"{r['mode']:<16} {r['step_ms']:>10.1f} {r['step_min_ms']:>9.1f} "
-                f"{r['step_max_ms']:>9.1f} {r['step_ms'] / ref:>6.2f}  {ran}"
+                f"{r['step_max_ms']:>9.1f} {r['step_ms'] / ref:>6.2f}{vs_told}  {ran}  "
+                f"links {r['links']}"
             )
         print(
             f"# parameters after {args.steps} steps: {first['mode']} vs ddp "
@@ -459,7 +504,9 @@ def run_args(args: argparse.Namespace) -> int:
             append_rows(args.out, rows)
             print(f"# appended {len(rows)} rows to {args.out}")
         sys.stdout.flush()
-    ok = rows[0]["rel_gap"] <= args.rtol and rows[0]["identical"] and rows[1]["identical"]
+    ok = rows[0]["rel_gap"] <= args.rtol and all(
+        r["identical"] for r in rows if r["mode"] != "ddp fault-free"
+    )
     world.end(started)
     return 0 if ok else 1
 
