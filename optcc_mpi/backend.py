@@ -441,7 +441,7 @@ def _contiguous_flat(arr: Array, backend: Backend, what: str) -> Array:
     return backend.flat(arr)
 
 
-# Renamed (issue 34: optcc_mpi.tensors.as_array is another thing): the old name
+# Renamed (issue 34: optcc_mpi.torch.tensors.as_array is another thing): the old name
 # works one more release.
 __getattr__ = renamed(__name__, {"as_array": "buffer_of"}, globals())
 

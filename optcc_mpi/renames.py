@@ -2,15 +2,19 @@
 module that keeps some (issue 34: one name per concept).
 
 A module ends with ``__getattr__ = renamed(__name__, {"Old": "New"}, globals())``; then
-``module.Old`` is ``module.New``, with a ``FutureWarning`` that names the new name.
+``module.Old`` is ``module.New``, with a ``FutureWarning`` that names the new name. A
+module that moved keeps its old name as a two-line module that imports the new one and
+calls :func:`moved`: the old name is then the new module, with the same warning.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Mapping
+from types import ModuleType
 
-__all__ = ["renamed"]
+__all__ = ["renamed", "moved"]
 
 
 def renamed(
@@ -32,3 +36,15 @@ def renamed(
         return namespace[new]
 
     return __getattr__
+
+
+def moved(old: str, new: ModuleType) -> None:
+    """Make the module name ``old`` the module ``new`` (which the caller, the module left at
+    the old name, imported), with a ``FutureWarning`` at the import that names the new
+    one: ``import optcc_mpi.process_group`` keeps working one release."""
+    warnings.warn(
+        f"{old} is now {new.__name__}; the old name goes in the next release",
+        FutureWarning,
+        stacklevel=3,
+    )
+    sys.modules[old] = new

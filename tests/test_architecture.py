@@ -66,11 +66,26 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "tensors over a transport, the torch.distributed backend, its side streams and "
         "device agreement",
-        ("tensors", "process_group", "streams", "devices"),
+        ("torch.tensors", "torch.process_group", "torch.streams", "torch.devices"),
     ),
     (
         "faces: Comm, torch, doctor, testing, CA-SGD, data",
-        ("comm", "torch", "doctor", "testing", "testing.*", "glm", "glm.*", "data", "data.*"),
+        (
+            "comm",
+            "torch",
+            "doctor",
+            "testing",
+            "testing.*",
+            "glm",
+            "glm.*",
+            "data",
+            "data.*",
+            # The torch side's old module names, kept one release (renames.moved).
+            "process_group",
+            "tensors",
+            "streams",
+            "devices",
+        ),  # fmt: skip
     ),
     ("argument types", ("argtypes",)),
     ("the lab", ("lab", "lab.*")),

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from optcc_mpi.devices import agree_device_kind, device_kind, kind_code, mixed_device_error
 from optcc_mpi.errors import ArgumentError, everywhere
 from optcc_mpi.testing.local import LocalWorld
+from optcc_mpi.torch.devices import agree_device_kind, device_kind, kind_code, mixed_device_error
 
 torch = pytest.importorskip("torch")
 

@@ -93,7 +93,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "scikit-learn missing: the command line prints a traceback for an ImportError "
         "that is not ours (cli/_common.run_command); one of ours would change that"
     ),
-    ("optcc_mpi/torch.py", "<module>", "ImportError"): (
+    ("optcc_mpi/torch/__init__.py", "<module>", "ImportError"): (
         "PyTorch missing, at import: as for scikit-learn, the command line's handling of "
         "an ImportError that is not ours is kept"
     ),

@@ -1,4 +1,4 @@
-"""The torch.distributed backend ``optcc`` (optcc_mpi.process_group).
+"""The torch.distributed backend ``optcc`` (optcc_mpi.torch.process_group).
 
 In one process (a world of one on a HashStore): registration, the Work, the ordered
 worker, options. Under torchrun (tests/torch_backend_worker.py, 2 to 4 ranks, no MPI):
@@ -32,7 +32,7 @@ import optcc_mpi.torch  # noqa: E402, F401  (registers the backend)
 from optcc_mpi import algorithms, collectives  # noqa: E402
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError  # noqa: E402
 from optcc_mpi.lab import launch  # noqa: E402
-from optcc_mpi.process_group import (  # noqa: E402
+from optcc_mpi.torch.process_group import (  # noqa: E402
     BACKEND,
     OptccOptions,
     OptccProcessGroup,

@@ -6,7 +6,7 @@ started from whichever launched it, :mod:`optcc_mpi.lab.world`)::
     torchrun --standalone --nproc-per-node 2 -m optcc_mpi lab backend -b 64M -e 64M
 
 Two process groups over the same ranks: the default gloo group, and a group of the
-``optcc`` backend (:mod:`optcc_mpi.process_group`; ``--algorithm`` and ``--links`` are
+``optcc`` backend (:mod:`optcc_mpi.torch.process_group`; ``--algorithm`` and ``--links`` are
 its options, else ``$OPTCC_ALGORITHM`` and ``$OPTCC_LINKS``), and with ``--no-check`` one
 with ``OptccOptions(check=False)``. At each size (float32 SUM, in place, the same buffers
 for all) the groups are timed in turn, the order rotated call by call, ``--iters`` calls

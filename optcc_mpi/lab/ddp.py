@@ -17,7 +17,7 @@ weights and train on the same per-rank data with SGD and momentum, each wrapped 
     on the testbed the links default to its shaping, as ``optcc-mpi bench`` does);
 ``backend`` (``--backend``, in place of ``hook``)
     DDP with no hook on a process group of the ``optcc`` backend
-    (:mod:`optcc_mpi.process_group`; ``--algorithm`` and ``--links`` are its options):
+    (:mod:`optcc_mpi.torch.process_group`; ``--algorithm`` and ``--links`` are its options):
     what any framework's all-reduce reaches, overlapped with the backward pass;
 ``ddp``
     DDP's own averaging (gloo's ``all_reduce``, overlapped with the backward pass);

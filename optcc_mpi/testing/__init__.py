@@ -20,7 +20,7 @@ One topic per module, the public names re-exported here:
     GPU. Importing this package registers that backend; it owns only its own arrays.
 :mod:`optcc_mpi.testing.fake_streams`
     Recording fakes of device streams and events (:class:`FakeStreams`), so the stream
-    protocol of :mod:`optcc_mpi.streams` (side streams, completion events, a wait that
+    protocol of :mod:`optcc_mpi.torch.streams` (side streams, completion events, a wait that
     leaves the host free) is checked in order without a GPU.
 
 Examples

@@ -1,7 +1,7 @@
 """Recording fakes of device streams and events, so the stream protocol of
-:mod:`optcc_mpi.streams` is checked on machines without a GPU.
+:mod:`optcc_mpi.torch.streams` is checked on machines without a GPU.
 
-:class:`FakeStreams` is a :class:`~optcc_mpi.streams.StreamApi`: its streams and events
+:class:`FakeStreams` is a :class:`~optcc_mpi.torch.streams.StreamApi`: its streams and events
 do nothing but append what was asked of them to one log, in order, as tuples of names:
 
 ``("record", event, stream)``
@@ -92,7 +92,7 @@ class FakeEvent:
 
 
 class FakeStreams:
-    """A :class:`~optcc_mpi.streams.StreamApi` that records (module docstring)."""
+    """A :class:`~optcc_mpi.torch.streams.StreamApi` that records (module docstring)."""
 
     def __init__(self) -> None:
         #: Everything asked of the streams and events, in order.

@@ -44,7 +44,7 @@ The groups that carry the traffic (:class:`Carriers`) are called directly, with 
 group's own ranks (``send([tensor], peer, tag)``, ``allgather``, ``allreduce``): they
 may be registered process groups (:func:`transport`, for a group the user made) or c10d
 backends opened on a store and never registered (:meth:`TorchTransport.from_store`, for
-the ``optcc`` backend of :mod:`optcc_mpi.process_group`, which cannot register groups
+the ``optcc`` backend of :mod:`optcc_mpi.torch.process_group`, which cannot register groups
 while torch is making it).
 """
 
@@ -491,7 +491,7 @@ def _close_all() -> None:
 
 def transport(group: Any) -> TorchTransport:
     """The transport of ``group`` (None: the default group): the ``optcc`` backend's own
-    (:mod:`optcc_mpi.process_group`, any object with an ``optcc_transport()`` method),
+    (:mod:`optcc_mpi.torch.process_group`, any object with an ``optcc_transport()`` method),
     else a cached :class:`TorchTransport` made on first use (collective over the group's
     members: it opens the private groups)."""
     group = group_of(group)

@@ -2,7 +2,7 @@
 in-place AllReduce of tensors.
 
 Importing this module registers the backend ``"optcc"``
-(:mod:`optcc_mpi.process_group`): ``dist.init_process_group("optcc")`` and every
+(:mod:`optcc_mpi.torch.process_group`): ``dist.init_process_group("optcc")`` and every
 all-reduce of the job runs OptCC, asynchronously; everything else goes to gloo or NCCL.
 
 Under ``torchrun`` (or ``srun`` with torch's variables) the schedules run over the
@@ -39,7 +39,25 @@ process group: gradients never silently stop being averaged.
 Every rank must make the same calls with the same arguments, as for any collective. Bad
 arguments raise the same error on every rank before any tensor is modified.
 
-This module is ``optcc_mpi.torch``; it imports the real PyTorch by absolute import.
+The torch side, one subpackage (docs/torch.md is its page)
+----------------------------------------------------------
+This package (``optcc_mpi.torch``) is the face; below it, from a call down to the wire::
+
+    dist.all_reduce(t)            allreduce(t) / comm_hook()     (this face)
+        |                              |
+    process_group   the backend: options, its group's thread (jobs, turns), the short
+        |           path per call, NCCL's stream semantics, the host carrier
+    tensors         one tensor call: its argument check, the short path's lane, the
+        |           reduction into the caller's tensor
+    streams         side streams and events per (group, device); devices: agreeing on
+        |           CPU or CUDA across ranks
+    optcc_mpi.collectives -> optcc_mpi.transports.torch (gloo, NCCL) -> the wire
+
+The transport stays with the other transports (:mod:`optcc_mpi.transports.torch`: one
+module behind the transport contract). The old module names (``optcc_mpi.process_group``,
+``optcc_mpi.tensors``, ``optcc_mpi.streams``, ``optcc_mpi.devices``) resolve to these for
+one release, with a ``FutureWarning``. This package imports the real PyTorch by absolute
+import.
 
 Examples
 --------
@@ -85,7 +103,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where torch is a
 from optcc_mpi import agreement, algorithms, linklog, transports
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.process_group import (
+from optcc_mpi.torch.process_group import (
     OptccOptions,
     OptccProcessGroup,
     OptccWork,
@@ -93,11 +111,11 @@ from optcc_mpi.process_group import (
     submit,
     worker_for,
 )
-from optcc_mpi.tensors import HALF, as_array, ours, reduce_tensor
+from optcc_mpi.torch.tensors import HALF, as_array, ours, reduce_tensor
 
 __all__ = ["allreduce", "comm_hook", "init_process_group_from_mpi", "as_array", "OptccOptions"]
 
-# Importing this module makes "optcc" a torch.distributed backend (optcc_mpi.process_group).
+# Importing this module makes "optcc" a torch.distributed backend (optcc_mpi.torch.process_group).
 register()
 
 

@@ -1,0 +1,1243 @@
+"""The torch.distributed backend ``optcc``: OptCC inside every PyTorch job.
+
+``import optcc_mpi.torch`` registers it (:func:`register`) for CPU and CUDA tensors; then
+whatever calls torch.distributed reaches OptCC with no change of its own code::
+
+    dist.init_process_group("optcc")                   # DDP (no hook), dist.all_reduce ...
+    dist.new_group(ranks, backend="optcc")
+    init_device_mesh("cuda", (R, S), mesh_dim_names=("replicate", "shard"),
+                     backend_override={"replicate": "optcc"})   # FSDP2's HSDP
+
+The path of one call
+--------------------
+::
+
+    dist.all_reduce(t)                           torch.distributed, Python
+      -> OptccProcessGroup.allreduce([t], opts)  this module: torch's forms, its op
+         the short path (a CPU tensor, SUM or AVG, healthy links, auto):
+         -> OrderedWorker.run_here               nothing queued: run here, in order
+            -> tensors.Lane.start                the signature checked here once
+               -> collectives.Prepared.start     the argument check (a short message
+                                                 travels in it: done), then
+                  -> TorchTransport.allreduce    gloo's AllReduce
+         every other call:
+         -> submit(worker, ...) -> OptccWork     queued in call order, returned at once
+      -> OptccWork.wait()                        the caller waits: its job's turn has
+         -> OrderedWorker.steal(job)             come, so it runs here (else the group's
+                                                 thread runs it, and wait() waits)
+            -> tensors.start_tensor              a NumPy view of a CPU tensor
+               -> collectives.start_call         one argument check, the plan, then
+                  -> TorchTransport.allreduce    gloo's AllReduce (healthy links)
+                  or the executor                OptCC's schedule (degraded links)
+
+A synchronous call thus wakes no other thread: the check (one collective, which carries
+short messages itself) and gloo's AllReduce for longer ones run in the caller's thread,
+on the short path with nothing else between (:func:`~optcc_mpi.torch.tensors.lane`: the same
+collectives and bits as the whole path, whichever path each rank takes). A call made
+while others are queued, or not waited for at once (DDP's buckets, FSDP2's reductions),
+runs on the group's own thread (:class:`OrderedWorker`) in call order, on the short path
+where it applies, so DDP and FSDP2 overlap them with the backward pass as they do with
+gloo and NCCL.
+
+What a group does
+-----------------
+``all_reduce`` and ``all_reduce_coalesced`` run the registered algorithms: every
+``ReduceOp`` (``AVG`` and ``PREMUL_SUM`` included) on every dtype the package reduces;
+on healthy links ``auto`` leaves the data to gloo's (NCCL's) ring, which it cannot beat,
+and on degraded links it runs OptCC. Sparse tensors go to gloo's AllReduce, as on gloo.
+
+Every other collective (broadcast, all_gather and ``all_gather_into_tensor``,
+reduce_scatter and ``reduce_scatter_tensor``, all_to_all, barrier, send/recv, gather,
+scatter, reduce) goes to the library underneath: a gloo group for CPU tensors, an NCCL
+group for CUDA tensors (made where CUDA and NCCL are available), both opened on the same
+store and registered as the group's backends for their devices. Each takes its turn
+after the reductions queued before it; ``barrier`` completes after all of them, as
+gloo's does. ``dist.monitored_barrier`` is refused by torch itself for any backend but
+gloo; ``group.monitored_barrier(timeout, wait_all_ranks=True)`` runs gloo's.
+
+Settings
+--------
+Per group, :class:`OptccOptions` (``pg_options=`` of ``init_process_group`` and
+``new_group``, or the second element of a ``backend_override`` pair); else the
+algorithm from ``$OPTCC_ALGORITHM`` (default ``"auto"``) and the links from
+``$OPTCC_LINKS`` (``probe``, ``watch`` or a profile, in the job's global ranks).
+:attr:`OptccWork.stats` says what a call ran; with ``links="watch"``,
+``$OPTCC_LINKS_LOG`` records what the watch adopts.
+
+Errors
+------
+Arguments that differ across ranks (element count, dtype, op, average, algorithm,
+links) and an op or dtype the backend cannot reduce raise the same
+:class:`~optcc_mpi.errors.ArgumentError` on every rank from ``wait()`` (torch's
+``all_reduce`` waits for you unless ``async_op=True``), with the tensor unchanged.
+``destroy_process_group`` stops the group's thread and shuts its groups down; a group can
+be made again afterwards. ``abort()`` fails queued and running work at once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import datetime
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceScatterOptions,
+)
+
+from optcc_mpi import algorithms
+from optcc_mpi.communicators import CallRecord
+from optcc_mpi.config import rc
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError, ExecutionError, OptccError
+from optcc_mpi.links import Links
+from optcc_mpi.torch.devices import agree_device_kind
+from optcc_mpi.torch.streams import SideStreams, StreamApi, StreamCall
+from optcc_mpi.torch.tensors import HALF, Lane, LaneCall, TensorCall, lane, start_tensor
+from optcc_mpi.transports.torch import POLL, TorchTransport, fresh_store
+
+__all__ = [
+    "BACKEND",
+    "AbortedError",
+    "OptccOptions",
+    "OptccProcessGroup",
+    "OptccWork",
+    "OrderedWorker",
+    "InFlight",
+    "register",
+    "stage_through_host",
+    "submit",
+    "worker_for",
+]
+
+#: The name torch.distributed knows the backend by.
+BACKEND = "optcc"
+_WHAT = "all_reduce on the optcc backend"
+#: torch's reductions (``RedOpType`` members; the stubs name them on ``ReduceOp`` only).
+_RED: Any = dist.ReduceOp.RedOpType
+#: How long an aborted group's thread may take to leave the library's wait.
+_POLL_S = POLL.total_seconds()
+_T = TypeVar("_T")
+
+#: torch's reductions as the package names them: ``(op, op on bool tensors)``. On bool
+#: tensors torch's arithmetic reductions are logical ones (NCCL reduces bools as bytes
+#: that are 0 or 1: a sum or a max is true where any is, a product or min where all); the
+#: bit operations are the logical ones there too; AVG and PREMUL_SUM have no meaning.
+_OPS: dict[Any, tuple[str, str | None]] = {
+    _RED.SUM: ("sum", "lor"),
+    _RED.PRODUCT: ("prod", "land"),
+    _RED.MIN: ("min", "land"),
+    _RED.MAX: ("max", "lor"),
+    _RED.BAND: ("band", "land"),
+    _RED.BOR: ("bor", "lor"),
+    _RED.BXOR: ("bxor", "lxor"),
+    _RED.AVG: ("sum", None),
+    _RED.PREMUL_SUM: ("sum", None),
+}
+
+
+class AbortedError(OptccError, RuntimeError):
+    """The process group was aborted while this work was queued or running."""
+
+
+@dataclass(frozen=True)
+class OptccOptions:
+    """Settings of one ``optcc`` group (``pg_options=``).
+
+    Parameters
+    ----------
+    algorithm : str, optional
+        ``"auto"`` or a registered algorithm (``optcc_mpi.ALGORITHMS``); default
+        ``$OPTCC_ALGORITHM``, else ``"auto"``.
+    links : Links or str, optional
+        ``"probe"``, ``"watch"`` or a profile (``"1:0.5"``) in the group's ranks; default
+        ``$OPTCC_LINKS`` (in the job's global ranks).
+    check : bool
+        Agree on every call's arguments across the ranks (the one collective that also
+        carries short messages): a mismatch is an error on every rank rather than a
+        wrong sum or a hang.
+    timeout : datetime.timedelta, optional
+        The group's timeout, in place of the one ``init_process_group``/``new_group``
+        (or the device mesh) is given: for the groups underneath and for
+        :meth:`OptccWork.wait`.
+    carrier : {"nccl", "host"}, optional
+        How CUDA tensors travel: ``"nccl"`` (NCCL underneath, the default) or ``"host"``:
+        each call's tensors are copied to pinned host memory on the group's side stream,
+        reduced there as CPU tensors are (gloo underneath), and copied back, so that
+        ranks that share a GPU (which NCCL refuses) can run the CUDA path; the group's
+        thread then waits for its own copies, the caller's thread never does. Default
+        ``$OPTCC_CARRIER``, else ``"nccl"``. The same on every rank.
+    """
+
+    algorithm: str | None = None
+    links: Links | str | None = None
+    check: bool = True
+    timeout: datetime.timedelta | None = None
+    carrier: str | None = None
+
+    @property
+    def _timeout(self) -> datetime.timedelta | None:
+        # torch's DeviceMesh reads a backend's options' timeout by this name.
+        return self.timeout
+
+
+class OptccWork(dist.Work):
+    """The handle of one call on an ``optcc`` group: complete once the tensors are
+    reduced (before that, they must not be touched).
+
+    Parameters
+    ----------
+    future : torch.futures.Future
+        Completed with the list of tensors, or with the call's error.
+    timeout : datetime.timedelta
+        How long :meth:`wait` waits at most (the group's timeout).
+    """
+
+    def __init__(
+        self,
+        future: torch.futures.Future[list[torch.Tensor]],
+        timeout: datetime.timedelta,
+        steal: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
+        streams: StreamCall | None = None,
+    ) -> None:
+        super().__init__()
+        self._future = future
+        self._timeout = timeout
+        self._streams = streams  # a CUDA call's events (NCCL's wait semantics)
+        self._steal = steal  # runs the call here, if its turn came and no thread took it
+        self._release = release  # hands a parked call to the group's thread
+        self._done = threading.Event()
+        #: What this call did (a :class:`~optcc_mpi.communicators.CallRecord`: the
+        #: algorithm, its schedule, the executor's stats), once complete; empty for the
+        #: collectives that pass through to the library.
+        self.stats: Mapping[str, object] = {}
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Block until the call is complete; raise its error if it failed.
+
+        Raises
+        ------
+        ArgumentError, ArgumentTypeError
+            The arguments were refused (the same error on every rank).
+        AbortedError
+            The group was aborted first.
+        RuntimeError
+            The call did not complete within ``timeout`` (default: the group's), or a
+            peer failed.
+        """
+        if self._streams is not None:
+            # NCCL's: the caller's current streams wait for the job's completion events;
+            # the host waits only for the job to be queued (with a timeout: for the device).
+            return self._streams.wait(timeout)
+        limit = timeout if timeout and timeout.total_seconds() > 0 else self._timeout
+        if self._steal is not None and not self._done.is_set():
+            self._steal()
+        if not self._done.wait(limit.total_seconds()):
+            raise ExecutionError(
+                f"{_WHAT}: not complete after {limit} (a rank that never made the call, "
+                "or a stalled peer)"
+            )
+        self._future.wait()  # raises the call's error
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """The future that completes with the reduced tensors (DDP chains on it)."""
+        if self._release is not None:
+            self._release()
+        return self._future
+
+    def is_completed(self) -> bool:
+        """Whether the call has finished (successfully or not)."""
+        if self._release is not None:
+            self._release()
+        if self._streams is not None:
+            return self._streams.is_completed()
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """Whether the call has finished without an error."""
+        return self._future.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        """The call's error, once finished (None while running or on success)."""
+        if self._streams is not None:
+            return self._streams.exception()
+        if not self._future.done():
+            return None
+        try:
+            self._future.value()
+        except BaseException as exc:  # noqa: BLE001 - reported, not handled
+            return exc
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        """The reduced tensors (waits first)."""
+        self.wait()
+        return self._future.value()
+
+
+class _Done:
+    """A call finished already: its record (what :meth:`TensorCall.wait` returns)."""
+
+    __slots__ = ("record",)
+    request = None
+
+    def __init__(self, record: CallRecord | None = None) -> None:
+        self.record = record
+
+    def wait(self) -> CallRecord | None:
+        return self.record
+
+
+#: What a job hands back: a started call, whose ``wait()`` completes it (its record).
+_Step = TensorCall | LaneCall | _Done
+
+
+class InFlight:
+    """What a job returns when its library's work is still in flight: the worker's thread
+    goes on to the next job (a reduction's check and posting) and completes this one,
+    in order, with ``finish()`` (which waits for the library first)."""
+
+    __slots__ = ("finish",)
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self.finish = finish
+
+
+class _Job:
+    """One job of an :class:`OrderedWorker`: run once, by whichever thread claims it."""
+
+    __slots__ = ("fn", "future", "seq", "claim", "done", "overlap")
+
+    def __init__(
+        self, fn: Callable[[], Any], future: torch.futures.Future[Any], seq: int, overlap: bool
+    ) -> None:
+        self.fn, self.future, self.seq, self.overlap = fn, future, seq, overlap
+        self.claim = threading.Lock()  # acquired once, by the thread that runs it
+        self.done = threading.Event()
+
+
+class OrderedWorker:
+    """Runs a group's jobs in call order, on one thread of its own, or in the thread of
+    a caller that waits for its job when every job before it is done (:meth:`steal`).
+
+    A group's calls are collectives: every rank must run them in the same order, and
+    each completes only when every rank runs it. One thread per group keeps the order of
+    the calls and lets the caller go on (the backward pass, the next bucket); a caller
+    that waits at once (``dist.all_reduce`` without ``async_op``) runs its own job and
+    need not wait for that thread to wake, nor that thread for the library's.
+
+    Parameters
+    ----------
+    name : str
+        The thread's name (seen in debuggers and ``py-spy``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        # Signalled whenever a job completes: the worker's thread waits on it for a job run
+        # in a caller's thread (stolen, or run at once) to finish before the next starts.
+        self._turn = threading.Condition(self._lock)
+        self._submitted = 0  # jobs submitted so far (the next job's place)
+        self._completed = 0  # jobs completed so far: they complete in order
+        self._closed = False
+        self._aborted: AbortedError | None = None
+        self._running: _Job | None = None
+        self._stopping: threading.Thread | None = None
+        self._parked: _Job | None = None
+        #: The device runtime of the side streams (a recording fake in tests).
+        self.stream_api: StreamApi | None = None
+        self._side_streams: SideStreams | None = None
+        # Jobs whose library's work is in flight, oldest first (the worker's thread alone
+        # appends and completes them), and a job taken from the queue that waits for them.
+        self._inflight: collections.deque[tuple[_Job, InFlight]] = collections.deque()
+        self._head: _Job | None | object = _EMPTY
+        _WORKERS.add(self)
+
+    def side_streams(self, timeout: datetime.timedelta) -> SideStreams:
+        """The group's side streams (one per device, made at its first CUDA call), on
+        :attr:`stream_api` (default: CUDA's)."""
+        if self._side_streams is None:
+            self._side_streams = SideStreams(self.stream_api, timeout)
+        return self._side_streams
+
+    def now(self, job: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """``(True, job())`` run in this thread if no job is pending (its errors are
+        raised here), else ``(False, None)`` and nothing ran: :meth:`submit` it."""
+        with self._lock:
+            if self._completed != self._submitted or self._closed:
+                return False, None
+            return True, job()
+
+    def run_here(self, job: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """``(True, job())`` run in this thread, in the group's order, if no job is
+        pending (jobs submitted meanwhile start after it); else ``(False, None)`` and
+        nothing ran: :meth:`submit` it. Unlike :meth:`now`, the lock is not held while
+        ``job`` runs (it may wait for peers: an abort must not wait for it)."""
+        with self._lock:
+            if self._completed != self._submitted or self._closed or self._parked is not None:
+                return False, None
+            self._submitted += 1
+        try:
+            return True, job()
+        finally:
+            with self._lock:
+                self._completed += 1
+                self._turn.notify_all()
+
+    def submit(
+        self,
+        job: Callable[[], Any],
+        future: torch.futures.Future[Any],
+        park: bool = False,
+        overlap: bool = False,
+    ) -> _Job:
+        """Run ``job()`` after every job submitted before it; complete ``future`` with its
+        result or its error. ``park``: its caller waits for it at once (and so runs it,
+        :meth:`steal`): it is not handed to the worker's thread, which would only wake to
+        find it taken, unless something else needs the thread to run it (:meth:`release`).
+        ``overlap``: the job may start while jobs before it still have their library's
+        work in flight (:class:`InFlight`: reductions, which touch only their own
+        tensors); any other job starts after every job before it completed."""
+        with self._lock:
+            if self._aborted is not None:
+                raise self._aborted
+            if self._closed:
+                raise ArgumentError(f"{self.name}: the process group was destroyed")
+            if self._thread is None:
+                # A daemon, so that a rank whose peer hangs can still exit; close() (and
+                # the interpreter's exit) stops it properly first.
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            item = _Job(job, future, self._submitted, overlap)
+            self._submitted += 1
+            self._release_locked()
+            if park:
+                self._parked = item
+            else:
+                self._jobs.put(item)
+        return item
+
+    def release(self, job: _Job | None = None) -> None:
+        """Hand the parked job (if it is ``job``, or any with None) to the worker's thread."""
+        with self._lock:
+            if self._parked is not None and (job is None or self._parked is job):
+                self._release_locked()
+
+    def _release_locked(self) -> None:
+        if self._parked is not None:
+            self._jobs.put(self._parked)
+            self._parked = None
+
+    def steal(self, job: _Job) -> None:
+        """Run ``job`` in this thread if every job before it is done and no thread
+        claimed it yet; else leave it to the worker's thread."""
+        with self._lock:
+            parked = self._parked is job
+            if parked:
+                self._parked = None
+        if self._completed == job.seq and job.claim.acquire(blocking=False):
+            self._execute(job)
+        elif parked:
+            with self._lock:
+                self._jobs.put(job)  # (jobs before it still run: its turn comes after)
+
+    def _execute(self, job: _Job, worker: bool = False) -> None:
+        """Run ``job``; on the worker's thread a job whose library's work is still in
+        flight is completed later (:meth:`_complete_oldest`), elsewhere here."""
+        self._running = job
+        try:
+            if self._aborted is not None:
+                raise self._aborted
+            result = job.fn()
+            if isinstance(result, InFlight):
+                if worker:
+                    self._inflight.append((job, result))
+                    return
+                result = result.finish()
+        except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
+            self._complete(job, None, exc)
+        else:
+            self._complete(job, result, None)
+
+    def _complete(self, job: _Job, result: Any, failed: BaseException | None) -> None:
+        with self._lock:
+            self._completed += 1
+            self._running = None
+            self._turn.notify_all()
+            if job.done.is_set() or job.future.done():  # by abort(), or by the job itself
+                job.done.set()
+                return
+            if failed is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(self._aborted or failed)
+            job.done.set()
+
+    def _complete_oldest(self) -> None:
+        job, pending = self._inflight.popleft()
+        try:
+            if self._aborted is not None:
+                raise self._aborted
+            result = pending.finish()
+        except BaseException as exc:  # noqa: BLE001 - the caller's wait() raises it
+            self._complete(job, None, exc)
+        else:
+            self._complete(job, result, None)
+
+    def _run(self) -> None:
+        inflight = self._inflight
+        while True:
+            if inflight:
+                # Another reduction may start while these are on the wire; anything else,
+                # an empty queue or a full pipeline completes the oldest first.
+                if self._head is _EMPTY and len(inflight) < _IN_FLIGHT:
+                    try:
+                        self._head = self._jobs.get_nowait()
+                    except queue.Empty:
+                        pass
+                head = self._head
+                if not isinstance(head, _Job) or not head.overlap:
+                    self._complete_oldest()
+                    continue
+                job: _Job | None = head
+                self._head = _EMPTY
+            elif self._head is not _EMPTY:
+                job, self._head = cast("_Job | None", self._head), _EMPTY
+            else:
+                job = self._jobs.get()
+            if job is None:
+                return
+            self._wait_turn(job)
+            if job.claim.acquire(blocking=False):
+                self._execute(job, worker=True)
+            else:
+                job.done.wait()  # its caller runs it: the next job starts after it
+
+    def _wait_turn(self, job: _Job) -> None:
+        """Wait until every job before ``job`` completed or is this thread's in flight:
+        a job run in a caller's thread (:meth:`steal`, :meth:`run_here`) may still run."""
+        inflight = self._inflight
+        if self._completed + len(inflight) >= job.seq:
+            return
+        with self._lock:
+            while self._completed + len(inflight) < job.seq and self._aborted is None:
+                self._turn.wait()
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Let the submitted jobs finish and stop the thread; whether it stopped within
+        ``timeout`` seconds (a job waiting for a dead peer may not)."""
+        with self._lock:
+            if self._closed and self._thread is None:
+                return True
+            self._closed = True
+            self._release_locked()
+            thread, self._thread = self._thread, None
+        _WORKERS.discard(self)
+        if thread is None:
+            return True
+        self._jobs.put(None)
+        if thread is threading.current_thread():
+            return False
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def abort(self, error: AbortedError) -> None:
+        """Fail every queued job with ``error`` at once (the running one fails when the
+        library under it is aborted) and stop the thread."""
+        with self._lock:
+            self._aborted = error
+            self._closed = True
+            self._stopping, self._thread = self._thread, None
+            self._release_locked()
+            # The running job may wait inside the library for a peer that never comes (an
+            # aborted gloo group does not wake its waiters): its work fails now, and the
+            # thread, a daemon, is left to it.
+            for job in [self._running] + [job for job, _ in self._inflight]:
+                if job is not None and not job.done.is_set():
+                    job.future.set_exception(error)
+                    job.done.set()
+            self._turn.notify_all()
+        _WORKERS.discard(self)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.claim.acquire(blocking=False):
+                self._execute(job)  # (fails with the abort's error)
+        self._jobs.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """After :meth:`abort`: wait up to ``timeout`` seconds for the thread to leave
+        its job (the library's wait of an aborted transport raises within a poll);
+        whether it did. A thread still inside the library's wait when the interpreter
+        ends would take the GIL from a finalising interpreter and end the process."""
+        thread, self._stopping = self._stopping, None
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+
+#: How an optcc group's CUDA tensors can travel (OptccOptions.carrier).
+_CARRIERS = ("nccl", "host")
+
+
+def _any_cuda(tensors: Sequence[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+
+
+def stage_through_host(
+    tensors: Sequence[torch.Tensor],
+    reduce: Callable[[list[torch.Tensor]], _T],
+    synchronize: Callable[[], None],
+) -> _T:
+    """``reduce(hosts)`` of host copies of ``tensors``, whose results are copied back: the
+    host-staged carrier of CUDA tensors. The copies are queued on the current streams
+    (pinned host memory where CUDA is there, so that they are asynchronous and the
+    allocator keeps each buffer until its copy is done); ``synchronize()`` waits for the
+    copies to the host before ``reduce`` reads them; the copies back are queued, not
+    waited for (the call's completion event follows them)."""
+    pinned = torch.cuda.is_available()
+    hosts = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned) for t in tensors]
+    for host, t in zip(hosts, tensors):
+        host.copy_(t.detach(), non_blocking=pinned)
+    synchronize()
+    result = reduce(hosts)
+    for host, t in zip(hosts, tensors):
+        t.detach().copy_(host, non_blocking=pinned)
+    return result
+
+
+#: Signatures whose short path (or its absence) a group keeps.
+_LANES = 64
+#: No short path made yet for a signature (OptccProcessGroup._lane).
+_NO_LANE: Any = object()
+#: No job taken from the queue ahead of its turn (:meth:`OrderedWorker._run`).
+_EMPTY = object()
+#: Reductions whose library's work a group's thread keeps in flight at once (queued calls
+#: pipeline as gloo's own queue does; one more check waits for the oldest to complete).
+_IN_FLIGHT = 8
+
+#: Live workers, stopped at exit: a thread left inside a gloo wait while the interpreter
+#: finalises is ended mid-C++ call, and the process aborts ("terminate called without an
+#: active exception").
+_WORKERS: weakref.WeakSet[OrderedWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for worker in list(_WORKERS):
+        worker.close(timeout=5.0)
+
+
+_HOOK_WORKERS: dict[TorchTransport, OrderedWorker] = {}
+
+
+def worker_for(transport: TorchTransport) -> OrderedWorker:
+    """The ordered worker of ``transport`` (the DDP hook's, per process group), made on
+    first use and stopped when the transport closes."""
+    worker = _HOOK_WORKERS.get(transport)
+    if worker is None:
+        worker = _HOOK_WORKERS[transport] = OrderedWorker(f"optcc {transport.describe()}")
+
+        def drop() -> None:
+            _HOOK_WORKERS.pop(transport, None)
+            worker.close()
+
+        transport.on_close(drop)
+    return worker
+
+
+def submit(
+    worker: OrderedWorker,
+    tensors: list[Any],
+    job: Callable[[], object],
+    timeout: datetime.timedelta,
+    park: bool = False,
+    overlap: bool = False,
+) -> OptccWork:
+    """Queue ``job()``, which reduces ``tensors`` in place, on ``worker``; its
+    :class:`OptccWork`. A job that returns a :class:`~optcc_mpi.communicators.CallRecord`
+    gives the work its :attr:`~OptccWork.stats`. A caller that waits for a job of CPU
+    tensors runs it itself when its turn has come (:meth:`OrderedWorker.steal`).
+
+    CUDA tensors follow NCCL's stream semantics (:mod:`optcc_mpi.torch.streams`): the call
+    records an event on the caller's current stream of every device of the tensors, the
+    job runs on the group's side stream of each device after it, the future is completed
+    there, and ``wait()`` makes the caller's current streams wait for the job's completion
+    without blocking the host beyond the job's queueing."""
+    cuda = any(t.is_cuda for t in tensors)
+    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str) if cuda else []
+    # A CUDA-aware future (its events follow the side streams) where CUDA is there; the
+    # stream API may be a recording fake on a build without it.
+    aware = list[int | str | torch.device](devices) if torch.cuda.is_available() else []
+    future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=aware or None)
+    stolen: list[_Job] = []
+    if cuda:
+        call = worker.side_streams(timeout).start(tensors)
+        work = OptccWork(future, timeout, streams=call)
+    else:
+        work = OptccWork(
+            future,
+            timeout,
+            lambda: worker.steal(stolen[0]),
+            (lambda: worker.release(stolen[0])) if park else None,
+        )
+
+    def done(record: object) -> list[Any]:
+        if isinstance(record, CallRecord):
+            work.stats = record
+        return tensors
+
+    def run() -> list[Any] | InFlight | None:
+        if cuda:
+            # (the future is completed with the side streams current; the worker leaves it)
+            call.run(lambda: done(job()), future)
+            return None
+        record = job()
+        if isinstance(record, InFlight):
+            finish = record.finish
+            return InFlight(lambda: done(finish()))
+        return done(record)
+
+    stolen.append(worker.submit(run, future, park and not cuda, overlap and not cuda))
+    return work
+
+
+def _reduce_op(reduce_op: Any, dtype: torch.dtype) -> tuple[str, bool, Any]:
+    """``(package op, average, premul factor)`` of torch's ``reduce_op`` (a ``ReduceOp``
+    or its ``RedOpType``) on ``dtype``."""
+    kind = getattr(reduce_op, "op", reduce_op)
+    names = _OPS.get(kind)
+    if names is None:
+        raise ArgumentError(f"{_WHAT}: ReduceOp {kind} is not supported")
+    name = names[1] if dtype == torch.bool else names[0]
+    if name is None:
+        raise ArgumentError(f"{_WHAT}: ReduceOp {kind.name} of bool tensors has no meaning")
+    premul = None
+    if kind == _RED.PREMUL_SUM:
+        premul = getattr(reduce_op, "factor", None)
+        if premul is None:
+            raise ArgumentError(f"{_WHAT}: PREMUL_SUM without its factor")
+    average = kind == _RED.AVG
+    if (average or premul is not None) and not (dtype.is_floating_point or dtype.is_complex):
+        raise ArgumentError(
+            f"{_WHAT}: ReduceOp.{kind.name} needs a floating-point tensor, not {dtype}; "
+            "reduce with SUM and scale"
+        )
+    return name, average, premul
+
+
+def _tensor_list(tensors: Any) -> list[Any]:
+    """torch's ``tensors`` argument in either form (a tensor, or a sequence of them)."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if isinstance(tensors, (list, tuple)):
+        return list(tensors)
+    return [tensors]  # refused by the check, on every rank
+
+
+def _op_of(opts: Any) -> Any:
+    """The ``ReduceOp`` of torch's options argument in any of its forms: options, a
+    ``ReduceOp``, its ``RedOpType``, or None (SUM)."""
+    if opts is None:
+        return dist.ReduceOp.SUM
+    return getattr(opts, "reduceOp", opts)
+
+
+class OptccProcessGroup(dist.ProcessGroup):
+    """A process group of the ``optcc`` backend (module docstring); made by
+    torch.distributed through :func:`register`'s creator, not by hand.
+
+    Parameters
+    ----------
+    store : torch.distributed.Store
+        The group's store (torch gives it a prefix of its own).
+    rank, size : int
+        This process's rank in the group and the group's size.
+    timeout : datetime.timedelta
+        For the groups underneath and for :meth:`OptccWork.wait` (``options.timeout``,
+        where set, takes its place).
+    global_ranks : sequence of int, optional
+        The job's rank of each member (default ``range(size)``).
+    options : OptccOptions, optional
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        global_ranks: Sequence[int] | None = None,
+        options: OptccOptions | None = None,
+    ) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # (a Python process group's form)
+        if options is None:
+            options = OptccOptions()
+        if not isinstance(options, OptccOptions):
+            raise ArgumentTypeError(
+                "pg_options of an optcc group must be an OptccOptions, not "
+                f"{type(options).__name__}"
+            )
+        algorithm = options.algorithm or rc.algorithm or "auto"
+        if algorithm != "auto":
+            algorithms.get(algorithm)  # the error names the choices
+        self.algorithm = algorithm
+        self.links = options.links
+        self.check = options.check
+        carrier = options.carrier or rc.carrier or "nccl"
+        if carrier not in _CARRIERS:
+            raise ArgumentError(
+                f"carrier must be one of {', '.join(map(repr, _CARRIERS))}, not {carrier!r}"
+            )
+        #: How CUDA tensors travel (:class:`OptccOptions`).
+        self.carrier = carrier
+        if options.timeout is not None:
+            timeout = options.timeout
+        self.timeout = timeout
+        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(size))
+        store = fresh_store(store, size)  # not the keys of a group made before this one
+        self._store = store
+        # The library underneath, for everything that is not an AllReduce (Any: the stubs
+        # of ProcessGroupGloo list none of its collectives).
+        self._gloo: Any = dist.ProcessGroupGloo(
+            dist.PrefixStore("gloo", store), rank, size, timeout
+        )
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        self._nccl = None
+        if carrier == "host":
+            # CUDA tensors are staged through host memory: gloo underneath for them too
+            # (its own broadcast and all_reduce take CUDA tensors; the rest, as on gloo).
+            self._register_backend(
+                torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, self._gloo
+            )
+        elif torch.cuda.is_available() and dist.is_nccl_available():
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, opts)
+            self._register_backend(
+                torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, self._nccl
+            )
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        # OptCC's own traffic, on groups of its own (collective: every member opens them).
+        self._cpu = TorchTransport.from_store(store, rank, size, self.global_ranks, "gloo", timeout)
+        self._cuda: TorchTransport | None = None
+        self._worker = OrderedWorker(f"optcc group of {size} (rank {rank})")
+        self._down = False
+        # The short path of each signature seen (dtype, size, op), or None where a call of
+        # it takes the whole path (tensors.lane); bounded (_LANES).
+        self._lanes: dict[tuple[torch.dtype, int, Any], Lane | None] = {}
+
+    # -- torch.distributed's view ------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return BACKEND
+
+    def name(self) -> str:
+        return BACKEND
+
+    def optcc_transport(self) -> TorchTransport:
+        """The transport of CPU tensors and NumPy arrays (``optcc_mpi.allreduce(...,
+        comm=group)`` runs over it, in the group's order: :meth:`optcc_ordered`)."""
+        return self._cpu
+
+    def optcc_ordered(self, call: Callable[[TorchTransport], _T]) -> _T:
+        """``call(transport)`` in the group's order, from any thread, waited for: how
+        :func:`optcc_mpi.allreduce` runs a call given this group as ``comm`` (its
+        messages share the group's transport with the calls queued on it)."""
+        future: torch.futures.Future[_T] = torch.futures.Future()
+        job = self._worker.submit(lambda: call(self._cpu), future, park=True)
+        OptccWork(future, self.timeout, lambda: self._worker.steal(job)).wait()  # type: ignore[arg-type]
+        return future.value()
+
+    def _transport(self, tensor: torch.Tensor) -> TorchTransport:
+        """The transport of ``tensor``'s device (in the group's thread: the NCCL one is
+        opened at the first CUDA tensor, by every rank in the same call)."""
+        if not tensor.is_cuda:
+            return self._cpu
+        if self._cuda is None:
+            if self._nccl is None:
+                raise ArgumentError(f"{_WHAT}: CUDA tensors need CUDA and NCCL on every rank")
+            self._cuda = TorchTransport.from_store(
+                dist.PrefixStore("cuda", self._store),
+                self.rank(),
+                self.size(),
+                self.global_ranks,
+                "nccl",
+                self.timeout,
+            )
+        return self._cuda
+
+    # -- ordering ------------------------------------------------------------------------------
+    def _call(self, tensors: list[Any], job: Callable[[], _Step], park: bool) -> OptccWork:
+        """Run ``job`` in the group's order (on the group's thread, or in the caller's
+        when it waits: :meth:`OrderedWorker.steal`); its :class:`OptccWork`. ``park``:
+        the caller waits at once."""
+
+        cpu = all(isinstance(t, torch.Tensor) and not t.is_cuda for t in tensors)
+
+        def run() -> CallRecord | InFlight | None:
+            step = job()
+            if cpu and step.request is not None:
+                return InFlight(step.wait)  # (the group's thread goes on meanwhile)
+            return step.wait()
+
+        return submit(self._worker, tensors, run, self.timeout, park, overlap=cpu)
+
+    # -- AllReduce -----------------------------------------------------------------------------
+    def allreduce(self, tensors: Any, opts: Any = None, timeout: Any = None) -> OptccWork:
+        """Start reducing ``tensors`` (one tensor, or a list of one) in place; its
+        :class:`OptccWork`. ``opts``: ``AllreduceOptions``, a ``ReduceOp`` or None (SUM),
+        as any torch.distributed process group takes them."""
+        del timeout  # (the group's timeout applies)
+        tensors = _tensor_list(tensors)
+        reduce_op = _op_of(opts)
+        if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor) and tensors[0].is_sparse:
+            # Sparse tensors: gloo's own AllReduce, as on a gloo group.
+            args = () if opts is None else (opts,)
+            return self._library_call(tensors, lambda: self._gloo.allreduce(tensors, *args))
+        # torch's dist.all_reduce says whether it waits at once (opts.asyncOp False): the
+        # call is then run here if nothing is queued, else parked for it to run
+        # (OrderedWorker.submit), and the group's thread is not woken for nothing.
+        park = getattr(opts, "asyncOp", True) is False
+        if self.carrier == "host" and _any_cuda(tensors):
+            return self._staged(tensors, reduce_op, coalesced=False)
+        if len(tensors) == 1:
+            short = self._lane(tensors[0], reduce_op)
+            if short is not None:
+                tensor = tensors[0]
+                if park:
+                    ran, work = self._worker.run_here(lambda: self._now(short, tensor))
+                    if ran:
+                        return cast(OptccWork, work)
+                return self._call(tensors, lambda: short.start(tensor), park)
+        return self._call(tensors, lambda: self._reduce(tensors, reduce_op), park)
+
+    def _lane(self, tensor: Any, reduce_op: Any) -> Lane | None:
+        """The short path for ``tensor`` and ``reduce_op`` (:func:`~optcc_mpi.torch.tensors.lane`),
+        made at the first call of the signature; None: the whole path. Where NCCL is
+        there, every call takes the whole path (it agrees on the kind of device first)."""
+        if self._nccl is not None or not isinstance(tensor, torch.Tensor):
+            return None
+        kind = getattr(reduce_op, "op", reduce_op)
+        if kind == _RED.PREMUL_SUM:
+            return None
+        key = (tensor.dtype, tensor.numel(), kind)
+        found = self._lanes.get(key, _NO_LANE)
+        if found is _NO_LANE or (found is not None and not found.prepared.current()):
+            # (made again where the settings it was made under changed: config.reload())
+            found = None
+            names = _OPS.get(kind)
+            if names is not None and names[tensor.dtype == torch.bool] == "sum":  # SUM, AVG
+                found = lane(
+                    tensor, "sum", kind == _RED.AVG, self._cpu, self.algorithm, self.links,
+                    self.check,
+                )  # fmt: skip
+            if len(self._lanes) >= _LANES:
+                self._lanes.clear()
+            self._lanes[key] = found
+        return found if found is not None and found.takes(tensor) else None
+
+    def _now(self, short: Lane, tensor: torch.Tensor) -> OptccWork:
+        """A call on the short path, run in the caller's thread: its completed work."""
+        future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        record = None
+        try:
+            record = short.start(tensor).wait()
+        except Exception as exc:  # noqa: BLE001 - raised by the work's wait(), as queued
+            future.set_exception(cast(Any, exc))  # (torch's stub types it as the value)
+        else:
+            future.set_result([tensor])
+        work = OptccWork(future, self.timeout)
+        if record is not None:
+            work.stats = record
+        return work
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> OptccWork:
+        """Start reducing several tensors in place, as one message per run of tensors
+        that share a dtype and a device; its :class:`OptccWork`. Every tensor is checked
+        before any is written."""
+        tensors = _tensor_list(tensors)
+        reduce_op = _op_of(opts)
+        if self.carrier == "host" and _any_cuda(tensors):
+            return self._staged(tensors, reduce_op, coalesced=True)
+        return self._call(
+            tensors, lambda: self._reduce(tensors, reduce_op, coalesced=True), park=False
+        )
+
+    def _staged(self, tensors: list[Any], reduce_op: Any, coalesced: bool) -> OptccWork:
+        """Reduce CUDA ``tensors`` through host memory (``carrier="host"``): on the
+        group's thread with its side streams current, after the caller's work on them."""
+
+        def job() -> CallRecord | None:
+            devices = {t.device for t in tensors if t.is_cuda}
+
+            def synchronize() -> None:
+                for device in devices:
+                    torch.cuda.current_stream(device).synchronize()
+
+            return stage_through_host(
+                tensors,
+                lambda hosts: self._reduce(hosts, reduce_op, coalesced).wait(),
+                synchronize,
+            )
+
+        return submit(self._worker, tensors, job, self.timeout)
+
+    def run(self, tensors: list[torch.Tensor], job: Callable[[TorchTransport], Any]) -> OptccWork:
+        """Run ``job(transport)`` on the group's thread, after every call made before it,
+        with the transport of ``tensors``' device (the DDP hook's path over an ``optcc``
+        group: its buckets keep their place among the group's other reductions)."""
+        return submit(self._worker, tensors, lambda: job(self._transport(tensors[0])), self.timeout)
+
+    def _reduce(self, tensors: list[Any], reduce_op: Any, coalesced: bool = False) -> _Step:
+        """Start reducing ``tensors``: one tensor as itself, several as one flat message
+        per run of dtype and device. Every check agrees across the ranks in the first
+        run's argument check (the shape of every run rides in it), so a refusal is raised
+        on every rank before anything changes."""
+        refuse: Exception | None = None
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            refuse = ArgumentTypeError(f"{_WHAT}: expected a list of tensors")
+        elif not coalesced and len(tensors) != 1:
+            refuse = ArgumentError(f"{_WHAT}: one tensor per call (got {len(tensors)})")
+        elif any(t.is_sparse for t in tensors):
+            refuse = ArgumentError(f"{_WHAT}: sparse tensors are reduced one per call")
+        if refuse is not None:
+            start_tensor(
+                None, "sum", self.algorithm, self.links, self._cpu, None, False, True, False,
+                refuse=refuse,
+            ).wait()  # fmt: skip
+            return _Done()
+        if not coalesced:
+            return self._start(tensors[0], reduce_op, None)
+        runs: list[list[torch.Tensor]] = []
+        for t in tensors:
+            if runs and runs[-1][0].dtype == t.dtype and runs[-1][0].device == t.device:
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        shapes = "; ".join(f"{t.numel()} {t.dtype} on {t.device.type}" for t in tensors)
+        record = None
+        for i, run in enumerate(runs):
+            flat = torch.cat([t.detach().reshape(-1) for t in run]) if len(run) > 1 else run[0]
+            record = self._start(flat, reduce_op, shapes if i == 0 else None).wait()
+            if len(run) > 1:
+                offset = 0
+                for t in run:
+                    n = t.numel()
+                    t.detach().copy_(flat[offset : offset + n].view(t.shape))
+                    offset += n
+        return _Done(record)
+
+    def _start(self, tensor: torch.Tensor, reduce_op: Any, shapes: str | None) -> TensorCall:
+        """Start the reduction of one tensor (``shapes``: the coalesced call's tensors,
+        which must agree too)."""
+        error: Exception | None = None
+        op, average, premul = "sum", False, None
+        wire = self._cpu
+        if self._nccl is not None and self.check and self.size() > 1:
+            # Where CUDA tensors could go over NCCL, a rank with CPU tensors and one with
+            # CUDA tensors would agree on different control groups and wait out the
+            # timeout: the kind of device is agreed first, on the CPU transport.
+            agree_device_kind(self._cpu, [tensor], _WHAT)
+        try:
+            op, average, premul = _reduce_op(reduce_op, tensor.dtype)
+            wire = self._transport(tensor)
+        except ArgumentError as exc:
+            error = exc
+        # (a coalesced call's first check agrees on every tensor of the call)
+        label = None if shapes is None else ("coalesced tensors", f"{shapes}, average={average}")
+        call = start_tensor(
+            tensor, op, self.algorithm, self.links, wire, None, average, self.check,
+            tensor.dtype in HALF, refuse=error, premul=premul, label=label,
+        )  # fmt: skip
+        return call
+
+    # -- everything else: the library underneath ------------------------------------------------
+    def _library(self, tensors: Sequence[Any]) -> Any:
+        """The library that moves ``tensors``: NCCL for CUDA tensors, else gloo."""
+        first = tensors[0] if tensors else None
+        while isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        if isinstance(first, torch.Tensor) and first.is_cuda and self.carrier != "host":
+            if self._nccl is None:
+                raise ArgumentError("CUDA tensors need CUDA and NCCL on every rank")
+            return self._nccl
+        return self._gloo
+
+    def _library_call(self, tensors: Sequence[Any], call: Callable[[], Any]) -> Any:
+        """``call()`` (a call of the library underneath) in the group's order: at once
+        when nothing is queued (the library's own work), else on the group's thread
+        after the calls before it.
+
+        torch's trampoline for a Python process group calls the base class's version of
+        a collective with the GIL held when the subclass does not define it; a gloo thread
+        that then needs the GIL (to free a tensor it holds) while the base class waits for
+        that thread's queue deadlocks. Defined here, each is a plain call of the
+        library's own binding, which lets the GIL go."""
+        flat = [t for t in _flatten(tensors) if isinstance(t, torch.Tensor)]
+        ran, work = self._worker.now(call)
+        if ran:
+            # The library's threads let go of a call's tensors after reporting it done:
+            # the transport keeps the last few, so that none of those threads frees a
+            # tensor Python saw while the interpreter finalises (TorchTransport._held).
+            return self._cpu._held(work, *flat)
+        return submit(self._worker, flat, lambda: call().wait(), self.timeout)
+
+    def _pass(self, method: str, tensors: Sequence[Any], *args: Any) -> Any:
+        """The library's ``method(*args)`` for ``tensors``, in the group's order."""
+        library = self._library(tensors)
+        return self._library_call(args, lambda: getattr(library, method)(*args))
+
+    def broadcast(self, tensors: Any, opts: Any = None, timeout: Any = None) -> Any:
+        tensors = _tensor_list(tensors)
+        if opts is None:
+            opts = BroadcastOptions()
+        elif not isinstance(opts, BroadcastOptions):
+            root, opts = opts, BroadcastOptions()  # broadcast(tensor, root)
+            opts.rootRank = root
+        return self._pass("broadcast", tensors, tensors, opts)
+
+    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        if isinstance(inputs, torch.Tensor):  # allgather(outputs, tensor)
+            outputs, inputs = [list(outputs)], [inputs]
+        if opts is None:
+            opts = AllgatherOptions()
+        return self._pass("allgather", inputs, outputs, inputs, opts)
+
+    def reduce_scatter(  # type: ignore[override]  # (each of torch's forms, told apart here)
+        self, outputs: Any, inputs: Any, opts: Any = None
+    ) -> Any:
+        if isinstance(outputs, torch.Tensor):  # reduce_scatter(output, inputs, op)
+            op = _op_of(opts)
+            outputs, inputs, opts = [outputs], [list(inputs)], ReduceScatterOptions()
+            opts.reduceOp = op
+        elif opts is None:
+            opts = ReduceScatterOptions()
+        return self._pass("reduce_scatter", outputs, outputs, inputs, opts)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 - c10d's name
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: Any = None,
+    ) -> Any:
+        args = (output, input, output_splits, input_splits) + (() if opts is None else (opts,))
+        return self._pass("alltoall_base", [input], *args)
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # (c10d's name for it)
+
+    def barrier(self, opts: Any = None) -> Any:
+        """A barrier that completes after every call made on the group before it (the
+        reductions queued and those in flight), as gloo's does."""
+        if not isinstance(opts, BarrierOptions):
+            timeout, opts = opts, BarrierOptions()
+            if isinstance(timeout, datetime.timedelta):
+                opts.timeout = timeout
+
+        def job() -> None:
+            self._gloo.barrier(opts).wait()
+
+        return submit(self._worker, [], job, self.timeout)
+
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """gloo's monitored barrier (names the ranks that did not arrive), after every
+        call made on the group before it. torch's ``dist.monitored_barrier`` refuses
+        every backend but gloo by name: call this method of the group instead."""
+        args = () if timeout is None else (timeout,)
+
+        def job() -> None:
+            self._gloo.monitored_barrier(*args, wait_all_ranks=wait_all_ranks)
+
+        # (in the group's order, run here: its turn comes after this rank's calls before
+        # it, with no collective of its own in front, so that a rank that never arrives
+        # is named by gloo's barrier rather than waited for)
+        submit(self._worker, [], job, self.timeout, park=True).wait()
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
+        tensors = _tensor_list(tensors)
+        return self._pass("send", tensors, tensors, dst, tag)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
+        tensors = _tensor_list(tensors)
+        return self._pass("recv", tensors, tensors, src, tag)
+
+    # -- teardown ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish the submitted calls, stop the group's thread and shut its groups down
+        (``destroy_process_group`` calls it)."""
+        if self._down:
+            return
+        self._down = True
+        self._worker.close(timeout=self.timeout.total_seconds())
+        self._close_groups(abort=False)
+
+    def abort(self) -> None:
+        """Stop at once: queued and running work fails with :class:`AbortedError`, the
+        libraries underneath are aborted (not shut down in order), and nothing waits for
+        a peer (torch's error path; ``destroy_process_group`` after it returns)."""
+        if self._down:
+            return
+        self._down = True
+        self._worker.abort(AbortedError(f"{_WHAT}: the process group was aborted"))
+        self._close_groups(abort=True)
+        self._worker.join(timeout=4 * _POLL_S)
+
+    def _close_groups(self, abort: bool) -> None:
+        for t in (self._cpu, self._cuda):
+            if t is not None:
+                t.abort() if abort else t.close()
+        for backend in (self._gloo, self._nccl):
+            if backend is not None:
+                try:
+                    backend.abort() if abort else backend.shutdown()
+                except RuntimeError:  # a peer already gone
+                    pass
+
+
+def _flatten(items: Any) -> list[Any]:
+    if isinstance(items, (list, tuple)):
+        return [x for item in items for x in _flatten(item)]
+    return [items]
+
+
+def _create(backend_opts: Any, pg_options: Any) -> OptccProcessGroup:
+    """torch.distributed's creator of an ``optcc`` group (extended API: the global ranks
+    and ``pg_options`` come with it)."""
+    ranks = list(getattr(backend_opts, "global_ranks_in_group", []) or [])
+    return OptccProcessGroup(
+        backend_opts.store,
+        backend_opts.group_rank,
+        backend_opts.group_size,
+        backend_opts.timeout,
+        ranks or None,
+        pg_options,
+    )
+
+
+def register() -> None:
+    """Make ``"optcc"`` a torch.distributed backend for CPU and CUDA (once; importing
+    :mod:`optcc_mpi.torch` calls it)."""
+    if BACKEND.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
