@@ -822,7 +822,9 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
     served_all = (
         algorithm == "auto"
         and links.healthy
-        and not call.watched  # (the watch learns from the messages of a schedule)
+        # (the watch learns from the messages of a schedule: on healthy links it asks
+        # for one every few calls, the library serving the others)
+        and not (call.watched and st.watch_made().observes())
         and not emulated
         and st.transport.caps.library_optimal
         and st.transport.native(call.backend, call.name, call.opn)

@@ -322,6 +322,26 @@ def test_after_a_cleared_probe_no_other_suspicion_is_probed_for_a_while(
     assert w.changes == [(11, Links({4: 0.5}))]
 
 
+def test_on_healthy_links_every_other_call_is_observed_and_a_streak_spans_the_others() -> None:
+    """What the watch costs on healthy links: one call in ``sample`` runs a schedule of
+    ours (the others the library's AllReduce, which times nothing); under a degraded
+    profile every call does. A call that observed nothing neither breaks nor extends a
+    streak of departing calls."""
+    p = 4
+    w = LinkWatch(p, confirm=2, sample=2)
+    healthy = ring_rates(np.ones(p))
+    got = []
+    for _ in range(6):
+        w.agree(healthy)
+        got.append(w.observes())
+    assert got == [False, True, False, True, False, True]
+    slow = ring_rates(Links({1: 0.5}).vector(p))
+    assert w.agree(slow) == Links()  # call 7: one departing call
+    assert w.agree(np.zeros(p)) == Links()  # call 8: the library's, nothing observed
+    assert w.agree(slow) == Links({1: 0.5})  # call 9: the second, adopted (no probe here)
+    assert w.observes() and w.changes == [(9, Links({1: 0.5}))]
+
+
 def test_linkrates_tell_far_apart_slow_ranks_from_their_neighbours() -> None:
     """The shared estimator: from a ring's links alone the neighbours of two far-apart
     slow ranks are unresolved (every partner as slow), from the probe's spread shifts
