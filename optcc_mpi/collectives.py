@@ -923,6 +923,8 @@ def _run_data(st: CommState, call: _Call) -> None:
         else:
             transport.allreduce_now(backend, work, wname, call.opn)
         call.library = short and not call.keyed  # (the compiled path can take the next)
+        if call.watched:  # (a healthy call the watch left to the library: nothing timed)
+            st.watch_made().unobserved(st.rank, plan.schedule)
         return
     # Each rank reduces different parts: a floating-point warning or exception
     # (np.seterr) on one rank alone would leave the others waiting.

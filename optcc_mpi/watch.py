@@ -96,6 +96,7 @@ its schedule's messages need, so a watched small call pays little.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -323,6 +324,9 @@ class LinkWatch:
     sample : int
         On healthy links, one call in ``sample`` runs a schedule whose messages the watch
         times; the library's AllReduce serves the others where it is bandwidth-optimal.
+    probe_margin : float
+        A rank held healthy that the probe names less than ``probe_margin`` under
+        ``healthy_above`` is probed again, and adopted only if both probes name it.
     """
 
     p: int
@@ -371,7 +375,10 @@ class LinkWatch:
     probe_gap_max: int = 8
     #: On healthy links, one call in this many runs a schedule whose messages are timed
     #: (:meth:`observes`).
-    sample: int = 2
+    sample: int = 4
+    #: A rank named by the probe within this much under ``healthy_above``, where the
+    #: profile holds it healthy, is probed once more before it is adopted.
+    probe_margin: float = 0.1
     #: The probe of the call being agreed (None: none can run, adopt what the traffic
     #: shows).
     _prober: Callable[[], RankProbe] | None = None
@@ -530,6 +537,22 @@ class LinkWatch:
             return self.profile
         found = prober()
         got = found.links.vector(self.p)
+        # A rank the profile holds healthy that the probe names just under the threshold
+        # may be noise (on the 8-rank testbed a recovered rank once read 0.79): a second
+        # probe decides, each rank keeping the larger of its two fractions (noise only
+        # ever makes a rank look slower). Slow ranks, well under it, need no second look.
+        low = self.healthy_above - self.probe_margin
+        if np.any((got < self.healthy_above) & (got >= low) & (cur >= 1.0)):
+            again = prober()
+            both = np.maximum(got, again.links.vector(self.p))
+            got = np.where(both >= self.healthy_above, 1.0, both)
+            found = dataclasses.replace(
+                again,
+                links=_links(got),
+                fractions=np.fmax(found.fractions, again.fractions),
+                seconds=found.seconds + again.seconds,
+                repeats=found.repeats + again.repeats,
+            )
         change = self._departs(got, cur)
         self.probes.append((self.calls, _links(suspect), found.links, change))
         if self.log is not None and self.rank in (None, 0):
@@ -573,8 +596,9 @@ class LinkWatch:
         healthy links every ``sample``-th call, the library's AllReduce serving the
         others where it is bandwidth-optimal (what the watch costs there: on the 4-rank
         testbed a ring per call made DDP's step 1.017x the step told healthy links, which
-        gloo's AllReduce served). The same answer on every rank (the calls are counted
-        alike)."""
+        gloo's AllReduce served; one call in two 1.013-1.016x; one in four 1.007x). A
+        slow rank is still found within about ten calls (two observed departing calls,
+        then the probe). The same answer on every rank (the calls are counted alike)."""
         return bool(self.profile.fractions) or self.calls % max(self.sample, 1) == 0
 
     def _departs(self, new: np.ndarray, cur: np.ndarray) -> bool:
@@ -644,6 +668,11 @@ class LinkWatch:
             lay = cache[key] = MessageLayout(schedule, itemsize, self.length - self.p - _HEAD)
         self._layout = lay
         self._values = lay.values(rank, schedule, stats, epoch)
+
+    def unobserved(self, rank: int, schedule: Schedule) -> None:
+        """A call the library served (:meth:`observes` said no): nothing of it is timed,
+        and the link log is told what it ran."""
+        self._ran(rank, schedule)
 
     def _ran(self, rank: int, schedule: Schedule | None) -> None:
         """Note this rank, and on rank 0 tell the link log what the call ran."""
