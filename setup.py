@@ -1,8 +1,8 @@
 """Build hook: two optional C extensions are built at install time.
 
 ``optcc_mpi/_simcore.c`` is the simulator's event loop, a plain C library loaded with
-ctypes (no Python C API); ``optcc_mpi/_fastcall.c`` is the compiled call path of a short
-AllReduce (``optcc_mpi.fastcall``, Python C API, no MPI headers: it calls the MPI library
+ctypes (no Python C API); ``optcc_mpi/check/_fastcall.c`` is the compiled call path of a short
+AllReduce (``optcc_mpi.check.fastcall``, Python C API, no MPI headers: it calls the MPI library
 through the address mpi4py resolved). Both are optional: where no C compiler is available
 the install still succeeds and the pure-Python paths run (same results, slower). Beside
 each library goes the SHA-256 of the source it was built from, so that a checkout whose C
@@ -41,12 +41,12 @@ setup(
             optional=True,
         ),
         Extension(
-            "optcc_mpi._fastcall",
-            sources=["optcc_mpi/_fastcall.c"],
+            "optcc_mpi.check._fastcall",
+            sources=["optcc_mpi/check/_fastcall.c"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
-            # The module carries its source's digest (optcc_mpi.fastcall compares it
+            # The module carries its source's digest (optcc_mpi.check.fastcall compares it
             # with the source beside it: an editable install keeps no stamp file).
-            define_macros=[("FASTCALL_SOURCE", f'"{_digest("optcc_mpi/_fastcall.c")}"')],
+            define_macros=[("FASTCALL_SOURCE", f'"{_digest("optcc_mpi/check/_fastcall.c")}"')],
             optional=True,
         ),
     ],

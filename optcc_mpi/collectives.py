@@ -12,7 +12,7 @@ Each phase is a function of a few named arguments, shared by every transport:
 
 1. **check** (:class:`_Call`): this rank's arguments as flat arrays of one backend, the
    reduction, the link profile and the emulation; any error is kept, not raised;
-2. **agree** (:func:`_agree_call`): one collective of fixed shape (:mod:`optcc_mpi.protocol`),
+2. **agree** (:func:`_agree_call`): one collective of fixed shape (:mod:`optcc_mpi.check.protocol`),
    after which every rank goes on, or raises the same error before any buffer changed;
 3. **plan** (:func:`_plan_call`): the link profile (given, probed or watched) and the
    schedule of the algorithm (``auto``: the fastest by the model), cached per
@@ -26,13 +26,13 @@ Each phase is a function of a few named arguments, shared by every transport:
 Short calls
 -----------
 When the library's collective is what ``auto`` would run (short messages), up to the
-communicator's gather limit (:mod:`optcc_mpi.crossover`: measured once per communicator,
+communicator's gather limit (:mod:`optcc_mpi.check.crossover`: measured once per communicator,
 the size above which the check plus the library's AllReduce beats gathering p times the
 bytes) the data travels in the check itself and every rank reduces every rank's
 contribution in rank order: bit-identical on every rank by construction, one collective in
 all. Above the limit the check carries only the header and the library's AllReduce
 follows. The commonest short call over MPI (NumPy arrays, default arguments, a size seen
-before) runs either in C (:mod:`optcc_mpi.fastcall`): the same header, the same
+before) runs either in C (:mod:`optcc_mpi.check.fastcall`): the same header, the same
 collectives, the same rank-order sums, at about the library's own latency.
 
 With ``check=False`` the check is skipped (then the ranks must pass the same arguments,
@@ -49,9 +49,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from optcc_mpi import algorithms, config, crossover, fastcall, protocol, transports
+from optcc_mpi import algorithms, config, transports
 from optcc_mpi.algorithms._policy import SMALL_BYTES
 from optcc_mpi.backend import NUMPY, Array, Backend, buffer_of, result_like
+from optcc_mpi.check import crossover, fastcall, protocol
+from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch, code
+from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, served
 from optcc_mpi.communicators import CallRecord, CommState, Fold, Plan, Registry
 from optcc_mpi.dtypes import CATEGORY, NAME_OF, OPS, VALID_PAIRS, dtype_name, op_name
 from optcc_mpi.dtypes import check_op_dtype as _check_op_dtype
@@ -60,10 +63,8 @@ from optcc_mpi.errors import ArgumentError, ArgumentTypeError, ExecutionError, a
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult, probe
-from optcc_mpi.protocol import GATHER_MAX_P, Mismatch, code
 from optcc_mpi.reductions import reduce_with
 from optcc_mpi.schedule import COLL, Params, Schedule
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, served
 from optcc_mpi.transports import Communicator, Transport
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ def gather_limit(comm: Communicator = None) -> int:
     """The largest short message (bytes) that ``auto`` gathers from every rank and
     reduces in rank order on ``comm`` (an mpi4py communicator, None for COMM_WORLD, or a
     torch.distributed process group); above it the argument check carries only its
-    header and the library's AllReduce follows (:mod:`optcc_mpi.crossover`).
+    header and the library's AllReduce follows (:mod:`optcc_mpi.check.crossover`).
 
     Measured (or read from ``$OPTCC_GATHER_LIMIT``) at the first call that needs it;
     asking here decides it now if needed, which is collective: ask on every rank."""
@@ -753,7 +754,7 @@ def _params_code(params: Params | None, label: tuple[str, str] | None) -> int:
 
 # -- phase 2: agree -----------------------------------------------------------------------------
 def _agree_call(st: CommState, call: _Call) -> bool:
-    """The check (:mod:`optcc_mpi.protocol`); True when the data travelled in it. Raises
+    """The check (:mod:`optcc_mpi.check.protocol`); True when the data travelled in it. Raises
     the same error on every rank if any rank failed or the ranks disagree."""
     if call.check and st.size > 1:
         # (Only NumPy arrays travel in the check: _settings decides fold.)
@@ -1270,7 +1271,7 @@ _OP_CODE = protocol.OP_CODE
 def _compiled(
     sendbuf: np.ndarray, recvbuf: np.ndarray, op: str | MPI.Op, comm: Communicator, check: bool
 ) -> bool:
-    """Run the call on the compiled path (:mod:`optcc_mpi.fastcall`) if it can take it;
+    """Run the call on the compiled path (:mod:`optcc_mpi.check.fastcall`) if it can take it;
     False when it declined, having touched nothing.
 
     The caller checked the arguments that must be at their defaults. Here: the
@@ -1281,7 +1282,7 @@ def _compiled(
     the library's AllReduce after the check (``auto`` hands it to the library). With
     ``check=False`` the same collectives run without comparing the headers: up to the limit
     the room is the one the Python path's gather uses for this size
-    (:func:`~optcc_mpi.state.room_for`), so ranks on either path move blocks of one
+    (:func:`~optcc_mpi.check.state.room_for`), so ranks on either path move blocks of one
     shape; above it, the library's AllReduce alone.
 
     A loop over one communicator skips the lookup (:attr:`Registry.recent`). Holding the

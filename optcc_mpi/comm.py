@@ -9,7 +9,7 @@ communicator's, so an existing code changes one line::
     comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)    # ours
     comm.Bcast(weights, root=0)                        # mpi4py's
 
-What is cached per communicator is :mod:`optcc_mpi.state`'s; the MPI side of it (the
+What is cached per communicator is :mod:`optcc_mpi.check.state`'s; the MPI side of it (the
 private duplicate, ``$OPTCC_LINKS`` translated through the groups) is
 :mod:`optcc_mpi.transports.mpi`'s.
 """

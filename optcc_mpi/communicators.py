@@ -6,7 +6,7 @@ in the :class:`Registry` that :mod:`optcc_mpi.collectives` owns; every later cal
 there. It holds what every later call would otherwise recompute: the link profile from
 ``$OPTCC_LINKS`` translated to this communicator's ranks, the probe's result, the watch,
 the schedules built (:class:`Plan`), the argument check's buffers, room, gather limit and
-compiled context (:class:`~optcc_mpi.state.CheckState`), and the plans of the short calls
+compiled context (:class:`~optcc_mpi.check.state.CheckState`), and the plans of the short calls
 the compiled path may take.
 
 Transports hold nothing of this: a transport only says when its communicator goes away
@@ -29,14 +29,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
+from optcc_mpi.check.fastcall import FoldCall
+from optcc_mpi.check.state import CheckState
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats
-from optcc_mpi.fastcall import FoldCall
 from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult
 from optcc_mpi.schedule import Schedule
-from optcc_mpi.state import CheckState
 from optcc_mpi.transports import Transport, world_handle
 from optcc_mpi.watch import LinkWatch
 
@@ -204,7 +204,7 @@ class Registry:
         self.recent: tuple[object, CommState | None] = (self, None)
         #: What the last call on this process did.
         self.last: CallRecord | None = None
-        #: The compiled call (:func:`optcc_mpi.fastcall.fold_function`), bound at the
+        #: The compiled call (:func:`optcc_mpi.check.fastcall.fold_function`), bound at the
         #: first call that can use it; None until then or where there is none.
         self.fold: FoldCall | None = None
 

@@ -98,7 +98,7 @@ _ALL = (
         "OPTCC_FASTCALL",
         "1",
         "`0` turns off the compiled call path of short `allreduce` calls "
-        "(`optcc_mpi.fastcall`; the Python path gives the same results).",
+        "(`optcc_mpi.check.fastcall`; the Python path gives the same results).",
         "collectives",
         "flag",
     ),
@@ -107,7 +107,7 @@ _ALL = (
         None,
         "Largest short `auto` message gathered and reduced in rank order (a size, e.g. "
         "`16K`; `0`: the least, 256 bytes); larger ones go to the library's AllReduce. "
-        "Default: measured per communicator (`optcc_mpi.crossover`). The same on every rank.",
+        "Default: measured per communicator (`optcc_mpi.check.crossover`). The same on every rank.",
         "collectives",
     ),
     Variable(

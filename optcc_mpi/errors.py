@@ -105,7 +105,7 @@ def mark_everywhere(exc: BaseException, words: str) -> BaseException:
 
     A command-line face prints such an error on one rank only and exits with the same
     status everywhere (``optcc_mpi.cli``), where an error of one rank alone must instead
-    stop the whole job. :mod:`optcc_mpi.agreement` marks what it raises.
+    stop the whole job. :mod:`optcc_mpi.check.agreement` marks what it raises.
     """
     setattr(exc, _EVERYWHERE, words)
     return exc

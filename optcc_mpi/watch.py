@@ -103,13 +103,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from optcc_mpi import linklog
+from optcc_mpi.check.state import FOLD_TOTAL
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats
 from optcc_mpi.links import Links
 from optcc_mpi.probe import RankProbe, probe_ranks
 from optcc_mpi.schedule import SEND, Schedule
-from optcc_mpi.state import FOLD_TOTAL
 from optcc_mpi.transports import Communicator
 
 __all__ = ["WATCH", "MIN_BYTES", "LinkWatch", "MessageLayout", "send_rates", "watch_length"]

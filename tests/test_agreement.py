@@ -1,11 +1,11 @@
-"""optcc_mpi.agreement: one collective, the same outcome on every rank."""
+"""optcc_mpi.check.agreement: one collective, the same outcome on every rank."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from optcc_mpi import agreement
+from optcc_mpi.check import agreement
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, DatasetError
 
 MPI = pytest.importorskip("mpi4py.MPI")
@@ -113,7 +113,7 @@ def test_run_everywhere_and_fields() -> None:
 def test_the_protocols_old_name_still_works_with_a_warning() -> None:
     """``agreement.Group`` (the GLM trainer's class has that name) is now ``Members``; the
     old name imports one more release, with a FutureWarning naming the new one."""
-    from optcc_mpi import agreement
+    from optcc_mpi.check import agreement
 
     with pytest.warns(FutureWarning, match="now Members"):
         old = agreement.Group

@@ -54,13 +54,18 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "executor",
             "transports",
             "transports.*",
-            "fastcall",
+            "check.fastcall",
             "algorithms",
             "algorithms.*",
         ),
     ),  # fmt: skip
-    ("the check's state per communicator, agreement", ("state", "agreement", "crossover")),
-    ("the check's protocol, the probe, the watch", ("protocol", "probe", "watch")),
+    (
+        "the check's state per communicator, agreement",
+        ("check.state", "check.agreement", "check.crossover"),
+    ),
+    ("the check's protocol, the probe, the watch", ("check.protocol", "probe", "watch")),
+    # The check's face: lazy names only (it imports none of its modules).
+    ("the argument check's face", ("check",)),
     ("what the collectives keep per communicator", ("communicators",)),
     ("the collective entry points", ("collectives",)),
     (
@@ -80,7 +85,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "glm.*",
             "data",
             "data.*",
-            # The torch side's old module names, kept one release (renames.moved).
+            # The torch side's and the check's old module names, kept one release
+            # (renames.moved).
+            "state",
+            "agreement",
+            "crossover",
+            "protocol",
+            "fastcall",
             "process_group",
             "tensors",
             "streams",
@@ -147,9 +158,9 @@ def _imports(module: str, path: Path) -> set[str]:
 #: Where a module may import our own modules by a string (``importlib.import_module``,
 #: ``__import__``): the package's face, whose lazy names (``_EXPORTS``) the check resolves
 #: to the modules that define them, and the algorithm registry's discovery.
-STRING_IMPORTS = {"optcc_mpi", "optcc_mpi.algorithms"}
+STRING_IMPORTS = {"optcc_mpi", "optcc_mpi.algorithms", "optcc_mpi.check"}
 #: Our compiled extensions: optional, imported inside functions like a heavy dependency.
-COMPILED = {"optcc_mpi._fastcall", "optcc_mpi._simcore"}
+COMPILED = {"optcc_mpi.check._fastcall", "optcc_mpi._simcore"}
 
 
 class Edge(NamedTuple):

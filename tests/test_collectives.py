@@ -739,7 +739,7 @@ def test_agreement_carries_small_messages() -> None:
         # travels with the agreement when the room agreed then holds it (an empty
         # message has nothing to carry).
         nbytes = n * 8
-        room = optcc_mpi.state.room_for(p, n * 4)
+        room = optcc_mpi.check.state.room_for(p, n * 4)
         if n * 4 > room:
             room = 0  # the call before could not travel with the check: no room kept
         expect = 0 < nbytes <= room and p <= optcc_mpi.collectives.GATHER_MAX_P

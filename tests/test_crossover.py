@@ -1,4 +1,4 @@
-"""The gather limit's decision (``optcc_mpi.crossover``), without MPI: which limit the
+"""The gather limit's decision (``optcc_mpi.check.crossover``), without MPI: which limit the
 measured times give, what ``$OPTCC_GATHER_LIMIT`` gives, and where nothing is measured.
 Decisions only, never times: the times here are made up. The collective side (every rank
 decides alike, both paths on either side of the limit) is ``tests/test_fastcall_mpi.py``.
@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from optcc_mpi import config, crossover, protocol
+from optcc_mpi import config
+from optcc_mpi.check import crossover, protocol
+from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, rooms, served
 from optcc_mpi.errors import ArgumentError
-from optcc_mpi.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, rooms, served
 
 SIZES = list(rooms(2))  # 256 B to 128 KiB
 

@@ -1,15 +1,16 @@
-"""The compiled call path's pieces that need no second rank (``optcc_mpi.fastcall``)."""
+"""The compiled call path's pieces that need no second rank (``optcc_mpi.check.fastcall``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from optcc_mpi import collectives, config, dtypes, fastcall, protocol
+from optcc_mpi import collectives, config, dtypes
+from optcc_mpi.check import fastcall, protocol
 
 
 def test_the_install_built_it() -> None:
-    assert fastcall.available(), "make install builds optcc_mpi/_fastcall.c"
+    assert fastcall.available(), "make install builds optcc_mpi/check/_fastcall.c"
     assert callable(fastcall.fold_function())
     # Bound once, at the first call over MPI that can use it (test_fastcall_mpi.py).
     assert collectives._STATES.fold in (None, fastcall.fold_function())

@@ -1,4 +1,4 @@
-"""The compiled call path of short AllReduces (``optcc_mpi.fastcall``) under MPI.
+"""The compiled call path of short AllReduces (``optcc_mpi.check.fastcall``) under MPI.
 
 It must take the commonest short calls, give the same bits as the Python path (ranks on
 either path together included), and decline everything else having touched nothing, so
@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi import collectives, config, crossover, fastcall
+from optcc_mpi import collectives, config
+from optcc_mpi.check import crossover, fastcall
+from optcc_mpi.check.state import rooms
 from optcc_mpi.collectives import last_stats
-from optcc_mpi.state import rooms
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 @pytest.fixture
 def answers(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """What the compiled path answered, counted by name, during one test."""
-    assert fastcall.available(), "the install builds optcc_mpi/_fastcall.c (make install)"
+    assert fastcall.available(), "the install builds optcc_mpi/check/_fastcall.c (make install)"
     seen: Counter = Counter()
     names = {fastcall.FALLBACK: "fallback", fastcall.DONE: "done", fastcall.GATHERED: "gathered"}
     names[fastcall.MISMATCH] = "mismatch"

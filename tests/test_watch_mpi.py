@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import optcc_mpi
+from optcc_mpi.check.protocol import extra_fits as _extra_fits
+from optcc_mpi.check.protocol import gathered_extra as _gathered_extra
 from optcc_mpi.collectives import choose_algorithm, comm_state, last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
-from optcc_mpi.protocol import extra_fits as _extra_fits
-from optcc_mpi.protocol import gathered_extra as _gathered_extra
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi

@@ -280,7 +280,7 @@ def _abort(code: int, text: str) -> None:
 def _fail(args: argparse.Namespace, exc: BaseException) -> int:
     """A user error: one line, status 2.
 
-    An error every rank raises by design (marked by :mod:`optcc_mpi.agreement`, or found
+    An error every rank raises by design (marked by :mod:`optcc_mpi.check.agreement`, or found
     before any communication started, from the command line every rank was given) is
     printed by rank 0 alone, and every rank exits with status 2: no rank waits for
     another, so nothing needs aborting. An error of one rank alone in a running job is

@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 import optcc_mpi
-from optcc_mpi import algorithms, backend, fastcall, simulate
+from optcc_mpi import algorithms, backend, simulate
+from optcc_mpi.check import fastcall
 from optcc_mpi.lab import provenance
 
 #: How to get an MPI library, as the commands that need one say it.

@@ -28,7 +28,8 @@ import h5py
 import numpy as np
 import scipy.sparse as sp
 
-from optcc_mpi import agreement, transports
+from optcc_mpi import transports
+from optcc_mpi.check import agreement
 from optcc_mpi.errors import DatasetError
 from optcc_mpi.labels import binary_to_01, check_labels, infer_task
 

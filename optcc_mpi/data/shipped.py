@@ -12,7 +12,8 @@ from typing import Any
 
 import h5py
 
-from optcc_mpi import agreement, config, transports
+from optcc_mpi import config, transports
+from optcc_mpi.check import agreement
 from optcc_mpi.errors import DatasetError, ExecutionError, FileMissingError
 
 from .synthetic import SYNTH_VERSION, synth

@@ -6,7 +6,7 @@ gloo for CPU tensors, NCCL for CUDA tensors). Everything the trainer sends goes 
 the package's public collectives: the training AllReduces and the loss evaluations through
 :func:`optcc_mpi.allreduce` (so NumPy arrays and torch tensors alike, on the device they
 live on), the small exchanges (verdicts, shapes, the final weights) through
-:func:`optcc_mpi.agreement.agree` on the group's transport (:func:`optcc_mpi.transports.of`).
+:func:`optcc_mpi.check.agreement.agree` on the group's transport (:func:`optcc_mpi.transports.of`).
 No MPI library is needed where the group is torch's: nothing here imports mpi4py.
 
 :class:`Reducer` is the training AllReduce the user chose:
@@ -162,7 +162,7 @@ class Group:
 
     def run_everywhere(self, step: Callable[[], T], what: str) -> T:
         """``step()`` on every rank; if it raised on any rank, raise on every rank
-        (:func:`optcc_mpi.agreement.run_everywhere`)."""
+        (:func:`optcc_mpi.check.agreement.run_everywhere`)."""
         return agreement.run_everywhere(self.transport, step, what=what)
 
     # -- reductions of the trainer's own (not the training AllReduce) ---------------------
@@ -179,7 +179,7 @@ class Group:
 def agree(group: Group | Any, error: BaseException | str | None, payload: Any = None) -> list[Any]:
     """Share each rank's verdict (and a small payload); raise on every rank if any failed.
 
-    The trainer's use of :func:`optcc_mpi.agreement.agree` (one gather of a small Python
+    The trainer's use of :func:`optcc_mpi.check.agreement.agree` (one gather of a small Python
     object), so ranks whose own checks passed do not wait forever in the next collective
     while another rank has bailed out.
 

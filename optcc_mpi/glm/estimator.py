@@ -145,7 +145,7 @@ def _collective(group: Group, step: Any) -> Any:
 
     The rank whose step failed re-raises its own exception (type and message unchanged, as
     scikit-learn's checks expect); the others raise an ``ArgumentError`` naming the rank
-    (:func:`optcc_mpi.agreement.run_everywhere`). On one process no communication at all.
+    (:func:`optcc_mpi.check.agreement.run_everywhere`). On one process no communication at all.
     """
     return group.run_everywhere(step, what="fit stopped on every rank")
 

@@ -100,7 +100,8 @@ except ImportError as exc:  # pragma: no cover - exercised only where torch is a
         "(a CPU build is enough: pip install torch, from an index with PyTorch's CPU builds)"
     ) from exc
 
-from optcc_mpi import agreement, algorithms, linklog, transports
+from optcc_mpi import algorithms, linklog, transports
+from optcc_mpi.check import agreement
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.torch.process_group import (

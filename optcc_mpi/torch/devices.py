@@ -13,7 +13,7 @@ on every rank:
 1. :func:`device_kind` (this rank, no communication): ``"cpu"``, ``"cuda"``, or for a
    call whose own tensors are on several kinds of device their kinds joined by ``+``.
 2. :func:`kind_code` of it is one more integer field of the fixed-shape agreement
-   (:func:`optcc_mpi.agreement.agree_fields`, one MAX all-reduce of a few integers): the
+   (:func:`optcc_mpi.check.agreement.agree_fields`, one MAX all-reduce of a few integers): the
    ranks agree where its minimum equals its maximum.
 3. Only where they do not (the error path, so the usual call pays nothing more): every
    rank's kind is gathered and :func:`mixed_device_error` words the error, the same on
@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from optcc_mpi import agreement
+from optcc_mpi.check import agreement
 from optcc_mpi.errors import ArgumentError, mark_everywhere
 
 __all__ = ["device_kind", "kind_code", "mixed_device_error", "agree_device_kind"]
@@ -52,7 +52,7 @@ def device_kind(tensors: Sequence[Any]) -> str:
 
 def kind_code(kind: str) -> int:
     """A non-negative integer naming ``kind``, the same in every process (a field of
-    :func:`optcc_mpi.agreement.agree_fields`)."""
+    :func:`optcc_mpi.check.agreement.agree_fields`)."""
     return zlib.crc32(kind.encode()) & 0x7FFFFFFF
 
 

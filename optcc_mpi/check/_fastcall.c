@@ -1,10 +1,10 @@
-/* The compiled call path of a short AllReduce (optcc_mpi.fastcall).
+/* The compiled call path of a short AllReduce (optcc_mpi.check.fastcall).
  *
  * One function, fold(), does in C what optcc_mpi.collectives does in Python for the
  * commonest short call (two NumPy arrays, default arguments): take both buffers, check
  * them, write the 96-byte header into the check's block, call MPI_Allgather and compare
  * every rank's header with its own. Up to the communicator's gather limit
- * (optcc_mpi.crossover) the data travels in the block and the gathered rows are reduced
+ * (optcc_mpi.check.crossover) the data travels in the block and the gathered rows are reduced
  * in rank order; above it the library's MPI_Allreduce follows the check, in place as on
  * the Python path (copy first, then MPI_IN_PLACE), with the canonical NaN after a float
  * sum or product. The header is byte for byte the one the Python path writes, and the
@@ -66,7 +66,7 @@ typedef struct {
     intptr_t comm, byte_type;
     int p;
     /* The room of these buffers; the message sizes lo < n <= hi it serves (computed by
-     * optcc_mpi.state.served: this file holds no copy of the sizing rule); the least
+     * optcc_mpi.check.state.served: this file holds no copy of the sizing rule); the least
      * room; the gather limit. */
     Py_ssize_t capacity, lo, hi, least, limit;
     Py_buffer block, gathered;
@@ -76,7 +76,7 @@ typedef struct {
     library_entry library[MAX_FORMATS][MAX_OPS];
 } context;
 
-static const char *CAPSULE = "optcc_mpi._fastcall.context";
+static const char *CAPSULE = "optcc_mpi.check._fastcall.context";
 
 static void context_free(PyObject *capsule)
 {
