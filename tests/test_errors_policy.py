@@ -47,7 +47,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "module __getattr__ (PEP 562): AttributeError is how hasattr/getattr learn a name is absent"
     ),
     ("optcc_mpi/collectives.py", "__getattr__", "AttributeError"): "module __getattr__ (PEP 562)",
-    ("optcc_mpi/check/__init__.py", "__getattr__", "AttributeError"): "module __getattr__ (PEP 562)",
+    ("optcc_mpi/check/__init__.py", "__getattr__", "AttributeError"): (
+        "module __getattr__ (PEP 562)"
+    ),
     ("optcc_mpi/renames.py", "renamed.__getattr__", "AttributeError"): (
         "the module __getattr__ (PEP 562) of the names kept one release, for every module"
     ),
