@@ -76,7 +76,8 @@ where the calls depart from the profile (the confirmed streak above, or an explo
 call's rise), every rank runs a probe at that call (:func:`optcc_mpi.probe.probe_ranks`:
 the doctor's rounds and estimator, :mod:`optcc_mpi.linkrates`: every rank against
 partners spread over the ring, a rank named only where a partner was clearly faster;
-about ``probe_partners * probe_repeats`` messages of ``probe_size`` per rank) and the
+about ``probe_partners * probe_repeats`` messages per rank, from ``probe_size`` up,
+doubled while too short to time) and the
 profile follows what the probe found. A suspicion the probe found wrong is not probed
 again for ``explore`` calls, twice as long each time it is found wrong again (up to
 ``explore_max``): the same traffic under the same plan keeps saying the same thing, and
