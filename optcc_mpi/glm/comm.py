@@ -43,7 +43,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .. import agreement, algorithms, transports
+from .. import algorithms, transports
+from ..check import agreement
 from ..collectives import allreduce as _allreduce
 from ..emulation import Emulation, Pacer
 from ..errors import ArgumentError, ArgumentTypeError
