@@ -82,9 +82,9 @@ from optcc_mpi.backend import Array, Backend
 from optcc_mpi.emulation import Pacer
 from optcc_mpi.errors import ArgumentError, ExecutionError
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
-from optcc_mpi.transports.base import Completion, Post, Req, Transport
+from optcc_mpi.transports.base import Completion, LevelClock, Post, Req, Transport
 
-__all__ = ["ExecStats", "Message", "TraceEvent", "execute", "levels", "TAG_BASE"]
+__all__ = ["ExecStats", "DeviceTimes", "Message", "TraceEvent", "execute", "levels", "TAG_BASE"]
 
 #: Tags of our messages are TAG_BASE + channel, on a communicator of our own.
 TAG_BASE = 1000
@@ -147,6 +147,44 @@ class ExecStats:
     recvs: list[Message] = field(default_factory=list)
     trace: list[TraceEvent] = field(default_factory=list)
     """With tracing: one :class:`TraceEvent` per operation, times relative to the start."""
+    device: DeviceTimes | None = None
+    """The grouped driver's marks on the device (:class:`DeviceTimes`), until
+    :meth:`settle` has turned them into the messages' times."""
+
+    def settle(self) -> bool:
+        """Whether :attr:`sends` and :attr:`recvs` hold times. Where the grouped driver
+        left marks on the device (:attr:`device`) and the device has passed them all, the
+        messages take their level's times from them now: a receive from its level's start
+        to its end, a send from the call's start (a message's two ends then never compare
+        two devices' clocks). False while the device has not got there: nothing waits."""
+        dev = self.device
+        if dev is None:
+            return True
+        clock = dev.clock
+        if not clock.reached([dev.first, *(m for pair in dev.levels for m in pair)]):
+            return False
+        at = [(clock.seconds(dev.first, a), clock.seconds(dev.first, b)) for a, b in dev.levels]
+        self.sends = [
+            m._replace(posted=0.0, completed=at[dev.level_of[m.op]][1]) for m in self.sends
+        ]
+        self.recvs = [
+            m._replace(posted=at[dev.level_of[m.op]][0], completed=at[dev.level_of[m.op]][1])
+            for m in self.recvs
+        ]
+        self.device = None
+        return True
+
+
+@dataclass
+class DeviceTimes:
+    """Where the grouped driver's levels ran on the device, as :meth:`ExecStats.settle`
+    reads them: the clock, the mark at the call's start, each posted level's marks
+    (start, end), and per operation (this rank's index) the level it was posted in."""
+
+    clock: LevelClock
+    first: object
+    levels: list[tuple[object, object]]
+    level_of: dict[int, int]
 
 
 # -- levels -------------------------------------------------------------------------------------
@@ -927,11 +965,18 @@ class _Run(Generic[Req]):
         (module docstring). The reductions of received data follow their group.
 
         The host does not see when a message arrives, so per-message times are recorded
-        only when tracing (the probe, the doctor), which waits for every level on the host
-        and is slower for it; otherwise only the counts."""
+        by the host only when tracing (the probe, the doctor), which waits for every level
+        on the host and is slower for it. Otherwise, where the transport has a clock on
+        the device (:meth:`~optcc_mpi.transports.base.Transport.level_clock`: NCCL's CUDA
+        events), each level is marked there before and after its group, and the messages
+        take their times from the marks once the device has passed them
+        (:meth:`ExecStats.settle`, read by the watch at the next call); else only the
+        counts are kept."""
         plan, stats, backend = self.plan, self.stats, self.backend
         _, rounds = plan.leveled(self.schedule, self.t.rank)
         kinds = plan.kind
+        clock = None if self.tracing else self.t.level_clock(backend)
+        dev = DeviceTimes(clock, clock.mark(), [], {}) if clock is not None else None
         for ops in rounds:
             posts = []
             for i in ops:
@@ -942,11 +987,16 @@ class _Run(Generic[Req]):
                     posts.append(Post(False, self.recv_message(i), plan.peer[i], plan.tag[i]))
             start = time.perf_counter()
             if posts:
+                begun = dev.clock.mark() if dev is not None else None
                 for req in self.t.batch(posts):
                     if req is not None:
                         self.t.wait(req)  # NCCL: the current stream waits, not the host
                 if self.tracing:
                     backend.synchronize()
+                if dev is not None:
+                    for i in ops:
+                        dev.level_of[i] = len(dev.levels)
+                    dev.levels.append((begun, dev.clock.mark()))
             now = time.perf_counter()
             for i in ops:
                 self.post_time[i] = start
@@ -963,7 +1013,9 @@ class _Run(Generic[Req]):
             stats.max_in_flight = max(stats.max_in_flight, len(posts))
         if self.unwritten:
             self.copy_unwritten()
-        if not self.tracing:
+        if dev is not None:
+            stats.device = dev  # (the times come from the device: ExecStats.settle)
+        elif not self.tracing:
             # Times the host never saw are not measurements: keep the counts only.
             stats.sends.clear()
             stats.recvs.clear()

@@ -32,6 +32,18 @@ the slow link's messages are on the wire twice as long, the healthy links' messa
 arrive early and then wait for the next step. Times taken on the sending side alone
 cannot: a send completes when the transport has buffered the data, not when it arrived.
 
+On NCCL the host never sees a message arrive: the executor posts each level of the
+schedule as one group on the device's stream and goes on. There the transport's clock
+(:meth:`~optcc_mpi.transports.base.Transport.level_clock`: CUDA events) marks each
+level's start and end on the device, and a message takes its level's times once the
+device has passed the marks (:meth:`~optcc_mpi.executor.ExecStats.settle`): a receive
+from its level's start to its end, on the receiver's own clock, a send from the call's
+start (so no interval compares two devices' clocks). They are read at the next call's
+check, without waiting: a call whose marks the device has not passed yet contributes
+nothing. A level's time includes waiting for the slowest message of the level, so these
+readings are coarser than the host's; they only raise a suspicion, which the probe
+decides (below).
+
 Under emulation (``emulate=``) the virtual NIC is what is slow, and the pacer knows what
 it charged: per peer, all bytes sent over the seconds charged for them; those rates are
 lower bounds on both ends of their link, and they travel as the first ``p`` values of the
@@ -343,6 +355,9 @@ class LinkWatch:
     measured: Links | None = None
     _mine: np.ndarray | None = None
     _values: np.ndarray | None = None
+    #: A call whose message times the device still holds (NCCL's CUDA events): what
+    #: :meth:`MessageLayout.values` needs once :meth:`ExecStats.settle` has them.
+    _pending: tuple[int, Schedule, ExecStats, float] | None = None
     _layout: MessageLayout | None = None
     #: The measurements of the current run of departing calls.
     _recent: list[np.ndarray] = field(default_factory=list)
@@ -419,6 +434,9 @@ class LinkWatch:
         assert self._mine is not None
         out = np.zeros(self.contribution_size(), dtype=np.int64)
         out[: self.p] = np.round(self._mine)
+        pending, self._pending = self._pending, None
+        if pending is not None and self._layout is not None and pending[2].settle():
+            self._values = self._layout.values(*pending)
         vals = self._values
         if vals is not None and self._layout is not None:
             out[self.p] = vals.size
@@ -462,7 +480,7 @@ class LinkWatch:
             v = gathered.astype(float)
         else:
             v = self.observed(gathered)
-        self._values, self._layout = None, None
+        self._values, self._layout, self._pending = None, None, None
         measured = self.measured = self.estimate(v)
         explored, self._exploring = self._exploring, False
         if measured is None:
@@ -668,7 +686,15 @@ class LinkWatch:
         if lay is None:
             lay = cache[key] = MessageLayout(schedule, itemsize, self.length - self.p - _HEAD)
         self._layout = lay
-        self._values = lay.values(rank, schedule, stats, epoch)
+        if stats.settle():
+            self._values, self._pending = lay.values(rank, schedule, stats, epoch), None
+        else:
+            # NCCL: the times are marks on the device, read at the next call's check if
+            # the device has passed them by then (the check never waits for the device);
+            # until then, values of messages not recorded, of the agreed length.
+            width = int(lay.sends[rank] + 2 * lay.recvs[rank])
+            self._values = np.full(width, -1, dtype=np.int64)
+            self._pending = (rank, schedule, stats, epoch)
 
     def unobserved(self, rank: int, schedule: Schedule) -> None:
         """A call the library served (:meth:`observes` said no): nothing of it is timed,

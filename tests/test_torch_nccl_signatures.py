@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import inspect
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from optcc_mpi.links import Links  # noqa: E402
 from optcc_mpi.transports import Completion  # noqa: E402
 from optcc_mpi.transports.base import Post  # noqa: E402
 from optcc_mpi.transports.torch import Carriers, TorchTransport  # noqa: E402
+from optcc_mpi.watch import MessageLayout  # noqa: E402
 
 C10D = torch._C._distributed_c10d
 #: Stands for "has a default" in the signatures read from docstrings (pybind prints a
@@ -410,3 +412,77 @@ def test_grouped_driver_over_nccl_transport(kind: type[_Calls], size: int) -> No
             assert groups == calls.count("_end_coalescing")
             sends = sum(k == "send" for k in calls)
             assert (groups > 0) == (sends + calls.count("recv") > 0), (name, calls[:8])
+
+
+class _FakeClock:
+    """A :class:`~optcc_mpi.transports.base.LevelClock` whose marks are host times, and
+    which the test says the device has passed (``reached``) or not yet."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+        self.passed = False
+
+    def mark(self) -> object:
+        self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def reached(self, marks: Any) -> bool:
+        return self.passed
+
+    def seconds(self, a: object, b: object) -> float:
+        return self.marks[int(b)] - self.marks[int(a)]  # type: ignore[call-overload]
+
+
+def test_nccl_levels_are_timed_on_the_device_and_read_without_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 33: on NCCL the host never sees a message arrive, so the grouped driver marks
+    each level on the device (the transport's clock: CUDA events there, a fake here) and
+    the watch reads the marks at the next call's check. A call whose marks the device has
+    not passed by then contributes values of messages not recorded, of the agreed length
+    (the check never waits); once it has, every message is timed from its level's marks
+    and the rows pair into a rate for every rank."""
+    from optcc_mpi.watch import LinkWatch
+
+    size = 3
+    count = 1 << 17  # 512 KiB of float32: messages above the watch's 64 KiB
+    sched = algorithms.build("ring", size, count, Links(), itemsize=4)
+    cpu = torch_backend("cpu")
+
+    def call(passed: bool) -> tuple[list[Any], list[np.ndarray], list[_FakeClock]]:
+        clocks = [_FakeClock() for _ in range(size)]
+        wires = _nccl_transports(size, FakeBackend)
+        for t, clock in zip(wires, clocks):
+            monkeypatch.setattr(t, "level_clock", lambda backend, c=clock: c)
+        watches = [LinkWatch(size) for _ in range(size)]
+
+        def run(rank: int) -> Any:
+            buf = torch.ones(count)
+            epoch = time.perf_counter()
+            stats = execute(sched, buf, comm=wires[rank], op="sum", backend=cpu)
+            assert torch.equal(buf, torch.full((count,), float(size)))
+            watches[rank].record_messages(rank, sched, 4, stats, epoch)
+            return stats
+
+        stats = _on_ranks(size, run)
+        for clock in clocks:
+            clock.passed = passed  # the device, by the next call's check
+        return stats, [w.contribution() for w in watches], clocks
+
+    stats, early, clocks = call(passed=False)
+    for rank, st in enumerate(stats):
+        # One mark at the start, two per level with messages; the times wait on the device.
+        levels = st.device.levels
+        assert levels and len(clocks[rank].marks) == 1 + 2 * len(levels)
+    assert len({c.size for c in early}) == 1
+    assert all(np.all(c[size + 2 : size + 2 + c[size]] == -1) for c in early)
+
+    stats, late, _ = call(passed=True)
+    assert [c.size for c in late] == [c.size for c in early]
+    for st in stats:
+        assert st.device is None and st.recvs and st.sends
+        assert all(0 <= m.posted <= m.completed for m in st.recvs)
+        assert all(m.posted == 0.0 for m in st.sends)
+    lay = MessageLayout(sched, 4, LinkWatch(size).length - size - 2)
+    rates = lay.rates(np.array(late)[:, size + 2 :])
+    assert np.all(rates > 0), rates

@@ -41,7 +41,9 @@ rank's data is gathered and reduced in rank order instead), ``allgather_block`` 
 blocks of bytes; default: through :meth:`~Transport.allgather`), ``gather_rows``,
 ``allreduce_max`` (default: through ``allgather``), ``barrier`` and ``quiet_barrier``
 (default: through ``allgather``), ``job_links`` (the job's rank numbering to this
-communicator's; default: the same), ``describe``.
+communicator's; default: the same), ``describe``, ``level_clock`` (where the host never
+sees a message complete, :attr:`Completion.GROUPED`: a :class:`LevelClock` on the device
+the levels run on, so that the watch can time them afterwards; default: none).
 
 Provided
 --------
@@ -56,7 +58,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -64,7 +66,7 @@ from optcc_mpi.backend import NUMPY, Array, Backend
 from optcc_mpi.errors import ArgumentTypeError
 from optcc_mpi.links import Links
 
-__all__ = ["Transport", "Capabilities", "Completion", "Post", "Req"]
+__all__ = ["Transport", "Capabilities", "Completion", "Post", "Req", "LevelClock"]
 
 #: A transport's request: what its ``isend``/``irecv`` return and its ``wait`` takes.
 Req = TypeVar("Req")
@@ -121,6 +123,24 @@ class Post:
     peer: int
     #: The message's tag.
     tag: int
+
+
+class LevelClock(Protocol):
+    """Times on the device where a grouped transport's levels run (NCCL: CUDA events on
+    the stream the executor posts them on). The host records marks as it posts, and
+    reads them later, never waiting for the device."""
+
+    def mark(self) -> object:
+        """Record a point on the stream now in use, and return it."""
+        ...
+
+    def reached(self, marks: Sequence[object]) -> bool:
+        """Whether the device has passed every one of ``marks`` (without waiting)."""
+        ...
+
+    def seconds(self, a: object, b: object) -> float:
+        """Seconds from mark ``a`` to mark ``b``, both reached."""
+        ...
 
 
 class Transport(Generic[Req]):
@@ -208,6 +228,12 @@ class Transport(Generic[Req]):
     def staging(self, backend: Backend) -> bool:
         """Whether messages of ``backend``'s arrays go through host copies."""
         return False
+
+    def level_clock(self, backend: Backend) -> LevelClock | None:
+        """Where the host never sees a message complete (:attr:`Completion.GROUPED`), a
+        clock on the device ``backend``'s arrays live on, whose marks time each level of
+        a call afterwards (the watch's measurements); None (the default): no times."""
+        return None
 
     def check_backend(self, backend: Backend) -> None:
         """ArgumentError if this transport cannot move ``backend``'s arrays (checked

@@ -68,7 +68,7 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Barri
 from optcc_mpi.backend import torch_backend
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.transports.base import Capabilities, Completion, Post, Transport
+from optcc_mpi.transports.base import Capabilities, Completion, LevelClock, Post, Transport
 
 __all__ = ["TorchTransport", "Carriers", "transport", "group_of", "fresh_store"]
 
@@ -171,6 +171,23 @@ def fresh_store(store: Any, size: int) -> Any:
     """
     generation = (int(store.add("optcc/makings", 1)) - 1) // size
     return dist.PrefixStore(f"optcc/{generation}", store)
+
+
+class CudaClock:
+    """A :class:`~optcc_mpi.transports.base.LevelClock` of CUDA events: a mark is a timing
+    event recorded on the current stream (the side stream the executor's levels run on),
+    read with ``query`` (never waits) and ``elapsed_time``."""
+
+    def mark(self) -> object:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def reached(self, marks: Sequence[object]) -> bool:
+        return all(m.query() for m in marks)  # type: ignore[attr-defined]
+
+    def seconds(self, a: object, b: object) -> float:
+        return float(a.elapsed_time(b)) / 1e3  # type: ignore[attr-defined]
 
 
 class TorchTransport(Transport["dist.Work"]):
@@ -329,6 +346,11 @@ class TorchTransport(Transport["dist.Work"]):
             return super().scratch(nbytes)
         device = torch.device("cuda", torch.cuda.current_device())
         return torch.zeros(nbytes, dtype=torch.uint8, device=device), torch_backend(device)
+
+    def level_clock(self, backend: Any) -> LevelClock | None:
+        if self.name != "nccl" or not backend.device:
+            return None
+        return CudaClock()
 
     def message(self, backend: Any, arr: Any) -> Any:
         if isinstance(arr, np.ndarray):
