@@ -462,10 +462,11 @@ def run_args(args: argparse.Namespace) -> int:
                 "--backend and --links watch (or probe)"
             )
         emu = _emulated(args.emulate, args.links)
-        if _links_for(None, emu) is None and config.get("OPTCC_LINKS") is None:
+        truth = _links_for(None, emu) or config.get("OPTCC_LINKS")
+        if truth is None or str(truth).strip().lower() in ("probe", "watch"):
             raise ArgumentError(
                 "--told: no true profile to tell (run on the testbed, give --emulate "
-                "...,degrade=RANK:FRACTION, or set OPTCC_LINKS)"
+                "...,degrade=RANK:FRACTION, or set OPTCC_LINKS to a profile such as 0:0.5)"
             )
     group, started = world.torch_group()
     rows = measure(args, group)
