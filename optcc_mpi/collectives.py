@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from optcc_mpi import algorithms, config, transports
-from optcc_mpi.algorithms._policy import SMALL_BYTES
+from optcc_mpi.algorithms._policy import SMALL_BYTES, network
 from optcc_mpi.backend import NUMPY, Array, Backend, buffer_of, result_like
 from optcc_mpi.check import crossover, fastcall, protocol
 from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch, code
@@ -811,7 +811,9 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
     communicator.
 
     A builder that declares a ``transport`` parameter (and was not given one) is told the
-    communicator's: ``"network"`` under emulation, else what the transport reports."""
+    communicator's: the network model (:func:`~optcc_mpi.algorithms._policy.network`, at
+    the transport's ranks per core) under emulation or where the transport reports a
+    network, else what the transport reports."""
     emulated = call.emu is not None
     itemsize = call.flat_in.dtype.itemsize
     params = call.params
@@ -842,7 +844,9 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
         name = algorithm
     given = dict(params or {})
     if "transport" in algorithms.get(name).params and "transport" not in given:
-        given["transport"] = "network" if emulated else st.transport.kind
+        kind = "network" if emulated else st.transport.kind
+        # (over a network, the model at the rate told, weighed by the ranks per core)
+        given["transport"] = network(st.transport.crowding) if kind == "network" else kind
     sched = algorithms.build(name, p, call.count, links, itemsize=itemsize, **given)
     coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
     return st.plans.put(key, Plan(name, sched, coll_only))

@@ -41,10 +41,40 @@ def test_link_rate_sets_the_network_rate(monkeypatch: pytest.MonkeyPatch) -> Non
         NETWORK.message_cost,
         NETWORK.overlap,
     )
-    # 40 us moves 1 KB at 25 MB/s: the fabric's own floor applies.
-    assert optcc.section_floor("network") == optcc.SECTION_BYTES
-    assert [_k(p, 8 * MiB) for p in (4, 8, 16)] == [128, 73, 34]
+    # 40 us moves 1 KB at 25 MB/s: two messages' worth is the floor, and the segments
+    # are as many as the builder makes.
+    assert optcc.section_floor("network") == 2001
+    assert [_k(p, 8 * MiB) for p in (4, 8, 16)] == [128, 128, 128]
     assert transport_of("shared-memory").rate != 25e6  # shared memory keeps its model
+
+
+def _k_crowded(p: int, nbytes: int, crowding: float) -> int:
+    sched = algorithms.get("optcc").build(
+        p, nbytes // 4, "0:0.5", itemsize=4, transport=network(crowding)
+    )
+    return int(sched.params["k"])
+
+
+def test_ranks_per_core_weigh_each_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the rate told, a message's fixed cost is charged once per rank sharing a core:
+    16 ranks on 2 cores (the testbed) get the segments that came nearest the bound there,
+    34 at 200 Mbit/s and 128 at 50 (docs/testbed.md 1.6j)."""
+    monkeypatch.setenv("OPTCC_LINK_RATE", "200mbit")
+    config.reload()
+    crowded = network(8.0)
+    assert crowded.message_cost == pytest.approx(8 * NETWORK.message_cost)
+    assert crowded.rate == 25e6
+    assert optcc.section_floor(crowded) == 16_001
+    assert _k_crowded(16, 8 * MiB, 8.0) == 34
+    assert network(0.25) == network(1.0)  # fewer ranks than cores: no discount
+    monkeypatch.setenv("OPTCC_LINK_RATE", "50mbit")
+    config.reload()
+    assert optcc.section_floor(network(8.0)) == 4001
+    assert _k_crowded(16, 8 * MiB, 8.0) == 128
+    # Without a rate the default model's sections are already the largest: unchanged.
+    monkeypatch.delenv("OPTCC_LINK_RATE")
+    config.reload()
+    assert network(8.0) is NETWORK
 
 
 def test_more_segments_come_closer_to_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,16 +174,16 @@ def test_allreduce_with_a_measured_transport() -> None:
 
 
 def test_optcc_section_floor_by_transport() -> None:
-    from optcc_mpi.algorithms.optcc import SECTION_BYTES, section_floor
+    from optcc_mpi.algorithms.optcc import SECTION_BYTES, SECTION_MIN, section_floor
 
     assert section_floor(None) == SECTION_BYTES
     # Over the network default: the bytes 2 * message cost would have moved at its rate.
     net = section_floor("network")
     assert net == pytest.approx(2 * NETWORK.message_cost * NETWORK.rate, abs=1)
     assert net > SECTION_BYTES
-    # A transport whose messages cost nothing keeps the simulator's floor.
+    # A transport whose messages cost nothing: the smallest section there is.
     free = Fabric("free", latency=1e-6, message_cost=0.0, rate=NETWORK.rate)
-    assert section_floor(free) == SECTION_BYTES
+    assert section_floor(free) == SECTION_MIN < SECTION_BYTES
     # Without overlap the floor never binds a real size: the fewest segments.
     assert section_floor("shared-memory") > 1 << 50
 
@@ -229,3 +229,34 @@ def test_the_models_old_name_still_works_with_a_warning() -> None:
     with pytest.warns(FutureWarning, match="now Fabric"):
         old = policy.Transport
     assert old is Fabric
+
+
+def test_crowding_counts_the_ranks_that_share_cpus() -> None:
+    from optcc_mpi.transports.base import cpu_placement, crowding_of
+
+    machine, cpus = cpu_placement()
+    assert machine and cpus and all(isinstance(c, int) for c in cpus)
+    two = ("a", (0, 1))
+    assert crowding_of([two] * 16) == 8.0  # the 16-rank testbed on 2 cores
+    assert crowding_of([two] * 3 + [("b", (0, 1))]) == 1.5  # the most crowded machine
+    # Ranks pinned to cores of their own, or fewer ranks than cores: no crowding.
+    assert crowding_of([("a", (i,)) for i in range(8)]) == 1.0
+    assert crowding_of([("a", tuple(range(64)))] * 8) == 1.0
+    assert crowding_of([]) == 1.0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_every_rank_knows_the_same_ranks_per_core() -> None:
+    """The MPI transport counts the ranks sharing each CPU set at set-up, and every rank
+    holds the same value (the ranks build their schedules from it)."""
+    from mpi4py import MPI
+
+    from optcc_mpi.collectives import comm_state
+    from optcc_mpi.transports.base import cpu_placement, crowding_of
+
+    comm = MPI.COMM_WORLD
+    crowding = comm_state(comm).transport.crowding
+    assert crowding == crowding_of(comm.allgather(cpu_placement()))
+    assert comm.allgather(crowding) == [crowding] * comm.Get_size()
+    assert crowding >= 1.0

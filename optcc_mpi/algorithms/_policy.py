@@ -184,7 +184,7 @@ def transport_of(transport: str | Fabric) -> Fabric:
     return got
 
 
-def network() -> Fabric:
+def network(crowding: float = 1.0) -> Fabric:
     """The network model in force: :data:`NETWORK`, whose rate is a 10 Gbit/s NIC's, or
     the same model at ``$OPTCC_LINK_RATE`` (one healthy link's rate, e.g. ``200mbit``).
 
@@ -199,18 +199,31 @@ def network() -> Fabric:
     messages it gives make the watch read a recovered link as still slow (the testbed's
     watch test stayed at ``1:0.53`` after rank 1 recovered), since the watch measures
     links by the times of the calls' own messages.
+
+    Parameters
+    ----------
+    crowding : float, optional
+        Ranks per core (:attr:`optcc_mpi.transports.Transport.crowding`). With the rate
+        told, a message's fixed cost is charged that many times: a dependent message
+        waits for its receiver to be scheduled once the ranks outnumber the cores (derived,
+        ours: on the 16-rank testbed on 2 cores, 8 ranks per core, the sections that did
+        best carried about ``2 x 8 x 40 us`` of a healthy link's time at 50 and at 200
+        Mbit/s; docs/testbed.md 1.6j). Without a rate the default model's 10 Gbit/s
+        already gives the largest sections, and crowding is not applied.
     """
     text = config.get("OPTCC_LINK_RATE")
-    return NETWORK if text is None else _network_at(text)
+    if text is None:
+        return NETWORK
+    return _network_at(text, max(1.0, float(crowding)))
 
 
 @functools.lru_cache(maxsize=8)
-def _network_at(text: str) -> Fabric:
+def _network_at(text: str, crowding: float = 1.0) -> Fabric:
     try:
         rate = parse_rate(text)
     except ArgumentError as exc:
         raise ArgumentError(f"OPTCC_LINK_RATE={text!r}: {exc}") from None
-    return dataclasses.replace(NETWORK, rate=rate)
+    return dataclasses.replace(NETWORK, rate=rate, message_cost=NETWORK.message_cost * crowding)
 
 
 def small_messages(p: int, nbytes: float, links: Links) -> bool:

@@ -96,15 +96,17 @@ PATTERNS = ("auto", "fold", "closer")
 #: Smallest message (one section of one segment) worth cutting a segment into, on a
 #: fabric without per-message costs (the simulator's; the builder's default).
 SECTION_BYTES = 16 * 1024
+#: Smallest section on any fabric, whatever its model says.
+SECTION_MIN = 1024
 
 
 def section_floor(transport: str | Fabric | None) -> int:
     """Smallest section of a segment over ``transport``: :data:`SECTION_BYTES` without one
     (the simulator's fabric, where a message costs only its bytes); over a transport that
     overlaps, the bytes the fixed costs of one message at both its ends could have moved
-    (``2 * message_cost * rate``), below which the CPU's work per message outruns the
-    wire; without overlap (shared memory, where MPI copies with the CPU) a whole section
-    per segment, so the fewest segments.
+    (``2 * message_cost * rate``, at least :data:`SECTION_MIN`), below which the CPU's
+    work per message outruns the wire; without overlap (shared memory, where MPI copies
+    with the CPU) a whole section per segment, so the fewest segments.
 
     The network default (:data:`~optcc_mpi.algorithms._policy.NETWORK`) gives 97.7 KiB.
     On the testbed (8 ranks at 400 Mbit/s on 2 cores, rank 0 at half rate) OptCC took
@@ -120,7 +122,11 @@ def section_floor(transport: str | Fabric | None) -> int:
     tr = transport_of(transport)
     if not tr.overlap:
         return 1 << 62
-    return int(np.ceil(max(float(SECTION_BYTES), 2 * tr.message_cost * tr.rate)))
+    # (No minimum of SECTION_BYTES here: on slow links whose rate is told the model's
+    # own floor is the right one, 4 KB at 50 Mbit/s with 8 ranks per core, where 128
+    # segments of 4.4 KiB sections came within 1.03x of the bound and 34 of 16 KiB took
+    # 1.23x; docs/testbed.md 1.6j.)
+    return int(np.ceil(max(float(SECTION_MIN), 2 * tr.message_cost * tr.rate)))
 
 
 #: How much above the bound the plan may go to attach ranks that would own almost

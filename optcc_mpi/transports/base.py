@@ -29,6 +29,10 @@ Declared
 ``rank``, ``size``, ``kind``
     Passed to ``Transport.__init__``: this process's rank, the number of ranks, and
     ``"shared-memory"`` (every rank on one node) or ``"network"``.
+``crowding``
+    Ranks per core where the ranks share CPUs, the same on every rank (1.0, the default,
+    where unknown): a transport that can learn it at set-up sets it from
+    :func:`crowding_of` of every rank's :func:`cpu_placement`.
 
 Optional, with defaults
 -----------------------
@@ -56,6 +60,8 @@ of the layers above it.
 from __future__ import annotations
 
 import enum
+import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -66,7 +72,16 @@ from optcc_mpi.backend import NUMPY, Array, Backend
 from optcc_mpi.errors import ArgumentTypeError
 from optcc_mpi.links import Links
 
-__all__ = ["Transport", "Capabilities", "Completion", "Post", "Req", "LevelClock"]
+__all__ = [
+    "Transport",
+    "Capabilities",
+    "Completion",
+    "Post",
+    "Req",
+    "LevelClock",
+    "cpu_placement",
+    "crowding_of",
+]
 
 #: A transport's request: what its ``isend``/``irecv`` return and its ``wait`` takes.
 Req = TypeVar("Req")
@@ -175,6 +190,11 @@ class Transport(Generic[Req]):
                 f"transport {cls.__name__} must implement {', '.join(missing)} "
                 "(optcc_mpi.transports.base; or declare it abstract=True)"
             )
+
+    #: Ranks per core on the most crowded CPU set of the communicator (1.0: unknown, or
+    #: no more ranks than cores); builders charge each message's fixed cost that many
+    #: times (:func:`crowding_of`).
+    crowding: float = 1.0
 
     def __init__(self, rank: int, size: int, kind: str) -> None:
         self.rank = rank
@@ -312,3 +332,44 @@ class Transport(Generic[Req]):
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
         return self._closed
+
+
+#: Where a rank runs, as :func:`crowding_of` compares it: the kernel's boot id (one per
+#: machine: network namespaces and containers share it, so the ranks of a namespace
+#: testbed count as the one machine's) and the CPUs the rank may run on.
+Placement = tuple[str, tuple[int, ...]]
+
+
+def cpu_placement() -> Placement:
+    """This process's :data:`Placement` (the CPUs from its affinity mask where the system
+    has one, else every CPU)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            machine = f.read().strip()
+    except OSError:  # not Linux: the host's name is the best key there is
+        machine = socket.gethostname()
+    try:
+        cpus = tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        cpus = tuple(range(os.cpu_count() or 1))
+    return machine, cpus
+
+
+def crowding_of(places: Sequence[Placement]) -> float:
+    """Ranks per core on the most crowded CPU set, from every rank's
+    :func:`cpu_placement` (at least 1.0).
+
+    Ranks of one machine allowed the same CPUs share those CPUs; ranks pinned to CPUs of
+    their own (``srun --cpu-bind``, ``mpiexec -bind-to core``) do not crowd each other.
+    Why it matters (derived, ours; docs/testbed.md 1.6j): once the ranks outnumber the
+    cores, a message whose receiver is not running waits for the receiver to be
+    scheduled, so a message's fixed cost grows with the ranks per core (measured through
+    the executor on 2 cores: 0.3 us per message at 2 ranks, 1.2, 2.2 and 2.5 ms at 4, 8
+    and 16).
+    """
+    counts: dict[tuple[str, tuple[int, ...]], int] = {}
+    for machine, cpus in places:
+        key = (str(machine), tuple(cpus))
+        counts[key] = counts.get(key, 0) + 1
+    most = max((n / max(1, len(cpus)) for (_, cpus), n in counts.items()), default=1.0)
+    return max(1.0, float(most))

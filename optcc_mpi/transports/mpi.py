@@ -36,7 +36,14 @@ from optcc_mpi.dtypes import ALIASES, CATEGORY, DTYPES, LOW_PRECISION, check_op_
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.reductions import reduce_with
-from optcc_mpi.transports.base import Capabilities, Completion, T, Transport
+from optcc_mpi.transports.base import (
+    Capabilities,
+    Completion,
+    T,
+    Transport,
+    cpu_placement,
+    crowding_of,
+)
 
 if TYPE_CHECKING:
     from mpi4py.typing import Buffer, BufSpec
@@ -79,6 +86,9 @@ class MpiTransport(Transport[MPI.Request]):
                 kind = "network"
             local.Free()
         super().__init__(comm.Get_rank(), size, kind)
+        # How many ranks share each core (the same value on every rank): builders weigh a
+        # message's fixed cost by it.
+        self.crowding = crowding_of(private.allgather(cpu_placement()) if size > 1 else [])
         self.comm = comm
         self.handle = comm.handle
         self.private = private

@@ -68,7 +68,15 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Barri
 from optcc_mpi.backend import torch_backend
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.transports.base import Capabilities, Completion, LevelClock, Post, Transport
+from optcc_mpi.transports.base import (
+    Capabilities,
+    Completion,
+    LevelClock,
+    Post,
+    Transport,
+    cpu_placement,
+    crowding_of,
+)
 
 __all__ = ["TorchTransport", "Carriers", "transport", "group_of", "fresh_store"]
 
@@ -232,9 +240,11 @@ class TorchTransport(Transport["dist.Work"]):
         self._aborted = False
         _LIVE.add(self)
         Transport.__init__(self, rank, size, "network")
-        hosts = self.allgather(socket.gethostname())
+        places = self.allgather((socket.gethostname(), cpu_placement()))
+        hosts = [host for host, _ in places]
         self.kind = "shared-memory" if len(set(hosts)) == 1 else "network"
         self.hosts = hosts
+        self.crowding = crowding_of([place for _, place in places])
 
     @classmethod
     def of_group(cls, group: Any) -> TorchTransport:
