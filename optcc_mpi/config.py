@@ -114,7 +114,8 @@ _ALL = (
         "OPTCC_LINK_RATE",
         None,
         "One healthy link's rate (e.g. `200mbit`, `25GB/s`) for the network model that sizes "
-        "OptCC's segments and the ring's messages. Default: a 10 Gbit/s NIC's. The same on "
+        "OptCC's segments and the ring's messages (each message's fixed cost weighed by the "
+        "ranks per core where ranks share CPUs). Default: a 10 Gbit/s NIC's. The same on "
         'every rank; not yet with `links="watch"` (its estimates from smaller messages).',
         "collectives",
     ),
