@@ -47,7 +47,7 @@ install: $(STAMP) $(STAMP_OMPI)
 # given one (this kind of machine's /opt/wheels; elsewhere PIP_EXTRA_INDEX_URL=
 # https://download.pytorch.org/whl/cpu), else PyPI's torch (on Linux x86_64 a CUDA build of
 # several GB). The line after the install says which was taken.
-$(STAMP): requirements.txt pyproject.toml setup.py $(wildcard optcc_mpi/*.c)
+$(STAMP): requirements.txt pyproject.toml setup.py $(wildcard optcc_mpi/*.c optcc_mpi/*/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt

@@ -1,9 +1,10 @@
-"""Build hook: two optional C extensions are built at install time.
+"""Build hook: three optional C extensions are built at install time.
 
-``optcc_mpi/_simcore.c`` is the simulator's event loop, a plain C library loaded with
-ctypes (no Python C API); ``optcc_mpi/check/_fastcall.c`` is the compiled call path of a short
-AllReduce (``optcc_mpi.check.fastcall``, Python C API, no MPI headers: it calls the MPI library
-through the address mpi4py resolved). Both are optional: where no C compiler is available
+``optcc_mpi/_simcore.c`` is the simulator's event loop and ``optcc_mpi/transports/_board.c``
+the shared-memory exchange of ranks on one machine, plain C libraries loaded with ctypes
+(no Python C API, ``optcc_mpi.compiled``); ``optcc_mpi/check/_fastcall.c`` is the compiled call
+path of a short AllReduce (``optcc_mpi.check.fastcall``, Python C API, no MPI headers: it
+calls the MPI library through the address mpi4py resolved). All three are optional: where no C compiler is available
 the install still succeeds and the pure-Python paths run (same results, slower). Beside
 each library goes the SHA-256 of the source it was built from, so that a checkout whose C
 source changed after the install is noticed instead of loading a stale library.
@@ -37,6 +38,12 @@ setup(
         Extension(
             "optcc_mpi._simcore",
             sources=["optcc_mpi/_simcore.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Extension(
+            "optcc_mpi.transports._board",
+            sources=["optcc_mpi/transports/_board.c"],
             extra_compile_args=["-O2"],
             optional=True,
         ),

@@ -103,6 +103,16 @@ _ALL = (
         "flag",
     ),
     Variable(
+        "OPTCC_BOARD",
+        "1",
+        "`0` sends the small control exchanges of a torch.distributed group (the argument "
+        "check, and the short messages that travel with it) through gloo even where every "
+        "rank is on one machine, instead of the shared-memory board "
+        "(`optcc_mpi.transports.board`; the same results).",
+        "collectives",
+        "flag",
+    ),
+    Variable(
         "OPTCC_GATHER_LIMIT",
         None,
         "Largest short `auto` message gathered and reduced in rank order (a size, e.g. "
@@ -242,6 +252,7 @@ class Settings:
         emulate_fraction: str | None
         links_log: str | None
         fastcall: bool | None
+        board: bool | None
         gather_limit: str | None
         link_rate: str | None
         cuda_aware: bool | None

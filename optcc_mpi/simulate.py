@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import heapq
 import math
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from optcc_mpi import config
+from optcc_mpi import compiled, config
 from optcc_mpi.errors import ExecutionError, TooLargeError
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import (
@@ -367,56 +363,13 @@ def _run_c(
     return posted, finish, send_busy, recv_busy, messages, rows[:messages]
 
 
-def _installed_core(here: Path, digest: str | None) -> Path | None:
-    """The event loop built at install time, if it matches the source (or no source)."""
-    import importlib.machinery
-
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        lib = here / f"_simcore{suffix}"
-        if lib.exists():
-            stamp = here / "_simcore.sha256"
-            built = stamp.read_text().strip() if stamp.exists() else None
-            if digest is None or built == digest:
-                return lib
-    return None
-
-
 @functools.lru_cache(maxsize=1)
 def _core() -> ctypes.CDLL | None:
-    """The compiled event loop; None when there is none (the Python loop then runs, about
-    50 times slower, with identical results).
-
-    The library built at install time (``setup.py``) is used when it was built from the
-    source beside it; otherwise (a checkout whose C source changed, or an install without
-    a compiler) it is compiled on first use into a per-user cache, when a C compiler is
-    available.
-    """
-    here = Path(__file__).parent
-    src = here / "_simcore.c"
-    digest = hashlib.sha256(src.read_bytes()).hexdigest() if src.exists() else None
-    lib_path = _installed_core(here, digest)
-    if lib_path is None:
-        if digest is None:
-            return None
-        cache = Path(config.get("OPTCC_CACHE") or Path.home() / ".cache" / "optcc_mpi")
-        lib_path = cache / f"simcore-{digest[:16]}.so"
-    if not lib_path.exists():
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if not cc:
-            return None
-        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            lib_path.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run(
-                [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(src)],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
-            os.replace(tmp, lib_path)
-        except (OSError, subprocess.SubprocessError):
-            return None
-    lib = ctypes.CDLL(str(lib_path))
+    """The compiled event loop (:func:`optcc_mpi.compiled.load`); None when there is none
+    (the Python loop then runs, about 50 times slower, with identical results)."""
+    lib = compiled.load(Path(__file__).parent, "_simcore")
+    if lib is None:
+        return None
     lib.optcc_simulate.restype = ctypes.c_int64
     i64, ptr, dbl = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
     argtypes: list[type[ctypes.c_int64 | ctypes.c_void_p | ctypes.c_double]] = [i64, i64]

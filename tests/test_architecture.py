@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the package imports nothing of ours.
     (
         "foundation: errors, units, settings",
-        ("optcc_mpi", "errors", "units", "config", "progress", "labels", "renames"),
+        ("optcc_mpi", "errors", "units", "config", "compiled", "progress", "labels", "renames"),
     ),
     ("element types and reductions by name", ("dtypes",)),
     ("how reductions compute", ("reductions",)),
@@ -119,6 +119,7 @@ CORE = (
     "errors",
     "agreement",
     "config",
+    "compiled",
     "doctor",
     "linklog",
     "linkrates",

@@ -297,6 +297,7 @@ def test_every_op_and_dtype(tmp_path: Path, n: int) -> None:
     assert any(r["algorithm"] != "native" for r in rows if r["n"] > 50_000)
     for rank, rec in enumerate(ranks):
         assert rec["work_type"] == "OptccWork" and rec["work_class_ok"]
+        assert rec["board"]  # every rank on this machine: the checks on the board
         assert rec["async"] == [float(sum(range(n)) + n * i) for i in range(4)]
         assert rec["future"] == [float(n)] * 8
         assert rec["coalesced"] == [[float(sum(range(1, n + 1)))] * 3, [2.0 * n] * 5, [3.0 * n]]
@@ -308,9 +309,16 @@ def test_every_op_and_dtype(tmp_path: Path, n: int) -> None:
 
 @pytest.mark.timeout(600)
 def test_environment_chooses_the_algorithm(tmp_path: Path) -> None:
-    ranks = torchrun("ops", 2, tmp_path, OPTCC_ALGORITHM="optcc")
+    """``OPTCC_ALGORITHM`` reaches the backend's calls; with ``OPTCC_BOARD=0`` the checks
+    travel on gloo, with the same results (every op and dtype within its bound, the same
+    bits on every rank)."""
+    ranks = torchrun("ops", 2, tmp_path, OPTCC_ALGORITHM="optcc", OPTCC_BOARD="0")
     assert ranks[0]["env_algorithm"] == "optcc"
     assert {r["algorithm"] for r in ranks[0]["rows"]} == {"optcc"}
+    assert not any(rec["board"] for rec in ranks)
+    for row in ranks[0]["rows"]:
+        assert row["error"] <= row["bound"], row
+    assert [r["digest"] for r in ranks[1]["rows"]] == [r["digest"] for r in ranks[0]["rows"]]
 
 
 @pytest.mark.timeout(600)

@@ -66,6 +66,7 @@ import torch.distributed as dist  # noqa: E402
 import optcc_mpi.torch as ot  # noqa: E402
 from optcc_mpi import collectives  # noqa: E402
 from optcc_mpi.torch.process_group import OptccOptions, OptccWork  # noqa: E402
+from optcc_mpi.transports.torch import transport  # noqa: E402
 
 RED = dist.ReduceOp
 
@@ -190,6 +191,8 @@ def ops_scenario() -> dict:
                     "algorithm": stats.get("algorithm"),
                 })  # fmt: skip
     out: dict = {"rows": rows, "env_algorithm": os.environ.get("OPTCC_ALGORITHM")}
+    # Whether the checks travelled on the board (every rank on this machine) or on gloo.
+    out["board"] = transport(None).board is not None
     # Asynchronous: several calls in flight, waited for in reverse; each Work completes
     # with its own tensors, in call order on every rank.
     ts = [torch.full((50_000,), float(RANK + i)) for i in range(4)]
@@ -467,9 +470,11 @@ def semantics_scenario() -> dict:
                     errors.append(type(exc).__name__)
             got["abort: queued work"] = sorted(set(errors))
             got["abort: seconds"] = time.monotonic() - t0  # (recorded, not judged)
-        else:
-            lone.abort()
+        # The others abort once rank 0 has seen its own abort's errors: a peer's abort
+        # fails rank 0's waiting call too, with an error of its own (a lost peer).
         dist.barrier()
+        if r != 0:
+            lone.abort()
     dist.destroy_process_group()
     return got
 

@@ -8,7 +8,9 @@ started from whichever launched it, :mod:`optcc_mpi.lab.world`)::
 Two process groups over the same ranks: the default gloo group, and a group of the
 ``optcc`` backend (:mod:`optcc_mpi.torch.process_group`; ``--algorithm`` and ``--links`` are
 its options, else ``$OPTCC_ALGORITHM`` and ``$OPTCC_LINKS``), and with ``--no-check`` one
-with ``OptccOptions(check=False)``. At each size (float32 SUM, in place, the same buffers
+with ``OptccOptions(check=False)``, and with ``--no-board`` one whose checks travel on
+the gloo control group even where the ranks share a machine (``OPTCC_BOARD=0``,
+:mod:`optcc_mpi.transports.board`). At each size (float32 SUM, in place, the same buffers
 for all) the groups are timed in turn, the order rotated call by call, ``--iters`` calls
 each, from a barrier on the control group to the end of the call on the slowest rank; the
 first ``--warmup`` calls of each are left out. With ``--queued N``, what is timed is N
@@ -25,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from optcc_mpi import algorithms, transports
+from optcc_mpi import algorithms, config, transports
 from optcc_mpi.argtypes import int_at_least, links_learnt_arg, positive_size_arg
 from optcc_mpi.lab import world
 from optcc_mpi.lab.tools import append_rows, tool_main
@@ -58,6 +60,16 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
             backend="optcc",
             pg_options=ot.OptccOptions(algorithm=args.algorithm, links=args.links, check=False),
         )
+    if args.no_board:
+        # The group's transport decides at its making whether its checks take the board.
+        board, config.rc.board = config.rc.board, False
+        try:
+            groups["optcc noboard"] = dist.new_group(
+                backend="optcc",
+                pg_options=ot.OptccOptions(algorithm=args.algorithm, links=args.links),
+            )
+        finally:
+            config.rc.board = board
     names = list(groups)
     rows: list[dict[str, Any]] = []
     for nbytes in args.sizes:
@@ -154,6 +166,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-check",
         action="store_true",
         help="also time an optcc group with OptccOptions(check=False)",
+    )
+    parser.add_argument(
+        "--no-board",
+        action="store_true",
+        help="also time an optcc group whose checks travel on gloo even where every rank "
+        "is on one machine (as OPTCC_BOARD=0 makes them)",
     )
     parser.add_argument(
         "--queued",

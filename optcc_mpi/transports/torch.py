@@ -68,6 +68,7 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Barri
 from optcc_mpi.backend import torch_backend
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
+from optcc_mpi.transports import board
 from optcc_mpi.transports.base import (
     Capabilities,
     Completion,
@@ -112,6 +113,8 @@ _EXACT = {
     },
 }
 _TRANSPORTS: dict[Any, TorchTransport] = {}
+#: An empty block (a barrier on the board is an allgather of nothing).
+_NOTHING = np.zeros(0, dtype=np.uint8)
 
 
 def group_of(group: Any) -> Any:
@@ -211,10 +214,18 @@ class TorchTransport(Transport["dist.Work"]):
         The job's rank of each member (for ``$OPTCC_LINKS``).
     carriers : Carriers
         The groups the traffic travels on.
+    timeout : datetime.timedelta, optional
+        The groups' timeout, which the board's waits honour too.
     """
 
     def __init__(
-        self, library: str, rank: int, size: int, global_ranks: Sequence[int], carriers: Carriers
+        self,
+        library: str,
+        rank: int,
+        size: int,
+        global_ranks: Sequence[int],
+        carriers: Carriers,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=30),
     ) -> None:
         if library not in ("gloo", "nccl"):
             raise ArgumentError(
@@ -240,11 +251,17 @@ class TorchTransport(Transport["dist.Work"]):
         self._aborted = False
         _LIVE.add(self)
         Transport.__init__(self, rank, size, "network")
-        places = self.allgather((socket.gethostname(), cpu_placement()))
-        hosts = [host for host, _ in places]
+        self.timeout = timeout
+        places = self.allgather((socket.gethostname(), cpu_placement(), board.place()))
+        hosts = [host for host, _, _ in places]
         self.kind = "shared-memory" if len(set(hosts)) == 1 else "network"
         self.hosts = hosts
-        self.crowding = crowding_of([place for _, place in places])
+        self.crowding = crowding_of([cpus for _, cpus, _ in places])
+        # The control exchanges through shared memory where every rank can share it
+        # (board.py); None: through the control group.
+        self.board = board.Board.open(
+            rank, size, [shm for _, _, shm in places], self.allgather, self.crowding
+        )
 
     @classmethod
     def of_group(cls, group: Any) -> TorchTransport:
@@ -297,7 +314,8 @@ class TorchTransport(Transport["dist.Work"]):
             data = ctrl if size == 1 else gloo("up")
             down = data if size == 1 else gloo("down")
             owned = tuple({id(g): g for g in (data, down, ctrl)}.values())
-        return cls(library, rank, size, global_ranks, Carriers(data, down, ctrl, owned))
+        carriers = Carriers(data, down, ctrl, owned)
+        return cls(library, rank, size, global_ranks, carriers, timeout)
 
     def close(self) -> None:
         """The group went away: drop what was kept for it, and shut down the groups this
@@ -305,6 +323,8 @@ class TorchTransport(Transport["dist.Work"]):
         if self.closed:
             return
         super().close()
+        # Unmapped when the last thread inside a wait on it let go (Board).
+        self.board = None
         for group in self._owned:
             try:
                 group.shutdown()
@@ -321,6 +341,8 @@ class TorchTransport(Transport["dist.Work"]):
         :data:`POLL` (:meth:`wait`). The groups are kept to the process's end: a gloo
         group destroyed while its own thread still waits for a peer ends the process."""
         self._aborted = True
+        if self.board is not None:
+            self.board.broken()
         owned, self._owned = self._owned, ()
         _ABORTED.extend(owned)
         for group in owned:
@@ -461,6 +483,10 @@ class TorchTransport(Transport["dist.Work"]):
         return out
 
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
+        on = self.board
+        if on is not None and on.fits(block.nbytes):
+            on.allgather_block(block, out, self._seconds, self._was_aborted, self.describe())
+            return
         into, mine = torch.from_numpy(out.reshape(-1)), torch.from_numpy(block)
         self.wait(self._held(self.ctrl._allgather_base(into, mine, AllgatherOptions()), into, mine))
 
@@ -480,7 +506,17 @@ class TorchTransport(Transport["dist.Work"]):
         self.wait(self._held(self.ctrl.allreduce([t], opts), t))
 
     def barrier(self) -> None:
+        if self.board is not None:
+            self.allgather_block(_NOTHING, _NOTHING.reshape(1, 0).repeat(self.size, 0))
+            return
         self.wait(self.ctrl.barrier(BarrierOptions()))
+
+    @property
+    def _seconds(self) -> float:
+        return self.timeout.total_seconds()
+
+    def _was_aborted(self) -> bool:
+        return self._aborted
 
     def job_links(self, links: Links) -> Links:
         if links.healthy:

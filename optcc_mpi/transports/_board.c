@@ -1,0 +1,146 @@
+/* The board: an allgather of small blocks among the processes of one machine, through a
+ * shared mapping (optcc_mpi/transports/board.py holds the protocol in words).
+ *
+ * A plain C library loaded with ctypes (no Python C API): ctypes releases the GIL around
+ * each call, so a rank waiting here never holds up the process's other threads.
+ *
+ * Layout of the mapping (every offset a multiple of 64, one cache line per writer):
+ *   [0, 64)              the control line: uint32 epoch (the futex word), int32 sleepers,
+ *                        int32 broken (set by a rank that aborts or finds a peer gone)
+ *   [64 + 64 r, +8)      rank r's int64 sequence number: the last block it posted
+ *   data(b, r)           rank r's slot of parity b = seq & 1, `slot` bytes each
+ *
+ * Why two parities suffice: a rank posts block n + 2 into the slot that held block n only
+ * after its wait for block n + 1 returned, which needs every rank to have posted n + 1,
+ * which each does only after it copied block n out. So no slot is overwritten while a
+ * rank may still read it.
+ *
+ * Ordering: the data are stored before the sequence number with release order, and read
+ * after it with acquire order, so a reader that sees seq >= n sees block n's bytes on any
+ * architecture. The sleep is a futex on the epoch (Linux; elsewhere a short nanosleep):
+ * a poster increments the epoch after its sequence number and wakes the sleepers; a
+ * sleeper counts itself among them and rechecks before sleeping, and the futex refuses to
+ * sleep if the epoch moved, so no wake-up is lost (every access here is sequentially
+ * consistent where it matters: the sleeper's count and the poster's read of it).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <sched.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define LINE 64
+
+static inline uint32_t *epoch_of(char *mem) { return (uint32_t *)mem; }
+static inline int32_t *sleepers_of(char *mem) { return (int32_t *)(mem + 4); }
+static inline int32_t *broken_of(char *mem) { return (int32_t *)(mem + 8); }
+static inline int64_t *seq_of(char *mem, int32_t r) { return (int64_t *)(mem + LINE + (int64_t)LINE * r); }
+
+static inline char *slot_of(char *mem, int32_t size, int64_t slot, int64_t seq, int32_t r)
+{
+    int64_t base = LINE + (int64_t)LINE * size;
+    return mem + base + ((seq & 1) * size + r) * slot;
+}
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void wake(char *mem)
+{
+    __atomic_fetch_add(epoch_of(mem), 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(sleepers_of(mem), __ATOMIC_SEQ_CST) > 0) {
+#ifdef __linux__
+        syscall(SYS_futex, epoch_of(mem), FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+#endif
+    }
+}
+
+static void sleep_on(char *mem, uint32_t seen, double seconds)
+{
+    if (seconds <= 0)
+        return;
+    struct timespec ts;
+    ts.tv_sec = (time_t)seconds;
+    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+#ifdef __linux__
+    syscall(SYS_futex, epoch_of(mem), FUTEX_WAIT, seen, &ts, NULL, 0);
+#else
+    (void)seen;
+    if (ts.tv_sec > 0 || ts.tv_nsec > 200000) {
+        ts.tv_sec = 0;
+        ts.tv_nsec = 200000;
+    }
+    nanosleep(&ts, NULL);
+#endif
+}
+
+/* The first rank that has not posted block `seq`, or -1 when all have. */
+static int32_t first_missing(char *mem, int32_t size, int64_t seq)
+{
+    for (int32_t r = 0; r < size; r++)
+        if (__atomic_load_n(seq_of(mem, r), __ATOMIC_ACQUIRE) < seq)
+            return r;
+    return -1;
+}
+
+/* Post this rank's block `seq` (n bytes from src; n <= slot). */
+void optcc_board_post(char *mem, int32_t size, int32_t rank, int64_t slot, int64_t seq,
+                      const char *src, int64_t n)
+{
+    if (n > 0)
+        memcpy(slot_of(mem, size, slot, seq, rank), src, (size_t)n);
+    __atomic_store_n(seq_of(mem, rank), seq, __ATOMIC_SEQ_CST);
+    wake(mem);
+}
+
+/* Wait up to `seconds` for every rank's block `seq`; spin (yielding the CPU) for the first
+ * `spin` seconds, then sleep. Returns -1 when every rank posted it (then each rank's first
+ * n bytes are copied to out + r * n), -2 if the board was marked broken, else the first
+ * rank still missing. */
+int32_t optcc_board_wait(char *mem, int32_t size, int64_t slot, int64_t seq, char *out,
+                         int64_t n, double seconds, double spin)
+{
+    double start = now();
+    int32_t missing = first_missing(mem, size, seq);
+    /* Broken: every wait raises, even one whose ranks all posted (a rank that gave up
+     * on this group may have posted before it did). */
+    while (!__atomic_load_n(broken_of(mem), __ATOMIC_ACQUIRE)) {
+        if (missing < 0)
+            break;
+        double spent = now() - start;
+        if (spent >= seconds)
+            return missing;
+        if (spent < spin) {
+            sched_yield();
+        } else {
+            uint32_t seen = __atomic_load_n(epoch_of(mem), __ATOMIC_SEQ_CST);
+            __atomic_fetch_add(sleepers_of(mem), 1, __ATOMIC_SEQ_CST);
+            if (first_missing(mem, size, seq) >= 0 &&
+                !__atomic_load_n(broken_of(mem), __ATOMIC_SEQ_CST))
+                sleep_on(mem, seen, seconds - spent);
+            __atomic_fetch_sub(sleepers_of(mem), 1, __ATOMIC_SEQ_CST);
+        }
+        missing = first_missing(mem, size, seq);
+    }
+    if (missing >= 0 || __atomic_load_n(broken_of(mem), __ATOMIC_ACQUIRE))
+        return -2;
+    if (n > 0)
+        for (int32_t r = 0; r < size; r++)
+            memcpy(out + (int64_t)r * n, slot_of(mem, size, slot, seq, r), (size_t)n);
+    return -1;
+}
+
+/* Mark the board broken (a rank aborted, or found a peer gone) and wake every sleeper. */
+void optcc_board_break(char *mem)
+{
+    __atomic_store_n(broken_of(mem), 1, __ATOMIC_SEQ_CST);
+    wake(mem);
+}

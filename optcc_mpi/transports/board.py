@@ -1,0 +1,245 @@
+"""The board: the small control exchanges of ranks on one machine, through shared memory.
+
+Every call of the ``optcc`` backend starts with the argument check, one gather of a small
+block from every rank (:mod:`optcc_mpi.check.protocol`), and a short message travels in
+that block. Over gloo that gather is a TCP exchange even between processes of one
+machine: 0.2-0.5 ms at 2 ranks and 2.5 ms at 4 on a 2-core machine
+(``docs/backend/gloo_floor.py``), more than gloo's own AllReduce of a few elements. Where
+every rank of a group is on one machine, :class:`Board` does the same gather through a
+mapping of one shared file instead: each rank copies its block into its slot and raises
+its sequence number, then waits until every rank's number reached the call's and copies
+every slot out. The result is what the gloo gather gives, byte for byte, so the layers
+above cannot tell the two apart, and a rank never needs to know which one its peers used
+(they all use the same: the choice is made once, collectively, when the transport opens).
+
+The synchronisation is in C (``_board.c``, loaded with ctypes, which releases the GIL
+while a rank waits): release/acquire ordering of the data and the sequence numbers, a
+short spin for a peer about to arrive (none where ranks outnumber the cores: there a
+spinning rank would take the core its peer needs), then a futex sleep. Where no C
+compiler is available there is no board, and gloo carries the exchange.
+
+Nothing hangs: a wait wakes every :data:`SLICE` seconds to see whether the group was
+aborted (here, or on another rank: an abort marks the board broken for every rank), whether
+the ranks it waits for still run, and whether the group's timeout passed; each ends the
+wait with an error on this rank, and marks the board broken, so the other ranks raise too
+instead of waiting for a rank that will not come.
+
+Used only where it carries the exchange faithfully: every rank on one machine with one
+``/dev/shm``, one process namespace (so that a process number names a rank) and one
+network namespace (ranks in namespaces of their own are the testbed's emulated machines,
+whose links must carry their traffic), and ``OPTCC_BOARD`` not ``0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+
+from optcc_mpi import compiled, config
+from optcc_mpi.errors import ArgumentError, ExecutionError
+
+__all__ = ["Board", "place", "available", "BLOCKS_TOTAL", "SLICE"]
+
+#: The most bytes every rank's block together may hold for the board to carry the
+#: gather (larger ones go to the library); the mapping holds two such sets.
+BLOCKS_TOTAL = 512 * 1024
+#: How long a wait sleeps at most before it looks at the group, its peers and its timeout.
+SLICE = 0.25
+#: How long a rank spins (yielding its core) for a peer before it sleeps, where every
+#: rank has a core.
+SPIN = 50e-6
+#: Where the shared file is made (a RAM file system on Linux).
+SHM = Path("/dev/shm")
+# The control line and one line per rank's sequence number precede the slots (_board.c).
+_LINE = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    lib = compiled.load(Path(__file__).parent, "_board")
+    if lib is None:
+        return None
+    i32, i64, ptr, dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+    lib.optcc_board_post.restype = None
+    lib.optcc_board_post.argtypes = [ptr, i32, i32, i64, i64, ptr, i64]
+    lib.optcc_board_wait.restype = i32
+    lib.optcc_board_wait.argtypes = [ptr, i32, i64, i64, ptr, i64, dbl, dbl]
+    lib.optcc_board_break.restype = None
+    lib.optcc_board_break.argtypes = [ptr]
+    return lib
+
+
+def available() -> bool:
+    """Whether this process can use a board (the C library loads, ``OPTCC_BOARD``)."""
+    return bool(config.rc.board) and SHM.is_dir() and _lib() is not None
+
+
+def place() -> tuple[str, ...] | None:
+    """What must be the same on every rank for a board to join them (the machine's boot,
+    the ``/dev/shm`` file system, the process and network namespaces), or None where this
+    process cannot use one. Ranks compare these at set-up (:meth:`Board.open`)."""
+    if not available():
+        return None
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        shm = SHM.stat()
+        spaces = tuple(os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "net"))
+    except OSError:  # not Linux, or no /proc: no way to know the ranks share memory
+        return None
+    return (boot, f"{shm.st_dev}:{shm.st_ino}", *spaces)
+
+
+class Board:
+    """A shared-memory allgather of fixed blocks among the ranks of one machine (module
+    docstring). Made collectively by :meth:`open`; use :meth:`allgather_block` from one
+    thread at a time, in the same order on every rank (as every collective).
+
+    Parameters
+    ----------
+    memory : mmap.mmap
+        The shared mapping, laid out as ``_board.c`` describes.
+    rank, size : int
+        This process's rank and the number of ranks.
+    slot : int
+        The bytes of one rank's block at most.
+    pids : sequence of int
+        Every rank's process number (to tell a rank gone from a rank late).
+    spin : float
+        Seconds a wait spins before it sleeps.
+    """
+
+    def __init__(
+        self, memory: mmap.mmap, rank: int, size: int, slot: int, pids: Sequence[int], spin: float
+    ) -> None:
+        lib = _lib()
+        assert lib is not None  # open() made it, so the library loaded
+        self._lib = lib
+        self._memory = memory
+        # The mapping's address, for C; the exported buffer keeps the mapping open for as
+        # long as this object lives (a thread may be inside a wait on it).
+        self._anchor = ctypes.c_char.from_buffer(memory)
+        self._addr = ctypes.addressof(self._anchor)
+        self.rank, self.size, self.slot = rank, size, slot
+        self.pids = list(pids)
+        self.spin = spin
+        self._seq = 0
+
+    @classmethod
+    def open(
+        cls,
+        rank: int,
+        size: int,
+        places: Sequence[tuple[str, ...] | None],
+        allgather: Callable[[object], list[object]],
+        crowding: float = 1.0,
+    ) -> Board | None:
+        """The board of ``size`` ranks, or None on every rank where they cannot share one.
+
+        Collective: ``places`` is every rank's :func:`place` (gathered by the caller), and
+        ``allgather`` the transport's own gather, which carries the file's name from rank
+        0 and every rank's success; rank 0 removes the file once every rank mapped it, so
+        that nothing is left behind whatever happens to the job."""
+        if size < 2 or places[0] is None or any(p != places[0] for p in places):
+            return None
+        slot = max(4096, -(-(BLOCKS_TOTAL // size) // _LINE) * _LINE)
+        nbytes = _LINE * (1 + size) + 2 * size * slot
+        name: str | None = None
+        if rank == 0:
+            try:
+                fd, name = tempfile.mkstemp(prefix="optcc-board-", dir=SHM)
+                try:
+                    os.ftruncate(fd, nbytes)
+                finally:
+                    os.close(fd)
+            except OSError:  # no room in /dev/shm: gloo carries the exchange
+                name = None
+        path = allgather(name)[0]
+        memory: mmap.mmap | None = None
+        if isinstance(path, str):
+            try:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    memory = mmap.mmap(fd, nbytes)
+                finally:
+                    os.close(fd)
+            except OSError:  # another user's file, or it could not be sized
+                memory = None
+        # What every rank sent: whether it mapped the file, and its process number.
+        answers = cast("list[tuple[bool, int]]", allgather((memory is not None, os.getpid())))
+        if rank == 0 and isinstance(path, str):
+            Path(path).unlink(missing_ok=True)
+        if memory is None or not all(ok for ok, _ in answers):
+            return None
+        pids = [int(pid) for _, pid in answers]
+        return cls(memory, rank, size, slot, pids, SPIN if crowding <= 1.0 else 0.0)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether blocks of ``nbytes`` travel on the board (the same on every rank)."""
+        return nbytes <= self.slot
+
+    def allgather_block(
+        self,
+        block: np.ndarray,
+        out: np.ndarray,
+        timeout: float,
+        aborted: Callable[[], bool],
+        what: str,
+    ) -> None:
+        """Every rank's ``block`` (contiguous bytes, the same size everywhere, at most
+        :attr:`slot`) into the rows of ``out``, in rank order.
+
+        Raises
+        ------
+        ArgumentError
+            The group was aborted on this rank (as the transport's waits say it).
+        ExecutionError
+            The group was aborted on another rank, a rank it waits for exited, or
+            ``timeout`` seconds passed; the board is then broken for every rank.
+        """
+        n = block.nbytes
+        seq = self._seq = self._seq + 1
+        lib, addr = self._lib, self._addr
+        lib.optcc_board_post(addr, self.size, self.rank, self.slot, seq, block.ctypes.data, n)
+        start = time.monotonic()
+        while True:
+            missing = lib.optcc_board_wait(
+                addr, self.size, self.slot, seq, out.ctypes.data, n, SLICE, self.spin
+            )
+            if missing == -1:
+                return
+            if missing == -2:
+                raise ExecutionError(
+                    f"{what}: the group was aborted or lost a rank (seen on another rank)"
+                )
+            if aborted():
+                self.broken()
+                raise ArgumentError(f"{what}: the process group was aborted")
+            pid = self.pids[missing]
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                self.broken()
+                raise ExecutionError(
+                    f"{what}: rank {missing} (process {pid}) exited while this rank waited for it"
+                ) from None
+            except PermissionError:  # alive, owned by another user
+                pass
+            if time.monotonic() - start > timeout:
+                self.broken()
+                raise ExecutionError(
+                    f"{what}: rank {missing} did not join the exchange within {timeout:g} s "
+                    "(the group's timeout)"
+                )
+
+    def broken(self) -> None:
+        """Mark the board broken: every rank's wait, now or later, raises."""
+        self._lib.optcc_board_break(self._addr)

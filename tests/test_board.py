@@ -1,0 +1,202 @@
+"""The board: the shared-memory allgather of ranks on one machine
+(optcc_mpi.transports.board).
+
+Ranks as threads of one process (ctypes releases the GIL while a rank waits, so they
+wait on each other for real) and as processes (a rank that exits). Under torchrun the
+board carries the optcc backend's checks: tests/test_torch_backend.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from optcc_mpi import config
+from optcc_mpi.errors import ArgumentError, ExecutionError
+from optcc_mpi.transports import board
+
+pytestmark = pytest.mark.skipif(not board.available(), reason="no board: no C compiler here")
+
+
+def thread_allgather(size: int) -> Callable[[int], Callable[[object], list[object]]]:
+    """An allgather among ``size`` threads: ``gather_of(rank)(obj)``."""
+    slots: list[object] = [None] * size
+    first, second = threading.Barrier(size), threading.Barrier(size)
+
+    def gather_of(rank: int) -> Callable[[object], list[object]]:
+        def gather(obj: object) -> list[object]:
+            slots[rank] = obj
+            first.wait()
+            got = list(slots)
+            second.wait()
+            return got
+
+        return gather
+
+    return gather_of
+
+
+def run_ranks(size: int, body: Callable[[int, board.Board], object]) -> list[object]:
+    """``body(rank, board)`` on ``size`` threads sharing one board; each one's result (an
+    exception is returned, not raised)."""
+    gather_of = thread_allgather(size)
+    places = [board.place()] * size
+    results: list[object] = [None] * size
+
+    def rank_main(rank: int) -> None:
+        try:
+            b = board.Board.open(rank, size, places, gather_of(rank))
+            assert b is not None
+            results[rank] = body(rank, b)
+        except BaseException as exc:  # reported to the test
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_every_rank_gets_every_block_in_rank_order(size: int) -> None:
+    """Blocks of changing sizes (the same size on every rank within a call, as the
+    contract says), many calls back to back: each call's rows are exactly each rank's
+    block, whatever the ranks' relative speed (the slots of two parities in turn)."""
+    sizes = [0, 1, 96, 352, 4096, 65_536 // size, 96 + board.BLOCKS_TOTAL // size]
+    calls = 200
+
+    def body(rank: int, b: board.Board) -> int:
+        gen = np.random.default_rng(rank)
+        for i in range(calls):
+            n = min(sizes[i % len(sizes)], b.slot)
+            block = np.frombuffer(np.random.default_rng([i, rank]).bytes(n), np.uint8)
+            out = np.full((size, n), 0xAB, dtype=np.uint8)
+            b.allgather_block(block, out, 60.0, lambda: False, "test")
+            for r in range(size):
+                want = np.frombuffer(np.random.default_rng([i, r]).bytes(n), np.uint8)
+                assert np.array_equal(out[r], want), (i, r)
+            if gen.random() < 0.1:  # one rank late now and then
+                time.sleep(0.002)
+        return calls
+
+    assert run_ranks(size, body) == [calls] * size
+
+
+@pytest.mark.parametrize("size", [2, 4, 32])
+def test_the_checks_largest_block_travels_on_the_board(size: int) -> None:
+    """The argument check's block (its header and the largest room it gives short
+    messages, optcc_mpi.check.state) fits a slot, so that every check of a group on one
+    machine takes the board."""
+    from optcc_mpi.check.state import HEADER_BYTES, rooms
+
+    largest = HEADER_BYTES + max(rooms(size))
+    assert run_ranks(size, lambda rank, b: b.fits(largest)) == [True] * size
+
+
+def test_no_board_where_the_ranks_cannot_share_one() -> None:
+    """Another machine, another namespace, or a rank with no board: None on every rank,
+    decided before anything is made."""
+    here = board.place()
+    assert here is not None
+    other = (here[0], here[1], here[2], "net:[1]")
+    gather_of = thread_allgather(2)
+    for places in ([here, other], [here, None], [None, None]):
+        for rank in (0, 1):
+            assert board.Board.open(rank, 2, places, gather_of(rank)) is None
+
+
+def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPTCC_BOARD", "0")
+    config.reload()
+    try:
+        assert board.place() is None and not board.available()
+    finally:
+        monkeypatch.undo()
+        config.reload()
+    assert board.available()
+
+
+def test_a_rank_that_never_comes_times_out_and_breaks_the_board() -> None:
+    """Rank 1 stops after the first call: rank 0's second call raises within the timeout,
+    naming rank 1, and a later call of rank 1 raises too (the board is broken), so no rank
+    waits for one that will not come."""
+    gone = threading.Event()
+
+    def body(rank: int, b: board.Board) -> str:
+        empty = np.zeros(0, np.uint8)
+        rows = np.zeros((2, 0), np.uint8)
+        b.allgather_block(empty, rows, 30.0, lambda: False, "test")
+        if rank == 1:
+            gone.wait(60)
+            with pytest.raises(ExecutionError, match="aborted or lost a rank"):
+                b.allgather_block(empty, rows, 30.0, lambda: False, "test")
+            return "raised"
+        start = time.monotonic()
+        try:
+            with pytest.raises(ExecutionError, match="rank 1 did not join .* 0.6 s"):
+                b.allgather_block(empty, rows, 0.6, lambda: False, "test")
+        finally:
+            gone.set()
+        return f"{time.monotonic() - start:.1f}"
+
+    first, second = run_ranks(2, body)
+    assert second == "raised", second
+    assert isinstance(first, str) and float(first) >= 0.6, first
+
+
+def test_an_abort_wakes_the_waiting_rank() -> None:
+    """The group aborted on this rank while it waits: the wait raises at its next look
+    (within the slice), not at the timeout."""
+    aborted = threading.Event()
+
+    def body(rank: int, b: board.Board) -> str:
+        empty, rows = np.zeros(0, np.uint8), np.zeros((2, 0), np.uint8)
+        if rank == 1:
+            aborted.set()
+            return "away"
+        threading.Timer(0.1, aborted.set).start()
+        with pytest.raises(ArgumentError, match="was aborted"):
+            b.allgather_block(empty, rows, 600.0, aborted.is_set, "test")
+        return "raised"
+
+    assert run_ranks(2, body) == ["raised", "away"]
+
+
+def _child(conn: object) -> None:  # pragma: no cover (runs in the child)
+    def gather(obj: object) -> list[object]:
+        conn.send(obj)  # type: ignore[attr-defined]
+        return [conn.recv(), obj]  # type: ignore[attr-defined]
+
+    b = board.Board.open(1, 2, [board.place()] * 2, gather)
+    assert b is not None
+    rows = np.zeros((2, 8), np.uint8)
+    b.allgather_block(np.ones(8, np.uint8), rows, 60.0, lambda: False, "child")
+    # and exits without the next call
+
+
+def test_a_rank_that_exited_is_named_within_seconds() -> None:
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_child, args=(there,))
+    child.start()
+
+    def gather(obj: object) -> list[object]:
+        here.send(obj)
+        return [obj, here.recv()]
+
+    b = board.Board.open(0, 2, [board.place()] * 2, gather)
+    assert b is not None
+    rows = np.zeros((2, 8), np.uint8)
+    b.allgather_block(np.zeros(8, np.uint8), rows, 60.0, lambda: False, "test")
+    assert rows[1].tolist() == [1] * 8
+    child.join(60)
+    with pytest.raises(ExecutionError, match=rf"rank 1 \(process {child.pid}\) exited"):
+        b.allgather_block(np.zeros(8, np.uint8), rows, 600.0, lambda: False, "test")
