@@ -96,6 +96,8 @@ class _Wire:
     """A transport of one rank pretending to be ``size`` (max over ranks: itself); with
     ``compiled``, one the compiled path could drive (as MPI's), whose limit is measured."""
 
+    gather_total: int | None = None
+
     def __init__(self, compiled: bool = True, size: int = 2) -> None:
         self.name, self.size, self.rank = "mpi" if compiled else "gloo", size, 0
         self.maxed = 0
@@ -215,3 +217,15 @@ def test_nothing_measured_over_torch(setting: Any, monkeypatch: pytest.MonkeyPat
     setting(None)
     monkeypatch.setattr(crossover, "_cases", lambda *a: pytest.fail("measured"))
     assert crossover.decide(_state(_Wire(compiled=False, size=4))) == FOLD_TOTAL // 4
+
+
+def test_a_cheap_gather_gathers_longer_messages(setting: Any) -> None:
+    """A transport whose gather is cheap (the board of ranks on one machine) declares
+    how much every rank's block together may hold: the limit is its share, a power of two
+    (and the rooms the check can have go that far)."""
+    setting(None)
+    wire = _Wire(compiled=False, size=3)
+    wire.gather_total = 3 << 20
+    assert crossover.decide(_state(wire)) == 1 << 20
+    assert rooms(3, total=wire.gather_total)[-1] == 1 << 20
+    assert room_for(3, (1 << 20) - 1, 1 << 20) == 1 << 20

@@ -36,7 +36,9 @@ loaded the machine is.
 instead: for results that must not depend on a measurement (the library's AllReduce may
 reduce in another order than rank order at p > 2), or to compare. It must be the same on
 every rank (checked when first used, with the same error on every rank). Over
-torch.distributed the limit stays ``FOLD_TOTAL / p`` unless set.
+torch.distributed the limit stays the largest room unless set: ``FOLD_TOTAL / p``, or
+the transport's :attr:`~optcc_mpi.transports.Transport.gather_total` over p where its
+gather is cheap (ranks on one machine sharing a board, :mod:`optcc_mpi.transports.board`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def decide(st: CheckState) -> int:
     differs across ranks or does not parse."""
     if st.gather_limit is not None:
         return st.gather_limit
-    choices = list(rooms(st.size))
+    choices = list(rooms(st.size, total=st.transport.gather_total))
     text = config.rc.gather_limit
     wanted, err = -1, None
     if text is not None:

@@ -56,11 +56,14 @@ FOLD_MIN = 256
 FOLD_TOTAL = 256 * 1024
 
 
-def rooms(p: int, limit: int | None = None) -> tuple[int, ...]:
+def rooms(p: int, limit: int | None = None, total: int | None = None) -> tuple[int, ...]:
     """The rooms the check can have on ``p`` ranks, smallest first: :data:`FOLD_MIN`
-    times a power of two, up to ``limit`` (default ``FOLD_TOTAL / p``, at least
-    :data:`FOLD_MIN`). The least room is always one."""
-    top = max(FOLD_MIN, FOLD_TOTAL // max(p, 1)) if limit is None else limit
+    times a power of two, up to ``limit`` (default ``total / p``, at least
+    :data:`FOLD_MIN`; ``total``: the transport's
+    :attr:`~optcc_mpi.transports.Transport.gather_total`, default :data:`FOLD_TOTAL`).
+    The least room is always one."""
+    total = FOLD_TOTAL if total is None else total
+    top = max(FOLD_MIN, total // max(p, 1)) if limit is None else limit
     out = [FOLD_MIN]
     while out[-1] * 2 <= top:
         out.append(out[-1] * 2)

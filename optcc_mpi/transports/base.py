@@ -29,6 +29,12 @@ Declared
 ``rank``, ``size``, ``kind``
     Passed to ``Transport.__init__``: this process's rank, the number of ranks, and
     ``"shared-memory"`` (every rank on one node) or ``"network"``.
+``gather_total``
+    Where :meth:`~Transport.allgather_block` is much cheaper than the library's
+    AllReduce (the board of ranks on one machine), the bytes of every rank's block
+    together up to which short messages should travel in the argument check and be
+    reduced on every rank; None (the default): the check's own
+    (:data:`~optcc_mpi.check.state.FOLD_TOTAL`).
 ``crowding``
     Ranks per core where the ranks share CPUs, the same on every rank (1.0, the default,
     where unknown): a transport that can learn it at set-up sets it from
@@ -195,6 +201,9 @@ class Transport(Generic[Req]):
     #: no more ranks than cores); builders charge each message's fixed cost that many
     #: times (:func:`crowding_of`).
     crowding: float = 1.0
+    #: Every rank's block together, in bytes, up to which short messages travel in the
+    #: argument check (None: the check's own default); set where the gather is cheap.
+    gather_total: int | None = None
 
     def __init__(self, rank: int, size: int, kind: str) -> None:
         self.rank = rank

@@ -47,11 +47,14 @@ import numpy as np
 from optcc_mpi import compiled, config
 from optcc_mpi.errors import ArgumentError, ExecutionError
 
-__all__ = ["Board", "place", "available", "BLOCKS_TOTAL", "SLICE"]
+__all__ = ["Board", "place", "available", "BLOCKS_TOTAL", "SLOT_EXTRA", "SLICE"]
 
-#: The most bytes every rank's block together may hold for the board to carry the
-#: gather (larger ones go to the library); the mapping holds two such sets.
-BLOCKS_TOTAL = 512 * 1024
+#: The most bytes of data every rank's block together may hold for the board to carry the
+#: gather (larger ones go to the library); each slot has :data:`SLOT_EXTRA` more for a
+#: header, and the mapping holds two sets of slots (8 MiB and a little more in all).
+BLOCKS_TOTAL = 4 << 20
+#: Room in each slot beyond its share of :data:`BLOCKS_TOTAL`, for the check's header.
+SLOT_EXTRA = 4096
 #: How long a wait sleeps at most before it looks at the group, its peers and its timeout.
 SLICE = 0.25
 #: How long a rank spins (yielding its core) for a peer before it sleeps, where every
@@ -150,14 +153,16 @@ class Board:
         that nothing is left behind whatever happens to the job."""
         if size < 2 or places[0] is None or any(p != places[0] for p in places):
             return None
-        slot = max(4096, -(-(BLOCKS_TOTAL // size) // _LINE) * _LINE)
+        slot = -(-(BLOCKS_TOTAL // size + SLOT_EXTRA) // _LINE) * _LINE
         nbytes = _LINE * (1 + size) + 2 * size * slot
         name: str | None = None
         if rank == 0:
             try:
                 fd, name = tempfile.mkstemp(prefix="optcc-board-", dir=SHM)
                 try:
-                    os.ftruncate(fd, nbytes)
+                    # The pages reserved now: a RAM file system that fills up later would
+                    # end a rank that touches an unreserved page with SIGBUS.
+                    os.posix_fallocate(fd, 0, nbytes)
                 finally:
                     os.close(fd)
             except OSError:  # no room in /dev/shm: gloo carries the exchange

@@ -262,6 +262,11 @@ class TorchTransport(Transport["dist.Work"]):
         self.board = board.Board.open(
             rank, size, [shm for _, _, shm in places], self.allgather, self.crowding
         )
+        if self.board is not None:
+            # Gathering and reducing on every rank beats gloo's AllReduce here (a copy in,
+            # p copies out, no TCP): short messages up to the board's size travel in the
+            # check (docs/results.md).
+            self.gather_total = board.BLOCKS_TOTAL
 
     @classmethod
     def of_group(cls, group: Any) -> TorchTransport:
