@@ -892,6 +892,8 @@ def _run_data(st: CommState, call: _Call) -> None:
         # device array, a tensor): gathered and reduced in rank order all the same, so
         # that what auto returns never depends on which calls came before.
         _gather_reduce(st, call.opn, call.flat_in, flat_out, backend)
+        if call.watched:  # (as a call the library served: nothing timed, the log told)
+            st.watch_made().unobserved(st.rank, plan.schedule)
         return
     # Out of place, the send buffer is read where the input is first needed (by the
     # executor, by the keys' conversion) rather than copied into recvbuf first: one pass
