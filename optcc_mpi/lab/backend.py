@@ -93,7 +93,10 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                 dt = max(wire.allgather(time.perf_counter() - t0))
                 stats = getattr(works[-1], "stats", None)
                 if stats:
-                    ran[name].add(str(stats.get("algorithm")))
+                    # (in the check: every rank's data gathered with it, reduced in
+                    # rank order on every rank)
+                    inline = " in the check" if stats.get("inline") else ""
+                    ran[name].add(f"{stats.get('algorithm')}{inline}")
                 if i >= args.warmup:
                     times[name].append(dt)
         ref = statistics.median(times["gloo"])
