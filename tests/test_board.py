@@ -9,6 +9,7 @@ board carries the optcc backend's checks: tests/test_torch_backend.py.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -111,6 +112,56 @@ def test_no_board_where_the_ranks_cannot_share_one() -> None:
     for places in ([here, other], [here, None], [None, None]):
         for rank in (0, 1):
             assert board.Board.open(rank, 2, places, gather_of(rank)) is None
+
+
+def open_on_threads(size: int) -> list[board.Board | None]:
+    """:meth:`Board.open` on ``size`` threads named ``rank-R``; each one's result."""
+    gather_of = thread_allgather(size)
+    got: list[board.Board | None] = [None] * size
+
+    def rank_main(rank: int) -> None:
+        got[rank] = board.Board.open(rank, size, [board.place()] * size, gather_of(rank))
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}") for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+def test_no_room_in_dev_shm_leaves_every_rank_on_the_library(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 cannot reserve the file (a full /dev/shm), or another rank cannot map it:
+    None on every rank (the exchange stays on the library), and no file is left."""
+    made: list[str] = []
+    real_mkstemp, real_mmap = board.tempfile.mkstemp, board.mmap.mmap
+
+    def mkstemp(**kw: object) -> tuple[int, str]:
+        fd, name = real_mkstemp(**kw)  # type: ignore[call-overload]
+        made.append(name)
+        return fd, name
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    def map_but_rank_1(fd: int, n: int) -> object:
+        if threading.current_thread().name == "rank-1":
+            raise OSError(12, "Cannot allocate memory")
+        return real_mmap(fd, n)
+
+    monkeypatch.setattr(board.tempfile, "mkstemp", mkstemp)
+    with monkeypatch.context() as m:
+        m.setattr(board.os, "posix_fallocate", no_room)
+        assert open_on_threads(3) == [None, None, None]
+    with monkeypatch.context() as m:
+        m.setattr(board.mmap, "mmap", map_but_rank_1)
+        assert open_on_threads(3) == [None, None, None]
+    assert len(made) == 2 and not any(os.path.exists(name) for name in made)
+    # and with room, every rank has it, and the name is gone already
+    assert all(b is not None for b in open_on_threads(3))
+    assert len(made) == 3 and not os.path.exists(made[-1])
 
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

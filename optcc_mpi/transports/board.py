@@ -166,22 +166,28 @@ class Board:
                 finally:
                     os.close(fd)
             except OSError:  # no room in /dev/shm: gloo carries the exchange
+                if name is not None:
+                    Path(name).unlink(missing_ok=True)
                 name = None
-        path = allgather(name)[0]
-        memory: mmap.mmap | None = None
-        if isinstance(path, str):
-            try:
-                fd = os.open(path, os.O_RDWR)
+        try:
+            path = allgather(name)[0]
+            memory: mmap.mmap | None = None
+            if isinstance(path, str):
                 try:
-                    memory = mmap.mmap(fd, nbytes)
-                finally:
-                    os.close(fd)
-            except OSError:  # another user's file, or it could not be sized
-                memory = None
-        # What every rank sent: whether it mapped the file, and its process number.
-        answers = cast("list[tuple[bool, int]]", allgather((memory is not None, os.getpid())))
-        if rank == 0 and isinstance(path, str):
-            Path(path).unlink(missing_ok=True)
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        memory = mmap.mmap(fd, nbytes)
+                    finally:
+                        os.close(fd)
+                except OSError:  # another user's file, or it could not be sized
+                    memory = None
+            # What every rank sent: whether it mapped the file, and its process number.
+            gathered = allgather((memory is not None, os.getpid()))
+            answers = cast("list[tuple[bool, int]]", gathered)
+        finally:
+            # Every rank mapped it (or one failed: the gather raised): the name goes.
+            if name is not None:
+                Path(name).unlink(missing_ok=True)
         if memory is None or not all(ok for ok, _ in answers):
             return None
         pids = [int(pid) for _, pid in answers]
