@@ -105,10 +105,10 @@ _ALL = (
     Variable(
         "OPTCC_BOARD",
         "1",
-        "`0` sends the small control exchanges of a torch.distributed group (the argument "
-        "check, and the short messages that travel with it) through gloo even where every "
-        "rank is on one machine, instead of the shared-memory board "
-        "(`optcc_mpi.transports.board`; the same results).",
+        "`0` sends the exchanges of a torch.distributed group's ranks (the argument check, "
+        "the short messages that travel with it, the AllReduce of CPU tensors) through gloo "
+        "even where every rank is on one machine, instead of the shared-memory board "
+        "(`optcc_mpi.transports.board`; the same results on every rank).",
         "collectives",
         "flag",
     ),

@@ -80,7 +80,7 @@ def test_every_rank_gets_every_block_in_rank_order(size: int) -> None:
             n = min(sizes[i % len(sizes)], b.slot)
             block = np.frombuffer(np.random.default_rng([i, rank]).bytes(n), np.uint8)
             out = np.full((size, n), 0xAB, dtype=np.uint8)
-            b.allgather_block(block, out, 60.0, lambda: False, "test")
+            b.allgather_block(block, out)
             for r in range(size):
                 want = np.frombuffer(np.random.default_rng([i, r]).bytes(n), np.uint8)
                 assert np.array_equal(out[r], want), (i, r)
@@ -91,6 +91,47 @@ def test_every_rank_gets_every_block_in_rank_order(size: int) -> None:
     assert run_ranks(size, body) == [calls] * size
 
 
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_allreduce_in_rank_order_and_the_same_bits_everywhere(size: int) -> None:
+    """The board's AllReduce: every op the torch transport sends it, sizes from one
+    element to several chunks (not multiples of p), checked against the rank-order
+    reduction in NumPy (the bits, not a tolerance: the order is the contract) and against
+    a float64 reference; mixed with gathers on the same board, as the check and the data
+    alternate on a group."""
+    from optcc_mpi.reductions import reduce_with
+
+    cases = [("sum", np.float32), ("sum", np.float64), ("sum", np.int64), ("prod", np.float64),
+             ("max", np.int32), ("min", np.int8), ("bxor", np.int64)]  # fmt: skip
+
+    def inputs(case: int, r: int, n: int, dtype: type) -> np.ndarray:
+        gen = np.random.default_rng([case, r, n])
+        if np.issubdtype(dtype, np.floating):
+            return gen.standard_normal(n).astype(dtype)
+        return gen.integers(-100, 100, n).astype(dtype)
+
+    def body(rank: int, b: board.Board) -> int:
+        checked = 0
+        counts = [1, size - 1, 1001, (b.slot // 4) * 2 + 7]
+        for case, (op, dtype) in enumerate(cases):
+            for n in counts:
+                x = inputs(case, rank, n, dtype)
+                b.allreduce(x, op)
+                want = inputs(case, 0, n, dtype)
+                for r in range(1, size):
+                    reduce_with(np, op, want, inputs(case, r, n, dtype))
+                assert x.tobytes() == want.tobytes(), (op, dtype, n)
+                if op == "sum" and dtype is np.float32:
+                    ref = sum(inputs(case, r, n, dtype).astype(np.float64) for r in range(size))
+                    assert np.allclose(x, ref, rtol=1e-5, atol=1e-5)
+                rows = np.zeros((size, 8), np.uint8)  # a gather between the reductions
+                b.allgather_block(np.full(8, rank, np.uint8), rows)
+                assert rows[:, 0].tolist() == list(range(size))
+                checked += 1
+        return checked
+
+    assert run_ranks(size, body) == [28] * size
+
+
 @pytest.mark.parametrize("size", [2, 4, 32])
 def test_the_checks_largest_block_travels_on_the_board(size: int) -> None:
     """The argument check's block (its header and the largest room it gives short
@@ -98,7 +139,7 @@ def test_the_checks_largest_block_travels_on_the_board(size: int) -> None:
     machine takes the board."""
     from optcc_mpi.check.state import HEADER_BYTES, rooms
 
-    largest = HEADER_BYTES + max(rooms(size, total=board.BLOCKS_TOTAL))
+    largest = HEADER_BYTES + max(rooms(size, total=board.GATHER_TOTAL))
     assert run_ranks(size, lambda rank, b: b.fits(largest)) == [True] * size
 
 
@@ -184,16 +225,17 @@ def test_a_rank_that_never_comes_times_out_and_breaks_the_board() -> None:
     def body(rank: int, b: board.Board) -> str:
         empty = np.zeros(0, np.uint8)
         rows = np.zeros((2, 0), np.uint8)
-        b.allgather_block(empty, rows, 30.0, lambda: False, "test")
+        b.allgather_block(empty, rows)
         if rank == 1:
             gone.wait(60)
             with pytest.raises(ExecutionError, match="aborted or lost a rank"):
-                b.allgather_block(empty, rows, 30.0, lambda: False, "test")
+                b.allgather_block(empty, rows)
             return "raised"
         start = time.monotonic()
+        b.timeout = 0.6
         try:
             with pytest.raises(ExecutionError, match="rank 1 did not join .* 0.6 s"):
-                b.allgather_block(empty, rows, 0.6, lambda: False, "test")
+                b.allgather_block(empty, rows)
         finally:
             gone.set()
         return f"{time.monotonic() - start:.1f}"
@@ -214,8 +256,9 @@ def test_an_abort_wakes_the_waiting_rank() -> None:
             aborted.set()
             return "away"
         threading.Timer(0.1, aborted.set).start()
+        b.aborted = aborted.is_set
         with pytest.raises(ArgumentError, match="was aborted"):
-            b.allgather_block(empty, rows, 600.0, aborted.is_set, "test")
+            b.allgather_block(empty, rows)
         return "raised"
 
     assert run_ranks(2, body) == ["raised", "away"]
@@ -229,7 +272,7 @@ def _child(conn: object) -> None:  # pragma: no cover (runs in the child)
     b = board.Board.open(1, 2, [board.place()] * 2, gather)
     assert b is not None
     rows = np.zeros((2, 8), np.uint8)
-    b.allgather_block(np.ones(8, np.uint8), rows, 60.0, lambda: False, "child")
+    b.allgather_block(np.ones(8, np.uint8), rows)
     # and exits without the next call
 
 
@@ -246,8 +289,8 @@ def test_a_rank_that_exited_is_named_within_seconds() -> None:
     b = board.Board.open(0, 2, [board.place()] * 2, gather)
     assert b is not None
     rows = np.zeros((2, 8), np.uint8)
-    b.allgather_block(np.zeros(8, np.uint8), rows, 60.0, lambda: False, "test")
+    b.allgather_block(np.zeros(8, np.uint8), rows)
     assert rows[1].tolist() == [1] * 8
     child.join(60)
     with pytest.raises(ExecutionError, match=rf"rank 1 \(process {child.pid}\) exited"):
-        b.allgather_block(np.zeros(8, np.uint8), rows, 600.0, lambda: False, "test")
+        b.allgather_block(np.zeros(8, np.uint8), rows)

@@ -1,4 +1,4 @@
-"""The board: the small control exchanges of ranks on one machine, through shared memory.
+"""The board: the exchanges of a torch group's ranks on one machine, through shared memory.
 
 Every call of the ``optcc`` backend starts with the argument check, one gather of a small
 block from every rank (:mod:`optcc_mpi.check.protocol`), and a short message travels in
@@ -11,6 +11,12 @@ its sequence number, then waits until every rank's number reached the call's and
 every slot out. The result is what the gloo gather gives, byte for byte, so the layers
 above cannot tell the two apart, and a rank never needs to know which one its peers used
 (they all use the same: the choice is made once, collectively, when the transport opens).
+
+The same mapping carries the group's AllReduce of host data (:meth:`Board.allreduce`, in
+place of gloo's): chunk by chunk, each rank posts its chunk, reduces its p-th of every
+rank's in rank order and posts that part, then copies every part out: each element
+reduced once, by one rank, in rank order, so that every rank holds the same bits. Short
+messages (up to :data:`GATHER_TOTAL` over p) travel in the check itself instead.
 
 The synchronisation is in C (``_board.c``, loaded with ctypes, which releases the GIL
 while a rank waits): release/acquire ordering of the data and the sequence numbers, a
@@ -46,13 +52,21 @@ import numpy as np
 
 from optcc_mpi import compiled, config
 from optcc_mpi.errors import ArgumentError, ExecutionError
+from optcc_mpi.reductions import reduce_with
 
-__all__ = ["Board", "place", "available", "BLOCKS_TOTAL", "SLOT_EXTRA", "SLICE"]
+__all__ = ["Board", "place", "available", "BLOCKS_TOTAL", "GATHER_TOTAL", "SLOT_EXTRA", "SLICE"]
 
-#: The most bytes of data every rank's block together may hold for the board to carry the
-#: gather (larger ones go to the library); each slot has :data:`SLOT_EXTRA` more for a
-#: header, and the mapping holds two sets of slots (8 MiB and a little more in all).
+#: The bytes of data every rank's slot together holds: the largest gather the board
+#: carries (larger ones go to the library), and the chunk of :meth:`Board.allreduce`;
+#: each slot has :data:`SLOT_EXTRA` more for a header, and the mapping holds two sets of
+#: slots (8 MiB and a little more in all).
 BLOCKS_TOTAL = 4 << 20
+#: Every rank's data together up to which a short message travels in the argument check
+#: on a board (gathered, then reduced on every rank: one exchange, p copies out) rather
+#: than through :meth:`Board.allreduce` (two exchanges, one copy out): 256 KiB, 512 KiB
+#: and 1 MiB compared on 2 cores at 2 and 4 ranks, within noise of each other, 1 MiB the
+#: least (docs/results.md).
+GATHER_TOTAL = 1 << 20
 #: Room in each slot beyond its share of :data:`BLOCKS_TOTAL`, for the check's header.
 SLOT_EXTRA = 4096
 #: How long a wait sleeps at most before it looks at the group, its peers and its timeout.
@@ -64,6 +78,10 @@ SPIN = 50e-6
 SHM = Path("/dev/shm")
 # The control line and one line per rank's sequence number precede the slots (_board.c).
 _LINE = 64
+
+
+def _never() -> bool:
+    return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -135,6 +153,13 @@ class Board:
         self.pids = list(pids)
         self.spin = spin
         self._seq = 0
+        self._bytes = np.frombuffer(memory, dtype=np.uint8)
+        #: Seconds a wait may last (the group's timeout; the owner sets it).
+        self.timeout = 1800.0
+        #: Whether the owner was aborted (a wait then raises at its next look).
+        self.aborted: Callable[[], bool] = _never
+        #: What the errors name (the owner's description).
+        self.what = "board"
 
     @classmethod
     def open(
@@ -197,33 +222,75 @@ class Board:
         """Whether blocks of ``nbytes`` travel on the board (the same on every rank)."""
         return nbytes <= self.slot
 
-    def allgather_block(
-        self,
-        block: np.ndarray,
-        out: np.ndarray,
-        timeout: float,
-        aborted: Callable[[], bool],
-        what: str,
-    ) -> None:
+    def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
         """Every rank's ``block`` (contiguous bytes, the same size everywhere, at most
         :attr:`slot`) into the rows of ``out``, in rank order.
 
         Raises
         ------
         ArgumentError
-            The group was aborted on this rank (as the transport's waits say it).
+            The group was aborted on this rank (:attr:`aborted`; as the transport's waits
+            say it).
         ExecutionError
             The group was aborted on another rank, a rank it waits for exited, or
-            ``timeout`` seconds passed; the board is then broken for every rank.
+            :attr:`timeout` seconds passed; the board is then broken for every rank.
         """
         n = block.nbytes
+        seq = self._post(block.ctypes.data, n)
+        self._wait(seq, out.ctypes.data, n)
+
+    def allreduce(self, arr: np.ndarray, op: str) -> None:
+        """``arr`` (1-D, contiguous, the same size and type on every rank) replaced in
+        place by every rank's, reduced element-wise in rank order
+        (:func:`optcc_mpi.reductions.reduce_with`), so that every rank holds the same
+        bits. Chunk by chunk: every rank posts its chunk, reduces its p-th of it from
+        every rank's slot and posts that part in its slot of the other parity, then copies
+        every rank's part out (a reduce-scatter and an allgather through the mapping,
+        each rank reading each element once). Raises as :meth:`allgather_block`."""
+        p, item = self.size, arr.dtype.itemsize
+        flat = arr.view(np.uint8)
+        # Elements per chunk: a multiple of p, so that every part is whole elements.
+        per = max(p, (self.slot // item) // p * p)
+        count = arr.size
+        for lo in range(0, count, per):
+            m = min(per, count - lo)
+            cut = [lo + (m * r) // p for r in range(p + 1)]
+            mine = slice(cut[self.rank] - lo, cut[self.rank + 1] - lo)
+            seq = self._post(flat[lo * item :].ctypes.data, m * item)
+            self._wait(seq, 0, 0)
+            rows = [self._row(seq, r, arr.dtype, m) for r in range(p)]
+            part = self._row(seq + 1, self.rank, arr.dtype, mine.stop - mine.start)
+            np.copyto(part, rows[0][mine])
+            # As the library's AllReduce: an overflow is the result, not a warning (a
+            # warning raised as an error on one rank alone would leave the others waiting).
+            with np.errstate(all="ignore"):
+                for row in rows[1:]:
+                    reduce_with(np, op, part, row[mine])
+            self._wait(self._post(0, 0), 0, 0)
+            for r in range(p):
+                width = cut[r + 1] - cut[r]
+                arr[cut[r] : cut[r + 1]] = self._row(seq + 1, r, arr.dtype, width)
+
+    def _row(self, seq: int, r: int, dtype: np.dtype, n: int) -> np.ndarray:
+        """Rank ``r``'s slot of block ``seq`` as ``n`` elements of ``dtype``."""
+        at = _LINE * (1 + self.size) + ((seq & 1) * self.size + r) * self.slot
+        return self._bytes[at : at + n * dtype.itemsize].view(dtype)
+
+    def _post(self, src: int, n: int) -> int:
+        """Post the next block (``n`` bytes from address ``src``; none: the slot was
+        written in place); its sequence number."""
         seq = self._seq = self._seq + 1
-        lib, addr = self._lib, self._addr
-        lib.optcc_board_post(addr, self.size, self.rank, self.slot, seq, block.ctypes.data, n)
+        self._lib.optcc_board_post(self._addr, self.size, self.rank, self.slot, seq, src, n)
+        return seq
+
+    def _wait(self, seq: int, out: int, n: int) -> None:
+        """Wait for every rank's block ``seq``, copying each one's first ``n`` bytes to
+        address ``out`` (rank by rank), looking at the group between slices."""
+        lib, addr, what = self._lib, self._addr, self.what
         start = time.monotonic()
         while True:
             missing = lib.optcc_board_wait(
-                addr, self.size, self.slot, seq, out.ctypes.data, n, SLICE, self.spin
+                addr, self.size, self.slot, seq, out, n, SLICE, self.spin
             )
             if missing == -1:
                 return
@@ -231,7 +298,7 @@ class Board:
                 raise ExecutionError(
                     f"{what}: the group was aborted or lost a rank (seen on another rank)"
                 )
-            if aborted():
+            if self.aborted():
                 self.broken()
                 raise ArgumentError(f"{what}: the process group was aborted")
             pid = self.pids[missing]
@@ -244,11 +311,11 @@ class Board:
                 ) from None
             except PermissionError:  # alive, owned by another user
                 pass
-            if time.monotonic() - start > timeout:
+            if time.monotonic() - start > self.timeout:
                 self.broken()
                 raise ExecutionError(
-                    f"{what}: rank {missing} did not join the exchange within {timeout:g} s "
-                    "(the group's timeout)"
+                    f"{what}: rank {missing} did not join the exchange within "
+                    f"{self.timeout:g} s (the group's timeout)"
                 )
 
     def broken(self) -> None:

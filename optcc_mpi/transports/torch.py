@@ -115,6 +115,8 @@ _EXACT = {
 _TRANSPORTS: dict[Any, TorchTransport] = {}
 #: An empty block (a barrier on the board is an allgather of nothing).
 _NOTHING = np.zeros(0, dtype=np.uint8)
+#: The request of an AllReduce done when it was started (on the board).
+_DONE = object()
 
 
 def group_of(group: Any) -> Any:
@@ -263,10 +265,11 @@ class TorchTransport(Transport["dist.Work"]):
             rank, size, [shm for _, _, shm in places], self.allgather, self.crowding
         )
         if self.board is not None:
-            # Gathering and reducing on every rank beats gloo's AllReduce here (a copy in,
-            # p copies out, no TCP): short messages up to the board's size travel in the
-            # check (docs/results.md).
-            self.gather_total = board.BLOCKS_TOTAL
+            self.board.timeout = timeout.total_seconds()
+            self.board.aborted = self._was_aborted
+            self.board.what = self.describe()
+            # Short messages travel in the check up to the board's own measure.
+            self.gather_total = board.GATHER_TOTAL
 
     @classmethod
     def of_group(cls, group: Any) -> TorchTransport:
@@ -409,6 +412,8 @@ class TorchTransport(Transport["dist.Work"]):
         :data:`POLL` to see whether the transport was aborted: then it raises instead of
         waiting on for a peer that will not come, and no thread is left inside the
         library's wait when the interpreter ends."""
+        if req is _DONE:  # (the board's AllReduce: complete when it returned)
+            return
         if self.closed or not self._abortable:
             req.wait()
             return
@@ -441,6 +446,17 @@ class TorchTransport(Transport["dist.Work"]):
         return dtype_name in _EXACT[self.name].get(op, ())
 
     def allreduce(self, backend: Any, arr: Any, dtype_name: str, op: str) -> Any:
+        on = self.board
+        if on is not None and self.name == "gloo":
+            # Every rank on this machine: through the shared mapping, reduced in rank order
+            # (board.Board.allreduce; 0.3-0.5x gloo's time here, docs/results.md), done
+            # when this returns. The same choice on every rank: the board is the group's.
+            host = arr if isinstance(arr, np.ndarray) else arr.detach().numpy()
+            flat = np.ascontiguousarray(host).reshape(-1)
+            on.allreduce(flat, op)
+            if not np.shares_memory(flat, host):
+                host[...] = flat.reshape(host.shape)
+            return _DONE
         tensor = torch.from_numpy(arr) if isinstance(arr, np.ndarray) else arr
         opts = AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS[op]
@@ -490,7 +506,7 @@ class TorchTransport(Transport["dist.Work"]):
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
         on = self.board
         if on is not None and on.fits(block.nbytes):
-            on.allgather_block(block, out, self._seconds, self._was_aborted, self.describe())
+            on.allgather_block(block, out)
             return
         into, mine = torch.from_numpy(out.reshape(-1)), torch.from_numpy(block)
         self.wait(self._held(self.ctrl._allgather_base(into, mine, AllgatherOptions()), into, mine))
@@ -515,10 +531,6 @@ class TorchTransport(Transport["dist.Work"]):
             self.allgather_block(_NOTHING, _NOTHING.reshape(1, 0).repeat(self.size, 0))
             return
         self.wait(self.ctrl.barrier(BarrierOptions()))
-
-    @property
-    def _seconds(self) -> float:
-        return self.timeout.total_seconds()
 
     def _was_aborted(self) -> bool:
         return self._aborted
