@@ -13,7 +13,7 @@ Operations
 ``RECV_REDUCE``  receive from ``peer`` and reduce into ``buf[lo:hi]``
 ``COPY``         ``buf[lo:hi] = sbuf[slo:slo+hi-lo]`` (local)
 ``REDUCE``       ``buf[lo:hi] op= sbuf[slo:slo+hi-lo]`` (local)
-``COLL``         the MPI library's own AllReduce of ``buf[lo:hi]`` over all ranks
+``COLL``         the transport's own AllReduce of ``buf[lo:hi]`` over all ranks
 
 ``op`` is whichever reduction the call asks for (any of :data:`optcc_mpi.dtypes.OPS`:
 sum, prod, max, min and the logical and bitwise ones): the executor applies it, and a

@@ -1,4 +1,6 @@
-"""The MPI library's own AllReduce, as one opaque operation per rank (the reference)."""
+"""The transport's own AllReduce, as one opaque operation per rank (the reference):
+``MPI_Allreduce`` over MPI, gloo's or NCCL's over torch.distributed, and for a torch
+group whose ranks share one machine the board's (:mod:`optcc_mpi.transports.board`)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def native_time(
 
 
 @register(
-    summary="the MPI library's MPI_Allreduce",
+    summary="the transport's own AllReduce (MPI_Allreduce, gloo's or NCCL's)",
     cost=native_time,
     auto=small_messages,
     order=30,
