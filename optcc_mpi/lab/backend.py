@@ -8,8 +8,8 @@ started from whichever launched it, :mod:`optcc_mpi.lab.world`)::
 Two process groups over the same ranks: the default gloo group, and a group of the
 ``optcc`` backend (:mod:`optcc_mpi.torch.process_group`; ``--algorithm`` and ``--links`` are
 its options, else ``$OPTCC_ALGORITHM`` and ``$OPTCC_LINKS``), and with ``--no-check`` one
-with ``OptccOptions(check=False)``, and with ``--no-board`` one whose checks travel on
-the gloo control group even where the ranks share a machine (``OPTCC_BOARD=0``,
+with ``OptccOptions(check=False)``, and with ``--no-board`` one whose check and AllReduce
+go through gloo even where the ranks share a machine (``OPTCC_BOARD=0``,
 :mod:`optcc_mpi.transports.board`). At each size (float32 SUM, in place, the same buffers
 for all) the groups are timed in turn, the order rotated call by call, ``--iters`` calls
 each, from a barrier on the control group to the end of the call on the slowest rank; the
@@ -61,7 +61,7 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
             pg_options=ot.OptccOptions(algorithm=args.algorithm, links=args.links, check=False),
         )
     if args.no_board:
-        # The group's transport decides at its making whether its checks take the board.
+        # The group's transport decides at its making whether it takes the board.
         board, config.rc.board = config.rc.board, False
         try:
             groups["optcc noboard"] = dist.new_group(
@@ -173,8 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-board",
         action="store_true",
-        help="also time an optcc group whose checks travel on gloo even where every rank "
-        "is on one machine (as OPTCC_BOARD=0 makes them)",
+        help="also time an optcc group whose check and AllReduce go through gloo even "
+        "where every rank is on one machine (as OPTCC_BOARD=0 makes them), not through "
+        "shared memory",
     )
     parser.add_argument(
         "--queued",

@@ -12,6 +12,10 @@ synchronisation, so only the members take part):
 * a *control* group on gloo, for the argument check, the probe's and the watch's small
   collectives: CPU tensors, so that on NCCL a check never queues work on the GPU.
 
+Where every rank is on one machine, a *board* (:mod:`optcc_mpi.transports.board`, one
+shared mapping) carries instead the check's gathers, the barrier and, on gloo, the
+library's AllReduce of host data: the same bytes in the same rank order, without TCP.
+
 gloo
     CPU tensors (reduced by torch, :class:`~optcc_mpi.backend.TorchBackend`) and NumPy
     arrays (reduced by NumPy, their memory wrapped by ``torch.from_numpy``). A gloo
@@ -259,8 +263,8 @@ class TorchTransport(Transport["dist.Work"]):
         self.kind = "shared-memory" if len(set(hosts)) == 1 else "network"
         self.hosts = hosts
         self.crowding = crowding_of([cpus for _, cpus, _ in places])
-        # The control exchanges through shared memory where every rank can share it
-        # (board.py); None: through the control group.
+        # The check's exchanges and the AllReduce of host data through shared memory where
+        # every rank can share it (board.py); None: on the control and data groups.
         self.board = board.Board.open(
             rank, size, [shm for _, _, shm in places], self.allgather, self.crowding
         )
@@ -452,9 +456,11 @@ class TorchTransport(Transport["dist.Work"]):
             # (board.Board.allreduce; 0.3-0.5x gloo's time here, docs/results.md), done
             # when this returns. The same choice on every rank: the board is the group's.
             host = arr if isinstance(arr, np.ndarray) else arr.detach().numpy()
-            flat = np.ascontiguousarray(host).reshape(-1)
-            on.allreduce(flat, op)
-            if not np.shares_memory(flat, host):
+            if host.flags.c_contiguous:
+                on.allreduce(host.reshape(-1), op)
+            else:  # (a strided view: reduced in a copy, written back)
+                flat = np.ascontiguousarray(host).reshape(-1)
+                on.allreduce(flat, op)
                 host[...] = flat.reshape(host.shape)
             return _DONE
         tensor = torch.from_numpy(arr) if isinstance(arr, np.ndarray) else arr
