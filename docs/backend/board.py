@@ -1,12 +1,13 @@
-"""The optcc backend with its checks on the board against the same on gloo, and gloo's own
-all_reduce, in one run (docs/results.md, issue 32).
+"""The optcc backend on the board against the same on gloo, and gloo's own all_reduce, in
+one run (docs/results.md, issue 32).
 
     torchrun --standalone --nproc-per-node P docs/backend/board.py 4 64K 256K 1M 16M 64M
 
 Blocks of back-to-back ``dist.all_reduce`` calls (float32 SUM, in place, the check on), as
 a training loop makes them: on the default gloo group, on an optcc group (every rank on
-this machine: its checks through shared memory, optcc_mpi.transports.board), and on an
-optcc group made with ``OPTCC_BOARD`` off (its checks on gloo), the blocks' order
+this machine: its check and its AllReduce through shared memory,
+optcc_mpi.transports.board), and on an optcc group made with ``OPTCC_BOARD`` off (both
+on gloo), the blocks' order
 reversed every round. Rank 0 prints, per size, the median over the rounds of each
 block's time per call (min-max) and its ratio to gloo's median.
 """
