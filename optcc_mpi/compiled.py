@@ -24,7 +24,7 @@ from pathlib import Path
 
 from optcc_mpi import config
 
-__all__ = ["load"]
+__all__ = ["library"]
 
 
 def _installed(here: Path, name: str, digest: str | None) -> Path | None:
@@ -39,7 +39,7 @@ def _installed(here: Path, name: str, digest: str | None) -> Path | None:
     return None
 
 
-def load(here: Path, name: str) -> ctypes.CDLL | None:
+def library(here: Path, name: str) -> ctypes.CDLL | None:
     """The C library ``name`` (``here/name.c``, built as ``here/name{suffix}``), or None
     when there is none and none can be compiled. Each call loads it again: callers keep
     the result (``functools.lru_cache``)."""

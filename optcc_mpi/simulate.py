@@ -365,9 +365,9 @@ def _run_c(
 
 @functools.lru_cache(maxsize=1)
 def _core() -> ctypes.CDLL | None:
-    """The compiled event loop (:func:`optcc_mpi.compiled.load`); None when there is none
+    """The compiled event loop (:func:`optcc_mpi.compiled.library`); None when there is none
     (the Python loop then runs, about 50 times slower, with identical results)."""
-    lib = compiled.load(Path(__file__).parent, "_simcore")
+    lib = compiled.library(Path(__file__).parent, "_simcore")
     if lib is None:
         return None
     lib.optcc_simulate.restype = ctypes.c_int64

@@ -21,7 +21,7 @@ from optcc_mpi import config
 from optcc_mpi.errors import ArgumentError, ExecutionError
 from optcc_mpi.transports import board
 
-pytestmark = pytest.mark.skipif(not board.available(), reason="no board: no C compiler here")
+pytestmark = pytest.mark.skipif(not board.usable(), reason="no board: no C compiler here")
 
 
 def thread_allgather(size: int) -> Callable[[int], Callable[[object], list[object]]]:
@@ -209,11 +209,11 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPTCC_BOARD", "0")
     config.reload()
     try:
-        assert board.place() is None and not board.available()
+        assert board.place() is None and not board.usable()
     finally:
         monkeypatch.undo()
         config.reload()
-    assert board.available()
+    assert board.usable()
 
 
 def test_a_rank_that_never_comes_times_out_and_breaks_the_board() -> None:

@@ -54,7 +54,7 @@ from optcc_mpi import compiled, config
 from optcc_mpi.errors import ArgumentError, ExecutionError
 from optcc_mpi.reductions import reduce_with
 
-__all__ = ["Board", "place", "available", "BLOCKS_TOTAL", "GATHER_TOTAL", "SLOT_EXTRA", "SLICE"]
+__all__ = ["Board", "place", "usable", "BLOCKS_TOTAL", "GATHER_TOTAL", "SLOT_EXTRA", "SLICE"]
 
 #: The bytes of data every rank's slot together holds: the largest gather the board
 #: carries (larger ones go to the library), and the chunk of :meth:`Board.allreduce`;
@@ -86,7 +86,7 @@ def _never() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    lib = compiled.load(Path(__file__).parent, "_board")
+    lib = compiled.library(Path(__file__).parent, "_board")
     if lib is None:
         return None
     i32, i64, ptr, dbl = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
@@ -99,7 +99,7 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
+def usable() -> bool:
     """Whether this process can use a board (the C library loads, ``OPTCC_BOARD``)."""
     return bool(config.rc.board) and SHM.is_dir() and _lib() is not None
 
@@ -108,7 +108,7 @@ def place() -> tuple[str, ...] | None:
     """What must be the same on every rank for a board to join them (the machine's boot,
     the ``/dev/shm`` file system, the process and network namespaces), or None where this
     process cannot use one. Ranks compare these at set-up (:meth:`Board.open`)."""
-    if not available():
+    if not usable():
         return None
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
