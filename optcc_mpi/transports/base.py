@@ -85,6 +85,7 @@ __all__ = [
     "Post",
     "Req",
     "LevelClock",
+    "boot_id",
     "cpu_placement",
     "crowding_of",
 ]
@@ -349,12 +350,18 @@ class Transport(Generic[Req]):
 Placement = tuple[str, tuple[int, ...]]
 
 
+def boot_id() -> str:
+    """The running kernel's boot id: the same for every process of one machine (Linux;
+    OSError elsewhere)."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
 def cpu_placement() -> Placement:
     """This process's :data:`Placement` (the CPUs from its affinity mask where the system
     has one, else every CPU)."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            machine = f.read().strip()
+        machine = boot_id()
     except OSError:  # not Linux: the host's name is the best key there is
         machine = socket.gethostname()
     try:

@@ -53,6 +53,7 @@ import numpy as np
 from optcc_mpi import compiled, config
 from optcc_mpi.errors import ArgumentError, ExecutionError
 from optcc_mpi.reductions import reduce_with
+from optcc_mpi.transports.base import boot_id
 
 __all__ = ["Board", "place", "usable", "BLOCKS_TOTAL", "GATHER_TOTAL", "SLOT_EXTRA", "SLICE"]
 
@@ -111,7 +112,7 @@ def place() -> tuple[str, ...] | None:
     if not usable():
         return None
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        boot = boot_id()
         shm = SHM.stat()
         spaces = tuple(os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "net"))
     except OSError:  # not Linux, or no /proc: no way to know the ranks share memory
@@ -144,16 +145,14 @@ class Board:
         lib = _lib()
         assert lib is not None  # open() made it, so the library loaded
         self._lib = lib
-        self._memory = memory
-        # The mapping's address, for C; the exported buffer keeps the mapping open for as
-        # long as this object lives (a thread may be inside a wait on it).
-        self._anchor = ctypes.c_char.from_buffer(memory)
-        self._addr = ctypes.addressof(self._anchor)
+        # The mapping as bytes, and its address for C; the view keeps the mapping open for
+        # as long as this object lives (a thread may be inside a wait on it).
+        self._bytes = np.frombuffer(memory, dtype=np.uint8)
+        self._addr = self._bytes.ctypes.data
         self.rank, self.size, self.slot = rank, size, slot
         self.pids = list(pids)
         self.spin = spin
         self._seq = 0
-        self._bytes = np.frombuffer(memory, dtype=np.uint8)
         #: Seconds a wait may last (the group's timeout; the owner sets it).
         self.timeout = 1800.0
         #: Whether the owner was aborted (a wait then raises at its next look).
