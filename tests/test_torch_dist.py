@@ -113,6 +113,16 @@ def test_bad_input_is_the_same_error_on_every_rank(tmp_path: Path, n: int) -> No
         assert rec["after"] == [float(n)] * 8  # nothing hung; the next call works
 
 
+@pytest.mark.timeout(600)
+def test_messages_slower_than_the_poll_arrive(tmp_path: Path) -> None:
+    """A message that takes a second to arrive is waited for (issue 42: the transport once
+    waited 0.5 s at a time, and a gloo receive waited with a timeout that passes fails:
+    'Timed out waiting 500ms for recv operation', then SIGSEGV under DDP)."""
+    ranks = torchrun("slow", 2, tmp_path)
+    assert all(rec["error"] <= 1e-6 for rec in ranks), ranks
+    assert ranks[0]["digest"] == ranks[1]["digest"]
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("n", [2, 4])
 def test_ddp_hook_matches_ddp(tmp_path: Path, n: int) -> None:

@@ -20,6 +20,8 @@ Scenarios
 ``errors``
     Bad input on one rank, or ranks that disagree: each rank's error message, and whether
     its tensor changed.
+``slow``
+    A ring whose messages each take about a second to arrive: the sum and its digest.
 ``ddp``
     A small model trained with DDP and the hook, then with DDP's own all-reduce: the final
     parameters of both.
@@ -278,6 +280,16 @@ def errors_scenario() -> dict:
     return out
 
 
+def slow_scenario() -> dict:
+    """Messages that take longer to arrive than the transport's poll (0.5 s): a ring whose
+    every message is paced at 1 MB/s (1 MiB each), over this gloo group's transport."""
+    n = P << 18  # float32: P chunks of 1 MiB
+    xs = [np.arange(n, dtype=np.float32) * (r + 1) for r in range(P)]
+    y = optcc_mpi.allreduce(xs[RANK], comm=dist.group.WORLD, algorithm="ring", emulate="bw=1MB/s")
+    ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    return {"error": float(np.abs(y - ref).max() / ref.max()), "digest": digest(y)}
+
+
 def train(hook: object, steps: int = 20) -> torch.Tensor:
     """DDP training of a small model (about 1 M parameters), the same weights everywhere,
     per-rank data; the final parameters as one float64 vector."""
@@ -354,6 +366,7 @@ def main() -> None:
         "collectives": collectives_scenario,
         "out_of_place": out_of_place_scenario,
         "errors": errors_scenario,
+        "slow": slow_scenario,
         "ddp": ddp_scenario,
         "mismatch": mismatch_scenario,
     }[SCENARIO]()

@@ -123,6 +123,16 @@ _NOTHING = np.zeros(0, dtype=np.uint8)
 _DONE = object()
 
 
+class _Polled:
+    """The request of the library's AllReduce over gloo: a collective, whose wait
+    :meth:`TorchTransport.wait` polls (a message's it must not)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+
 def group_of(group: Any) -> Any:
     """``group`` (None: the default group), checked: torch.distributed is initialised and
     this process is a member."""
@@ -412,21 +422,33 @@ class TorchTransport(Transport["dist.Work"]):
         return self._held(self._carrier(peer, self.rank).recv([data], peer, tag), data)
 
     def wait(self, req: Any) -> None:
-        """Wait for the library's ``req`` (a ``Work``). The wait wakes every
-        :data:`POLL` to see whether the transport was aborted: then it raises instead of
-        waiting on for a peer that will not come, and no thread is left inside the
-        library's wait when the interpreter ends."""
-        if req is _DONE:  # (the board's AllReduce: complete when it returned)
-            return
-        if self.closed or not self._abortable:
+        """Wait for ``req``: a message (the library's ``Work`` of a send or a receive),
+        the library's AllReduce (:meth:`allreduce`) or the board's.
+
+        A message is waited for without a limit of ours (the group's timeout holds): a
+        gloo send or receive waited for with a timeout that passes is *finished* with
+        that error ("Timed out waiting 500ms for recv operation"), though its buffer stays
+        posted; a message over a slow link can take seconds. A collective is polled
+        (:meth:`_poll`)."""
+        if type(req) is _Polled:
+            self._poll(req.work)
+        elif req is not _DONE:  # (_DONE: the board's AllReduce, complete when it returned)
             req.wait()
+
+    def _poll(self, work: Any) -> None:
+        """Wait for a collective's ``work``, waking every :data:`POLL` to see whether the
+        transport was aborted: then raise instead of waiting on for a peer that will not
+        come, and leave no thread inside the library's wait when the interpreter ends. (A
+        gloo collective's timed wait that passes leaves the collective running.)"""
+        if self.closed or not self._abortable:
+            work.wait()
             return
         while True:
             try:
-                req.wait(POLL)
+                work.wait(POLL)
                 return
             except RuntimeError:
-                if req.is_completed():  # it failed: its own error
+                if work.is_completed():  # it failed: its own error
                     raise
                 if self._aborted:
                     raise ArgumentError(
@@ -466,7 +488,9 @@ class TorchTransport(Transport["dist.Work"]):
         tensor = torch.from_numpy(arr) if isinstance(arr, np.ndarray) else arr
         opts = AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS[op]
-        return self._held(self.data.allreduce([tensor], opts), tensor)
+        work = self._held(self.data.allreduce([tensor], opts), tensor)
+        # (NCCL's is waited for as its messages are: the stream waits, not the host)
+        return _Polled(work) if self.name == "gloo" else work
 
     def _held(self, work: Any, *tensors: torch.Tensor) -> Any:
         """``work``, kept by this transport for a while with its tensors.
@@ -504,7 +528,7 @@ class TorchTransport(Transport["dist.Work"]):
     def _gather_block(self, block: torch.Tensor) -> torch.Tensor:
         out = torch.empty((self.size, block.numel()), dtype=block.dtype)
         flat = out.view(-1)
-        self.wait(
+        self._poll(
             self._held(self.ctrl._allgather_base(flat, block, AllgatherOptions()), flat, block)
         )
         return out
@@ -515,7 +539,9 @@ class TorchTransport(Transport["dist.Work"]):
             on.allgather_block(block, out)
             return
         into, mine = torch.from_numpy(out.reshape(-1)), torch.from_numpy(block)
-        self.wait(self._held(self.ctrl._allgather_base(into, mine, AllgatherOptions()), into, mine))
+        self._poll(
+            self._held(self.ctrl._allgather_base(into, mine, AllgatherOptions()), into, mine)
+        )
 
     def gather_rows(self, backend: Any, arr: Any) -> Any:
         if backend.name != "torch":
@@ -523,20 +549,22 @@ class TorchTransport(Transport["dist.Work"]):
         rows = torch.empty((self.size, arr.shape[0]), dtype=arr.dtype, device=arr.device)
         # As bytes: the library moves them whatever the type (bool, bfloat16, complex).
         into, mine = rows.view(-1).view(torch.uint8), arr.view(torch.uint8)
-        self.wait(self._held(self.data._allgather_base(into, mine, AllgatherOptions()), into, mine))
+        self._poll(
+            self._held(self.data._allgather_base(into, mine, AllgatherOptions()), into, mine)
+        )
         return rows
 
     def allreduce_max(self, vec: np.ndarray) -> None:
         opts = AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS["max"]
         t = torch.from_numpy(vec)
-        self.wait(self._held(self.ctrl.allreduce([t], opts), t))
+        self._poll(self._held(self.ctrl.allreduce([t], opts), t))
 
     def barrier(self) -> None:
         if self.board is not None:
             self.allgather_block(_NOTHING, _NOTHING.reshape(1, 0).repeat(self.size, 0))
             return
-        self.wait(self.ctrl.barrier(BarrierOptions()))
+        self._poll(self.ctrl.barrier(BarrierOptions()))
 
     def _was_aborted(self) -> bool:
         return self._aborted
