@@ -348,6 +348,7 @@ def test_errors_on_every_rank_nothing_changed(tmp_path: Path) -> None:
         "avg_int": "AVG needs a floating-point tensor",
         "one_rank_bad_dtype": "uint32 is not supported",
         "complex_max": "complex",
+        "ddp": "algorithm differs",
         "mixed_count": "element count differs",
         "mixed_avg": "average differs",
     }
@@ -358,7 +359,7 @@ def test_errors_on_every_rank_nothing_changed(tmp_path: Path) -> None:
                 key,
                 rec[key],
             )
-            assert rec[key]["unchanged"], (rank, key)
+            assert key == "ddp" or rec[key]["unchanged"], (rank, key)  # (DDP's own buckets)
         assert rec["after"] == [float(n)] * 8
     # The short path and the whole one on different ranks: bit-identical results.
     assert len({tuple(rec["mixed"]) for rec in ranks}) == 1

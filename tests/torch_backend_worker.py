@@ -256,6 +256,20 @@ def errors_scenario() -> dict:
     attempt("avg_int", torch.ones(8, dtype=torch.int32), RED.AVG)
     attempt("one_rank_bad_dtype", torch.ones(8, dtype=torch.uint32 if last else torch.int32))
     attempt("complex_max", torch.ones(8, dtype=torch.complex64), RED.MAX)
+    # A failed call under DDP (a group whose algorithm differs on one rank): DDP's reducer
+    # reads the work's future in C++, where the error must be an error (it once read the
+    # exception object as its bucket and crashed with SIGSEGV).
+    odd = dist.new_group(
+        backend="optcc", pg_options=OptccOptions(algorithm="ring" if last else "auto")
+    )
+    model = torch.nn.parallel.DistributedDataParallel(build(), process_group=odd)
+    try:
+        model(torch.ones(4, 32)).sum().backward()
+    except RuntimeError as exc:
+        out["ddp"] = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        out["ddp"] = {"error": None}
+    dist.destroy_process_group(odd)
     t = torch.ones(8)
     dist.all_reduce(t)
     out["after"] = t.tolist()

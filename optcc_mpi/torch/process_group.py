@@ -217,6 +217,7 @@ class OptccWork(dist.Work):
         self._steal = steal  # runs the call here, if its turn came and no thread took it
         self._release = release  # hands a parked call to the group's thread
         self._done = threading.Event()
+        self._seen: torch.futures.Future[list[torch.Tensor]] | None = None  # (get_future)
         #: What this call did (a :class:`~optcc_mpi.communicators.CallRecord`: the
         #: algorithm, its schedule, the executor's stats), once complete; empty for the
         #: collectives that pass through to the library.
@@ -252,10 +253,13 @@ class OptccWork(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """The future that completes with the reduced tensors (DDP chains on it)."""
+        """The future that completes with the reduced tensors, or fails with the call's
+        error (DDP chains on it, in C++)."""
         if self._release is not None:
             self._release()
-        return self._future
+        if self._seen is None:
+            self._seen = _failing(self._future)
+        return self._seen
 
     def is_completed(self) -> bool:
         """Whether the call has finished (successfully or not)."""
@@ -285,6 +289,23 @@ class OptccWork(dist.Work):
         """The reduced tensors (waits first)."""
         self.wait()
         return self._future.value()
+
+
+def _failing(future: torch.futures.Future[_T]) -> torch.futures.Future[_T]:
+    """``future`` as code in C++ sees it: its value, or its error as an error.
+
+    A Python future's ``set_exception`` completes it with the exception object as its
+    value (Python's ``wait`` raises it); DDP's reducer, in C++, reads that value as its
+    bucket and dereferences the first tensor of none (SIGSEGV). A future chained with
+    ``then`` gets the error C++'s way: its ``wait``/``value`` raise it there too."""
+    return future.then(_value_or_raise)
+
+
+def _value_or_raise(future: torch.futures.Future[_T]) -> _T:
+    value = future.value()  # (a wrapper without the parent's unwrapping: no raise)
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 class _Done:
