@@ -66,6 +66,7 @@ from optcc_mpi.probe import ProbeResult, probe
 from optcc_mpi.reductions import reduce_with
 from optcc_mpi.schedule import COLL, Params, Schedule
 from optcc_mpi.transports import Communicator, Transport
+from optcc_mpi.watch import MIN_BYTES
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -668,7 +669,7 @@ class _Call:
             )
         if self.algorithm != "auto":
             algorithms.get(self.algorithm).check_params(self.params or {})
-        self.link_obj = _links_of(st, links)
+        self.link_obj = _links_of(st, links, self.nbytes)
         if emulate is None:
             self.emu = _emulation_from_env(config.rc.emulate)
         else:
@@ -773,12 +774,20 @@ def _agree_call(st: CommState, call: _Call) -> bool:
 
 
 # -- phase 3: plan ------------------------------------------------------------------------------
-def _links_of(st: CommState, links: Links | str | None) -> Links:
+def _links_of(st: CommState, links: Links | str | None, nbytes: int) -> Links:
     """This rank's link profile (PROBE for "probe", WATCH for "watch"), in the
-    communicator's ranks."""
+    communicator's ranks, for a call of ``nbytes``.
+
+    Told nothing (no ``links``, no ``$OPTCC_LINKS``), a call whose ranks span machines
+    learns the links (WATCH) where its messages are long enough to time
+    (:data:`~optcc_mpi.watch.MIN_BYTES`); shorter calls, and ranks that share one machine
+    (nothing there is a link to watch), take the links as healthy. The same on every rank:
+    the transport's kind and the call's size are agreed (the size by the check)."""
     if links is None:
         text = config.rc.links
         if text is None:
+            if st.transport.kind == "network" and nbytes >= MIN_BYTES:
+                return WATCH
             return _HEALTHY
         links = text
         marker = text.strip().lower()

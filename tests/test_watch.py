@@ -429,3 +429,43 @@ def test_probe_ranks_over_the_minimal_transport(p: int) -> None:
         assert found[0].links == truth and found[0].unresolved == []
     else:  # two ranks: one link, whose slow end no measurement can name
         assert found[0].links == Links() and found[0].unresolved == [0, 1]
+
+
+@pytest.mark.parametrize("kind", ["network", "shared-memory"])
+def test_told_nothing_ranks_on_several_machines_learn_their_links(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42: with no ``links`` and no ``$OPTCC_LINKS``, ranks that span machines
+    (a transport of kind "network") watch their links and adopt the slow rank, on every
+    rank alike; calls too short to time, and ranks on one machine, take the links as
+    healthy (no watch is made)."""
+    import optcc_mpi
+    from optcc_mpi import collectives, config
+    from optcc_mpi.emulation import Emulation
+    from optcc_mpi.testing.local import LocalTransport, LocalWorld
+
+    monkeypatch.delenv("OPTCC_LINKS", raising=False)
+    config.reload()
+    p, truth = 4, Links({1: 0.5})
+    emu = Emulation(bw=2e9, degrade=truth)
+    world = LocalWorld(p)
+    for t in world.transports:
+        t.kind = kind
+    xs = [np.arange(1 << 16, dtype=np.float32) * (r + 1) for r in range(p)]  # 256 KiB
+
+    def job(t: LocalTransport) -> tuple[str | None, bool]:
+        small = optcc_mpi.allreduce(xs[t.rank][:256], comm=t)  # 1 KiB
+        assert np.array_equal(small, sum(x[:256] for x in xs))
+        unwatched = collectives.comm_state(t).watch is None
+        for _ in range(12):  # (the ring: this transport has no AllReduce of its own)
+            y = optcc_mpi.allreduce(xs[t.rank], comm=t, emulate=emu, algorithm="ring")
+            assert np.array_equal(y, sum(xs))
+        watch = collectives.comm_state(t).watch
+        return (None if watch is None else str(watch.profile)), unwatched
+
+    got = world.run(job)
+    assert all(unwatched for _, unwatched in got)  # the short call: healthy, no watch
+    if kind == "network":
+        assert [profile for profile, _ in got] == [str(truth)] * p
+    else:
+        assert [profile for profile, _ in got] == [None] * p
