@@ -66,6 +66,7 @@ from optcc_mpi.probe import ProbeResult, probe
 from optcc_mpi.reductions import reduce_with
 from optcc_mpi.schedule import COLL, Params, Schedule
 from optcc_mpi.transports import Communicator, Transport
+from optcc_mpi.units import parse_rate
 from optcc_mpi.watch import MIN_BYTES
 
 if TYPE_CHECKING:
@@ -711,6 +712,9 @@ class _Call:
             if link.fractions
             else 0
         )
+        rate = self._rate(st)
+        if rate is not None:
+            lcode = code(f"{lcode} at {rate!r}")
         return (
             protocol.PROTOCOL,
             0,
@@ -726,15 +730,30 @@ class _Call:
             0,
         )
 
+    def _rate(self, st: CommState) -> float | None:
+        """``$OPTCC_LINK_RATE`` in bytes/s where the call's schedule is built from it
+        (a schedule of ours, or one not planned yet: the profile is learnt), else None:
+        ranks that build from different rates would run different schedules, so the
+        check agrees on it. A call the library alone serves does not depend on it (nor
+        does the compiled path's header carry it)."""
+        text = config.rc.link_rate
+        if text is None or (self.plan is not None and self.plan.library_only):
+            return None
+        return _rate_of(text)
+
     def shown(self) -> dict[str, str]:
         """What this rank passed, in words, for error messages on other ranks."""
         link = self.link_obj
+        profile = "probe" if link is PROBE else "watch" if link is WATCH else str(link)
+        rate = config.rc.link_rate
+        if rate is not None and not (self.plan is not None and self.plan.library_only):
+            profile += f" at OPTCC_LINK_RATE={rate}"
         shown = {
             "element count": str(self.count),
             "dtype": self.name or "?",
             "op": self.opn or "?",
             "algorithm": repr(self.algorithm),
-            "link profile": "probe" if link is PROBE else "watch" if link is WATCH else str(link),
+            "link profile": profile,
             "emulation": str(self.emu or "none"),
             "backend": getattr(getattr(self, "backend", None), "name", "?"),
             "params": repr(self.params or {}),
@@ -802,6 +821,16 @@ def _links_of(st: CommState, links: Links | str | None, nbytes: int) -> Links:
     link_obj = Links.coerce(links)
     link_obj.check(st.size)
     return link_obj
+
+
+@functools.lru_cache(maxsize=8)
+def _rate_of(text: str) -> float:
+    """``$OPTCC_LINK_RATE``'s value in bytes/s (a bad one is this rank's error, which the
+    check then agrees on)."""
+    try:
+        return parse_rate(text)
+    except ArgumentError as exc:
+        raise ArgumentError(f"OPTCC_LINK_RATE={text!r}: {exc}") from None
 
 
 def _emulation_from_env(text: str | None) -> Emulation | None:

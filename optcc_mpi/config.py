@@ -55,7 +55,9 @@ _ALL = (
         "OPTCC_LINKS",
         None,
         "Link profile used when `allreduce` gets no `links`: `RANK:FRACTION,...` in the "
-        "job's ranks (MPI's COMM_WORLD, torch's global ranks), `probe` or `watch`.",
+        "job's ranks (MPI's COMM_WORLD, torch's global ranks), `probe`, `watch`, or "
+        "`healthy`. Unset: ranks that span machines learn their links (`watch`) on calls of "
+        "64 KiB and more; ranks on one machine take them as healthy.",
         "collectives",
     ),
     Variable(
@@ -125,8 +127,9 @@ _ALL = (
         None,
         "One healthy link's rate (e.g. `200mbit`, `25GB/s`) for the network model that sizes "
         "OptCC's segments and the ring's messages (each message's fixed cost weighed by the "
-        "ranks per core where ranks share CPUs). Default: a 10 Gbit/s NIC's. The same on "
-        'every rank; not yet with `links="watch"` (its estimates from smaller messages).',
+        "ranks per core where ranks share CPUs). Default: a 10 Gbit/s NIC's. Agreed by "
+        "each call's check where a schedule is built from it (a rate that differs across "
+        'ranks is the same error on every rank); not yet learnt with `links="watch"`.',
         "collectives",
     ),
     Variable(

@@ -635,6 +635,29 @@ def test_bad_environment_on_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
         np.testing.assert_array_equal(y, np.full(5, float(p)))
 
 
+@pytest.mark.timeout(120)
+def test_link_rate_is_agreed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$OPTCC_LINK_RATE sizes the schedules (issue 42): ranks whose rates differ would
+    build different ones, so the check agrees on it (the same error on every rank, the
+    buffer unchanged); a bad rate on one rank is an error on every rank; the same rate
+    everywhere runs."""
+    comm, rank, p = world()
+    if p < 2:
+        pytest.skip("a disagreement needs two ranks")
+    x = np.arange(100_003, dtype=np.float64)
+    for value, match in (("100mbit" if rank == 0 else "200mbit", "link profile differs"),
+                         ("fast" if rank == p - 1 else "100mbit", "OPTCC_LINK_RATE")):  # fmt: skip
+        monkeypatch.setenv("OPTCC_LINK_RATE", value)
+        config.reload()
+        with pytest.raises(ValueError, match=match):
+            optcc_mpi.allreduce(x, algorithm="optcc", links=f"{p - 1}:0.5")
+        np.testing.assert_array_equal(x, np.arange(100_003))
+    monkeypatch.setenv("OPTCC_LINK_RATE", "100mbit")
+    config.reload()
+    y = optcc_mpi.allreduce(x, algorithm="optcc", links=f"{p - 1}:0.5")
+    np.testing.assert_array_equal(y, p * x)
+
+
 @pytest.mark.parametrize("fraction", ["1e-9", "1e-12", "1e-300"])
 @pytest.mark.parametrize("algorithm", ALGS)
 def test_tiny_fractions(algorithm: str, fraction: str) -> None:
