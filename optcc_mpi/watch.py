@@ -371,6 +371,10 @@ class LinkWatch:
     #: read high, 0.74-0.79 for 0.6 on the 8-rank testbed). Cleared when the profile
     #: changes (the plan does too).
     _baseline: dict[int | None, np.ndarray] = field(default_factory=dict)
+    #: Observed calls left, after a profile the probe found was adopted, whose readings
+    #: make their schedules' baselines without another probe (the probe just measured
+    #: every rank: what the new plan's traffic reads now is its reading of the truth).
+    _calibrating: int = 0
     #: Calls since the profile last changed or was explored, the wait before the next
     #: exploration, and whether the last call was one.
     _steady: int = 0
@@ -531,6 +535,12 @@ class LinkWatch:
         # departs from that, and its estimate is the profile moved as far as the
         # reading moved (the held fractions while steady).
         raw = new
+        if self._calibrating > 0:
+            self._calibrating -= 1
+            known = self._baseline.get(tag)
+            self._baseline[tag] = raw if known is None else np.maximum(known, raw)
+            self.measured = self.profile
+            return self.profile
         base = self._baseline.get(tag)
         ref = cur
         if base is not None:
@@ -624,7 +634,10 @@ class LinkWatch:
             self.log.probed(self.calls, self.p, _links(suspect), found, why, adopted=change)
         if change:
             self._cleared, self._clear_gap = None, max(self.explore, 1)
-            return self._adopt(got, f"{why}; the probe found {found}", found=found.fractions)
+            adopted = self._adopt(got, f"{why}; the probe found {found}", found=found.fractions)
+            # (two readings of each of two alternating schedules: DDP's bucket sizes)
+            self._calibrating = 2 * self.confirm
+            return adopted
         if readings:
             # The profile is right and these schedules read otherwise under it: what they
             # read is their reading while nothing changes (_baseline).
@@ -639,7 +652,7 @@ class LinkWatch:
         """Make ``fracs`` the profile from this call on (``why``: the link log's reason;
         ``found``: the probe's fractions, if one decided)."""
         self.profile = _links(fracs)
-        self._baseline = {}  # (another plan: its traffic reads anew)
+        self._baseline, self._calibrating = {}, 0  # (another plan: its traffic reads anew)
         self.changes.append((self.calls, self.profile))
         self.why = why or None
         if self.log is not None and self.rank in (None, 0):

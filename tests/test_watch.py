@@ -266,9 +266,10 @@ def test_a_suspicion_is_decided_by_the_probe(monkeypatch: pytest.MonkeyPatch) ->
     assert w.agree(ring, wire) == Links() and ran == []  # one departing call: noise
     assert w.agree(ring, wire) == truth and len(ran) == 1  # confirmed: probed, adopted
     assert w.changes == [(2, truth)] and "probe found" in (w.why or "")
-    # Under the new plan the traffic may repeat its suspicion: probed once more and
-    # found wrong, and from then on what it reads is this plan's reading of the truth
-    # (issue 42: no probe again while nothing changes, the estimate reads the profile).
+    # Under the new plan the traffic may repeat its suspicion: what it reads in the calls
+    # right after the probe is this plan's reading of the truth, and the watch departs only
+    # from that (issue 42: no probe again while nothing changes, the estimate reads the
+    # profile).
     noisy = [ring.copy() for _ in range(100)]
     for i, v in enumerate(noisy):
         v[2] *= 1 + 0.03 * (i % 4)  # the same suspicion, not the same numbers
@@ -276,17 +277,20 @@ def test_a_suspicion_is_decided_by_the_probe(monkeypatch: pytest.MonkeyPatch) ->
     for v in noisy:
         explored = w._exploring  # (this call reads an exploring call, the healthy plan's)
         got.append(w.agree(v, wire))
-        if not explored and w.calls > 4:  # (after the second probe)
+        if not explored and w.calls > 2:
             read.append(np.abs(w.measured.vector(p) - truth.vector(p)).max())
     assert all(g in (truth, Links()) for g in got) and w.changes == [(2, truth)]  # (explore)
-    assert [(call, adopted) for call, *_, adopted in w.probes] == [(2, True), (4, False)]
+    assert [(call, adopted) for call, *_, adopted in w.probes] == [(2, True)]
     assert max(read) <= 0.1
     # A real change is still adopted within ten calls: rank 3 slows (the plan's traffic
     # reads it at 0.5), then every link recovers.
     for moved in (Links({0: 0.6, 2: 0.4, 3: 0.3}), Links()):
         monkeypatch.setattr(watch_mod, "probe_ranks", _fake_probe(moved, p, ran))
-        later = [w.agree(ring_rates(moved.vector(p)), wire) for _ in range(10)]
-        assert later[-1] == moved and w.changes[-1][1] == moved
+        start = w.calls
+        for _ in range(10):
+            w.agree(ring_rates(moved.vector(p)), wire)
+        call, adopted = w.changes[-1]
+        assert adopted == moved and call - start <= 10, w.changes
     # Healthy traffic never probes.
     h = LinkWatch(p, confirm=2)
     monkeypatch.setattr(watch_mod, "probe_ranks", _fake_probe(Links(), p, ran))
