@@ -85,17 +85,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "glm.*",
             "data",
             "data.*",
-            # The torch side's and the check's old module names, kept one release
-            # (renames.moved).
-            "state",
-            "agreement",
-            "crossover",
-            "protocol",
-            "fastcall",
-            "process_group",
-            "tensors",
-            "streams",
-            "devices",
         ),  # fmt: skip
     ),
     ("argument types", ("argtypes",)),
@@ -117,7 +106,7 @@ CORE = (
     "probe",
     "model",
     "errors",
-    "agreement",
+    "check.agreement",
     "config",
     "compiled",
     "doctor",
