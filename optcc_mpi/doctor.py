@@ -106,7 +106,6 @@ from optcc_mpi.errors import ArgumentError, mark_everywhere
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.progress import Progress
-from optcc_mpi.renames import renamed
 from optcc_mpi.schedule import RECV, Schedule, ScheduleBuilder
 from optcc_mpi.simulate import simulate
 from optcc_mpi.units import format_size
@@ -1724,8 +1723,3 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-# Renamed (issue 34: communicators.Plan is what a call runs): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"Plan": "RoundPlan"}, globals())

@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the package imports nothing of ours.
     (
         "foundation: errors, units, settings",
-        ("optcc_mpi", "errors", "units", "config", "compiled", "progress", "labels", "renames"),
+        ("optcc_mpi", "errors", "units", "config", "compiled", "progress", "labels"),
     ),
     ("element types and reductions by name", ("dtypes",)),
     ("how reductions compute", ("reductions",)),

@@ -151,35 +151,3 @@ def test_last_stats_from_the_package_face_in_a_fresh_process() -> None:
         "assert last_stats is c.last_stats\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
-
-def test_renamed_helpers_keep_their_old_names_one_release() -> None:
-    """``backend.as_array`` (now ``buffer_of``: ``tensors.as_array`` is another thing) still
-    imports, with a FutureWarning naming the new name."""
-    import pytest
-
-    from optcc_mpi import backend
-
-    with pytest.warns(FutureWarning, match="now buffer_of"):
-        old = backend.as_array
-    assert old is backend.buffer_of
-
-
-def test_lab_names_renamed_for_issue_34_keep_their_old_names_one_release() -> None:
-    """Names a lab module exported that meant another thing elsewhere still import, with
-    a FutureWarning naming the new one."""
-    import pytest
-
-    from optcc_mpi import doctor
-    from optcc_mpi.data import layout
-    from optcc_mpi.lab import bench, sweep, testbed
-
-    for module, old, new in (
-        (doctor, "Plan", "RoundPlan"),
-        (bench, "table", "rows_table"),
-        (sweep, "run_command", "task_command"),
-        (testbed, "parse_size", "shaping_size"),
-        (layout, "dtype_name", "storage_dtype_name"),
-    ):
-        with pytest.warns(FutureWarning, match=f"now {new}"):
-            assert getattr(module, old) is getattr(module, new)
