@@ -51,9 +51,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "module __getattr__ (PEP 562)"
     ),
     ("optcc_mpi/glm/__init__.py", "__getattr__", "AttributeError"): "module __getattr__ (PEP 562)",
-    ("optcc_mpi/glm/comm.py", "__getattr__", "AttributeError"): (
-        "module __getattr__ (PEP 562) of the names kept one release"
-    ),
     ("optcc_mpi/testing/__init__.py", "__getattr__", "AttributeError"): (
         "module __getattr__ (PEP 562)"
     ),
