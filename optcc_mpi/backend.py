@@ -34,7 +34,6 @@ from optcc_mpi.reductions import (
     reduce_with,
     to_keys,
 )
-from optcc_mpi.renames import renamed
 
 if TYPE_CHECKING:  # names for annotations: none of these libraries is imported to run
     import cupy
@@ -439,11 +438,6 @@ def _contiguous_flat(arr: Array, backend: Backend, what: str) -> Array:
             f"{what} is not contiguous; pass a contiguous array (e.g. np.ascontiguousarray)"
         )
     return backend.flat(arr)
-
-
-# Renamed (issue 34: optcc_mpi.torch.tensors.as_array is another thing): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"as_array": "buffer_of"}, globals())
 
 
 def buffer_of(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[Array, Backend]:

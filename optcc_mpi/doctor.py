@@ -106,7 +106,6 @@ from optcc_mpi.errors import ArgumentError, mark_everywhere
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.progress import Progress
-from optcc_mpi.renames import renamed
 from optcc_mpi.schedule import RECV, Schedule, ScheduleBuilder
 from optcc_mpi.simulate import simulate
 from optcc_mpi.units import format_size
@@ -115,7 +114,6 @@ __all__ = [
     "DEFAULT_SIZE",
     "DEFAULT_PARTNERS",
     "DEFAULT_REPEATS",
-    "HEALTHY_ABOVE",
     "EXIT_HEALTHY",
     "EXIT_ERROR",
     "EXIT_DEGRADED",
@@ -144,9 +142,6 @@ DEFAULT_SIZE = 8 << 20
 DEFAULT_PARTNERS = 3
 #: Repeats of every round.
 DEFAULT_REPEATS = 5
-#: Fractions of the reference at or above this are healthy. A link at 0.7 is found with
-#: room for the testbed's measurement error; healthy links measure 0.9 or more there.
-HEALTHY_ABOVE = 0.8
 #: Exit statuses of ``optcc-mpi doctor`` (:data:`EXIT_STATUSES` says what each means).
 EXIT_HEALTHY = 0
 EXIT_ERROR = 2
@@ -981,7 +976,7 @@ def diagnose(
     the_plan: RoundPlan,
     records: Sequence[dict[str, Any]],
     *,
-    healthy_above: float = HEALTHY_ABOVE,
+    healthy_above: float = linkrates.HEALTHY_ABOVE,
     expect: float | None = None,
     judge_intra: bool = False,
     source: str | None = None,
@@ -998,7 +993,8 @@ def diagnose(
     records : sequence of dict
         One per rank, in rank order: ``rows``, an array of (round, sender, seconds).
     healthy_above : float
-        Fractions at or above this are healthy.
+        Fractions at or above this are healthy (default
+        :data:`optcc_mpi.linkrates.HEALTHY_ABOVE`).
     expect : float, optional
         Reference rate (bytes/s) instead of the median (:func:`reference`).
     judge_intra : bool
@@ -1434,7 +1430,7 @@ def doctor(
     size: int = DEFAULT_SIZE,
     partners: int = DEFAULT_PARTNERS,
     repeats: int = DEFAULT_REPEATS,
-    healthy_above: float = HEALTHY_ABOVE,
+    healthy_above: float = linkrates.HEALTHY_ABOVE,
     expect: float | None = None,
     group: str | None = None,
     emulate: Emulation | str | None = None,
@@ -1458,7 +1454,8 @@ def doctor(
         Times every round runs; a link is flagged only when every measurement of it is
         below the threshold.
     healthy_above : float
-        Fractions of the reference at or above this are healthy.
+        Fractions of the reference at or above this are healthy (default
+        :data:`optcc_mpi.linkrates.HEALTHY_ABOVE`).
     expect : float, optional
         The rate in bytes/s one link should carry (a node's NIC, or a rank's own rail),
         instead of the median link. Fewer than 3 nodes need an expected rate: without
@@ -1724,8 +1721,3 @@ def plot(diag: Diagnosis, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-# Renamed (issue 34: communicators.Plan is what a call runs): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"Plan": "RoundPlan"}, globals())

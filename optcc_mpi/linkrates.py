@@ -28,7 +28,20 @@ import numpy as np
 
 from optcc_mpi.links import Links
 
-__all__ = ["EXPLAIN", "spread", "bounds", "explained", "relative_rates", "upper_quartile", "named"]
+__all__ = [
+    "HEALTHY_ABOVE", "EXPLAIN", "spread", "bounds", "explained", "relative_rates",
+    "upper_quartile", "named",
+]  # fmt: skip
+
+#: A rank (or link) whose fraction of the reference is at or above this is healthy, where
+#: the fraction is the best of several measurements: the doctor's over every partner and
+#: repeat, the watch's confirmed over calls and decided by
+#: :func:`optcc_mpi.probe.probe_ranks`. Healthy links measure 0.9 or more on the testbed,
+#: and a link at 0.7 is found with room for its measurement error. The one threshold of
+#: :mod:`optcc_mpi.doctor`, :mod:`optcc_mpi.watch` and ``probe_ranks``; the first-call
+#: probe of ``links="probe"`` judges one noisier measurement against a lower one
+#: (:data:`optcc_mpi.probe.ONE_SHOT_HEALTHY_ABOVE`).
+HEALTHY_ABOVE = 0.8
 
 #: A partner whose own rate is within this factor of a rank's low rate may have been
 #: what limited it.

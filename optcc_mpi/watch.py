@@ -120,6 +120,7 @@ from optcc_mpi.check.state import FOLD_TOTAL
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats
+from optcc_mpi.linkrates import HEALTHY_ABOVE
 from optcc_mpi.links import Links
 from optcc_mpi.probe import RankProbe, probe_ranks
 from optcc_mpi.schedule import SEND, Schedule
@@ -315,7 +316,8 @@ class LinkWatch:
     confirm : int
         Consecutive calls that must show the departure.
     healthy_above : float
-        Measured fractions at or above this count as healthy.
+        Measured fractions at or above this count as healthy (default
+        :data:`optcc_mpi.linkrates.HEALTHY_ABOVE`, the doctor's too).
     explore : int
         Calls under an unchanged degraded profile before one call runs on the healthy
         profile to measure every rank alike (0: never); doubled after each exploration
@@ -345,7 +347,7 @@ class LinkWatch:
     p: int
     threshold: float = 0.2
     confirm: int = 2
-    healthy_above: float = 0.8
+    healthy_above: float = HEALTHY_ABOVE
     explore: int = 4
     explore_max: int = 64
     profile: Links = field(default_factory=Links)

@@ -108,13 +108,3 @@ def test_run_everywhere_and_fields() -> None:
     lo, hi = agreement.agree_fields(comm, np.array([5, rank, -rank]))
     assert lo.tolist() == [5, 0, -(p - 1)]
     assert hi.tolist() == [5, p - 1, 0]
-
-
-def test_the_protocols_old_name_still_works_with_a_warning() -> None:
-    """``agreement.Group`` (the GLM trainer's class has that name) is now ``Members``; the
-    old name imports one more release, with a FutureWarning naming the new one."""
-    from optcc_mpi.check import agreement
-
-    with pytest.warns(FutureWarning, match="now Members"):
-        old = agreement.Group
-    assert old is agreement.Members

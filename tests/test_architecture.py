@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the package imports nothing of ours.
     (
         "foundation: errors, units, settings",
-        ("optcc_mpi", "errors", "units", "config", "compiled", "progress", "labels", "renames"),
+        ("optcc_mpi", "errors", "units", "config", "compiled", "progress", "labels"),
     ),
     ("element types and reductions by name", ("dtypes",)),
     ("how reductions compute", ("reductions",)),
@@ -85,17 +85,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "glm.*",
             "data",
             "data.*",
-            # The torch side's and the check's old module names, kept one release
-            # (renames.moved).
-            "state",
-            "agreement",
-            "crossover",
-            "protocol",
-            "fastcall",
-            "process_group",
-            "tensors",
-            "streams",
-            "devices",
         ),  # fmt: skip
     ),
     ("argument types", ("argtypes",)),
@@ -117,7 +106,7 @@ CORE = (
     "probe",
     "model",
     "errors",
-    "agreement",
+    "check.agreement",
     "config",
     "compiled",
     "doctor",

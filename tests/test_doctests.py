@@ -35,7 +35,6 @@ MODULES = (
     "optcc_mpi.glm",
     "optcc_mpi.glm.api",
     "optcc_mpi.glm.estimator",
-    "optcc_mpi.glm._removed",
     "optcc_mpi.links",
     "optcc_mpi.model",
     "optcc_mpi.testing.contract",

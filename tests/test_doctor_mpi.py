@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from optcc_mpi import doctor as dr
+from optcc_mpi import linkrates
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
@@ -44,7 +45,7 @@ def test_healthy_emulated_network_flags_nothing() -> None:
     diag = run(None)
     assert diag.status == "healthy", diag.table()
     assert diag.flagged == [] and diag.exit_status == dr.EXIT_HEALTHY
-    assert all(r.fraction >= dr.HEALTHY_ABOVE for r in diag.ranks)
+    assert all(r.fraction >= linkrates.HEALTHY_ABOVE for r in diag.ranks)
 
 
 @pytest.mark.mpi(min_size=3)

@@ -50,13 +50,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("optcc_mpi/check/__init__.py", "__getattr__", "AttributeError"): (
         "module __getattr__ (PEP 562)"
     ),
-    ("optcc_mpi/renames.py", "renamed.__getattr__", "AttributeError"): (
-        "the module __getattr__ (PEP 562) of the names kept one release, for every module"
-    ),
     ("optcc_mpi/glm/__init__.py", "__getattr__", "AttributeError"): "module __getattr__ (PEP 562)",
-    ("optcc_mpi/glm/comm.py", "__getattr__", "AttributeError"): (
-        "module __getattr__ (PEP 562) of the names kept one release"
-    ),
     ("optcc_mpi/testing/__init__.py", "__getattr__", "AttributeError"): (
         "module __getattr__ (PEP 562)"
     ),

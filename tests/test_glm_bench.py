@@ -68,9 +68,9 @@ def test_one_model_of_the_library_allreduce():
     assert library_allreduce(8, 1e6, 1e9, "0:0.5") == pytest.approx(
         model.fault_free(8, 1e6, 1e9) / 0.5
     )
-    # The trainer's former model and pacer are gone from glm.comm's face (kept one release
-    # behind a FutureWarning: tests/test_public_names.py).
-    assert "allreduce_cost" not in glm_comm.__all__ and "NetworkPacer" not in glm_comm.__all__
+    # The trainer's former model and pacer are gone from glm.comm: this model is the one.
+    for former in ("PATHS", "allreduce_path", "allreduce_cost", "NetworkPacer"):
+        assert not hasattr(glm_comm, former)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "optcc_mpi"
 
 #: Names several modules define, each for its own instance of one concept.
 SHARED: dict[str, str] = {
-    "__getattr__": "a module's attribute hook (PEP 562): names kept one release",
+    "__getattr__": "a module's attribute hook (PEP 562): names made on first use",
     "__dir__": "a module's listing hook (PEP 562)",
     "register": "registers this module's entry (a command, the algorithms, the torch backend)",
     "run": "a command's or a lab tool's body",
@@ -69,27 +69,17 @@ def test_the_check_sees_a_clash(tmp_path: Path) -> None:
     assert found["once"] == {"pkg/a.py"}  # (a method is not module-level)
 
 
-#: Modules left at an old name for one release (``renames.moved``): they warn by design.
-MOVED = {
-    f"optcc_mpi.{m}"
-    for m in ("state", "agreement", "crossover", "protocol", "fastcall")
-    + ("process_group", "tensors", "streams", "devices")
-}
-
-
-def test_no_module_of_ours_uses_a_name_kept_one_release() -> None:
+def test_every_module_of_ours_imports_without_a_future_warning() -> None:
     """Every module of the package imports, in a fresh interpreter with FutureWarning an
-    error, without reaching a name kept one release (an old module path, a renamed
-    function): what users see warned about, the package itself never uses."""
+    error: no module is left at an old name, and none reaches a deprecated name."""
     import subprocess
     import sys
 
     code = (
         "import importlib, pkgutil, optcc_mpi\n"
-        f"moved = {sorted(MOVED)!r}\n"
         "for m in pkgutil.walk_packages(optcc_mpi.__path__, 'optcc_mpi.'):\n"
         "    skip = m.name.endswith(('__main__', '._simcore', '._board'))  # (ctypes libraries)\n"
-        "    if m.name not in moved and not skip:\n"
+        "    if not skip:\n"
         "        importlib.import_module(m.name)\n"
     )
     done = subprocess.run(
@@ -99,11 +89,3 @@ def test_no_module_of_ours_uses_a_name_kept_one_release() -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    # The old names still resolve, with the warning.
-    warned = subprocess.run(
-        [sys.executable, "-W", "error::FutureWarning", "-c", "import optcc_mpi.protocol"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert warned.returncode != 0 and "optcc_mpi.check.protocol" in warned.stderr

@@ -221,16 +221,6 @@ def test_optcc_segments_follow_the_transport(p: int) -> None:
     assert explicit.params["k"] == 7
 
 
-def test_the_models_old_name_still_works_with_a_warning() -> None:
-    """The fabric model was called ``Transport`` (the transports' contract's name too):
-    the old name imports one more release, with a FutureWarning naming the new one."""
-    import optcc_mpi.algorithms._policy as policy
-
-    with pytest.warns(FutureWarning, match="now Fabric"):
-        old = policy.Transport
-    assert old is Fabric
-
-
 def test_crowding_counts_the_ranks_that_share_cpus() -> None:
     from optcc_mpi.transports.base import cpu_placement, crowding_of
 

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from optcc_mpi import config
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
-from optcc_mpi.renames import renamed
 from optcc_mpi.units import parse_rate
 
 __all__ = [
@@ -160,11 +159,6 @@ SHARED_MEMORY = Fabric(
 #: The kinds of transport a builder's ``transport`` parameter may name.
 TRANSPORTS = ("network", "shared-memory")
 _BY_NAME = {"network": NETWORK, "shared-memory": SHARED_MEMORY}
-
-
-# Renamed (issue 34: the transports' contract has the old name too): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"Transport": "Fabric"}, globals())
 
 
 def transport_of(transport: str | Fabric) -> Fabric:

@@ -29,7 +29,6 @@ import numpy.typing as npt
 
 from optcc_mpi import transports
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, mark_everywhere
-from optcc_mpi.renames import renamed
 
 __all__ = ["agree", "agree_fields", "describe_ranks", "run_everywhere", "Members"]
 
@@ -45,11 +44,6 @@ class Members(Protocol):
     def size(self) -> int: ...
 
     def allgather(self, obj: object, /) -> list[object]: ...
-
-
-# Renamed (issue 34: the GLM trainer's class has the old name too): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"Group": "Members"}, globals())
 
 
 def describe_ranks(ranks: list[int], size: int | None = None) -> str:

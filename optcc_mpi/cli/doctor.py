@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from optcc_mpi import config, linklog, transports
+from optcc_mpi import config, linklog, linkrates, transports
 from optcc_mpi import doctor as dr
 from optcc_mpi.argtypes import (
     alias,
@@ -179,7 +179,7 @@ def register(subparsers: Any) -> None:
     v.add_argument(
         "--threshold",
         type=_fraction,
-        default=dr.HEALTHY_ABOVE,
+        default=linkrates.HEALTHY_ABOVE,
         help="fraction of the reference below which a link is degraded (default %(default)s)",
     )
     v.add_argument(

@@ -22,7 +22,6 @@ import numpy as np
 
 from optcc_mpi.errors import DatasetError
 from optcc_mpi.labels import TASKS
-from optcc_mpi.renames import renamed
 
 __all__ = [
     "LAYOUT_VERSION",
@@ -230,8 +229,3 @@ def attr_value(v: Any) -> Any:
 def largest_finite(name: str) -> float:
     """Largest finite value of dtype ``name``: values beyond it round to infinity."""
     return float(ml_dtypes.finfo(numpy_dtype(name)).max)
-
-
-# Renamed (issue 34: optcc_mpi.dtypes.dtype_name is another thing): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"dtype_name": "storage_dtype_name"}, globals())

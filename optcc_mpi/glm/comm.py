@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -49,26 +48,8 @@ from ..collectives import allreduce as _allreduce
 from ..emulation import Emulation, Pacer
 from ..errors import ArgumentError, ArgumentTypeError
 from ..links import Links
-from . import _removed
 
 __all__ = ["LIBRARY", "Group", "Reducer", "agree", "checksum", "default_comm"]
-
-#: Names this module exported before the trainer's AllReduce went through the public
-#: collectives, and what replaced each: they still resolve, for one release, with a
-#: FutureWarning (their code as it was, in :mod:`optcc_mpi.glm._removed`).
-_REMOVED = {
-    "PATHS": "optcc_mpi.model.library_allreduce, which picks the library's algorithm by size",
-    "allreduce_path": (
-        "optcc_mpi.model.recursive_doubling_rounds(p) for the critical path's messages, "
-        "optcc_mpi.model.library_allreduce for the time"
-    ),
-    "allreduce_cost": "optcc_mpi.model.library_allreduce(p, nbytes, bw, latency=latency)",
-    "NetworkPacer": (
-        "optcc_mpi.Emulation(latency=..., bw=...).pacer(rank, p, links), whose hold(started, "
-        "nbytes) sleeps to the deadline"
-    ),
-}
-
 
 T = TypeVar("T")
 
@@ -356,16 +337,3 @@ class Reducer:
                 net_overrun_s=pacer.overrun_s,
             )
         return out
-
-
-def __getattr__(name: str) -> Any:
-    replacement = _REMOVED.get(name)
-    if replacement is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"optcc_mpi.glm.comm.{name} is deprecated and will be removed in the next release: "
-        f"use {replacement}",
-        FutureWarning,
-        stacklevel=2,
-    )
-    return getattr(_removed, name)

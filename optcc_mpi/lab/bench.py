@@ -54,7 +54,6 @@ from optcc_mpi.emulation import Emulation
 from optcc_mpi.lab import testbed, world
 from optcc_mpi.lab.provenance import load_average
 from optcc_mpi.links import Links
-from optcc_mpi.renames import renamed
 
 __all__ = [
     "BenchConfig",
@@ -782,8 +781,3 @@ def write(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
         with path.open("w") as fh:
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
-
-
-# Renamed (issue 34: algorithms.table is the model's table): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"table": "rows_table"}, globals())

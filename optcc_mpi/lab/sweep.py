@@ -50,7 +50,6 @@ from typing import Any
 
 from optcc_mpi import config
 from optcc_mpi.lab import launch, provenance
-from optcc_mpi.renames import renamed
 
 __all__ = [
     "KINDS",
@@ -1067,8 +1066,3 @@ if __name__ == "__main__":
         "python -m optcc_mpi.lab.sweep is now `optcc-mpi sweep` "
         "(also `python -m optcc_mpi sweep`), with the same arguments"
     )
-
-
-# Renamed (issue 34: the CLI's run_command is another thing): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"run_command": "task_command"}, globals())

@@ -57,7 +57,6 @@ from optcc_mpi import config, units
 from optcc_mpi.errors import TestbedError
 from optcc_mpi.lab import launch
 from optcc_mpi.links import Links
-from optcc_mpi.renames import renamed
 
 __all__ = [
     "DEFAULT_NAME",
@@ -1265,8 +1264,3 @@ def run(
 ) -> int:
     """Run ``cmd`` as an MPI job in the current testbed; see :meth:`Testbed.run`."""
     return _require_current(name).run(cmd, n, env, timeout=timeout)
-
-
-# Renamed (issue 34: units.parse_size is the parser itself): the old name
-# works one more release.
-__getattr__ = renamed(__name__, {"parse_size": "shaping_size"}, globals())

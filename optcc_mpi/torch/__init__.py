@@ -54,9 +54,7 @@ This package (``optcc_mpi.torch``) is the face; below it, from a call down to th
     optcc_mpi.collectives -> optcc_mpi.transports.torch (gloo, NCCL) -> the wire
 
 The transport stays with the other transports (:mod:`optcc_mpi.transports.torch`: one
-module behind the transport contract). The old module names (``optcc_mpi.process_group``,
-``optcc_mpi.tensors``, ``optcc_mpi.streams``, ``optcc_mpi.devices``) resolve to these for
-one release, with a ``FutureWarning``. This package imports the real PyTorch by absolute
+module behind the transport contract). This package imports the real PyTorch by absolute
 import.
 
 Examples
