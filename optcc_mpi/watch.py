@@ -682,9 +682,15 @@ class LinkWatch:
         others where it is bandwidth-optimal (what the watch costs there: on the 4-rank
         testbed a ring per call made DDP's step 1.017x the step told healthy links, which
         gloo's AllReduce served; one call in two 1.013-1.016x; one in four 1.007x). A
-        slow rank is still found within about ten calls (two observed departing calls,
-        then the probe). The same answer on every rank (the calls are counted alike)."""
-        return bool(self.profile.fractions) or self.calls % max(self.sample, 1) == 0
+        slow rank is still found within a few calls: the first call of a job is
+        observed, and so is every call while departing calls are being confirmed (two
+        observed departing calls, then the probe). The same answer on every rank (the
+        calls are counted alike, the streak is agreed)."""
+        return (
+            bool(self.profile.fractions)
+            or bool(self._recent)
+            or (self.calls - 1) % max(self.sample, 1) == 0
+        )
 
     def _departs(self, new: np.ndarray, cur: np.ndarray) -> bool:
         """Whether ``new`` departs from ``cur``: some rank slower by more than

@@ -337,21 +337,23 @@ def test_after_a_cleared_probe_no_other_suspicion_is_probed_for_a_while(
 
 
 def test_on_healthy_links_every_other_call_is_observed_and_a_streak_spans_the_others() -> None:
-    """What the watch costs on healthy links: one call in ``sample`` runs a schedule of
-    ours (the others the library's AllReduce, which times nothing); under a degraded
-    profile every call does. A call that observed nothing neither breaks nor extends a
-    streak of departing calls."""
+    """What the watch costs on healthy links: the first call and one call in ``sample``
+    run a schedule of ours (the others the library's AllReduce, which times nothing);
+    while a departure is being confirmed, and under a degraded profile, every call does.
+    A call that observed nothing neither breaks nor extends a streak of departing
+    calls."""
     p = 4
-    w = LinkWatch(p, confirm=2, sample=2)
+    w = LinkWatch(p, confirm=2, sample=3)
     healthy = ring_rates(np.ones(p))
     got = []
     for _ in range(6):
         w.agree(healthy)
         got.append(w.observes())
-    assert got == [False, True, False, True, False, True]
+    assert got == [True, False, False, True, False, False]
     slow = ring_rates(Links({1: 0.5}).vector(p))
     assert w.agree(slow) == Links()  # call 7: one departing call
-    assert w.agree(np.zeros(p)) == Links()  # call 8: the library's, nothing observed
+    assert w.observes()  # (the next call is observed: the streak goes on)
+    assert w.agree(np.zeros(p)) == Links()  # call 8: nothing observed after all
     assert w.agree(slow) == Links({1: 0.5})  # call 9: the second, adopted (no probe here)
     assert w.observes() and w.changes == [(9, Links({1: 0.5}))]
 
