@@ -96,7 +96,8 @@ def test_world_of_one(world_of_one: object) -> None:
     assert work.wait() is True and work.is_completed() and work.is_success()
     assert torch.equal(t, torch.arange(10, dtype=torch.float32))
     assert work.get_future().value()[0] is t
-    assert work.stats["transport"] == "gloo"
+    assert work.stats["transport"] == "gloo"  # (what carries the data)
+    assert world_of_one.optcc_transport().describe() == "optcc process group of 1"
     assert collectives.last_stats()["algorithm"] == work.stats["algorithm"]
     # The other collectives go to gloo underneath.
     out = [torch.empty(3)]
@@ -279,6 +280,55 @@ def test_work_wait_times_out_rather_than_hanging() -> None:
     assert not work.is_completed() and work.exception() is None
     threading.Timer(0.05, lambda: fut.set_result([torch.ones(1)])).start()
     assert work.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_names_the_optcc_group() -> None:
+    """An optcc group's errors name the optcc group, not the gloo groups underneath it.
+    Two ranks as threads of one process (on one store, so the board carries the check):
+    rank 1 stops after the first call, and rank 0's next call times out with the error
+    naming "optcc process group of 2"; rank 1's later call raises too (the board is broken)."""
+    from optcc_mpi.errors import ExecutionError
+    from optcc_mpi.transports import board
+
+    if not board.usable():
+        pytest.skip("no board here (no C compiler): gloo's own timeout names no group")
+    store = dist.HashStore()
+    gone = threading.Event()
+    seen: list[object] = [None, None]
+
+    def rank_main(rank: int) -> None:
+        group = None
+        try:
+            group = OptccProcessGroup(store, rank, 2, datetime.timedelta(seconds=1))
+            described = group.optcc_transport().describe()
+            group.allreduce([torch.ones(4)]).wait()  # both ranks: the groups connected
+            if rank == 1:
+                gone.wait(60)
+            try:
+                group.allreduce([torch.ones(4)]).wait()
+                seen[rank] = (described, "completed")
+            except ExecutionError as exc:
+                seen[rank] = (described, str(exc))
+            finally:
+                gone.set()
+        except BaseException as exc:  # reported to the test
+            seen[rank] = exc
+        finally:
+            if group is not None:
+                group.shutdown()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+    assert not any(th.is_alive() for th in threads), "a rank hung"
+    (named0, error0), (named1, error1) = seen  # type: ignore[misc]
+    assert named0 == named1 == "optcc process group of 2"
+    assert error0.startswith("optcc process group of 2: rank 1 did not join"), error0
+    assert error1.startswith("optcc process group of 2: the group was aborted"), error1
+    assert "gloo" not in error0 + error1
 
 
 # -- torchrun --------------------------------------------------------------------------------------

@@ -837,7 +837,10 @@ class OptccProcessGroup(dist.ProcessGroup):
             )
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         # OptCC's own traffic, on groups of its own (collective: every member opens them).
-        self._cpu = TorchTransport.from_store(store, rank, size, self.global_ranks, "gloo", timeout)
+        # Named as the optcc group in its errors (a timeout on the board, an abort).
+        self._cpu = TorchTransport.from_store(
+            store, rank, size, self.global_ranks, "gloo", timeout, backend=BACKEND
+        )
         self._cuda: TorchTransport | None = None
         self._worker = OrderedWorker(f"optcc group of {size} (rank {rank})")
         self._down = False
@@ -881,6 +884,7 @@ class OptccProcessGroup(dist.ProcessGroup):
                 self.global_ranks,
                 "nccl",
                 self.timeout,
+                backend=BACKEND,
             )
         return self._cuda
 
