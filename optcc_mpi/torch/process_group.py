@@ -1011,10 +1011,11 @@ class OptccProcessGroup(dist.ProcessGroup):
         return submit(self._worker, tensors, lambda: job(self._transport(tensors[0])), self.timeout)
 
     def _reduce(self, tensors: list[Any], reduce_op: Any, coalesced: bool = False) -> _Step:
-        """Start reducing ``tensors``: one tensor as itself, several as one flat message
-        per run of dtype and device. Every check agrees across the ranks in the first
-        run's argument check (the shape of every run rides in it), so a refusal is raised
-        on every rank before anything changes."""
+        """Start reducing ``tensors``: one tensor as itself, several (or, coalesced, a
+        lone strided one) as one flat message per run of dtype and device, copied back.
+        Every check agrees across the ranks in the first run's argument check (the shape
+        of every run rides in it), so a refusal is raised on every rank before anything
+        changes."""
         refuse: Exception | None = None
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             refuse = ArgumentTypeError(f"{_WHAT}: expected a list of tensors")
@@ -1039,9 +1040,12 @@ class OptccProcessGroup(dist.ProcessGroup):
         shapes = "; ".join(f"{t.numel()} {t.dtype} on {t.device.type}" for t in tensors)
         record = None
         for i, run in enumerate(runs):
-            flat = torch.cat([t.detach().reshape(-1) for t in run]) if len(run) > 1 else run[0]
+            # Several tensors travel as one flat copy; so does a lone strided one, which
+            # cannot be reduced in place (as gloo's coalesced call, which reduces either).
+            copied = len(run) > 1 or not run[0].is_contiguous()
+            flat = torch.cat([t.detach().reshape(-1) for t in run]) if copied else run[0]
             record = self._start(flat, reduce_op, shapes if i == 0 else None).wait()
-            if len(run) > 1:
+            if copied:
                 offset = 0
                 for t in run:
                     n = t.numel()
