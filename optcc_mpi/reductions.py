@@ -118,10 +118,16 @@ def canonical_nans(xp: ModuleType, arr: XpArray) -> None:
     if dt.kind == "c":
         arr = arr.view(np.dtype(f"f{dt.itemsize // 2}"))
         dt = arr.dtype
-    if dt.itemsize >= 4 and math.isfinite(float(arr.sum())):
+    if dt.itemsize >= 4:
         # One vectorised pass with no temporary: no NaN anywhere (a NaN or an infinity
-        # makes the sum non-finite, and only then is every element looked at).
-        return
+        # makes the sum non-finite, and only then is every element looked at). The sum is
+        # only a test: finite elements that add up past the type's maximum (or infinities
+        # of both signs) are no error of the reduction, which is finished, so the user's
+        # np.seterr must not make them a warning or a FloatingPointError (on every rank).
+        with np.errstate(all="ignore"):
+            total = float(arr.sum())
+        if math.isfinite(total):
+            return
     info = _KEY_INFO.get(dt)
     if info is not None:
         it, inf_bits, nan_bits = info

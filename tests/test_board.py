@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -293,3 +294,39 @@ def test_a_rank_that_exited_is_named_within_seconds() -> None:
     child.join(60)
     with pytest.raises(ExecutionError, match=rf"rank 1 \(process {child.pid}\) exited"):
         b.allgather_block(np.zeros(8, np.uint8), rows)
+
+
+def _state(pid: int) -> str:
+    """The state letter of process ``pid`` (``/proc/PID/stat``, after the command's name)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_exited_unreaped_is_named_too() -> None:
+    """A rank that exited but that its parent has not reaped yet (a zombie, which
+    ``kill(pid, 0)`` still finds) counts as gone: the waiting rank names it at its next
+    look, not at the group's timeout. The child's parent here is the test, which reaps
+    it only at the end."""
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_child, args=(there,))
+    child.start()
+    try:
+
+        def gather(obj: object) -> list[object]:
+            here.send(obj)
+            return [obj, here.recv()]
+
+        b = board.Board.open(0, 2, [board.place()] * 2, gather)
+        assert b is not None
+        rows = np.zeros((2, 8), np.uint8)
+        b.allgather_block(np.zeros(8, np.uint8), rows)
+        assert rows[1].tolist() == [1] * 8
+        # Reached only where the zombie is taken for a rank that is alive but late.
+        b.timeout = 30.0
+        with pytest.raises(ExecutionError, match=rf"rank 1 \(process {child.pid}\) exited"):
+            b.allgather_block(np.zeros(8, np.uint8), rows)
+        assert _state(child.pid) == "Z"  # the case under test: not reaped all along
+    finally:
+        child.join(60)

@@ -6,6 +6,7 @@ Run under mpiexec at 2, 3, 4, 5 and 8 ranks (``make test``).
 from __future__ import annotations
 
 import sys
+import warnings
 import zlib
 
 import ml_dtypes
@@ -567,6 +568,29 @@ def test_sum_with_nans_agrees(algorithm: str, dtype: str) -> None:
             if p > 1 and op == "sum":
                 assert np.isnan(y[1])  # inf + -inf
             np.testing.assert_array_equal(y[2:].real.astype(np.float64), p if op == "sum" else 1)
+
+
+@pytest.mark.parametrize("errors", ["raise", "warn"])
+@pytest.mark.parametrize("algorithm", ALGS)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "complex64", "longdouble"])
+def test_finite_sum_past_the_maximum_is_quiet(algorithm: str, dtype: str, errors: str) -> None:
+    """A sum whose elements are all finite, but add up past the type's maximum, returns
+    without a NumPy warning or exception whatever the user's np.seterr. Looking for NaNs
+    after the library's AllReduce added the result's elements up under the user's settings:
+    a RuntimeWarning, or a FloatingPointError on every rank, from a finished reduction."""
+    comm, rank, p = world()
+    dt = DTYPES[dtype]
+    real = np.dtype(f"f{dt.itemsize // 2}") if dt.kind == "c" else dt
+    half = real.type(np.finfo(real).max) / real.type(2)
+    part = half / real.type(p)  # every partial sum of positives stays at or under the result
+    want = part * real.type(p)  # (in the type itself: max/2 of a long double is no float)
+    for n in (5, 1009, 70_001):
+        x = np.full(n, part, dtype=dt)
+        with warnings.catch_warnings(), np.errstate(all=errors):
+            warnings.simplefilter("error")
+            y = optcc_mpi.allreduce(x, algorithm=algorithm)
+        same_everywhere(comm, y)
+        assert np.isfinite(y).all() and (np.abs(y.real - want) <= want / 100).all()
 
 
 @pytest.mark.timeout(120)

@@ -42,6 +42,14 @@ from optcc_mpi.torch.process_group import (  # noqa: E402
 )
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
+ROOT = WORKER.parent.parent
+
+
+def _this_checkout(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this checkout first on ``PYTHONPATH``: a worker started as a script has
+    its own folder on the path, not the current directory, and would import the package
+    installed in the environment (another checkout's, where it is an editable install)."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
 
 
 def torchrun(
@@ -62,6 +70,7 @@ def _torchrun(
     # A hang prints every thread's stack before the test's own timeout ends it.
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORKER_DUMP_AFTER=str(timeout - 30))
     env.update(env_extra)
+    env = _this_checkout(env)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={n}", str(WORKER), scenario, str(out),
@@ -96,7 +105,8 @@ def test_world_of_one(world_of_one: object) -> None:
     assert work.wait() is True and work.is_completed() and work.is_success()
     assert torch.equal(t, torch.arange(10, dtype=torch.float32))
     assert work.get_future().value()[0] is t
-    assert work.stats["transport"] == "gloo"
+    assert work.stats["transport"] == "gloo"  # (what carries the data)
+    assert world_of_one.optcc_transport().describe() == "optcc process group of 1"
     assert collectives.last_stats()["algorithm"] == work.stats["algorithm"]
     # The other collectives go to gloo underneath.
     out = [torch.empty(3)]
@@ -281,6 +291,55 @@ def test_work_wait_times_out_rather_than_hanging() -> None:
     assert work.wait()
 
 
+@pytest.mark.timeout(120)
+def test_a_timeout_names_the_optcc_group() -> None:
+    """An optcc group's errors name the optcc group, not the gloo groups underneath it.
+    Two ranks as threads of one process (on one store, so the board carries the check):
+    rank 1 stops after the first call, and rank 0's next call times out with the error
+    naming "optcc process group of 2"; rank 1's later call raises too (the board is broken)."""
+    from optcc_mpi.errors import ExecutionError
+    from optcc_mpi.transports import board
+
+    if not board.usable():
+        pytest.skip("no board here (no C compiler): gloo's own timeout names no group")
+    store = dist.HashStore()
+    gone = threading.Event()
+    seen: list[object] = [None, None]
+
+    def rank_main(rank: int) -> None:
+        group = None
+        try:
+            group = OptccProcessGroup(store, rank, 2, datetime.timedelta(seconds=1))
+            described = group.optcc_transport().describe()
+            group.allreduce([torch.ones(4)]).wait()  # both ranks: the groups connected
+            if rank == 1:
+                gone.wait(60)
+            try:
+                group.allreduce([torch.ones(4)]).wait()
+                seen[rank] = (described, "completed")
+            except ExecutionError as exc:
+                seen[rank] = (described, str(exc))
+            finally:
+                gone.set()
+        except BaseException as exc:  # reported to the test
+            seen[rank] = exc
+        finally:
+            if group is not None:
+                group.shutdown()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+    assert not any(th.is_alive() for th in threads), "a rank hung"
+    (named0, error0), (named1, error1) = seen  # type: ignore[misc]
+    assert named0 == named1 == "optcc process group of 2"
+    assert error0.startswith("optcc process group of 2: rank 1 did not join"), error0
+    assert error1.startswith("optcc process group of 2: the group was aborted"), error1
+    assert "gloo" not in error0 + error1
+
+
 # -- torchrun --------------------------------------------------------------------------------------
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("n", [2, 3])
@@ -457,6 +516,7 @@ def test_started_as_srun_starts_it(tmp_path: Path) -> None:
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
         }
+        env = _this_checkout(env)
         argv = [sys.executable, str(WORKER), "passthrough", str(tmp_path)]
         procs.append(
             subprocess.Popen(
@@ -476,7 +536,7 @@ def test_from_mpi(tmp_path: Path) -> None:
     pytest.importorskip("mpi4py")
     n = 2
     argv = [*launch.launcher_argv(n), sys.executable, str(WORKER), "from_mpi", str(tmp_path)]
-    env = launch.clean_env({**os.environ, "OMP_NUM_THREADS": "1"})
+    env = _this_checkout(launch.clean_env({**os.environ, "OMP_NUM_THREADS": "1"}))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for r in range(n):

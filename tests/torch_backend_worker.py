@@ -429,6 +429,17 @@ def semantics_scenario() -> dict:
     bt = b.t()
     dist.all_reduce_coalesced([a, bt])
     got["coalesced non-contiguous"] = [a.tolist(), bt.tolist()]
+    # ... and alone in the call (a transpose; every other element of a vector, whose
+    # other elements must stay as they were): reduced as in a pair, as gloo does
+    v = torch.arange(10.0) + r
+    lones = {"coalesced lone transpose": (b + 1).t(), "coalesced lone stride 2": v[::2]}
+    for key, lone in lones.items():
+        try:
+            dist.all_reduce_coalesced([lone])
+            got[key] = lone.tolist()
+        except Exception as exc:  # noqa: BLE001 - recorded: the test compares with gloo
+            got[key] = f"{type(exc).__name__}: {exc}"
+    got["coalesced lone stride 2: the vector"] = v.tolist()
 
     # 6. each work's own record, groups used from two threads
     if name == "optcc":

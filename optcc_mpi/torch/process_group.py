@@ -858,7 +858,10 @@ class OptccProcessGroup(dist.ProcessGroup):
             )
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         # OptCC's own traffic, on groups of its own (collective: every member opens them).
-        self._cpu = TorchTransport.from_store(store, rank, size, self.global_ranks, "gloo", timeout)
+        # Named as the optcc group in its errors (a timeout on the board, an abort).
+        self._cpu = TorchTransport.from_store(
+            store, rank, size, self.global_ranks, "gloo", timeout, backend=BACKEND
+        )
         self._cuda: TorchTransport | None = None
         self._worker = OrderedWorker(f"optcc group of {size} (rank {rank})")
         self._down = False
@@ -902,6 +905,7 @@ class OptccProcessGroup(dist.ProcessGroup):
                 self.global_ranks,
                 "nccl",
                 self.timeout,
+                backend=BACKEND,
             )
         return self._cuda
 
@@ -1028,10 +1032,11 @@ class OptccProcessGroup(dist.ProcessGroup):
         return submit(self._worker, tensors, lambda: job(self._transport(tensors[0])), self.timeout)
 
     def _reduce(self, tensors: list[Any], reduce_op: Any, coalesced: bool = False) -> _Step:
-        """Start reducing ``tensors``: one tensor as itself, several as one flat message
-        per run of dtype and device. Every check agrees across the ranks in the first
-        run's argument check (the shape of every run rides in it), so a refusal is raised
-        on every rank before anything changes."""
+        """Start reducing ``tensors``: one tensor as itself, several (or, coalesced, a
+        lone strided one) as one flat message per run of dtype and device, copied back.
+        Every check agrees across the ranks in the first run's argument check (the shape
+        of every run rides in it), so a refusal is raised on every rank before anything
+        changes."""
         refuse: Exception | None = None
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             refuse = ArgumentTypeError(f"{_WHAT}: expected a list of tensors")
@@ -1056,9 +1061,12 @@ class OptccProcessGroup(dist.ProcessGroup):
         shapes = "; ".join(f"{t.numel()} {t.dtype} on {t.device.type}" for t in tensors)
         record = None
         for i, run in enumerate(runs):
-            flat = torch.cat([t.detach().reshape(-1) for t in run]) if len(run) > 1 else run[0]
+            # Several tensors travel as one flat copy; so does a lone strided one, which
+            # cannot be reduced in place (as gloo's coalesced call, which reduces either).
+            copied = len(run) > 1 or not run[0].is_contiguous()
+            flat = torch.cat([t.detach().reshape(-1) for t in run]) if copied else run[0]
             record = self._start(flat, reduce_op, shapes if i == 0 else None).wait()
-            if len(run) > 1:
+            if copied:
                 offset = 0
                 for t in run:
                     n = t.numel()

@@ -26,9 +26,10 @@ compiler is available there is no board, and gloo carries the exchange.
 
 Nothing hangs: a wait wakes every :data:`SLICE` seconds to see whether the group was
 aborted (here, or on another rank: an abort marks the board broken for every rank), whether
-the ranks it waits for still run, and whether the group's timeout passed; each ends the
-wait with an error on this rank, and marks the board broken, so the other ranks raise too
-instead of waiting for a rank that will not come.
+the ranks it waits for still run (a rank that exited counts as gone whether or not its
+parent reaped it), and whether the group's timeout passed; each ends the wait with an
+error on this rank, and marks the board broken, so the other ranks raise too instead of
+waiting for a rank that will not come.
 
 Used only where it carries the exchange faithfully: every rank on one machine with one
 ``/dev/shm``, one process namespace (so that a process number names a rank) and one
@@ -98,6 +99,30 @@ def _lib() -> ctypes.CDLL | None:
     lib.optcc_board_break.restype = None
     lib.optcc_board_break.argtypes = [ptr]
     return lib
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited, reaped by its parent or not.
+
+    ``kill(pid, 0)`` fails only once the process is reaped: a rank whose parent (a
+    launcher, a user's script, a test) has not collected it yet is a zombie, dead but still
+    found, and would be waited for until the timeout. Its state in ``/proc/PID/stat``
+    says so ('Z', or 'X' while it is being reaped); without ``/proc``, only ``kill``
+    tells.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, owned by another user: its state tells
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:  # no /proc here (or reaped just now: the next look's kill says so)
+        return False
+    # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses.
+    end = stat.rfind(b")")
+    return stat[end + 2 : end + 3] in (b"Z", b"X")
 
 
 def usable() -> bool:
@@ -301,15 +326,11 @@ class Board:
                 self.broken()
                 raise ArgumentError(f"{what}: the process group was aborted")
             pid = self.pids[missing]
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if _exited(pid):
                 self.broken()
                 raise ExecutionError(
                     f"{what}: rank {missing} (process {pid}) exited while this rank waited for it"
-                ) from None
-            except PermissionError:  # alive, owned by another user
-                pass
+                )
             if time.monotonic() - start > self.timeout:
                 self.broken()
                 raise ExecutionError(

@@ -232,6 +232,11 @@ class TorchTransport(Transport["dist.Work"]):
         The groups the traffic travels on.
     timeout : datetime.timedelta, optional
         The groups' timeout, which the board's waits honour too.
+    backend : str, optional
+        The torch.distributed backend of the group the user sees, which the errors name
+        (:meth:`describe`): the ``optcc`` backend's transports carry its calls over gloo
+        or NCCL groups of their own, and a user of an ``optcc`` group knows no gloo
+        group. Default: ``library``.
     """
 
     def __init__(
@@ -242,6 +247,7 @@ class TorchTransport(Transport["dist.Work"]):
         global_ranks: Sequence[int],
         carriers: Carriers,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+        backend: str | None = None,
     ) -> None:
         if library not in ("gloo", "nccl"):
             raise ArgumentError(
@@ -249,6 +255,8 @@ class TorchTransport(Transport["dist.Work"]):
                 "or nccl (CUDA)"
             )
         self.name = library
+        #: The backend of the group the user sees (what :meth:`describe` names).
+        self.backend = backend or library
         completion = Completion.GROUPED if library == "nccl" else Completion.ORDERED
         self.caps = Capabilities(
             completion=completion,
@@ -313,11 +321,13 @@ class TorchTransport(Transport["dist.Work"]):
         global_ranks: Sequence[int],
         library: str = "gloo",
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+        backend: str | None = None,
     ) -> TorchTransport:
         """A transport on groups of its own, opened on ``store`` (keys under
         ``optcc/``; pass a :func:`fresh_store`) and never registered with
         torch.distributed; collective over the ``size`` processes that call it with the
-        same store. :meth:`Transport.close` shuts them down."""
+        same store. :meth:`Transport.close` shuts them down. ``backend``: the backend of
+        the group the user sees, for the errors (default ``library``)."""
 
         def gloo(name: str) -> Any:
             return dist.ProcessGroupGloo(
@@ -337,7 +347,7 @@ class TorchTransport(Transport["dist.Work"]):
             down = data if size == 1 else gloo("down")
             owned = tuple({id(g): g for g in (data, down, ctrl)}.values())
         carriers = Carriers(data, down, ctrl, owned)
-        return cls(library, rank, size, global_ranks, carriers, timeout)
+        return cls(library, rank, size, global_ranks, carriers, timeout, backend)
 
     def close(self) -> None:
         """The group went away: drop what was kept for it, and shut down the groups this
@@ -583,7 +593,8 @@ class TorchTransport(Transport["dist.Work"]):
         return Links({member[g]: f for g, f in links.fractions.items() if g in member})
 
     def describe(self) -> str:
-        return f"{self.name} process group of {self.size}"
+        # The group the user made (an optcc group's, not the gloo groups underneath).
+        return f"{self.backend} process group of {self.size}"
 
 
 #: The groups of aborted transports, kept to the process's end (:meth:`TorchTransport.abort`).
