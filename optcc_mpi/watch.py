@@ -314,7 +314,8 @@ class LinkWatch:
     threshold : float
         Departure in some rank's fraction that triggers a change.
     confirm : int
-        Consecutive calls that must show the departure.
+        Consecutive calls that must show the departure (one more after each streak the
+        probe found wrong, up to ``confirm_max``: noisy timings).
     healthy_above : float
         Measured fractions at or above this count as healthy (default
         :data:`optcc_mpi.linkrates.HEALTHY_ABOVE`, the doctor's too).
@@ -342,6 +343,9 @@ class LinkWatch:
     probe_margin : float
         A rank held healthy that the probe names less than ``probe_margin`` under
         ``healthy_above`` is probed again, and adopted only if both probes name it.
+    confirm_max : int
+        The most departing calls in a row a suspicion may come to need (``confirm``
+        grows by one with each streak the probe found wrong).
     """
 
     p: int
@@ -377,6 +381,10 @@ class LinkWatch:
     #: make their schedules' baselines without another probe (the probe just measured
     #: every rank: what the new plan's traffic reads now is its reading of the truth).
     _calibrating: int = 0
+    #: Departing calls in a row that make a suspicion (``confirm``, one more after each
+    #: streak a probe found wrong, up to ``confirm_max``).
+    _need: int = 0
+    confirm_max: int = 5
     #: Calls since the profile last changed or was explored, the wait before the next
     #: exploration, and whether the last call was one.
     _steady: int = 0
@@ -426,6 +434,7 @@ class LinkWatch:
                 f"explore_max {self.explore_max!r}"
             )
         self._mine = np.zeros(self.p)
+        self._need = self.confirm
         self._gap = self.explore
         self._clear_gap = max(self.explore, 1)
         if self.log is None:
@@ -526,7 +535,7 @@ class LinkWatch:
                 before = len(self.changes)
                 got = self._decide(
                     np.maximum(cur, new), f"the exploring call {self.calls - 1} (the healthy "
-                    f"profile) measured {measured}", {tag: new},
+                    f"profile) measured {measured}", {tag: new}, explored=True,
                 )  # fmt: skip
                 if len(self.changes) > before:
                     return got
@@ -560,9 +569,10 @@ class LinkWatch:
         if not self._departs(new, ref):
             self._recent, self._recent_raw = [], []
             return self._steady_call()
-        self._recent = [*self._recent, new][-self.confirm :]
-        self._recent_raw = [*self._recent_raw, (tag, raw)][-self.confirm :]
-        if len(self._recent) < self.confirm:
+        need = self._need
+        self._recent = [*self._recent, new][-need:]
+        self._recent_raw = [*self._recent_raw, (tag, raw)][-need:]
+        if len(self._recent) < need:
             return self.profile
         # Every measurement is a lower bound, and noise only ever makes a rank look slower:
         # the elementwise maximum of the streak's measurements is the tightest bound.
@@ -573,7 +583,7 @@ class LinkWatch:
         best = np.where(best >= self.healthy_above, 1.0, best)
         self._recent, self._recent_raw = [], []
         if self._departs(best, cur) or base is not None:
-            first = self.calls - self.confirm
+            first = self.calls - need
             return self._decide(
                 best, f"calls {first}-{self.calls - 1} measured {_links(best)} "
                 f"(each departing from {self.profile})", readings,
@@ -585,6 +595,7 @@ class LinkWatch:
         suspect: np.ndarray,
         why: str,
         readings: dict[int | None, np.ndarray] | None = None,
+        explored: bool = False,
     ) -> Links:
         """The traffic suspects ``suspect`` (``why``: which calls showed what;
         ``readings``: what each schedule's calls read, kept as that schedule's baseline
@@ -644,6 +655,13 @@ class LinkWatch:
             # The profile is right and these schedules read otherwise under it: what they
             # read is their reading while nothing changes (_baseline).
             self._baseline.update(readings)
+        if not explored:
+            # A streak of departing calls that the probe found wrong: this network's
+            # timings are noisy (8 ranks on 2 cores: a rank not scheduled when its
+            # message arrives reads slow, and in two calls running another rank); one
+            # more call must confirm the next streak (noise rarely blames one rank that
+            # long; a slow link does every call), up to confirm_max.
+            self._need = min(self._need + 1, max(self.confirm_max, self.confirm))
         self._cleared = ranks
         self._cleared_until = self.calls + self._clear_gap
         self._quiet_until = self.calls + min(self._clear_gap, self.probe_gap_max)

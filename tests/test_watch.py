@@ -336,6 +336,40 @@ def test_after_a_cleared_probe_no_other_suspicion_is_probed_for_a_while(
     assert w.changes == [(11, Links({4: 0.5}))]
 
 
+def test_noisy_timings_need_longer_streaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timings of oversubscribed ranks (8 on 2 cores on the testbed) blame a healthy rank
+    for two calls in a row now and then, another each time: each streak the probe finds
+    wrong makes the next suspicion need one more departing call (up to confirm_max), so
+    such noise stops costing a probe every few calls, and a slow link, which departs
+    every call, is still adopted within a few calls of appearing."""
+    import optcc_mpi.watch as watch_mod
+
+    p = 8
+    found = [Links()]
+    ran: list[int] = []
+    monkeypatch.setattr(watch_mod, "probe_ranks", lambda *a, **k: _fake_probe(found[0], p, ran)())
+    healthy = ring_rates(np.ones(p))
+    probes = {}
+    for confirm_max in (2, 5):  # (2: the streak never grows)
+        found[0], ran[:] = Links(), []
+        w = LinkWatch(p, confirm=2, confirm_max=confirm_max, probe_gap_max=4)
+        rng = np.random.default_rng(7)
+        for call in range(200):
+            v = healthy.copy()
+            if call % 2 == 0:
+                blamed = int(rng.integers(p))
+            if rng.random() < 0.6:  # blamed in runs of up to two calls, one rank at a time
+                v[blamed] *= 0.45
+            assert w.agree(v, object()) == Links()
+        probes[confirm_max] = len(ran)
+        found[0] = Links({3: 0.5})
+        start = w.calls
+        for _ in range(8):
+            w.agree(ring_rates(found[0].vector(p)), object())
+        assert w.changes and w.changes[-1][1] == found[0] and w.changes[-1][0] - start <= 6
+    assert probes[5] * 4 <= probes[2], probes  # (22 and 5 here)
+
+
 def test_on_healthy_links_every_other_call_is_observed_and_a_streak_spans_the_others() -> None:
     """What the watch costs on healthy links: the first call and one call in ``sample``
     run a schedule of ours (the others the library's AllReduce, which times nothing);
