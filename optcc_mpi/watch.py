@@ -381,6 +381,7 @@ class LinkWatch:
     #: make their schedules' baselines without another probe (the probe just measured
     #: every rank: what the new plan's traffic reads now is its reading of the truth).
     _calibrating: int = 0
+    _calibration: dict[int | None, list[np.ndarray]] = field(default_factory=dict)
     #: Departing calls in a row that make a suspicion (``confirm``, one more after each
     #: streak a probe found wrong, up to ``confirm_max``).
     _need: int = 0
@@ -547,9 +548,12 @@ class LinkWatch:
         # reading moved (the held fractions while steady).
         raw = new
         if self._calibrating > 0:
+            # (the median of the schedule's readings so far: what it typically reads;
+            # one fast outlier would make every typical call depart)
             self._calibrating -= 1
-            known = self._baseline.get(tag)
-            self._baseline[tag] = raw if known is None else np.maximum(known, raw)
+            seen = self._calibration.setdefault(tag, [])
+            seen.append(raw)
+            self._baseline[tag] = np.median(seen, axis=0)
             self.measured = self.profile
             return self.profile
         base = self._baseline.get(tag)
@@ -649,11 +653,14 @@ class LinkWatch:
             self._cleared, self._clear_gap = None, max(self.explore, 1)
             adopted = self._adopt(got, f"{why}; the probe found {found}", found=found.fractions)
             # (two readings of each of two alternating schedules: DDP's bucket sizes)
-            self._calibrating = 2 * self.confirm
+            # (a healthy profile's plan, the library's or the ring, loads every rank
+            # alike: its traffic has no plan's bias to learn, only noise)
+            self._calibrating = 2 * self.confirm if self.profile.fractions else 0
             return adopted
-        if readings:
+        if readings and self.profile.fractions:
             # The profile is right and these schedules read otherwise under it: what they
-            # read is their reading while nothing changes (_baseline).
+            # read is their reading while nothing changes (_baseline). Not on healthy
+            # links, whose plan has no bias: there a wrong suspicion was noise.
             self._baseline.update(readings)
         if not explored:
             # A streak of departing calls that the probe found wrong: this network's
@@ -672,7 +679,8 @@ class LinkWatch:
         """Make ``fracs`` the profile from this call on (``why``: the link log's reason;
         ``found``: the probe's fractions, if one decided)."""
         self.profile = _links(fracs)
-        self._baseline, self._calibrating = {}, 0  # (another plan: its traffic reads anew)
+        # (another plan: its traffic reads anew)
+        self._baseline, self._calibrating, self._calibration = {}, 0, {}
         self.changes.append((self.calls, self.profile))
         self.why = why or None
         if self.log is not None and self.rank in (None, 0):

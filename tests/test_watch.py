@@ -315,7 +315,8 @@ def test_after_a_cleared_probe_no_other_suspicion_is_probed_for_a_while(
         return _fake_probe(found[0], p, ran)()
 
     monkeypatch.setattr(watch_mod, "probe_ranks", probe)
-    w = LinkWatch(p, confirm=1, explore=4, explore_max=64, probe_gap_max=6)
+    # (confirm_max=1: streaks that never grow, so that the quiet wait alone is tested)
+    w = LinkWatch(p, confirm=1, confirm_max=1, explore=4, explore_max=64, probe_gap_max=6)
     wire = object()
     healthy = ring_rates(np.ones(p))
 
