@@ -276,7 +276,11 @@ def _child(conn: object) -> None:  # pragma: no cover (runs in the child)
     # and exits without the next call
 
 
-def test_a_rank_that_exited_is_named_within_seconds() -> None:
+def _joined_by_a_child_that_exits() -> tuple[
+    multiprocessing.process.BaseProcess, board.Board, np.ndarray
+]:
+    """Rank 0 here, rank 1 a forked child that makes one exchange and exits: the child,
+    the board after that exchange, and its rows."""
     ctx = multiprocessing.get_context("fork")
     here, there = ctx.Pipe()
     child = ctx.Process(target=_child, args=(there,))
@@ -291,6 +295,11 @@ def test_a_rank_that_exited_is_named_within_seconds() -> None:
     rows = np.zeros((2, 8), np.uint8)
     b.allgather_block(np.zeros(8, np.uint8), rows)
     assert rows[1].tolist() == [1] * 8
+    return child, b, rows
+
+
+def test_a_rank_that_exited_is_named_within_seconds() -> None:
+    child, b, rows = _joined_by_a_child_that_exits()
     child.join(60)
     with pytest.raises(ExecutionError, match=rf"rank 1 \(process {child.pid}\) exited"):
         b.allgather_block(np.zeros(8, np.uint8), rows)
@@ -308,21 +317,8 @@ def test_a_rank_that_exited_unreaped_is_named_too() -> None:
     ``kill(pid, 0)`` still finds) counts as gone: the waiting rank names it at its next
     look, not at the group's timeout. The child's parent here is the test, which reaps
     it only at the end."""
-    ctx = multiprocessing.get_context("fork")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_child, args=(there,))
-    child.start()
+    child, b, rows = _joined_by_a_child_that_exits()
     try:
-
-        def gather(obj: object) -> list[object]:
-            here.send(obj)
-            return [obj, here.recv()]
-
-        b = board.Board.open(0, 2, [board.place()] * 2, gather)
-        assert b is not None
-        rows = np.zeros((2, 8), np.uint8)
-        b.allgather_block(np.zeros(8, np.uint8), rows)
-        assert rows[1].tolist() == [1] * 8
         # Reached only where the zombie is taken for a rank that is alive but late.
         b.timeout = 30.0
         with pytest.raises(ExecutionError, match=rf"rank 1 \(process {child.pid}\) exited"):
