@@ -659,6 +659,11 @@ class LinkWatch:
             # (a healthy profile's plan, the library's or the ring, loads every rank
             # alike: its traffic has no plan's bias to learn, only noise)
             self._calibrating = 2 * self.confirm if self.profile.fractions else 0
+            # The probe has just measured every rank alike, as an exploring call would:
+            # the first exploration waits four times as long (on the 8-rank testbed the
+            # exploring calls 8, 17 and 34 calls after an adoption cost more than the
+            # probe that decided it).
+            self._gap = min(4 * self.explore, self.explore_max)
             return adopted
         if readings and self.profile.fractions:
             # The profile is right and these schedules read otherwise under it: what they

@@ -280,6 +280,9 @@ def test_a_suspicion_is_decided_by_the_probe(monkeypatch: pytest.MonkeyPatch) ->
         if not explored and w.calls > 2:
             read.append(np.abs(w.measured.vector(p) - truth.vector(p)).max())
     assert all(g in (truth, Links()) for g in got) and w.changes == [(2, truth)]  # (explore)
+    # The probe measured every rank as an exploring call does: the first exploration is
+    # the 4 x explore-th steady call (16 here), after the 2 x confirm calibrating ones.
+    assert got.index(Links()) == 2 * w.confirm + 4 * 4 - 1  # (7 before: explore - 1 + 4)
     assert [(call, adopted) for call, *_, adopted in w.probes] == [(2, True)]
     assert max(read) <= 0.1
     # A real change is still adopted within ten calls: rank 3 slows (the plan's traffic
