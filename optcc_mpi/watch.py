@@ -557,23 +557,20 @@ class LinkWatch:
             self.measured = self.profile
             return self.profile
         base = self._baseline.get(tag)
-        near = False
+        ref = cur
         if base is not None:
             moved = cur * new / np.maximum(base, 0.01)
             self.measured = _links(np.clip(np.round(moved, 2), 0.01, 1.0))
-            # A call that reads what this plan read while the profile was right is
-            # steady, whatever it says against the profile (the plan's traffic can read a
-            # slow rank two ways, 0.45 and 0.7 for a true 0.4 over MPI on the testbed:
-            # near the profile, or near the baseline). Compared below the healthy cut,
-            # where a reading is a number (0.79 and 1.0 are one link either side of it).
-            cut = self.healthy_above
-            near = not self._departs(np.minimum(new, cut), np.minimum(base, cut))
+            # Compared below the healthy cut, where a reading is a number (above it,
+            # 0.79 and 1.0 are the same link read either side of the cut).
+            ref, new = np.minimum(base, self.healthy_above), np.minimum(new, self.healthy_above)
         # A measured rate is a lower bound: a rank the plan gives little traffic never
         # shows its full speed. So a rank measured clearly faster than the profile says
-        # has recovered by more than we can see: it counts as healthy, and the plan that
-        # follows (the ring, if it is the only one) measures it in full.
-        new = np.where(new > cur + self.threshold, 1.0, new)
-        if near or not self._departs(new, cur):
+        # (than its reading while steady) has recovered by more than we can see: it
+        # counts as healthy, and the plan that follows (the ring, if it is the only one)
+        # measures it in full.
+        new = np.where(new > ref + self.threshold, 1.0, new)
+        if not self._departs(new, ref):
             self._recent, self._recent_raw = [], []
             return self._steady_call()
         need = self._need
@@ -589,7 +586,7 @@ class LinkWatch:
         best = np.max(self._recent, axis=0)
         best = np.where(best >= self.healthy_above, 1.0, best)
         self._recent, self._recent_raw = [], []
-        if self._departs(best, cur):
+        if self._departs(best, cur) or base is not None:
             first = self.calls - need
             return self._decide(
                 best, f"calls {first}-{self.calls - 1} measured {_links(best)} "
