@@ -551,9 +551,9 @@ class LinkWatch:
             # (the median of the schedule's readings so far: what it typically reads;
             # one fast outlier would make every typical call depart)
             self._calibrating -= 1
-            seen = self._calibration.setdefault(tag, [])
-            seen.append(raw)
-            self._baseline[tag] = np.median(seen, axis=0)
+            calibration = self._calibration.setdefault(tag, [])
+            calibration.append(raw)
+            self._baseline[tag] = np.median(calibration, axis=0)
             self.measured = self.profile
             return self.profile
         base = self._baseline.get(tag)
