@@ -99,6 +99,21 @@ time). On healthy links nothing departs
 and nothing is probed. The link log's ``adopt`` record says why (which calls measured
 what, what the probe found), and a ``probe`` record keeps every probe.
 
+Steady under a held profile (issue 42, ours)
+--------------------------------------------
+A plan reads its own traffic with a bias: under OptCC's plan the slow ranks read high
+(0.74-0.79 for a true 0.6 on the 8-rank testbed; a message is stamped when it is waited
+for, so healthy messages queued behind a slow one look slow and the reference drops), and
+a watch that compared those readings with the profile probed again every few calls. So a
+profile the probe decided is followed by a few calibrating calls: per schedule (by its
+layout's tag) the median of what they read is the schedule's *baseline*, its reading of
+the truth, and later calls are compared with it (below the healthy cut, where a reading
+is a number); a suspicion the probe clears under a degraded plan sets the baseline too.
+A healthy plan loads every rank alike and has none. Where timings are noisy (ranks
+outnumbering cores), each streak the probe finds wrong makes the next suspicion need one
+more departing call, up to ``confirm_max``. The first exploration after a probe-decided
+adoption waits four times ``explore`` (the probe has just measured every rank alike).
+
 Volume: each rank contributes ``p + 2`` values and its side of the timed messages, at
 most :func:`watch_length` int64 (16 KiB up to 16 ranks, less beyond, so that the gather
 moves at most ``FOLD_TOTAL`` bytes). When the timed messages need more, every ``s``-th of
