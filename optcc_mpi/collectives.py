@@ -736,17 +736,21 @@ class _Call:
         ranks that build from different rates would run different schedules, so the
         check agrees on it. A call the library alone serves does not depend on it (nor
         does the compiled path's header carry it)."""
-        text = config.rc.link_rate
-        if text is None or (self.plan is not None and self.plan.library_only):
+        text = self._rate_text()
+        return None if text is None else _rate_of(text)
+
+    def _rate_text(self) -> str | None:
+        """``$OPTCC_LINK_RATE`` as set, where the call's schedule is built from it."""
+        if self.plan is not None and self.plan.library_only:
             return None
-        return _rate_of(text)
+        return config.rc.link_rate
 
     def shown(self) -> dict[str, str]:
         """What this rank passed, in words, for error messages on other ranks."""
         link = self.link_obj
         profile = "probe" if link is PROBE else "watch" if link is WATCH else str(link)
-        rate = config.rc.link_rate
-        if rate is not None and not (self.plan is not None and self.plan.library_only):
+        rate = self._rate_text()
+        if rate is not None:
             profile += f" at OPTCC_LINK_RATE={rate}"
         shown = {
             "element count": str(self.count),
