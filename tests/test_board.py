@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -326,3 +327,51 @@ def test_a_rank_that_exited_unreaped_is_named_too() -> None:
         assert _state(child.pid) == "Z"  # the case under test: not reaped all along
     finally:
         child.join(60)
+
+
+def test_one_abort_poll_for_the_board_and_the_torch_transport(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """How often a wait looks whether its group was aborted is one value
+    (``transports.base.ABORT_POLL``), read by the board's sleep and by the torch
+    transport's polled gloo wait alike."""
+    import datetime
+
+    from optcc_mpi.transports import base
+    from optcc_mpi.transports import torch as torch_transport
+
+    monkeypatch.setattr(base, "ABORT_POLL", 0.125)
+    slices: list[float] = []
+
+    def body(rank: int, b: board.Board) -> None:
+        real = b._lib
+
+        class Spy:  # the C library, with the wait's slice recorded
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def optcc_board_wait(self, *args: object) -> int:
+                slices.append(cast(float, args[6]))
+                return cast(int, real.optcc_board_wait(*args))
+
+        b._lib = Spy()  # type: ignore[assignment]
+        b.allgather_block(np.zeros(0, np.uint8), np.zeros((2, 0), np.uint8))
+
+    run_ranks(2, body)
+    assert slices and set(slices) == {0.125}
+
+    polls: list[datetime.timedelta] = []
+
+    class Work:  # a gloo collective that completes at its third look
+        def wait(self, timeout: datetime.timedelta) -> None:
+            polls.append(timeout)
+            if len(polls) < 3:
+                raise RuntimeError("Timed out")
+
+        def is_completed(self) -> bool:
+            return False
+
+    t = object.__new__(torch_transport.TorchTransport)
+    t._closed, t._abortable, t._aborted = False, True, False
+    t._poll(Work())
+    assert polls == [datetime.timedelta(seconds=0.125)] * 3

@@ -103,7 +103,8 @@ from optcc_mpi.links import Links
 from optcc_mpi.torch.devices import agree_device_kind
 from optcc_mpi.torch.streams import SideStreams, StreamApi, StreamCall
 from optcc_mpi.torch.tensors import HALF, Lane, LaneCall, TensorCall, lane, start_tensor
-from optcc_mpi.transports.torch import POLL, TorchTransport, fresh_store
+from optcc_mpi.transports.base import ABORT_POLL
+from optcc_mpi.transports.torch import TorchTransport, fresh_store
 
 __all__ = [
     "BACKEND",
@@ -124,8 +125,6 @@ BACKEND = "optcc"
 _WHAT = "all_reduce on the optcc backend"
 #: torch's reductions (``RedOpType`` members; the stubs name them on ``ReduceOp`` only).
 _RED: Any = dist.ReduceOp.RedOpType
-#: How long an aborted group's thread may take to leave the library's wait.
-_POLL_S = POLL.total_seconds()
 _T = TypeVar("_T")
 
 #: torch's reductions as the package names them: ``(op, op on bool tensors)``. On bool
@@ -1230,7 +1229,7 @@ class OptccProcessGroup(dist.ProcessGroup):
         self._down = True
         self._worker.abort(AbortedError(f"{_WHAT}: the process group was aborted"))
         self._close_groups(abort=True)
-        self._worker.join(timeout=4 * _POLL_S)
+        self._worker.join(timeout=4 * ABORT_POLL)  # (its wait looks every ABORT_POLL)
 
     def _close_groups(self, abort: bool) -> None:
         for t in (self._cpu, self._cuda):

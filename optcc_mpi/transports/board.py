@@ -24,12 +24,12 @@ short spin for a peer about to arrive (none where ranks outnumber the cores: the
 spinning rank would take the core its peer needs), then a futex sleep. Where no C
 compiler is available there is no board, and gloo carries the exchange.
 
-Nothing hangs: a wait wakes every :data:`SLICE` seconds to see whether the group was
-aborted (here, or on another rank: an abort marks the board broken for every rank), whether
-the ranks it waits for still run (a rank that exited counts as gone whether or not its
-parent reaped it), and whether the group's timeout passed; each ends the wait with an
-error on this rank, and marks the board broken, so the other ranks raise too instead of
-waiting for a rank that will not come.
+Nothing hangs: a wait wakes every :data:`~optcc_mpi.transports.base.ABORT_POLL` seconds
+to see whether the group was aborted (here, or on another rank: an abort marks the board
+broken for every rank), whether the ranks it waits for still run (a rank that exited
+counts as gone whether or not its parent reaped it), and whether the group's timeout
+passed; each ends the wait with an error on this rank, and marks the board broken, so the
+other ranks raise too instead of waiting for a rank that will not come.
 
 Used only where it carries the exchange faithfully: every rank on one machine with one
 ``/dev/shm``, one process namespace (so that a process number names a rank) and one
@@ -54,9 +54,10 @@ import numpy as np
 from optcc_mpi import compiled, config
 from optcc_mpi.errors import ArgumentError, ExecutionError
 from optcc_mpi.reductions import reduce_with
+from optcc_mpi.transports import base
 from optcc_mpi.transports.base import boot_id
 
-__all__ = ["Board", "place", "usable", "BLOCKS_TOTAL", "GATHER_TOTAL", "SLOT_EXTRA", "SLICE"]
+__all__ = ["Board", "place", "usable", "BLOCKS_TOTAL", "GATHER_TOTAL", "SLOT_EXTRA"]
 
 #: The bytes of data every rank's slot together holds: the largest gather the board
 #: carries (larger ones go to the library), and the chunk of :meth:`Board.allreduce`;
@@ -71,8 +72,6 @@ BLOCKS_TOTAL = 4 << 20
 GATHER_TOTAL = 1 << 20
 #: Room in each slot beyond its share of :data:`BLOCKS_TOTAL`, for the check's header.
 SLOT_EXTRA = 4096
-#: How long a wait sleeps at most before it looks at the group, its peers and its timeout.
-SLICE = 0.25
 #: How long a rank spins (yielding its core) for a peer before it sleeps, where every
 #: rank has a core.
 SPIN = 50e-6
@@ -312,10 +311,10 @@ class Board:
         address ``out`` (rank by rank), looking at the group between slices."""
         lib, addr, what = self._lib, self._addr, self.what
         start = time.monotonic()
+        # (read at each wait, not bound at import: one value for every transport's waits)
+        poll = base.ABORT_POLL
         while True:
-            missing = lib.optcc_board_wait(
-                addr, self.size, self.slot, seq, out, n, SLICE, self.spin
-            )
+            missing = lib.optcc_board_wait(addr, self.size, self.slot, seq, out, n, poll, self.spin)
             if missing == -1:
                 return
             if missing == -2:

@@ -72,7 +72,7 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Barri
 from optcc_mpi.backend import torch_backend
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.transports import board
+from optcc_mpi.transports import base, board
 from optcc_mpi.transports.base import (
     Capabilities,
     Completion,
@@ -166,11 +166,6 @@ class Carriers(NamedTuple):
     ctrl: Any
     #: What to shut down with the transport (groups it opened itself and owns).
     owned: tuple[Any, ...] = ()
-
-
-#: How long one wait for the library's work lasts before the transport looks whether it
-#: was aborted (a gloo wait is not woken by an abort of its group).
-POLL = datetime.timedelta(seconds=0.5)
 
 
 def _coalescing_args(carrier: Any, device: torch.device) -> tuple[torch.device, ...]:
@@ -370,8 +365,9 @@ class TorchTransport(Transport["dist.Work"]):
     def abort(self) -> None:
         """The group was aborted: as :meth:`close`, but abort the groups this transport
         opened rather than shutting them down; a wait in progress raises within
-        :data:`POLL` (:meth:`wait`). The groups are kept to the process's end: a gloo
-        group destroyed while its own thread still waits for a peer ends the process."""
+        :data:`~optcc_mpi.transports.base.ABORT_POLL` seconds (:meth:`wait`). The groups
+        are kept to the process's end: a gloo group destroyed while its own thread still
+        waits for a peer ends the process."""
         self._aborted = True
         if self.board is not None:
             self.board.broken()
@@ -446,16 +442,19 @@ class TorchTransport(Transport["dist.Work"]):
             req.wait()
 
     def _poll(self, work: Any) -> None:
-        """Wait for a collective's ``work``, waking every :data:`POLL` to see whether the
-        transport was aborted: then raise instead of waiting on for a peer that will not
-        come, and leave no thread inside the library's wait when the interpreter ends. (A
-        gloo collective's timed wait that passes leaves the collective running.)"""
+        """Wait for a collective's ``work``, waking every
+        :data:`~optcc_mpi.transports.base.ABORT_POLL` seconds (a gloo wait is not woken by
+        an abort of its group) to see whether the transport was aborted: then raise
+        instead of waiting on for a peer that will not come, and leave no thread inside
+        the library's wait when the interpreter ends. (A gloo collective's timed wait that
+        passes leaves the collective running.)"""
         if self.closed or not self._abortable:
             work.wait()
             return
+        poll = datetime.timedelta(seconds=base.ABORT_POLL)
         while True:
             try:
-                work.wait(POLL)
+                work.wait(poll)
                 return
             except RuntimeError:
                 if work.is_completed():  # it failed: its own error
