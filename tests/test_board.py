@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -221,7 +222,8 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_rank_that_never_comes_times_out_and_breaks_the_board() -> None:
     """Rank 1 stops after the first call: rank 0's second call raises within the timeout,
     naming rank 1, and a later call of rank 1 raises too (the board is broken), so no rank
-    waits for one that will not come."""
+    waits for one that will not come; its error names the rank at fault too (the mark on
+    the board says who), not only the rank that saw it."""
     gone = threading.Event()
 
     def body(rank: int, b: board.Board) -> str:
@@ -230,7 +232,11 @@ def test_a_rank_that_never_comes_times_out_and_breaks_the_board() -> None:
         b.allgather_block(empty, rows)
         if rank == 1:
             gone.wait(60)
-            with pytest.raises(ExecutionError, match="aborted or lost a rank"):
+            with pytest.raises(
+                ExecutionError,
+                match=r"rank 1 did not join an exchange within the group's timeout "
+                r"\(seen by rank 0\)",
+            ):
                 b.allgather_block(empty, rows)
             return "raised"
         b.timeout = 0.6
@@ -375,3 +381,72 @@ def test_one_abort_poll_for_the_board_and_the_torch_transport(
     t._closed, t._abortable, t._aborted = False, True, False
     t._poll(Work())
     assert polls == [datetime.timedelta(seconds=0.125)] * 3
+
+
+def test_an_exception_inside_an_exchange_breaks_the_board_for_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception that leaves an exchange between a post and the next (here a
+    MemoryError in rank 1's reduction of its part, after it posted its chunk and before
+    it posted the part) leaves rank 1 a block behind the others. Rank 1 goes on (it
+    caught the error) with another AllReduce, whose first post would be taken by rank 0
+    for rank 1's part of the first call: a wrong sum, silently. Instead the board is
+    marked broken as the exception leaves, and both ranks raise, rank 0 naming rank 1."""
+    victim: list[threading.Thread] = []
+    real_reduce = board.reduce_with
+
+    def reduce_with(*args: object) -> object:
+        if victim and threading.current_thread() is victim[0]:
+            victim.clear()
+            raise MemoryError("injected between the post of the chunk and of the part")
+        return real_reduce(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(board, "reduce_with", reduce_with)
+
+    def body(rank: int, b: board.Board) -> object:
+        b.timeout = 20.0  # (before the fix rank 1's second call waits for a part never posted)
+        x = np.full(8, rank + 1.0)
+        if rank == 0:
+            try:
+                b.allreduce(x, "sum")
+            except ExecutionError as exc:
+                return str(exc)
+            return x.tolist()  # a result, right or wrong: the test fails on it
+        victim.append(threading.current_thread())
+        with pytest.raises(MemoryError):
+            b.allreduce(x, "sum")
+        y = np.full(8, 100.0)
+        with pytest.raises(ExecutionError) as second:
+            b.allreduce(y, "sum")
+        return str(second.value)
+
+    first, second = run_ranks(2, body)
+    assert isinstance(first, str) and "an exception left an exchange on rank 1" in first, first
+    assert isinstance(second, str) and "on rank 1" in second, second
+
+
+def test_every_rank_names_the_rank_that_exited() -> None:
+    """Three ranks; rank 2 exits after the first exchange. Only rank 0 can see it (rank
+    1's view of rank 2's process is made to look alive), and rank 0 marks the board: rank
+    1's error names rank 2 and its process too, from the mark, rather than "seen on
+    another rank"."""
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process number that has exited (and was reaped)
+
+    def body(rank: int, b: board.Board) -> str:
+        empty, rows = np.zeros(0, np.uint8), np.zeros((3, 0), np.uint8)
+        b.allgather_block(empty, rows)
+        if rank == 2:
+            return "exited"
+        b.timeout = 60.0
+        b.pids[2] = dead.pid if rank == 0 else os.getpid()
+        with pytest.raises(ExecutionError) as err:
+            b.allgather_block(empty, rows)
+        return str(err.value)
+
+    first, second, _ = run_ranks(3, body)
+    assert f"rank 2 (process {dead.pid}) exited while this rank waited" in first, first
+    # (rank 1's own record of rank 2's process number, which the test changed, in words)
+    assert re.search(r"rank 2 \(process \d+\) exited \(seen by rank 0\)", second), second

@@ -29,7 +29,14 @@ to see whether the group was aborted (here, or on another rank: an abort marks t
 broken for every rank), whether the ranks it waits for still run (a rank that exited
 counts as gone whether or not its parent reaped it), and whether the group's timeout
 passed; each ends the wait with an error on this rank, and marks the board broken, so the
-other ranks raise too instead of waiting for a rank that will not come.
+other ranks raise too instead of waiting for a rank that will not come. The mark says why
+and names the rank at fault (the rank that exited or never came, the rank aborted), so
+that every rank's error names it, not only the rank that saw it. Any exception that
+leaves an exchange (KeyboardInterrupt, MemoryError between a post and the next) marks it
+too, before this rank can post again: its sequence numbers may be behind the others', and
+a later block of its own must never be taken for this call's part. A group destroyed on
+one rank (:meth:`Board.close`) ends at once every other rank's wait that needs a block of
+it, naming that rank, while the exchanges it completed still complete everywhere.
 
 Used only where it carries the exchange faithfully: every rank on one machine with one
 ``/dev/shm``, one process namespace (so that a process number names a rank) and one
@@ -96,8 +103,45 @@ def _lib() -> ctypes.CDLL | None:
     lib.optcc_board_wait.restype = i32
     lib.optcc_board_wait.argtypes = [ptr, i32, i64, i64, ptr, i64, dbl, dbl]
     lib.optcc_board_break.restype = None
-    lib.optcc_board_break.argtypes = [ptr]
+    lib.optcc_board_break.argtypes = [ptr, i64]
+    lib.optcc_board_mark.restype = i64
+    lib.optcc_board_mark.argtypes = [ptr]
+    lib.optcc_board_wakes.restype = i64
+    lib.optcc_board_wakes.argtypes = []
     return lib
+
+
+# Why a board is broken: its mark (_board.c) holds the reason, the rank that marked it and
+# the rank at fault, so that every rank's error names the culprit, not only the rank that
+# saw it first.
+#: The group was aborted on the marking rank.
+ABORTED = 1
+#: The rank at fault exited while the marking rank waited for it.
+EXITED = 2
+#: The rank at fault did not come within the group's timeout.
+TIMED_OUT = 3
+#: An exception left an exchange on the marking rank (its sequence numbers are out of step).
+FAILED = 4
+#: The group was destroyed on the marking rank (a soft mark: _board.c).
+DESTROYED = 5
+_SOFT = 1 << 62
+
+
+def _mark(reason: int, by: int, culprit: int) -> int:
+    """The mark of ``reason``, set by rank ``by``, naming rank ``culprit``."""
+    soft = _SOFT if reason == DESTROYED else 0
+    return soft | reason << 48 | (by + 1) << 24 | (culprit + 1)
+
+
+def _unmark(mark: int) -> tuple[int, int, int]:
+    """``(reason, by, culprit)`` of a mark (:func:`_mark`)."""
+    return (mark >> 48) & 0xFF, ((mark >> 24) & 0xFFFFFF) - 1, (mark & 0xFFFFFF) - 1
+
+
+def wakes() -> int:
+    """The futex wake-ups this process's boards issued so far (0 without a board)."""
+    lib = _lib()
+    return int(lib.optcc_board_wakes()) if lib is not None else 0
 
 
 def _exited(pid: int) -> bool:
@@ -177,6 +221,8 @@ class Board:
         self.pids = list(pids)
         self.spin = spin
         self._seq = 0
+        # Destroyed on this rank (close): no more posts.
+        self._closed = False
         #: Seconds a wait may last (the group's timeout; the owner sets it).
         self.timeout = 1800.0
         #: Whether the owner was aborted (a wait then raises at its next look).
@@ -255,12 +301,18 @@ class Board:
             The group was aborted on this rank (:attr:`aborted`; as the transport's waits
             say it).
         ExecutionError
-            The group was aborted on another rank, a rank it waits for exited, or
-            :attr:`timeout` seconds passed; the board is then broken for every rank.
+            The group was aborted or destroyed on another rank, a rank it waits for
+            exited, :attr:`timeout` seconds passed, or an exception left an exchange on
+            another rank; the board is then broken for every rank, and every rank's error
+            names the rank at fault.
         """
-        n = block.nbytes
-        seq = self._post(block.ctypes.data, n)
-        self._wait(seq, out.ctypes.data, n)
+        try:
+            n = block.nbytes
+            seq = self._post(block.ctypes.data, n)
+            self._wait(seq, out.ctypes.data, n)
+        except BaseException:
+            self._failed()
+            raise
 
     def allreduce(self, arr: np.ndarray, op: str) -> None:
         """``arr`` (1-D, contiguous, the same size and type on every rank) replaced in
@@ -270,6 +322,24 @@ class Board:
         every rank's slot and posts that part in its slot of the other parity, then copies
         every rank's part out (a reduce-scatter and an allgather through the mapping,
         each rank reading each element once). Raises as :meth:`allgather_block`."""
+        try:
+            self._allreduce(arr, op)
+        except BaseException:
+            self._failed()
+            raise
+
+    def _failed(self) -> None:
+        """An exception is leaving an exchange (an error of the board's, or anything
+        raised between a post and its wait: KeyboardInterrupt, MemoryError): this rank's
+        sequence numbers may now be behind the others', and its next post would be taken
+        for a part of this call. The board is marked broken (hard: _board.c) before this
+        rank can post again, so every rank's wait, now or later, raises instead; a mark
+        already there (the error's own) stays. Not after :meth:`close`: a closed board
+        posts nothing more, and its soft mark already ends the waits it leaves short."""
+        if not self._closed:
+            self.broken(FAILED, self.rank)
+
+    def _allreduce(self, arr: np.ndarray, op: str) -> None:
         p, item = self.size, arr.dtype.itemsize
         flat = arr.view(np.uint8)
         # Elements per chunk: a multiple of p, so that every part is whole elements.
@@ -302,6 +372,8 @@ class Board:
     def _post(self, src: int, n: int) -> int:
         """Post the next block (``n`` bytes from address ``src``; none: the slot was
         written in place); its sequence number."""
+        if self._closed:  # destroyed here: this rank posts nothing more
+            raise ExecutionError(self._why(_mark(DESTROYED, self.rank, self.rank)))
         seq = self._seq = self._seq + 1
         self._lib.optcc_board_post(self._addr, self.size, self.rank, self.slot, seq, src, n)
         return seq
@@ -318,25 +390,64 @@ class Board:
             if missing == -1:
                 return
             if missing == -2:
-                raise ExecutionError(
-                    f"{what}: the group was aborted or lost a rank (seen on another rank)"
-                )
+                raise ExecutionError(self._why(int(lib.optcc_board_mark(addr))))
             if self.aborted():
-                self.broken()
+                self.broken(ABORTED, self.rank)
                 raise ArgumentError(f"{what}: the process group was aborted")
             pid = self.pids[missing]
             if _exited(pid):
-                self.broken()
+                self.broken(EXITED, missing)
                 raise ExecutionError(
                     f"{what}: rank {missing} (process {pid}) exited while this rank waited for it"
                 )
             if time.monotonic() - start > self.timeout:
-                self.broken()
+                self.broken(TIMED_OUT, missing)
                 raise ExecutionError(
                     f"{what}: rank {missing} did not join the exchange within "
                     f"{self.timeout:g} s (the group's timeout)"
                 )
 
-    def broken(self) -> None:
-        """Mark the board broken: every rank's wait, now or later, raises."""
-        self._lib.optcc_board_break(self._addr)
+    def _why(self, mark: int) -> str:
+        """The error of a wait that the board's mark ended: what happened, and which rank
+        is at fault (the same rank named on every rank, from the mark)."""
+        reason, by, culprit = _unmark(mark)
+        what = self.what
+        seen = f"seen by rank {by}" if by != self.rank else "seen by this rank"
+        if reason == DESTROYED:
+            where = f"rank {by}" if by != self.rank else f"this rank (rank {by})"
+            return f"{what}: the group was destroyed on {where}; this exchange cannot complete"
+        if reason == ABORTED:
+            return f"{what}: the group was aborted on rank {by}"
+        if reason == EXITED and 0 <= culprit < self.size:
+            pid = self.pids[culprit]
+            return f"{what}: rank {culprit} (process {pid}) exited ({seen})"
+        if reason == TIMED_OUT:
+            return (
+                f"{what}: rank {culprit} did not join an exchange within the group's "
+                f"timeout ({seen})"
+            )
+        if reason == FAILED:
+            return (
+                f"{what}: an exception left an exchange on rank {culprit} (its error says "
+                "which), so the board no longer carries the group's exchanges"
+            )
+        return f"{what}: the board was broken (mark {mark:#x})"
+
+    def broken(self, reason: int = ABORTED, culprit: int | None = None) -> None:
+        """Mark the board broken, for ``reason`` (:data:`ABORTED`, :data:`EXITED`,
+        :data:`TIMED_OUT`, :data:`FAILED`; :data:`DESTROYED` is :meth:`close`'s), naming
+        rank ``culprit`` (default: this rank): every rank's wait, now or later, raises,
+        with an error that names the culprit. The first mark stays (a hard one replaces
+        a destroy's)."""
+        culprit = self.rank if culprit is None else culprit
+        self._lib.optcc_board_break(self._addr, _mark(reason, self.rank, culprit))
+
+    def close(self) -> None:
+        """The group was destroyed on this rank: it posts nothing more, its own waits
+        raise, and every other rank's wait that needs a block of this rank raises at
+        once, naming this rank (a soft mark: an exchange this rank completed before still
+        completes on every rank, so that ranks destroying a group one after another at the
+        end of a job see no error). The mapping goes with the last reference."""
+        if not self._closed:
+            self._closed = True
+            self._lib.optcc_board_break(self._addr, _mark(DESTROYED, self.rank, self.rank))
