@@ -268,6 +268,7 @@ class TorchTransport(Transport["dist.Work"]):
         # Only the groups this transport opened itself can be aborted through it.
         self._abortable = bool(carriers.owned)
         self._aborted = False
+        self._ended = "aborted"  # (or destroyed, with a call pending: abort())
         _LIVE.add(self)
         Transport.__init__(self, rank, size, "network")
         self.timeout = timeout
@@ -350,7 +351,11 @@ class TorchTransport(Transport["dist.Work"]):
         if self.closed:
             return
         super().close()
-        # Unmapped when the last thread inside a wait on it let go (Board).
+        if self.board is not None:
+            # Every peer's wait that needs a block of this rank ends at once, naming this
+            # rank as the one that destroyed the group (Board.close), rather than at the
+            # group's timeout. Unmapped when the last thread inside a wait on it let go.
+            self.board.close()
         self.board = None
         for group in self._owned:
             try:
@@ -362,14 +367,17 @@ class TorchTransport(Transport["dist.Work"]):
         # the groups went away: kept past the object (and, at exit, past the interpreter).
         _CLOSED_RECENT.append(self._recent)
 
-    def abort(self) -> None:
+    def abort(self, destroyed: bool = False) -> None:
         """The group was aborted: as :meth:`close`, but abort the groups this transport
         opened rather than shutting them down; a wait in progress raises within
         :data:`~optcc_mpi.transports.base.ABORT_POLL` seconds (:meth:`wait`). The groups
         are kept to the process's end: a gloo group destroyed while its own thread still
-        waits for a peer ends the process."""
+        waits for a peer ends the process. ``destroyed``: the group is being destroyed
+        with a call still pending (its errors, here and on the peers, say destroyed,
+        not aborted, and the board's last completed exchanges still complete)."""
         self._aborted = True
-        if self.board is not None:
+        self._ended = "destroyed on this rank" if destroyed else "aborted"
+        if self.board is not None and not destroyed:
             self.board.broken()
         owned, self._owned = self._owned, ()
         _ABORTED.extend(owned)
@@ -461,7 +469,7 @@ class TorchTransport(Transport["dist.Work"]):
                     raise
                 if self._aborted:
                     raise ArgumentError(
-                        f"{self.describe()}: the process group was aborted"
+                        f"{self.describe()}: the process group was {self._ended}"
                     ) from None
 
     def batch(self, posts: Sequence[Post]) -> list[Any]:
