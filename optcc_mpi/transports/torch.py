@@ -357,12 +357,25 @@ class TorchTransport(Transport["dist.Work"]):
             # group's timeout. Unmapped when the last thread inside a wait on it let go.
             self.board.close()
         self.board = None
-        for group in self._owned:
+        owned, self._owned = self._owned, ()
+        for group in owned:
             try:
                 group.shutdown()
             except RuntimeError:  # already shut down, or torch's shutdown of a dead peer
                 pass
-        self._owned = ()
+        if owned and not self._aborted:
+            # The groups it opened are let go here, not at the process's end: a gloo
+            # group's sockets and threads go only with the object (its shutdown keeps
+            # them), and a work kept in _recent keeps its group's connections. Every call
+            # on them completed (a closed transport's owner has no call pending:
+            # OptccProcessGroup.shutdown aborts where one is), so their destructors,
+            # which join gloo's threads, wait for nothing; _recent, which holds the
+            # tensors those threads saw, goes after them, so that no gloo thread is the
+            # last to let go of a tensor Python saw (_held).
+            del owned
+            self.data = self.down = self.ctrl = _GONE
+            self._recent.clear()
+            return
         # gloo's threads may still hold this transport's last tensors a moment after
         # the groups went away: kept past the object (and, at exit, past the interpreter).
         _CLOSED_RECENT.append(self._recent)
@@ -604,6 +617,14 @@ class TorchTransport(Transport["dist.Work"]):
         return f"{self.backend} process group of {self.size}"
 
 
+class _Gone:
+    """What a closed transport's groups are: any use says the group was destroyed."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise ArgumentError("the process group was destroyed")
+
+
+_GONE: Any = _Gone()
 #: The groups of aborted transports, kept to the process's end (:meth:`TorchTransport.abort`).
 _ABORTED: list[Any] = []
 #: The tensors closed transports handed gloo last (the latest transports' only).
