@@ -178,14 +178,10 @@ def test_no_room_in_dev_shm_leaves_every_rank_on_the_library(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rank 0 cannot reserve the file (a full /dev/shm), or another rank cannot map it:
-    None on every rank (the exchange stays on the library), and no file is left."""
-    made: list[str] = []
-    real_mkstemp, real_mmap = board.tempfile.mkstemp, board.mmap.mmap
-
-    def mkstemp(**kw: object) -> tuple[int, str]:
-        fd, name = real_mkstemp(**kw)  # type: ignore[call-overload]
-        made.append(name)
-        return fd, name
+    None on every rank (the exchange stays on the library), and nothing is left open (the
+    file, nameless, went with its last descriptor)."""
+    real_mmap = board.mmap.mmap
+    files = len(os.listdir("/proc/self/fd"))
 
     def no_room(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
@@ -195,17 +191,15 @@ def test_no_room_in_dev_shm_leaves_every_rank_on_the_library(
             raise OSError(12, "Cannot allocate memory")
         return real_mmap(fd, n)
 
-    monkeypatch.setattr(board.tempfile, "mkstemp", mkstemp)
     with monkeypatch.context() as m:
         m.setattr(board.os, "posix_fallocate", no_room)
         assert open_on_threads(3) == [None, None, None]
     with monkeypatch.context() as m:
         m.setattr(board.mmap, "mmap", map_but_rank_1)
         assert open_on_threads(3) == [None, None, None]
-    assert len(made) == 2 and not any(os.path.exists(name) for name in made)
-    # and with room, every rank has it, and the name is gone already
+    assert len(os.listdir("/proc/self/fd")) == files
+    # and with room, every rank has it
     assert all(b is not None for b in open_on_threads(3))
-    assert len(made) == 3 and not os.path.exists(made[-1])
 
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -450,3 +444,37 @@ def test_every_rank_names_the_rank_that_exited() -> None:
     assert f"rank 2 (process {dead.pid}) exited while this rank waited" in first, first
     # (rank 1's own record of rank 2's process number, which the test changed, in words)
     assert re.search(r"rank 2 \(process \d+\) exited \(seen by rank 0\)", second), second
+
+
+def _rank_0_stopped_at_the_offer(conn: object) -> None:  # pragma: no cover (the child)
+    def gather(obj: object) -> list[object]:
+        conn.send(obj)  # type: ignore[attr-defined]  # (the file made, no peer has it yet)
+        time.sleep(600)  # killed here
+        return [obj]
+
+    board.Board.open(0, 2, [board.place()] * 2, gather)
+
+
+@pytest.mark.timeout(120)
+def test_no_file_outlives_a_rank_0_killed_before_its_peers_mapped_it() -> None:
+    """Rank 0 (a forked child) made the board's file and is killed (SIGKILL) before any
+    peer mapped it: nothing is left in /dev/shm (the file never had a name), and the peer
+    that then tries to open what rank 0 offered gets no board, not an error or a hang."""
+    import signal
+
+    before = set(os.listdir(board.SHM))
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_rank_0_stopped_at_the_offer, args=(there,))
+    child.start()
+    try:
+        assert here.poll(60), "rank 0 never offered its file"
+        offer = here.recv()
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(60)
+    assert offer is not None  # (the file was made: the moment under test)
+    left = {n for n in set(os.listdir(board.SHM)) - before if n.startswith("optcc-board-")}
+    assert not left, left
+    answers = iter([[offer, None], [(True, child.pid), (True, os.getpid())]])
+    assert board.Board.open(1, 2, [board.place()] * 2, lambda obj: next(answers)) is None

@@ -50,7 +50,6 @@ import ctypes
 import functools
 import mmap
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -242,46 +241,60 @@ class Board:
         """The board of ``size`` ranks, or None on every rank where they cannot share one.
 
         Collective: ``places`` is every rank's :func:`place` (gathered by the caller), and
-        ``allgather`` the transport's own gather, which carries the file's name from rank
-        0 and every rank's success; rank 0 removes the file once every rank mapped it, so
-        that nothing is left behind whatever happens to the job."""
+        ``allgather`` the transport's own gather, which carries the file from rank 0 and
+        every rank's success.
+
+        The file never has a name, so that nothing can outlive the job in ``/dev/shm``,
+        whatever is killed when. Rank 0 makes it nameless (``O_TMPFILE``) in ``/dev/shm``,
+        so that its pages count against ``/dev/shm``'s room as a named file's would (a
+        ``memfd`` would take them from elsewhere, past the limit the machine set for
+        shared memory), and the others open it through rank 0's descriptor
+        (``/proc/PID/fd/N``, checked to be that file). A named file, unlinked once every
+        rank mapped it, leaves 8 MiB behind for good if rank 0 is killed between making
+        it and the unlink (and a peer that finds rank 0 dead cannot remove a name it was
+        never sent); a nameless one is freed by the kernel once no rank holds it. Where
+        ``O_TMPFILE`` or ``/proc`` is missing, or rank 0's descriptor cannot be opened
+        (another user, a process that is not dumpable), every rank gets None and the
+        library carries the exchanges."""
         if size < 2 or places[0] is None or any(p != places[0] for p in places):
             return None
         slot = -(-(BLOCKS_TOTAL // size + SLOT_EXTRA) // _LINE) * _LINE
         nbytes = _LINE * (1 + size) + 2 * size * slot
-        name: str | None = None
+        made = -1  # rank 0's descriptor of the file
+        offer: tuple[str, int, int] | None = None
         if rank == 0:
             try:
-                fd, name = tempfile.mkstemp(prefix="optcc-board-", dir=SHM)
-                try:
-                    # The pages reserved now: a RAM file system that fills up later would
-                    # end a rank that touches an unreserved page with SIGBUS.
-                    os.posix_fallocate(fd, 0, nbytes)
-                finally:
-                    os.close(fd)
-            except OSError:  # no room in /dev/shm: gloo carries the exchange
-                if name is not None:
-                    Path(name).unlink(missing_ok=True)
-                name = None
+                made = os.open(SHM, os.O_TMPFILE | os.O_RDWR, 0o600)
+                # The pages reserved now: a RAM file system that fills up later would
+                # end a rank that touches an unreserved page with SIGBUS.
+                os.posix_fallocate(made, 0, nbytes)
+                st = os.fstat(made)
+                offer = (f"/proc/{os.getpid()}/fd/{made}", st.st_dev, st.st_ino)
+            except (OSError, AttributeError):  # no room, or no O_TMPFILE: the library
+                offer = None
         try:
-            path = allgather(name)[0]
+            got = allgather(offer)[0]
             memory: mmap.mmap | None = None
-            if isinstance(path, str):
+            if isinstance(got, tuple):
+                path, dev, ino = cast("tuple[str, int, int]", got)
                 try:
-                    fd = os.open(path, os.O_RDWR)
+                    fd = os.dup(made) if rank == 0 else os.open(path, os.O_RDWR)
                     try:
-                        memory = mmap.mmap(fd, nbytes)
+                        st = os.fstat(fd)
+                        if (st.st_dev, st.st_ino) == (dev, ino) and st.st_size >= nbytes:
+                            memory = mmap.mmap(fd, nbytes)
                     finally:
                         os.close(fd)
-                except OSError:  # another user's file, or it could not be sized
+                except OSError:  # rank 0 gone, another user's process, or no room to map
                     memory = None
             # What every rank sent: whether it mapped the file, and its process number.
             gathered = allgather((memory is not None, os.getpid()))
             answers = cast("list[tuple[bool, int]]", gathered)
         finally:
-            # Every rank mapped it (or one failed: the gather raised): the name goes.
-            if name is not None:
-                Path(name).unlink(missing_ok=True)
+            # Every rank opened it (or one failed: the gather raised): the mappings hold
+            # it from now on, and the last one to go frees it.
+            if made >= 0:
+                os.close(made)
         if memory is None or not all(ok for ok, _ in answers):
             return None
         pids = [int(pid) for _, pid in answers]
