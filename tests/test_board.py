@@ -478,3 +478,23 @@ def test_no_file_outlives_a_rank_0_killed_before_its_peers_mapped_it() -> None:
     assert not left, left
     answers = iter([[offer, None], [(True, child.pid), (True, os.getpid())]])
     assert board.Board.open(1, 2, [board.place()] * 2, lambda obj: next(answers)) is None
+
+
+@pytest.mark.parametrize("size", [3, 5])
+def test_one_wake_up_per_exchange(size: int) -> None:
+    """Only the post that completes an exchange wakes the sleepers (once), not every
+    post: ranks that never spin (as where ranks outnumber the cores) sleep in every wait,
+    and the wake-ups the process issued (_board.c counts its FUTEX_WAKE calls) are at
+    most one per exchange, not up to one per rank's post."""
+    calls = 300
+
+    def body(rank: int, b: board.Board) -> None:
+        b.spin = 0.0
+        rows = np.zeros((size, 8), np.uint8)
+        for i in range(calls):
+            b.allgather_block(np.full(8, rank, np.uint8), rows)
+            assert rows[:, 0].tolist() == list(range(size)), i
+
+    start = board.wakes()
+    assert run_ranks(size, body) == [None] * size
+    assert board.wakes() - start <= calls

@@ -7,7 +7,8 @@
  * Layout of the mapping (every offset a multiple of 64, one cache line per writer):
  *   [0, 64)              the control line: uint32 epoch (the futex word), int32 sleepers,
  *                        int64 mark at 8 (0, or why the board is broken: board.py encodes
- *                        the reason, the rank that saw it and the rank at fault)
+ *                        the reason, the rank that saw it and the rank at fault), int64
+ *                        woken at 16 (the last block whose completion woke the sleepers)
  *   [64 + 64 r, +8)      rank r's int64 sequence number: the last block it posted
  *   data(b, r)           rank r's slot of parity b = seq & 1, `slot` bytes each
  *
@@ -19,10 +20,16 @@
  * Ordering: the data are stored before the sequence number with release order, and read
  * after it with acquire order, so a reader that sees seq >= n sees block n's bytes on any
  * architecture. The sleep is a futex on the epoch (Linux; elsewhere a short nanosleep).
- * A poster increments the epoch after its sequence number and wakes the sleepers; a
- * sleeper counts itself among them and rechecks before sleeping, and the futex refuses to
- * sleep if the epoch moved, so no wake-up is lost (every access here is sequentially
- * consistent where it matters: the sleeper's count and the poster's read of it).
+ * Every rank waits for the same thing (every rank's block n), so only the post that
+ * completes block n can end a wait: that poster, the one that finds every rank posted
+ * (after its own store, so that of two ranks posting at once at least one sees the
+ * other's), claims the block's wake-up (a compare-and-swap on `woken`, so that one rank
+ * alone issues it), increments the epoch and wakes the sleepers: one wake-up per
+ * exchange, not one per post (p posts, each waking p - 1 sleepers that mostly go back to
+ * sleep). A sleeper counts itself among the sleepers and rechecks before sleeping, and
+ * the futex refuses to sleep if the epoch moved, so no wake-up is lost (every access here
+ * is sequentially consistent where it matters: the sleeper's count and the completing
+ * poster's read of it).
  *
  * The mark: a hard mark (a rank aborted, timed out, found a peer gone, or left an
  * exchange by an exception, so that its sequence numbers may be out of step) makes every
@@ -52,7 +59,7 @@ static int64_t wakes;
 static inline uint32_t *epoch_of(char *mem) { return (uint32_t *)mem; }
 static inline int32_t *sleepers_of(char *mem) { return (int32_t *)(mem + 4); }
 static inline int64_t *mark_of(char *mem) { return (int64_t *)(mem + 8); }
-
+static inline int64_t *woken_of(char *mem) { return (int64_t *)(mem + 16); }
 static inline int64_t *seq_of(char *mem, int32_t r) { return (int64_t *)(mem + LINE + (int64_t)LINE * r); }
 
 static inline char *slot_of(char *mem, int32_t size, int64_t slot, int64_t seq, int32_t r)
@@ -114,7 +121,15 @@ void optcc_board_post(char *mem, int32_t size, int32_t rank, int64_t slot, int64
     if (n > 0)
         memcpy(slot_of(mem, size, slot, seq, rank), src, (size_t)n);
     __atomic_store_n(seq_of(mem, rank), seq, __ATOMIC_SEQ_CST);
-    wake(mem);
+    if (first_missing(mem, size, seq) >= 0)
+        return; /* a later post completes the block, and wakes */
+    int64_t woken = __atomic_load_n(woken_of(mem), __ATOMIC_SEQ_CST);
+    while (woken < seq)
+        if (__atomic_compare_exchange_n(woken_of(mem), &woken, seq, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST)) {
+            wake(mem);
+            return;
+        }
 }
 
 /* Whether a wait with `missing` (-1: none) must end for the mark (above). */
