@@ -70,8 +70,11 @@ Arguments that differ across ranks (element count, dtype, op, average, algorithm
 links) and an op or dtype the backend cannot reduce raise the same
 :class:`~optcc_mpi.errors.ArgumentError` on every rank from ``wait()`` (torch's
 ``all_reduce`` waits for you unless ``async_op=True``), with the tensor unchanged.
-``destroy_process_group`` stops the group's thread and shuts its groups down; a group can
-be made again afterwards. ``abort()`` fails queued and running work at once.
+``destroy_process_group`` stops the group's thread and shuts its groups down, and
+returns at once: a call of this rank's still pending fails with an error that says the
+group was destroyed, and a peer's call waiting for this rank on the board fails at once,
+naming this rank. A group can be made again afterwards. ``abort()`` fails queued and
+running work at once.
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ from optcc_mpi.links import Links
 from optcc_mpi.torch.devices import agree_device_kind
 from optcc_mpi.torch.streams import SideStreams, StreamApi, StreamCall
 from optcc_mpi.torch.tensors import HALF, Lane, LaneCall, TensorCall, lane, start_tensor
-from optcc_mpi.transports.torch import POLL, TorchTransport, fresh_store
+from optcc_mpi.transports.base import ABORT_POLL
+from optcc_mpi.transports.torch import TorchTransport, fresh_store
 
 __all__ = [
     "BACKEND",
@@ -124,8 +128,6 @@ BACKEND = "optcc"
 _WHAT = "all_reduce on the optcc backend"
 #: torch's reductions (``RedOpType`` members; the stubs name them on ``ReduceOp`` only).
 _RED: Any = dist.ReduceOp.RedOpType
-#: How long an aborted group's thread may take to leave the library's wait.
-_POLL_S = POLL.total_seconds()
 _T = TypeVar("_T")
 
 #: torch's reductions as the package names them: ``(op, op on bool tensors)``. On bool
@@ -558,6 +560,14 @@ class OrderedWorker:
         with self._lock:
             while self._completed + len(inflight) < job.seq and self._aborted is None:
                 self._turn.wait()
+
+    def idle(self) -> bool:
+        """Whether no job is pending: every job submitted completed (none queued, parked,
+        running in any thread, or with its library's work in flight)."""
+        with self._lock:
+            return (
+                self._completed == self._submitted and self._parked is None and not self._inflight
+            )
 
     def close(self, timeout: float = 10.0) -> bool:
         """Let the submitted jobs finish and stop the thread; whether it stopped within
@@ -1213,13 +1223,32 @@ class OptccProcessGroup(dist.ProcessGroup):
 
     # -- teardown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Finish the submitted calls, stop the group's thread and shut its groups down
-        (``destroy_process_group`` calls it)."""
+        """Stop the group's thread and shut its groups down (``destroy_process_group``
+        calls it), without waiting for anyone: a call of this rank's still pending
+        (queued, or waiting for its peers) fails with an :class:`AbortedError` that says
+        the group was destroyed, and the peers' waits on the board for this rank end at
+        once with an error naming this rank (:meth:`Board.close
+        <optcc_mpi.transports.board.Board.close>`). Nothing pending, the group's thread
+        stops at once and the groups underneath are shut down in order."""
         if self._down:
             return
         self._down = True
-        self._worker.close(timeout=self.timeout.total_seconds())
-        self._close_groups(abort=False)
+        if self._worker.idle():
+            self._worker.close()
+            self._close_groups(abort=False)
+            return
+        # A call still pending would wait for peers that may be destroying the group too,
+        # up to the group's timeout: it fails now instead, as on an abort, and the
+        # libraries underneath are aborted, not shut down in order (their own threads may
+        # be inside a wait for a peer).
+        self._worker.abort(
+            AbortedError(
+                f"{_WHAT}: the process group was destroyed on this rank (rank {self.rank()}) "
+                "while this call was pending"
+            )
+        )
+        self._close_groups(abort=True, destroyed=True)
+        self._worker.join(timeout=4 * ABORT_POLL)  # (its wait looks every ABORT_POLL)
 
     def abort(self) -> None:
         """Stop at once: queued and running work fails with :class:`AbortedError`, the
@@ -1230,12 +1259,12 @@ class OptccProcessGroup(dist.ProcessGroup):
         self._down = True
         self._worker.abort(AbortedError(f"{_WHAT}: the process group was aborted"))
         self._close_groups(abort=True)
-        self._worker.join(timeout=4 * _POLL_S)
+        self._worker.join(timeout=4 * ABORT_POLL)  # (its wait looks every ABORT_POLL)
 
-    def _close_groups(self, abort: bool) -> None:
+    def _close_groups(self, abort: bool, destroyed: bool = False) -> None:
         for t in (self._cpu, self._cuda):
             if t is not None:
-                t.abort() if abort else t.close()
+                t.abort(destroyed) if abort else t.close()
         for backend in (self._gloo, self._nccl):
             if backend is not None:
                 try:

@@ -88,7 +88,16 @@ __all__ = [
     "boot_id",
     "cpu_placement",
     "crowding_of",
+    "ABORT_POLL",
 ]
+
+#: Seconds between a waiting rank's looks at whether its group was aborted (or, on the
+#: board, destroyed or short of a rank): the one value for every wait that cannot be
+#: woken by an abort itself (the board's futex sleep, a gloo collective's timed wait), so
+#: that an abort is seen within the same time whatever the rank waits on. A quarter of a
+#: second: an abort or a destroy is seen at once by a person, and a sleeping rank wakes
+#: four times a second, nothing next to a collective's cost.
+ABORT_POLL = 0.25
 
 #: A transport's request: what its ``isend``/``irecv`` return and its ``wait`` takes.
 Req = TypeVar("Req")

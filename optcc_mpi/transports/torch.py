@@ -72,7 +72,7 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Barri
 from optcc_mpi.backend import torch_backend
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.transports import board
+from optcc_mpi.transports import base, board
 from optcc_mpi.transports.base import (
     Capabilities,
     Completion,
@@ -166,11 +166,6 @@ class Carriers(NamedTuple):
     ctrl: Any
     #: What to shut down with the transport (groups it opened itself and owns).
     owned: tuple[Any, ...] = ()
-
-
-#: How long one wait for the library's work lasts before the transport looks whether it
-#: was aborted (a gloo wait is not woken by an abort of its group).
-POLL = datetime.timedelta(seconds=0.5)
 
 
 def _coalescing_args(carrier: Any, device: torch.device) -> tuple[torch.device, ...]:
@@ -273,6 +268,7 @@ class TorchTransport(Transport["dist.Work"]):
         # Only the groups this transport opened itself can be aborted through it.
         self._abortable = bool(carriers.owned)
         self._aborted = False
+        self._ended = "aborted"  # (or destroyed, with a call pending: abort())
         _LIVE.add(self)
         Transport.__init__(self, rank, size, "network")
         self.timeout = timeout
@@ -355,25 +351,46 @@ class TorchTransport(Transport["dist.Work"]):
         if self.closed:
             return
         super().close()
-        # Unmapped when the last thread inside a wait on it let go (Board).
+        if self.board is not None:
+            # Every peer's wait that needs a block of this rank ends at once, naming this
+            # rank as the one that destroyed the group (Board.close), rather than at the
+            # group's timeout. Unmapped when the last thread inside a wait on it let go.
+            self.board.close()
         self.board = None
-        for group in self._owned:
+        owned, self._owned = self._owned, ()
+        for group in owned:
             try:
                 group.shutdown()
             except RuntimeError:  # already shut down, or torch's shutdown of a dead peer
                 pass
-        self._owned = ()
+        if owned and not self._aborted:
+            # The groups it opened are let go here, not at the process's end: a gloo
+            # group's sockets and threads go only with the object (its shutdown keeps
+            # them), and a work kept in _recent keeps its group's connections. Every call
+            # on them completed (a closed transport's owner has no call pending:
+            # OptccProcessGroup.shutdown aborts where one is), so their destructors,
+            # which join gloo's threads, wait for nothing; _recent, which holds the
+            # tensors those threads saw, goes after them, so that no gloo thread is the
+            # last to let go of a tensor Python saw (_held).
+            del owned
+            self.data = self.down = self.ctrl = _GONE
+            self._recent.clear()
+            return
         # gloo's threads may still hold this transport's last tensors a moment after
         # the groups went away: kept past the object (and, at exit, past the interpreter).
         _CLOSED_RECENT.append(self._recent)
 
-    def abort(self) -> None:
+    def abort(self, destroyed: bool = False) -> None:
         """The group was aborted: as :meth:`close`, but abort the groups this transport
         opened rather than shutting them down; a wait in progress raises within
-        :data:`POLL` (:meth:`wait`). The groups are kept to the process's end: a gloo
-        group destroyed while its own thread still waits for a peer ends the process."""
+        :data:`~optcc_mpi.transports.base.ABORT_POLL` seconds (:meth:`wait`). The groups
+        are kept to the process's end: a gloo group destroyed while its own thread still
+        waits for a peer ends the process. ``destroyed``: the group is being destroyed
+        with a call still pending (its errors, here and on the peers, say destroyed,
+        not aborted, and the board's last completed exchanges still complete)."""
         self._aborted = True
-        if self.board is not None:
+        self._ended = "destroyed on this rank" if destroyed else "aborted"
+        if self.board is not None and not destroyed:
             self.board.broken()
         owned, self._owned = self._owned, ()
         _ABORTED.extend(owned)
@@ -446,23 +463,26 @@ class TorchTransport(Transport["dist.Work"]):
             req.wait()
 
     def _poll(self, work: Any) -> None:
-        """Wait for a collective's ``work``, waking every :data:`POLL` to see whether the
-        transport was aborted: then raise instead of waiting on for a peer that will not
-        come, and leave no thread inside the library's wait when the interpreter ends. (A
-        gloo collective's timed wait that passes leaves the collective running.)"""
+        """Wait for a collective's ``work``, waking every
+        :data:`~optcc_mpi.transports.base.ABORT_POLL` seconds (a gloo wait is not woken by
+        an abort of its group) to see whether the transport was aborted: then raise
+        instead of waiting on for a peer that will not come, and leave no thread inside
+        the library's wait when the interpreter ends. (A gloo collective's timed wait that
+        passes leaves the collective running.)"""
         if self.closed or not self._abortable:
             work.wait()
             return
+        poll = datetime.timedelta(seconds=base.ABORT_POLL)
         while True:
             try:
-                work.wait(POLL)
+                work.wait(poll)
                 return
             except RuntimeError:
                 if work.is_completed():  # it failed: its own error
                     raise
                 if self._aborted:
                     raise ArgumentError(
-                        f"{self.describe()}: the process group was aborted"
+                        f"{self.describe()}: the process group was {self._ended}"
                     ) from None
 
     def batch(self, posts: Sequence[Post]) -> list[Any]:
@@ -597,6 +617,14 @@ class TorchTransport(Transport["dist.Work"]):
         return f"{self.backend} process group of {self.size}"
 
 
+class _Gone:
+    """What a closed transport's groups are: any use says the group was destroyed."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise ArgumentError("the process group was destroyed")
+
+
+_GONE: Any = _Gone()
 #: The groups of aborted transports, kept to the process's end (:meth:`TorchTransport.abort`).
 _ABORTED: list[Any] = []
 #: The tensors closed transports handed gloo last (the latest transports' only).
