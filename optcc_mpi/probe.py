@@ -41,7 +41,8 @@ from optcc_mpi.transports import of as transport_of
 
 __all__ = [
     "ProbeResult", "probe", "ONE_SHOT_HEALTHY_ABOVE", "RankProbe", "probe_ranks",
-    "MIN_SECONDS", "MAX_BYTES", "rank_fractions",
+    "MIN_SECONDS", "MAX_BYTES", "RANK_PROBE_BYTES", "RANK_PROBE_PARTNERS", "RANK_PROBE_REPEATS",
+    "rank_fractions",
 ]  # fmt: skip
 
 #: The healthy threshold of :func:`probe` (``links="probe"``) alone: fractions of the
@@ -57,6 +58,13 @@ ONE_SHOT_HEALTHY_ABOVE = 0.75
 MIN_SECONDS = 0.08
 #: ... or they reach this size.
 MAX_BYTES = 16 << 20
+#: :func:`probe_ranks`' defaults, the watch's too (:class:`optcc_mpi.watch.LinkWatch`'s
+#: ``probe_size``, ``probe_partners``, ``probe_repeats``): bytes per message to start from
+#: (doubled while too short to time, above), partners per rank spread over the ring (as the
+#: doctor's), and repeats (fewer than the doctor's 5: the watch runs it mid-job).
+RANK_PROBE_BYTES = 2 << 20
+RANK_PROBE_PARTNERS = 3
+RANK_PROBE_REPEATS = 3
 
 
 @dataclass
@@ -183,9 +191,9 @@ class RankProbe:
 def probe_ranks(
     comm: Communicator,
     *,
-    nbytes: int = 2 << 20,
-    partners: int = 3,
-    repeats: int = 3,
+    nbytes: int = RANK_PROBE_BYTES,
+    partners: int = RANK_PROBE_PARTNERS,
+    repeats: int = RANK_PROBE_REPEATS,
     healthy_above: float = linkrates.HEALTHY_ABOVE,
     emulate: Emulation | str | None = None,
     clock: bool = False,

@@ -140,7 +140,13 @@ from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats
 from optcc_mpi.linkrates import HEALTHY_ABOVE
 from optcc_mpi.links import Links
-from optcc_mpi.probe import RankProbe, probe_ranks
+from optcc_mpi.probe import (
+    RANK_PROBE_BYTES,
+    RANK_PROBE_PARTNERS,
+    RANK_PROBE_REPEATS,
+    RankProbe,
+    probe_ranks,
+)
 from optcc_mpi.schedule import SEND, Schedule
 from optcc_mpi.transports import Communicator
 
@@ -402,9 +408,9 @@ class LinkWatch:
     log: linklog.LinkLog | None = None
     #: This process's rank, learnt from the first call it records (only rank 0 logs).
     rank: int | None = None
-    probe_size: int = 2 << 20
-    probe_partners: int = 3
-    probe_repeats: int = 3
+    probe_size: int = RANK_PROBE_BYTES
+    probe_partners: int = RANK_PROBE_PARTNERS
+    probe_repeats: int = RANK_PROBE_REPEATS
     #: Every probe: (call, what the traffic suspected, what the probe found, adopted).
     probes: list[tuple[int, Links, Links, bool]] = field(default_factory=list)
     #: Why the last profile was adopted (also in the link log's ``adopt`` record).
