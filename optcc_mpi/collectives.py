@@ -63,7 +63,7 @@ from optcc_mpi.errors import ArgumentError, ArgumentTypeError, ExecutionError, a
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult, probe
-from optcc_mpi.reductions import reduce_with
+from optcc_mpi.reductions import reduce_rows
 from optcc_mpi.schedule import COLL, Params, Schedule
 from optcc_mpi.transports import Communicator, Transport
 from optcc_mpi.units import parse_rate
@@ -1066,9 +1066,8 @@ def _gather_reduce(st: CommState, opn: str, flat_in: Array, out: Array, backend:
             return
     rows = np.empty((st.size, nbytes), dtype=np.uint8)
     st.transport.allgather_block(np.ascontiguousarray(host).view(np.uint8), rows)
-    total = np.array(rows[0].view(dtype))
-    for r in range(1, st.size):
-        reduce_with(np, opn, total, rows[r].view(dtype))
+    total = np.empty(host.size, dtype=dtype)
+    reduce_rows(np, opn, total, [rows[r].view(dtype) for r in range(st.size)])
     _put(out, total, backend)
 
 

@@ -5,8 +5,10 @@ Users rarely know which rank is degraded. ``links="probe"`` measures it: in each
 time, so every NIC carries one flow per direction; the receiver times its message. A
 transfer runs at the rate of the slower of its two ends, so a rank's send rate is at least
 the fastest of its outgoing transfers and its receive rate at least the fastest incoming
-one. With two shifts every healthy rank meets at least one healthy partner (p >= 3), and a
-degraded rank shows up slow on both sides. Fractions are relative to the median rank, which
+one; a degraded NIC limits both, so a rank's rate is the faster of the two (the estimator
+of :mod:`optcc_mpi.linkrates`, the watch's too). With two shifts every healthy rank meets
+at least one healthy partner (p >= 3), and a degraded rank shows up slow on both sides.
+Fractions are relative to the median rank, which
 assumes fewer than half of the ranks are degraded: the fastest measurement is a poor
 reference, since socket buffers can make a short transfer look faster than the link.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +41,8 @@ from optcc_mpi.transports import of as transport_of
 
 __all__ = [
     "ProbeResult", "probe", "ONE_SHOT_HEALTHY_ABOVE", "RankProbe", "probe_ranks",
-    "MIN_SECONDS", "MAX_BYTES",
+    "MIN_SECONDS", "MAX_BYTES", "RANK_PROBE_BYTES", "RANK_PROBE_PARTNERS", "RANK_PROBE_REPEATS",
+    "rank_fractions",
 ]  # fmt: skip
 
 #: The healthy threshold of :func:`probe` (``links="probe"``) alone: fractions of the
@@ -54,6 +58,13 @@ ONE_SHOT_HEALTHY_ABOVE = 0.75
 MIN_SECONDS = 0.08
 #: ... or they reach this size.
 MAX_BYTES = 16 << 20
+#: :func:`probe_ranks`' defaults, the watch's too (:class:`optcc_mpi.watch.LinkWatch`'s
+#: ``probe_size``, ``probe_partners``, ``probe_repeats``): bytes per message to start from
+#: (doubled while too short to time, above), partners per rank spread over the ring (as the
+#: doctor's), and repeats (fewer than the doctor's 5: the watch runs it mid-job).
+RANK_PROBE_BYTES = 2 << 20
+RANK_PROBE_PARTNERS = 3
+RANK_PROBE_REPEATS = 3
 
 
 @dataclass
@@ -133,16 +144,19 @@ def probe(
                 if kind == RECV and done > posted:
                     best = max(best, nbytes / (done - posted))
         rates[s] = np.array(wire.allgather(best))
-    send = np.zeros(p)
-    recv = np.zeros(p)
-    for s, rate in rates.items():
-        recv = np.maximum(recv, rate)  # rate[r]: transfer r - s -> r
-        send = np.maximum(send, np.roll(rate, -s))  # transfer r -> r + s, seen at r + s
-    capacity = np.minimum(send, recv)
-    frac = np.minimum(capacity / np.median(capacity), 1.0)
-    frac = np.where(frac >= healthy_above, 1.0, np.round(frac, 2))
+    # rate[r] of shift s: the transfer r - s -> r. Each rank's rate is the shared
+    # estimator's (linkrates.rank_rates: the faster of its directions, each the fastest of
+    # its transfers), against the median rank.
+    pair = {((r - s) % p, r): float(v) for s, rate in rates.items() for r, v in enumerate(rate)}
+    send, recv = linkrates.bounds(pair, p)
+    frac, _ = linkrates.relative_rates(linkrates.rank_rates(send, recv), None)
+    frac = np.where(np.isnan(frac), 1.0, frac)  # (not measured: nothing to name)
+    frac = np.where(frac >= healthy_above, 1.0, np.maximum(np.round(frac, 2), 0.01))
     links = Links({r: float(f) for r, f in enumerate(frac) if f < 1.0})
-    return ProbeResult(links, send, recv, time.perf_counter() - t_start, nbytes, rates)
+    return ProbeResult(
+        links, np.nan_to_num(send, nan=0.0), np.nan_to_num(recv, nan=0.0),
+        time.perf_counter() - t_start, nbytes, rates,
+    )  # fmt: skip
 
 
 @dataclass
@@ -152,7 +166,8 @@ class RankProbe:
     links: Links
     """The ranks named slow, at their fractions."""
     fractions: np.ndarray
-    """Per rank, the smaller of its egress and ingress fractions (NaN: not measured)."""
+    """Per rank, the fraction of its rate (:func:`optcc_mpi.linkrates.rank_rates`: the
+    faster of its egress and ingress; NaN: not measured)."""
     unresolved: list[int]
     """Ranks below the threshold whose partners were as slow (not named)."""
     reference: float
@@ -176,9 +191,9 @@ class RankProbe:
 def probe_ranks(
     comm: Communicator,
     *,
-    nbytes: int = 2 << 20,
-    partners: int = 3,
-    repeats: int = 3,
+    nbytes: int = RANK_PROBE_BYTES,
+    partners: int = RANK_PROBE_PARTNERS,
+    repeats: int = RANK_PROBE_REPEATS,
     healthy_above: float = linkrates.HEALTHY_ABOVE,
     emulate: Emulation | str | None = None,
     clock: bool = False,
@@ -233,25 +248,63 @@ def probe_ranks(
             buf, backend = wire.scratch(size)
             continue
         rep += 1
-    secs_of: dict[tuple[int, int, int], float] = {}
-    for row in rows:
-        for rnd, a, b, secs in row:
-            secs_of[(rnd, a, b)] = max(secs_of.get((rnd, a, b), 0.0), secs)
-    pair: dict[tuple[int, int], float] = {}
-    for (_, a, b), secs in secs_of.items():
-        if secs > 0:
-            pair[(a, b)] = max(pair.get((a, b), 0.0), size / secs)
     if emu is not None and emu.bw is not None:  # (paced)
         ref: float | None = float(emu.bw)
         source = "the emulated rate"
     else:
-        ref = linkrates.upper_quartile(*linkrates.bounds(pair, p))
-        source = "the upper quartile"
-    links, unresolved, frac = linkrates.named(pair, p, ref, healthy_above)
+        ref, source = None, "the upper quartile"
+    links, unresolved, frac, ref = rank_fractions(rows, size, p, ref, healthy_above)
     return RankProbe(
         links, frac, unresolved, float(ref or 0.0), source, time.perf_counter() - t_start,
         shifts, size, 1 if paced else repeats,
     )  # fmt: skip
+
+
+def rank_fractions(
+    records: Iterable[Iterable[tuple[int, int, int, float]]],
+    size: int,
+    p: int,
+    ref: float | None = None,
+    healthy_above: float = linkrates.HEALTHY_ABOVE,
+) -> tuple[Links, list[int], np.ndarray, float | None]:
+    """What :func:`probe_ranks` concludes from its timed messages.
+
+    Parameters
+    ----------
+    records : iterable of iterables of (round, sender, receiver, seconds)
+        Every rank's records (a message both ends timed counts at the slower: each end's
+        seconds are a lower bound on the message's).
+    size : int
+        Bytes per message.
+    p : int
+        Ranks.
+    ref : float, optional
+        The rate fractions are of; default the upper quartile of the ranks' rates
+        (:func:`optcc_mpi.linkrates.upper_quartile`).
+    healthy_above : float
+        Fractions at or above this are healthy.
+
+    Returns
+    -------
+    links, unresolved, fractions, ref
+        :func:`optcc_mpi.linkrates.named`'s answer (each rank's rate the shared estimator's,
+        :func:`optcc_mpi.linkrates.rank_rates`, of the fastest message per direction: a
+        round is one message each way per rank) and the reference used (None: nothing
+        measured).
+    """
+    secs_of: dict[tuple[int, int, int], float] = {}
+    for row in records:
+        for rnd, a, b, secs in row:
+            key = (int(rnd), int(a), int(b))
+            secs_of[key] = max(secs_of.get(key, 0.0), float(secs))
+    pair: dict[tuple[int, int], float] = {}
+    for (_, a, b), secs in secs_of.items():
+        if secs > 0:
+            pair[(a, b)] = max(pair.get((a, b), 0.0), size / secs)
+    if ref is None:
+        ref = linkrates.upper_quartile(linkrates.rank_rates(*linkrates.bounds(pair, p)))
+    links, unresolved, frac = linkrates.named(pair, p, ref, healthy_above)
+    return links, unresolved, frac, ref
 
 
 def _probe_repeat(

@@ -21,6 +21,7 @@ the tensors' own device.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -41,6 +42,7 @@ __all__ = [
     "canonical_nans",
     "reduce_with",
     "reduce_into",
+    "reduce_rows",
     "TorchOps",
     "XpArray",
 ]
@@ -220,6 +222,41 @@ def reduce_into(xp: ModuleType, op: str, out: XpArray, a: XpArray, b: XpArray) -
         first = a.copy()
         reduce_with(xp, op, first, b)
         xp.copyto(out, first)
+
+
+def reduce_rows(xp: ModuleType, op: str, out: XpArray, rows: Sequence[XpArray]) -> None:
+    """``out = op(...op(op(rows[0], rows[1]), rows[2])..., rows[-1])`` element-wise: the
+    rows reduced in their order (rank order), so that every rank that reduces the same
+    rows holds the same bits.
+
+    The one rank-order reduction of the Python paths: the argument check's gathered data
+    (:func:`optcc_mpi.check.protocol.reduce_gathered`) and every rank's rows gathered
+    through host memory (:mod:`optcc_mpi.collectives`). The compiled path's sum
+    (``check/_fastcall.c``) and the board's reduce-scatter
+    (:meth:`optcc_mpi.transports.board.Board.allreduce`) do the same, held to these bits
+    by tests/test_reduction_order.py.
+
+    As the library's AllReduce, an overflow is the result, not a warning: a warning the
+    user's ``np.seterr`` made an error would be raised by a finished reduction.
+
+    Parameters
+    ----------
+    xp : module
+        The array module (NumPy or CuPy).
+    op : str
+        The reduction (:data:`optcc_mpi.dtypes.OPS`).
+    out : array
+        Where the result goes; it must not overlap any row.
+    rows : sequence of arrays
+        One per rank, in rank order, each the size and type of ``out`` (at least one).
+    """
+    if len(rows) == 1:
+        xp.copyto(out, rows[0])
+        return
+    with np.errstate(all="ignore"):
+        reduce_into(xp, op, out, rows[0], rows[1])
+        for row in rows[2:]:
+            reduce_with(xp, op, out, row)
 
 
 class TorchOps:

@@ -27,6 +27,9 @@ on the rank's bandwidth, and the faster one is its estimate::
 
     v[r] = max(ingress rate of r, egress rate of r)
 
+(:func:`optcc_mpi.linkrates.message_rates` and :func:`~optcc_mpi.linkrates.rank_rates`,
+the estimator the probes share).
+
 This sees a slow link even in a ring, where every link carries the same bytes in lockstep:
 the slow link's messages are on the wire twice as long, the healthy links' messages
 arrive early and then wait for the next step. Times taken on the sending side alone
@@ -130,14 +133,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from optcc_mpi import linklog
+from optcc_mpi import linklog, linkrates
 from optcc_mpi.check.state import FOLD_TOTAL
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import ExecStats
 from optcc_mpi.linkrates import HEALTHY_ABOVE
 from optcc_mpi.links import Links
-from optcc_mpi.probe import RankProbe, probe_ranks
+from optcc_mpi.probe import (
+    RANK_PROBE_BYTES,
+    RANK_PROBE_PARTNERS,
+    RANK_PROBE_REPEATS,
+    RankProbe,
+    probe_ranks,
+)
 from optcc_mpi.schedule import SEND, Schedule
 from optcc_mpi.transports import Communicator
 
@@ -163,15 +172,8 @@ def watch_length(p: int) -> int:
     return max(room, p + _HEAD)
 
 
-def _busy(lo: np.ndarray, hi: np.ndarray) -> float:
-    """Length of the union of the intervals ``[lo, hi)``."""
-    if lo.size == 0:
-        return 0.0
-    order = np.argsort(lo, kind="stable")
-    a, b = lo[order].astype(float), hi[order].astype(float)
-    # In start order, each interval adds what reaches past every earlier one's end.
-    before = np.concatenate(([-np.inf], np.maximum.accumulate(b)[:-1]))
-    return float(np.maximum(b - np.maximum(a, before), 0.0).sum())
+#: The length of a union of intervals (:func:`optcc_mpi.linkrates.busy`).
+_busy = linkrates.busy
 
 
 def send_rates(
@@ -289,21 +291,18 @@ class MessageLayout:
         return lo, hi
 
     def rates(self, rows: np.ndarray) -> np.ndarray:
-        """Per rank, ``max(ingress rate, egress rate)`` in bytes/s from every rank's
-        values (``rows`` as for :meth:`intervals`); 0 where no message of the rank was
-        measured. A message that seems to arrive before it was sent (the common clock is
-        only as good as the skew of the check's end, which matters where messages take
-        microseconds) is left out."""
+        """Per rank, its rate in bytes/s from every rank's values (``rows`` as for
+        :meth:`intervals`): :func:`optcc_mpi.linkrates.rank_rates` of the messages'
+        :func:`~optcc_mpi.linkrates.message_rates` (the call is one group), the
+        estimator the probe shares; 0 where no message of the rank was measured. A
+        message that seems to arrive before it was sent (the common clock is only as good
+        as the skew of the check's end, which matters where messages take microseconds)
+        is left out."""
         lo, hi = self.intervals(rows)
-        ok = hi > lo  # False for NaN too
-        v = np.zeros(self.p)
-        for r in range(self.p):
-            for side in (self.receiver, self.sender):
-                sel = ok & (side == r)
-                busy = _busy(lo[sel], hi[sel])
-                if busy > 0:
-                    v[r] = max(v[r], float(self.nbytes[sel].sum()) / busy)
-        return v
+        egress, ingress = linkrates.message_rates(
+            self.sender, self.receiver, self.nbytes, lo, hi, self.p
+        )
+        return np.nan_to_num(linkrates.rank_rates(egress, ingress), nan=0.0)
 
 
 def _links(fracs: np.ndarray) -> Links:
@@ -409,9 +408,9 @@ class LinkWatch:
     log: linklog.LinkLog | None = None
     #: This process's rank, learnt from the first call it records (only rank 0 logs).
     rank: int | None = None
-    probe_size: int = 2 << 20
-    probe_partners: int = 3
-    probe_repeats: int = 3
+    probe_size: int = RANK_PROBE_BYTES
+    probe_partners: int = RANK_PROBE_PARTNERS
+    probe_repeats: int = RANK_PROBE_REPEATS
     #: Every probe: (call, what the traffic suspected, what the probe found, adopted).
     probes: list[tuple[int, Links, Links, bool]] = field(default_factory=list)
     #: Why the last profile was adopted (also in the link log's ``adopt`` record).
@@ -767,9 +766,9 @@ class LinkWatch:
             return None
         frac = self.profile.vector(self.p).copy()
         # The reference is the upper quartile: half the ranks may be slow (a degraded
-        # server), and the single fastest measurement is noise.
-        ref = float(np.quantile(v[seen], 0.75))
-        frac[seen] = np.minimum(v[seen] / ref, 1.0)
+        # server), and the single fastest measurement is noise (the probe's too).
+        ref = linkrates.upper_quartile(v)
+        frac[seen] = linkrates.relative_rates(v, ref)[0][seen]
         frac = np.where(frac >= self.healthy_above, 1.0, np.round(frac, 2))
         frac = np.maximum(frac, 0.01)
         return Links({r: float(f) for r, f in enumerate(frac) if f < 1.0})

@@ -198,20 +198,27 @@ static PyObject *make(PyObject *self, PyObject *args)
     return capsule;
 }
 
+/* x + y with the NaN NumPy's np.add(x, y) gives: where both are NaN, x's (quieted), as
+ * the hardware's addition returns its first operand's. C's + is commutative, and the
+ * compiler may well compute y + x (it did: the later rank's NaN won, issue 44), so where
+ * x is a NaN the sum is x + x, the same whatever the order. Integers: never NaN. */
+#define ADD_FIRST(x, y) ((x) + ((x) != (x) ? (x) : (y)))
+
 /* out = rows[0] + rows[1] + ... in rank order, in the element type (the integers wrap,
  * as NumPy's do; unsigned arithmetic keeps that defined in C). Each element is one IEEE
- * addition per row whatever the compiler vectorises, so these are NumPy's bits. */
+ * addition per row whatever the compiler vectorises, and a NaN meeting a NaN keeps the
+ * earlier rank's, so these are NumPy's bits (tests/test_reduction_order.py). */
 #define SUM_ROWS(T)                                                                 \
     do {                                                                            \
         T *restrict o = (T *)out;                                                   \
         const T *restrict a = (const T *)(rows);                                    \
         const T *restrict b = (const T *)(rows + stride);                           \
         for (Py_ssize_t i = 0; i < n; i++)                                          \
-            o[i] = a[i] + b[i];                                                     \
+            o[i] = ADD_FIRST(a[i], b[i]);                                           \
         for (int r = 2; r < p; r++) {                                               \
             const T *c = (const T *)(rows + (Py_ssize_t)r * stride);                \
             for (Py_ssize_t i = 0; i < n; i++)                                      \
-                o[i] = o[i] + c[i];                                                 \
+                o[i] = ADD_FIRST(o[i], c[i]);                                       \
         }                                                                           \
     } while (0)
 

@@ -47,9 +47,9 @@ import numpy as np
 
 from optcc_mpi.check import agreement, crossover, fastcall
 from optcc_mpi.check.state import FOLD_MIN, HEADER, HEADER_BYTES, CheckState, room_for
-from optcc_mpi.dtypes import DTYPES, LOW_PRECISION, NAME_OF, OPS
+from optcc_mpi.dtypes import DTYPES, NAME_OF, OPS
 from optcc_mpi.errors import ArgumentError
-from optcc_mpi.reductions import reduce_with
+from optcc_mpi.reductions import reduce_rows
 
 __all__ = [
     "HEADER",
@@ -188,21 +188,15 @@ def gathered_extra(st: CheckState, n: int) -> np.ndarray:
 def reduce_gathered(
     st: CheckState, opn: str, dtype: np.dtype, nbytes: int, out: np.ndarray
 ) -> None:
-    """Reduce every rank's data from the check's gather into ``out``, in rank order."""
+    """Reduce every rank's data from the check's gather into ``out``, in rank order
+    (:func:`optcc_mpi.reductions.reduce_rows`; sums the compiled path also does, by its
+    C loop)."""
     kind = fastcall.reduce_kind(NAME_OF.get(dtype, "")) if opn == "sum" else 0
     if kind and st.size > 1:
         # The loop of the compiled path, so that both paths give the same bits.
         fastcall.sum_rows(kind, out, st.gathered, HEADER_BYTES)
         return
-    rows = st.views(dtype, nbytes)[1]
-    if opn == "sum" and dtype not in LOW_PRECISION:
-        np.add(rows[0], rows[1], out=out)
-        for row in rows[2:]:
-            np.add(out, row, out=out)
-        return
-    np.copyto(out, rows[0])
-    for row in rows[1:]:
-        reduce_with(np, opn, out, row)
+    reduce_rows(np, opn, out, st.views(dtype, nbytes)[1])
 
 
 def disagreement(
