@@ -387,15 +387,15 @@ def test_an_exception_inside_an_exchange_breaks_the_board_for_every_rank(
     for rank 1's part of the first call: a wrong sum, silently. Instead the board is
     marked broken as the exception leaves, and both ranks raise, rank 0 naming rank 1."""
     victim: list[threading.Thread] = []
-    real_reduce = board.reduce_with
+    real_reduce = board.reduce_rows
 
-    def reduce_with(*args: object) -> object:
+    def reduce_rows(*args: object) -> object:
         if victim and threading.current_thread() is victim[0]:
             victim.clear()
             raise MemoryError("injected between the post of the chunk and of the part")
         return real_reduce(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(board, "reduce_with", reduce_with)
+    monkeypatch.setattr(board, "reduce_rows", reduce_rows)
 
     def body(rank: int, b: board.Board) -> object:
         b.timeout = 20.0  # (before the fix rank 1's second call waits for a part never posted)

@@ -59,7 +59,7 @@ import numpy as np
 
 from optcc_mpi import compiled, config
 from optcc_mpi.errors import ArgumentError, ExecutionError
-from optcc_mpi.reductions import reduce_with
+from optcc_mpi.reductions import reduce_rows
 from optcc_mpi.transports import base
 from optcc_mpi.transports.base import boot_id
 
@@ -330,11 +330,12 @@ class Board:
     def allreduce(self, arr: np.ndarray, op: str) -> None:
         """``arr`` (1-D, contiguous, the same size and type on every rank) replaced in
         place by every rank's, reduced element-wise in rank order
-        (:func:`optcc_mpi.reductions.reduce_with`), so that every rank holds the same
-        bits. Chunk by chunk: every rank posts its chunk, reduces its p-th of it from
-        every rank's slot and posts that part in its slot of the other parity, then copies
-        every rank's part out (a reduce-scatter and an allgather through the mapping,
-        each rank reading each element once). Raises as :meth:`allgather_block`."""
+        (:func:`optcc_mpi.reductions.reduce_rows`, as every Python path), so that every
+        rank holds the same bits. Chunk by chunk: every rank posts its chunk, reduces its
+        p-th of it from every rank's slot and posts that part in its slot of the other
+        parity, then copies every rank's part out (a reduce-scatter and an allgather
+        through the mapping, each rank reading each element once). Raises as
+        :meth:`allgather_block`."""
         try:
             self._allreduce(arr, op)
         except BaseException:
@@ -366,12 +367,9 @@ class Board:
             self._wait(seq, 0, 0)
             rows = [self._row(seq, r, arr.dtype, m) for r in range(p)]
             part = self._row(seq + 1, self.rank, arr.dtype, mine.stop - mine.start)
-            np.copyto(part, rows[0][mine])
-            # As the library's AllReduce: an overflow is the result, not a warning (a
-            # warning raised as an error on one rank alone would leave the others waiting).
-            with np.errstate(all="ignore"):
-                for row in rows[1:]:
-                    reduce_with(np, op, part, row[mine])
+            # (part is in the other parity's slots: it never overlaps a row. An overflow
+            # is the result, not a warning raised as an error on one rank alone.)
+            reduce_rows(np, op, part, [row[mine] for row in rows])
             self._wait(self._post(0, 0), 0, 0)
             for r in range(p):
                 width = cut[r + 1] - cut[r]
