@@ -62,7 +62,7 @@ from optcc_mpi.emulation import Emulation, Pacer, forced_fraction
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, ExecutionError, as_ours
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
-from optcc_mpi.probe import ProbeResult, probe
+from optcc_mpi.probe import ProbeResult, link_rate, probe
 from optcc_mpi.reductions import reduce_rows
 from optcc_mpi.schedule import COLL, Params, Schedule
 from optcc_mpi.transports import Communicator, Transport
@@ -553,7 +553,7 @@ class _Call:
         "sendbuf", "result", "flat_in", "flat_out", "backend", "in_place", "opn", "name",
         "count", "nbytes", "algorithm", "link_obj", "emu", "params", "check", "plan",
         "fold", "fields", "seen", "err", "epoch", "stats", "work", "keyed", "watched",
-        "library", "label", "defer", "request", "record",
+        "library", "label", "defer", "request", "record", "learnt",
     )  # fmt: skip
 
     def __init__(
@@ -584,6 +584,7 @@ class _Call:
         self.stats: ExecStats | None = None
         self.work: Array | None = None
         self.keyed = self.watched = self.library = False
+        self.learnt: float | None = None  # the link rate learnt, where the header has it
         self.link_obj = _HEALTHY
         self.emu: Emulation | None = None
         self.opn = op if type(op) is str and op in _OPSET else ""
@@ -679,7 +680,9 @@ class _Call:
             forced_fraction()  # a bad per-rank fraction fails here, before the agreement
         # The plan is a pure function of arguments that must agree, so computing it
         # before the agreement cannot make ranks diverge; "probe" and "watch" wait.
-        if self.link_obj is not WATCH:
+        # A schedule sized by a link rate not learnt yet waits too (the rate is measured
+        # collectively, after the agreement: _plan_call).
+        if self.link_obj is not WATCH and not (st.rate is None and _learns_rate(st, self)):
             known = st.probe.links if st.probe is not None else None
             profile = known if self.link_obj is PROBE else self.link_obj
             if profile is not None:
@@ -714,7 +717,7 @@ class _Call:
         )
         rate = self._rate(st)
         if rate is not None:
-            lcode = code(f"{lcode} at {rate!r}")
+            lcode = code(f"{lcode} at {rate}")
         return (
             protocol.PROTOCOL,
             0,
@@ -730,14 +733,21 @@ class _Call:
             0,
         )
 
-    def _rate(self, st: CommState) -> float | None:
-        """``$OPTCC_LINK_RATE`` in bytes/s where the call's schedule is built from it
-        (a schedule of ours, or one not planned yet: the profile is learnt), else None:
-        ranks that build from different rates would run different schedules, so the
-        check agrees on it. A call the library alone serves does not depend on it (nor
-        does the compiled path's header carry it)."""
+    def _rate(self, st: CommState) -> str | None:
+        """The link rate the call's schedule is built from, for the header: the value of
+        ``$OPTCC_LINK_RATE`` in bytes/s, or the rate learnt (``learnt`` and its value, or
+        None before it is), where the schedule is built from it (a schedule of ours, or
+        one not planned yet: the profile or the rate is learnt); else None. Ranks that
+        build from different rates would run different schedules, so the check agrees on
+        it. A call the library alone serves does not depend on it (nor does the compiled
+        path's header carry it)."""
         text = self._rate_text()
-        return None if text is None else _rate_of(text)
+        if text is not None:
+            return repr(_rate_of(text))
+        if _learns_rate(st, self) and (self.plan is None or not self.plan.library_only):
+            self.learnt = st.rate or 0.0  # (for shown(): another rank's error message)
+            return f"learnt {st.rate!r}"
+        return None
 
     def _rate_text(self) -> str | None:
         """``$OPTCC_LINK_RATE`` as set, where the call's schedule is built from it."""
@@ -752,6 +762,12 @@ class _Call:
         rate = self._rate_text()
         if rate is not None:
             profile += f" at OPTCC_LINK_RATE={rate}"
+        elif self.learnt is not None:
+            profile += (
+                " before the link rate was learnt"
+                if self.learnt == 0.0
+                else f" at the link rate learnt ({self.learnt / 1e6:.3g} MB/s)"
+            )
         shown = {
             "element count": str(self.count),
             "dtype": self.name or "?",
@@ -827,6 +843,33 @@ def _links_of(st: CommState, links: Links | str | None, nbytes: int) -> Links:
     return link_obj
 
 
+def _learns_rate(st: CommState, call: _Call) -> bool:
+    """Whether the call's schedule is sized by a link rate the communicator learns: its
+    ranks span machines (transport kind ``network``, not emulated), ``$OPTCC_LINK_RATE``
+    is not set, and the call may run a schedule of ours (``auto`` from
+    :data:`~optcc_mpi.algorithms._policy.SMALL_BYTES` on, or an algorithm whose cost
+    model takes the transport). The same on every rank: each input is agreed by the
+    check (the transport's kind is the same everywhere)."""
+    if st.size < 2 or st.transport.kind != "network" or call.emu is not None:
+        return False
+    if config.rc.link_rate is not None:
+        return False
+    if call.algorithm == "auto":
+        return call.nbytes >= SMALL_BYTES
+    try:
+        return "transport" in algorithms.get(call.algorithm).params
+    except ArgumentError:  # (an unknown name: the check says so on every rank)
+        return False
+
+
+def _learn_rate(st: CommState, call: _Call) -> None:
+    """Measure a healthy link's rate (:func:`optcc_mpi.probe.link_rate`, collective: every
+    rank is here at the same call, as the check agreed) the first time a call needs it
+    (:func:`_learns_rate`); the communicator keeps it. ``$OPTCC_LINK_RATE`` overrides."""
+    if st.rate is None and _learns_rate(st, call):
+        st.rate = link_rate(st.transport) or 0.0
+
+
 @functools.lru_cache(maxsize=8)
 def _rate_of(text: str) -> float:
     """``$OPTCC_LINK_RATE``'s value in bytes/s (a bad one is this rank's error, which the
@@ -874,7 +917,9 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
         and st.transport.caps.library_optimal
         and st.transport.native(call.backend, call.name, call.opn)
     )
-    key = (algorithm, call.count, itemsize, links.key(), pkey, emulated, served_all)
+    # (a network's schedules are sized by the rate learnt, where it is: _learns_rate)
+    rate = None if emulated else st.rate or None
+    key = (algorithm, call.count, itemsize, links.key(), pkey, emulated, served_all, rate)
     hit = st.plans.get(key)
     if hit is not None:
         return hit
@@ -887,8 +932,9 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
     given = dict(params or {})
     if "transport" in algorithms.get(name).params and "transport" not in given:
         kind = "network" if emulated else st.transport.kind
-        # (over a network, the model at the rate told, weighed by the ranks per core)
-        given["transport"] = network(st.transport.crowding) if kind == "network" else kind
+        # (over a network, the model at the rate told or learnt, weighed by the ranks per
+        # core)
+        given["transport"] = network(st.transport.crowding, rate) if kind == "network" else kind
     sched = algorithms.build(name, p, call.count, links, itemsize=itemsize, **given)
     coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
     return st.plans.put(key, Plan(name, sched, coll_only))
@@ -896,12 +942,22 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
 
 def _plan_call(st: CommState, call: _Call) -> None:
     """Settle the profile every rank agreed on ("probe": measured now; "watch": from the
-    observations every rank gathered) and plan for it."""
+    observations every rank gathered) and the link rate (learnt now where the schedule
+    needs it and it is not known yet), and plan for them."""
     if call.link_obj is PROBE:
         # Every rank agreed on "probe" above, so all of them take part in it.
         if st.probe is None:
             st.probe = probe(st.transport, emulate=call.emu)
+            if st.rate is None and _learns_rate(st, call):
+                # (the probe has just measured every link: its reference is the rate)
+                got = st.probe.reference
+                st.rate = got if np.isfinite(got) and got > 0 else None
         call.link_obj = st.probe.links
+        _learn_rate(st, call)
+        call.plan = _plan(st, call, call.link_obj)
+    elif call.plan is None and call.link_obj is not WATCH:
+        # A profile told, a rate to learn first (_settings left the plan to here).
+        _learn_rate(st, call)
         call.plan = _plan(st, call, call.link_obj)
     elif call.link_obj is WATCH:
         # Each rank brings its side of what its last call measured, and every rank reads
@@ -916,6 +972,7 @@ def _plan_call(st: CommState, call: _Call) -> None:
             call.epoch = perf_counter()
         # Where the traffic suspects a change, every rank probes on the transport.
         call.link_obj = watch.agree(rows, st.transport, call.emu)
+        _learn_rate(st, call)
         call.plan = _plan(st, call, call.link_obj)
     if call.flat_out is None:
         call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)

@@ -5,9 +5,9 @@ The first collective call on a communicator (an mpi4py communicator or a
 in the :class:`Registry` that :mod:`optcc_mpi.collectives` owns; every later call finds it
 there. It holds what every later call would otherwise recompute: the link profile from
 ``$OPTCC_LINKS`` translated to this communicator's ranks, the probe's result, the watch,
-the schedules built (:class:`Plan`), the argument check's buffers, room, gather limit and
-compiled context (:class:`~optcc_mpi.check.state.CheckState`), and the plans of the short calls
-the compiled path may take.
+the link rate learnt, the schedules built (:class:`Plan`), the argument check's buffers,
+room, gather limit and compiled context (:class:`~optcc_mpi.check.state.CheckState`), and
+the plans of the short calls the compiled path may take.
 
 Transports hold nothing of this: a transport only says when its communicator goes away
 (:meth:`~optcc_mpi.transports.Transport.on_close`), and the registry then drops the
@@ -147,7 +147,9 @@ class CommState:
         The communicator's transport.
     """
 
-    __slots__ = ("transport", "size", "rank", "check", "plans", "folds", "probe", "watch", "_env")
+    __slots__ = (
+        "transport", "size", "rank", "check", "plans", "folds", "probe", "watch", "rate", "_env",
+    )  # fmt: skip
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
@@ -163,6 +165,10 @@ class CommState:
         self.probe: ProbeResult | None = None
         #: The watch (``links="watch"``), once made.
         self.watch: LinkWatch | None = None
+        #: A healthy link's rate (bytes/s) learnt on this communicator, which sizes the
+        #: segments of its schedules where ``$OPTCC_LINK_RATE`` is not set: None until the
+        #: first call that needs it, 0.0 where nothing could be measured.
+        self.rate: float | None = None
         self._env: tuple[str | None, Links | ArgumentError] = ("\0", Links())
 
     def links_from_env(self, text: str | None) -> Links:

@@ -101,3 +101,103 @@ def test_bad_link_rate_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> No
     config.reload()
     with pytest.raises(ArgumentError, match="OPTCC_LINK_RATE='fast'"):
         transport_of("network")
+
+
+# -- the rate learnt (issue 42) ---------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["network", "shared-memory"])
+def test_told_no_rate_ranks_on_several_machines_learn_it(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no ``$OPTCC_LINK_RATE``, ranks that span machines measure a healthy link's
+    rate once, at the first call whose schedule it sizes (collectively: every rank holds
+    the same value), and size their schedules by it as by a rate told; ranks on one
+    machine measure nothing, and short calls wait for a call that needs it."""
+    import numpy as np
+
+    import optcc_mpi
+    from optcc_mpi import collectives
+    from optcc_mpi.testing.local import LocalTransport, LocalWorld
+
+    monkeypatch.delenv("OPTCC_LINK_RATE", raising=False)
+    monkeypatch.delenv("OPTCC_LINKS", raising=False)
+    config.reload()
+    measured: list[int] = []
+    real = collectives.link_rate
+
+    def counted(comm: LocalTransport) -> float | None:
+        measured.append(comm.rank)
+        return real(comm)
+
+    monkeypatch.setattr(collectives, "link_rate", counted)
+    p, links = 4, "0:0.5"
+    world = LocalWorld(p)
+    for t in world.transports:
+        t.kind = kind
+    xs = [np.arange(1 << 18, dtype=np.float32) * (r + 1) for r in range(p)]  # 1 MiB
+
+    def job(t: LocalTransport) -> tuple[float | None, int, int]:
+        small = optcc_mpi.allreduce(xs[t.rank][:256], comm=t, links=links)
+        assert np.array_equal(small, sum(x[:256] for x in xs))
+        before = collectives.comm_state(t).rate
+        assert before is None  # (a short call: nothing sized by a rate, nothing measured)
+        for _ in range(3):
+            y = optcc_mpi.allreduce(xs[t.rank], comm=t, links=links, algorithm="optcc")
+            assert np.array_equal(y, sum(xs))
+        st = collectives.comm_state(t)
+        (plan,) = [plan for plan in st.plans._items.values() if plan.algorithm == "optcc"]
+        return st.rate, int(plan.schedule.params["k"]), len(st.plans._items)
+
+    got = world.run(job)
+    if kind == "network":
+        rates = {rate for rate, _, _ in got}
+        assert len(rates) == 1  # the same bits on every rank
+        (rate,) = rates
+        assert rate is not None and rate > 0
+        assert sorted(measured) == list(range(p))  # once per rank, at one call
+        fabric = network(world.transports[0].crowding, rate)
+        want = algorithms.get("optcc").build(
+            p, xs[0].size, links, itemsize=4, transport=fabric
+        )
+        assert {k for _, k, _ in got} == {int(want.params["k"])}
+    else:
+        assert [rate for rate, _, _ in got] == [None] * p
+        assert measured == []
+
+
+def test_a_rate_told_is_not_learnt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$OPTCC_LINK_RATE`` overrides: nothing is measured, the schedule is sized by it."""
+    import numpy as np
+
+    import optcc_mpi
+    from optcc_mpi import collectives
+    from optcc_mpi.testing.local import LocalTransport, LocalWorld
+
+    monkeypatch.setenv("OPTCC_LINK_RATE", "200mbit")
+    config.reload()
+    measured: list[int] = []
+    monkeypatch.setattr(collectives, "link_rate", lambda comm: measured.append(1))
+    world = LocalWorld(3)
+    for t in world.transports:
+        t.kind = "network"
+    x = np.ones(1 << 18, dtype=np.float32)
+
+    def job(t: LocalTransport) -> float | None:
+        y = optcc_mpi.allreduce(x, comm=t, links="1:0.5", algorithm="optcc")
+        assert np.array_equal(y, 3 * x)
+        return collectives.comm_state(t).rate
+
+    assert world.run(job) == [None] * 3
+    assert measured == []
+
+
+def test_the_learnt_rate_sizes_the_segments() -> None:
+    """The rate learnt sizes OptCC's smallest section as a rate told does: 50 Mbit/s
+    (6.25 MB/s) gives an 8 MiB message at 16 ranks more segments than the default
+    model's 10 Gbit/s, and the same as ``OPTCC_LINK_RATE=50mbit`` would."""
+    slow = network(1.0, 6.25e6)
+    assert slow.rate == 6.25e6 and slow.message_cost == NETWORK.message_cost
+    build = algorithms.get("optcc").build
+    k = int(build(16, 2 * MiB, "0:0.5", itemsize=4, transport=slow).params["k"])
+    assert k > _k(16, 8 * MiB)
+    crowded = network(8.0, 6.25e6)
+    assert crowded.message_cost == 8 * NETWORK.message_cost

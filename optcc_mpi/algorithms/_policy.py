@@ -178,9 +178,11 @@ def transport_of(transport: str | Fabric) -> Fabric:
     return got
 
 
-def network(crowding: float = 1.0) -> Fabric:
-    """The network model in force: :data:`NETWORK`, whose rate is a 10 Gbit/s NIC's, or
-    the same model at ``$OPTCC_LINK_RATE`` (one healthy link's rate, e.g. ``200mbit``).
+def network(crowding: float = 1.0, rate: float | None = None) -> Fabric:
+    """The network model in force: the same model as :data:`NETWORK` at
+    ``$OPTCC_LINK_RATE`` (one healthy link's rate, e.g. ``200mbit``) where it is set, else
+    at ``rate`` (bytes/s: the rate the collectives learnt, :mod:`optcc_mpi.collectives`),
+    else :data:`NETWORK` itself, whose rate is a 10 Gbit/s NIC's.
 
     The rate sizes what a message's fixed cost is weighed against: OptCC's smallest
     section (``optcc.section_floor``, ``2 * message_cost * rate``) and the ring's message
@@ -189,26 +191,27 @@ def network(crowding: float = 1.0) -> Fabric:
     Mbit/s links a message's 40 us moves 1 KB, and 34 segments took 1.15x the bound on
     the testbed where 5 took 1.52x (docs/testbed.md, issue 36). It is the job's to set,
     the same on every rank (the ranks build their schedules from it and must build the
-    same one). Not set by default, nor by the testbed: with ``links="watch"`` the smaller
-    messages it gives make the watch read a recovered link as still slow (the testbed's
-    watch test stayed at ``1:0.53`` after rank 1 recovered), since the watch measures
-    links by the times of the calls' own messages.
+    same one): told, the job's to set; learnt, measured collectively, hence the same.
 
     Parameters
     ----------
     crowding : float, optional
-        Ranks per core (:attr:`optcc_mpi.transports.Transport.crowding`). With the rate
-        told, a message's fixed cost is charged that many times: a dependent message
-        waits for its receiver to be scheduled once the ranks outnumber the cores (derived,
-        ours: on the 16-rank testbed on 2 cores, 8 ranks per core, the sections that did
-        best carried about ``2 x 8 x 40 us`` of a healthy link's time at 50 and at 200
-        Mbit/s; docs/testbed.md 1.6j). Without a rate the default model's 10 Gbit/s
-        already gives the largest sections, and crowding is not applied.
+        Ranks per core (:attr:`optcc_mpi.transports.Transport.crowding`). With a rate
+        told or learnt, a message's fixed cost is charged that many times: a dependent
+        message waits for its receiver to be scheduled once the ranks outnumber the cores
+        (derived, ours: on the 16-rank testbed on 2 cores, 8 ranks per core, the sections
+        that did best carried about ``2 x 8 x 40 us`` of a healthy link's time at 50 and
+        at 200 Mbit/s; docs/testbed.md 1.6j). Without a rate the default model's 10
+        Gbit/s already gives the largest sections, and crowding is not applied.
+    rate : float, optional
+        A healthy link's rate in bytes/s, learnt; ``$OPTCC_LINK_RATE`` overrides it.
     """
     text = config.get("OPTCC_LINK_RATE")
-    if text is None:
+    if text is not None:
+        return _network_at(text, max(1.0, float(crowding)))
+    if rate is None:
         return NETWORK
-    return _network_at(text, max(1.0, float(crowding)))
+    return _network_of(float(rate), max(1.0, float(crowding)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -217,6 +220,11 @@ def _network_at(text: str, crowding: float = 1.0) -> Fabric:
         rate = parse_rate(text)
     except ArgumentError as exc:
         raise ArgumentError(f"OPTCC_LINK_RATE={text!r}: {exc}") from None
+    return _network_of(rate, crowding)
+
+
+@functools.lru_cache(maxsize=16)
+def _network_of(rate: float, crowding: float = 1.0) -> Fabric:
     return dataclasses.replace(NETWORK, rate=rate, message_cost=NETWORK.message_cost * crowding)
 
 
