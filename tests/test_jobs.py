@@ -421,6 +421,7 @@ def _csv(path: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.root
+@pytest.mark.slow
 def test_smoke_sweep_on_slurm(slurm: None, tmp_path: Path) -> None:
     res = tmp_path / "results"
     t0 = time.monotonic()
@@ -476,6 +477,7 @@ def test_smoke_sweep_on_slurm(slurm: None, tmp_path: Path) -> None:
 
 
 @pytest.mark.root
+@pytest.mark.slow
 def test_failed_task_is_recorded_and_resubmitted(slurm: None, tmp_path: Path) -> None:
     table = tmp_path / "fail.csv"
     table.write_text(
@@ -524,6 +526,7 @@ def test_failed_task_is_recorded_and_resubmitted(slurm: None, tmp_path: Path) ->
 
 
 @pytest.mark.root
+@pytest.mark.slow
 def test_doctor_script_on_slurm(slurm: None, tmp_path: Path) -> None:
     """sbatch --wait jobs/doctor.sbatch on the local cluster: srun starts the ranks, and the
     job's exit code is the doctor's (3: rank 1 degraded)."""

@@ -111,13 +111,18 @@ def test_launched_ranks_form_one_job() -> None:
     assert done.stdout.strip() == repr([(r, 3, name) for r in range(3)])
 
 
+@pytest.mark.slow
 def test_gpu_check_script_runs_its_rank_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """``scripts/gpu_check.py --cpu`` (what ``make gpu-check`` runs, with NumPy arrays):
     it starts its ranks with the project's launcher, every algorithm passes at 1 and 4
-    ranks; with an mpiexec that does not exist it reports a failure instead of a traceback."""
+    ranks; with an mpiexec that does not exist it reports a failure instead of a traceback.
+    Only the checks it launches with mpiexec: its torch checks are tests/test_gpu_check.py's."""
     script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
     argv = [sys.executable, str(script), "--cpu", "--timeout", "200"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=500, env=launch.clean_env())
+    mpi_checks = ["--only", "allreduce,gram,training"]
+    done = subprocess.run(
+        argv + mpi_checks, capture_output=True, text=True, timeout=500, env=launch.clean_env()
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     from optcc_mpi import algorithms
 

@@ -155,9 +155,7 @@ def test_told_no_rate_ranks_on_several_machines_learn_it(
         assert rate is not None and rate > 0
         assert sorted(measured) == list(range(p))  # once per rank, at one call
         fabric = network(world.transports[0].crowding, rate)
-        want = algorithms.get("optcc").build(
-            p, xs[0].size, links, itemsize=4, transport=fabric
-        )
+        want = algorithms.get("optcc").build(p, xs[0].size, links, itemsize=4, transport=fabric)
         assert {k for _, k, _ in got} == {int(want.params["k"])}
     else:
         assert [rate for rate, _, _ in got] == [None] * p

@@ -45,7 +45,7 @@ def torchrun(scenario: str, n: int, out: Path, timeout: float = 600) -> list[dic
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [2, 3, *(pytest.param(n, marks=pytest.mark.slow) for n in (4, 8))])
 def test_every_algorithm_over_gloo(tmp_path: Path, n: int) -> None:
     ranks = torchrun("collectives", n, tmp_path)
     assert not any(r["mpi_loaded"] for r in ranks), "an MPI library was loaded"
@@ -73,7 +73,7 @@ def test_every_algorithm_over_gloo(tmp_path: Path, n: int) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_out_of_place_is_in_place_over_gloo(tmp_path: Path, n: int) -> None:
     """Out of place (the executor reading the send buffer itself, no copy first) gives the
     bits of in place over gloo, on both executor drivers, for every algorithm, and leaves
@@ -124,7 +124,7 @@ def test_messages_slower_than_the_poll_arrive(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_hook_matches_ddp(tmp_path: Path, n: int) -> None:
     """A 1 M-parameter model, 20 steps with 1 MiB buckets, one rank's link at half rate:
     the hook's parameters equal DDP's own within 1e-6 relative, identical on every rank."""

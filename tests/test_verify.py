@@ -15,7 +15,11 @@ from optcc_mpi.links import Links
 from optcc_mpi.schedule import ScheduleBuilder
 from optcc_mpi.verify import VerificationError, verify
 
-P_ALL = list(range(2, 17)) + [17, 24, 31, 32, 33, 47, 63, 64]
+#: Every p to 17, then the powers of two and their neighbours; the largest counts, which
+#: take most of the file's time, run in ``make test-all`` (``slow``).
+P_ALL = [*range(2, 18), 24, 32, 33] + [
+    pytest.param(p, marks=pytest.mark.slow) for p in (31, 47, 63, 64)
+]
 
 
 def profiles(p: int) -> list[str]:
