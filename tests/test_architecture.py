@@ -79,6 +79,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "comm",
             "torch",
             "doctor",
+            "doctor.*",
             "testing",
             "testing.*",
             "glm",

@@ -19,6 +19,7 @@ import pytest
 
 from optcc_mpi import doctor as dr
 from optcc_mpi.cli import main as cli_main
+from optcc_mpi.doctor.expected import reference
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import RECV, SEND
@@ -36,7 +37,7 @@ def synthetic(
     noise: float = 0.0,
     rng: np.random.Generator | None = None,
 ) -> list[dict]:
-    """Every rank's record as :func:`optcc_mpi.doctor._measure` returns it: a message
+    """Every rank's record as :func:`optcc_mpi.doctor.run._measure` returns it: a message
     ``s -> d`` of an ``inter`` or ``intra`` round takes ``size / (BW * min(f_s, f_d))``;
     in a ``node`` round a node's NIC is shared by its flows. ``noise``: each message
     slowed by up to that fraction (uniform)."""
@@ -478,7 +479,7 @@ def test_two_nodes_the_interfaces_reported_speeds_name_the_slow_end(slow: int) -
     the_plan = dr.plan(dr.Layout.uniform(2), size=MiB)
     speeds = [BW, BW]
     speeds[slow] = BW / 2
-    ref, source = dr.reference(2, speeds=speeds, ifaces=["eth1", "eth1"])
+    ref, source = reference(2, speeds=speeds, ifaces=["eth1", "eth1"])
     assert ref == BW and source == "the speed eth1 reports"
     diag = dr.diagnose(
         the_plan, synthetic(the_plan, {slow: 0.5}), expect=ref, source=source,
@@ -493,15 +494,15 @@ def test_two_nodes_the_interfaces_reported_speeds_name_the_slow_end(slow: int) -
 
 def test_where_the_expected_rate_comes_from() -> None:
     speeds, names = [BW, 2 * BW], ["eth0", "eth0"]
-    assert dr.reference(5) == (None, "median")
-    assert dr.reference(5, speeds=speeds, baseline=3.0) == (None, "median")
-    assert dr.reference(5, expect=7.0) == (7.0, "--expect")
-    assert dr.reference(2, expect=7.0, emulated=9.0, speeds=speeds) == (7.0, "--expect")
-    assert dr.reference(2, emulated=9.0, speeds=speeds) == (9.0, "the emulated rate")
-    assert dr.reference(2, speeds=speeds, ifaces=names, baseline=3.0)[0] == 2 * BW
+    assert reference(5) == (None, "median")
+    assert reference(5, speeds=speeds, baseline=3.0) == (None, "median")
+    assert reference(5, expect=7.0) == (7.0, "--expect")
+    assert reference(2, expect=7.0, emulated=9.0, speeds=speeds) == (7.0, "--expect")
+    assert reference(2, emulated=9.0, speeds=speeds) == (9.0, "the emulated rate")
+    assert reference(2, speeds=speeds, ifaces=names, baseline=3.0)[0] == 2 * BW
     # Every node must report a speed; else the baseline, else nothing.
-    assert dr.reference(2, speeds=[BW, np.nan], baseline=3.0) == (3.0, "an earlier healthy record")
-    assert dr.reference(2, speeds=[BW, np.nan]) == (None, "none")
+    assert reference(2, speeds=[BW, np.nan], baseline=3.0) == (3.0, "an earlier healthy record")
+    assert reference(2, speeds=[BW, np.nan]) == (None, "none")
 
 
 def test_interface_speed_reads_what_a_physical_device_reports(tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "abstract methods of the transport contract, and allreduce: a capability a "
         "transport may lack (called only where native() said yes)"
     ),
-    ("optcc_mpi/algorithms/optcc.py", "_Attached.*", "NotImplementedError"): (
+    ("optcc_mpi/algorithms/_optcc_pipeline.py", "_Attached.*", "NotImplementedError"): (
         "abstract methods of the attached-rows helper"
     ),
     # -- kept on purpose ---------------------------------------------------------------

@@ -485,10 +485,10 @@ def test_gemm_ex_plan_computes_a_times_b_transposed(shape):
 
 
 def test_gpu_device_is_guarded():
-    from optcc_mpi.glm import api
+    from optcc_mpi.glm import inputs
 
-    assert api.resolve_device("auto") is np or api.resolve_device("auto").is_available()
-    if api.resolve_device("auto") is np:
+    assert inputs.resolve_device("auto") is np or inputs.resolve_device("auto").is_available()
+    if inputs.resolve_device("auto") is np:
         with pytest.raises(ValueError, match="no usable GPU"):
             fit(*problem("logistic"), device="gpu", comm=MPI.COMM_SELF)
 

@@ -23,6 +23,7 @@ from optcc_mpi.argtypes import (
     rate_with_unit_arg,
 )
 from optcc_mpi.cli._common import leave_now, torchrun_report
+from optcc_mpi.doctor.diagnosis import bitrate
 from optcc_mpi.errors import mark_everywhere
 from optcc_mpi.lab import world
 
@@ -399,7 +400,7 @@ def _estimate(args: argparse.Namespace) -> int:
     est = dr.estimate(the_plan, args.bw, args.latency)
     print(f"plan: {the_plan.describe()}")
     print(
-        f"simulated at {dr._rate(args.bw)}, {args.latency * 1e6:g} us per message: "
+        f"simulated at {bitrate(args.bw)}, {args.latency * 1e6:g} us per message: "
         f"{est['seconds']:.2f} s ({est['transfer_seconds']:.2f} s of transfers: "
         + ", ".join(f"{k} {v:.2f} s" for k, v in est["per_phase"].items() if v)
         + f"; {est['barrier_seconds'] * 1e3:.1f} ms of barriers)"

@@ -26,6 +26,7 @@ Modules
 ``auto``        ``s="auto"``: the cost model's choice of steps per AllReduce
 ``solvers``     SGD and CA-SGD steps, the recurrence, the stopping rule, the training loop
 ``checkpoint``  HDF5 checkpoints and exact resume
+``inputs``      fit's arguments checked on each rank, then across the ranks
 ``api``         :func:`fit`, :func:`fit_partition`
 ``estimator``   :class:`GLM`, :class:`CASGDClassifier`, :class:`CASGDRegressor`
                 (scikit-learn estimators; imported on first use, they need scikit-learn)

@@ -57,8 +57,9 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_array, check_is_fitted, validate_data
 
 from ..errors import ArgumentError, ArgumentTypeError
-from .api import FitResult, fit, validation_rows
+from .api import FitResult, fit
 from .comm import LIBRARY, Group
+from .inputs import validation_rows
 from .models import MODELS, get_model
 from .precision import get_recipe
 from .solvers import DIVERGENCE_FACTOR
