@@ -41,6 +41,7 @@ and ``check`` itself must be the same on every rank).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Mapping
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from optcc_mpi import algorithms, config, transports
-from optcc_mpi.algorithms._policy import SMALL_BYTES, network
+from optcc_mpi.algorithms._policy import SMALL_BYTES, Fabric, network
 from optcc_mpi.backend import NUMPY, Array, Backend, buffer_of, result_like
 from optcc_mpi.check import crossover, fastcall, protocol
 from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch, code
@@ -919,7 +920,10 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
     )
     # (a network's schedules are sized by the rate learnt, where it is: _learns_rate)
     rate = None if emulated else st.rate or None
-    key = (algorithm, call.count, itemsize, links.key(), pkey, emulated, served_all, rate)
+    key = (
+        algorithm, call.count, itemsize, links.key(), pkey, emulated, served_all, rate,
+        call.watched,
+    )  # fmt: skip
     hit = st.plans.get(key)
     if hit is not None:
         return hit
@@ -934,7 +938,16 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
         kind = "network" if emulated else st.transport.kind
         # (over a network, the model at the rate told or learnt, weighed by the ranks per
         # core)
-        given["transport"] = network(st.transport.crowding, rate) if kind == "network" else kind
+        fabric: Fabric | str = kind
+        if kind == "network":
+            fabric = network(st.transport.crowding, rate)
+            if call.watched and fabric.section_min < MIN_BYTES:
+                # The watch times only messages of MIN_BYTES or more: sections cut finer
+                # (the model's floor on slow links, 4-16 KB) would leave a watched call
+                # nothing to read, and a link that recovers under the plan unseen
+                # (the 4-rank testbed stayed at 1:0.5 for 14 calls after rank 1 healed).
+                fabric = dataclasses.replace(fabric, section_min=MIN_BYTES)
+        given["transport"] = fabric
     sched = algorithms.build(name, p, call.count, links, itemsize=itemsize, **given)
     coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
     return st.plans.put(key, Plan(name, sched, coll_only))

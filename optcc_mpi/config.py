@@ -127,9 +127,10 @@ _ALL = (
         None,
         "One healthy link's rate (e.g. `200mbit`, `25GB/s`) for the network model that sizes "
         "OptCC's segments and the ring's messages (each message's fixed cost weighed by the "
-        "ranks per core where ranks share CPUs). Default: a 10 Gbit/s NIC's. Agreed by "
-        "each call's check where a schedule is built from it (a rate that differs across "
-        'ranks is the same error on every rank); not yet learnt with `links="watch"`.',
+        "ranks per core where ranks share CPUs). Default: learnt where ranks span machines "
+        "(one short probe round per communicator, at the first call whose schedule it "
+        "sizes), else a 10 Gbit/s NIC's. Agreed by each call's check where a schedule is "
+        "built from it (a rate that differs across ranks is the same error on every rank).",
         "collectives",
     ),
     Variable(

@@ -199,3 +199,53 @@ def test_the_learnt_rate_sizes_the_segments() -> None:
     assert k > _k(16, 8 * MiB)
     crowded = network(8.0, 6.25e6)
     assert crowded.message_cost == 8 * NETWORK.message_cost
+
+
+def test_a_watched_call_keeps_its_messages_long_enough_to_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On slow links the learnt rate's floor cuts sections of a few KB, which the watch
+    cannot time (it reads messages of ``watch.MIN_BYTES`` or more): a watched call's
+    sections stay at least that long, a call told its links is cut as the model says."""
+    import dataclasses
+
+    import numpy as np
+
+    import optcc_mpi
+    from optcc_mpi import collectives
+    from optcc_mpi.testing.local import LocalTransport, LocalWorld
+    from optcc_mpi.watch import MIN_BYTES
+
+    monkeypatch.delenv("OPTCC_LINK_RATE", raising=False)
+    monkeypatch.delenv("OPTCC_LINKS", raising=False)
+    config.reload()
+    monkeypatch.setattr(collectives, "link_rate", lambda comm: 6.25e6)  # 50 Mbit/s
+    p, count = 4, 1 << 20  # 4 MiB of float32
+    world = LocalWorld(p)
+    for t in world.transports:
+        t.kind = "network"
+    x = np.ones(count, dtype=np.float32)
+
+    def job(t: LocalTransport) -> dict[str, int]:
+        for links in ("watch", "healthy"):
+            y = optcc_mpi.allreduce(x, comm=t, links=links, algorithm="optcc")
+            assert np.array_equal(y, p * x)
+        plans = collectives.comm_state(t).plans._items
+        # (a plan's key ends with whether the call was watched)
+        return {
+            "watch" if key[-1] else "healthy": int(plan.schedule.params["k"])
+            for key, plan in plans.items()
+        }
+
+    got = world.run(job)
+    slow = network(world.transports[0].crowding, 6.25e6)
+    assert optcc.section_floor(slow) < MIN_BYTES
+    watched = dataclasses.replace(slow, section_min=MIN_BYTES)
+    assert optcc.section_floor(watched) == MIN_BYTES
+    build = algorithms.get("optcc").build
+
+    def k(fabric: object) -> int:
+        return int(build(p, count, "", itemsize=4, transport=fabric).params["k"])
+
+    assert k(watched) < k(slow)
+    assert got == [{"watch": k(watched), "healthy": k(slow)}] * p

@@ -95,6 +95,9 @@ class Fabric:
     overlap : bool
         Whether the transport moves data while the CPU reduces (a NIC: yes; shared
         memory, where MPI copies with the CPU inside its calls: no).
+    section_min : int
+        Bytes below which no section is cut, whatever the model says: a watched call's
+        messages must stay long enough to time (:data:`optcc_mpi.watch.MIN_BYTES`).
     """
 
     name: str
@@ -102,6 +105,7 @@ class Fabric:
     message_cost: float
     rate: float
     overlap: bool = True
+    section_min: int = 0
 
     def __post_init__(self) -> None:
         ok = (

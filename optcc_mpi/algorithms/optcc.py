@@ -125,8 +125,8 @@ def section_floor(transport: str | Fabric | None) -> int:
     # (No minimum of SECTION_BYTES here: on slow links whose rate is told the model's
     # own floor is the right one, 4 KB at 50 Mbit/s with 8 ranks per core, where 128
     # segments of 4.4 KiB sections came within 1.03x of the bound and 34 of 16 KiB took
-    # 1.23x; docs/testbed.md 1.6j.)
-    return int(np.ceil(max(float(SECTION_MIN), 2 * tr.message_cost * tr.rate)))
+    # 1.23x; docs/testbed.md 1.6j. The fabric's own section_min holds: a watched call's.)
+    return int(np.ceil(max(float(SECTION_MIN), 2 * tr.message_cost * tr.rate, tr.section_min)))
 
 
 #: How much above the bound the plan may go to attach ranks that would own almost
