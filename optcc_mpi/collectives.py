@@ -844,6 +844,18 @@ def _links_of(st: CommState, links: Links | str | None, nbytes: int) -> Links:
     return link_obj
 
 
+#: The fastest learnt rate (bytes/s: 200 Mbit/s) that sizes a network's schedules; above
+#: it the default model's (a 10 Gbit/s NIC's, 97.7 KiB sections) serves. Measured on the
+#: namespace testbed (2 cores): at 16 ranks the rate took OptCC from 1.45x to 1.07x the
+#: bound at 50 Mbit/s and from 1.52x to 1.09x at 200 (docs/testbed.md 1.6j,
+#: docs/results.md), at 2 ranks and 200 Mbit/s it changed nothing (1.009x, 1.012x); but at
+#: 8 ranks and 400 Mbit/s the learnt 37 MB/s cut a 25 MiB call into 128 segments of 25 KB
+#: sections, 2.10 s a call against 1.47 s with the default's 37 (the ranks' TCP there
+#: keeps both cores busy, and every message's cost is more than the model's 40 us times
+#: the ranks per core: ours, not a model yet). ``$OPTCC_LINK_RATE`` has no such cap.
+LEARNT_RATE_MAX = 25e6
+
+
 def _learns_rate(st: CommState, call: _Call) -> bool:
     """Whether the call's schedule is sized by a link rate the communicator learns: its
     ranks span machines (transport kind ``network``, not emulated), ``$OPTCC_LINK_RATE``
@@ -918,8 +930,9 @@ def _plan(st: CommState, call: _Call, links: Links) -> Plan:
         and st.transport.caps.library_optimal
         and st.transport.native(call.backend, call.name, call.opn)
     )
-    # (a network's schedules are sized by the rate learnt, where it is: _learns_rate)
-    rate = None if emulated else st.rate or None
+    # (a network's schedules are sized by the rate learnt, where it is: _learns_rate,
+    # and slow enough for the model: LEARNT_RATE_MAX)
+    rate = None if emulated or not st.rate or st.rate > LEARNT_RATE_MAX else st.rate
     key = (
         algorithm, call.count, itemsize, links.key(), pkey, emulated, served_all, rate,
         call.watched,

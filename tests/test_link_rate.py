@@ -154,7 +154,10 @@ def test_told_no_rate_ranks_on_several_machines_learn_it(
         (rate,) = rates
         assert rate is not None and rate > 0
         assert sorted(measured) == list(range(p))  # once per rank, at one call
-        fabric = network(world.transports[0].crowding, rate)
+        # (threads of one process: a rate of GB/s, above what sizes a schedule, so the
+        # default model's; test_a_watched_call_... takes a slow one)
+        sized = rate if rate <= collectives.LEARNT_RATE_MAX else None
+        fabric = network(world.transports[0].crowding, sized)
         want = algorithms.get("optcc").build(p, xs[0].size, links, itemsize=4, transport=fabric)
         assert {k for _, k, _ in got} == {int(want.params["k"])}
     else:
@@ -249,3 +252,41 @@ def test_a_watched_call_keeps_its_messages_long_enough_to_time(
 
     assert k(watched) < k(slow)
     assert got == [{"watch": k(watched), "healthy": k(slow)}] * p
+
+
+@pytest.mark.parametrize("learnt", [6.25e6, 37.4e6])
+def test_a_fast_learnt_rate_leaves_the_default_model(
+    learnt: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A learnt rate sizes the schedules up to ``LEARNT_RATE_MAX`` (200 Mbit/s); a faster
+    one (37.4 MB/s: what 400 Mbit/s links measured on the 8-rank testbed, where the
+    rate's 128 segments took 2.10 s a call against 1.47 s with the default's 37) leaves
+    the default model's."""
+    import numpy as np
+
+    import optcc_mpi
+    from optcc_mpi import collectives
+    from optcc_mpi.testing.local import LocalTransport, LocalWorld
+
+    monkeypatch.delenv("OPTCC_LINK_RATE", raising=False)
+    config.reload()
+    monkeypatch.setattr(collectives, "link_rate", lambda comm: learnt)
+    p, count = 4, 1 << 20
+    world = LocalWorld(p)
+    for t in world.transports:
+        t.kind = "network"
+    x = np.ones(count, dtype=np.float32)
+
+    def job(t: LocalTransport) -> int:
+        optcc_mpi.allreduce(x, comm=t, links="1:0.5", algorithm="optcc")
+        (plan,) = collectives.comm_state(t).plans._items.values()
+        return int(plan.schedule.params["k"])
+
+    crowding = world.transports[0].crowding
+    sized = learnt if learnt <= collectives.LEARNT_RATE_MAX else None
+    assert (sized is None) == (learnt > 25e6)
+    build = algorithms.get("optcc").build
+    want = int(build(p, count, "1:0.5", itemsize=4, transport=network(crowding, sized)).params["k"])
+    assert world.run(job) == [want] * p
+    default = int(build(p, count, "1:0.5", itemsize=4, transport=NETWORK).params["k"])
+    assert (want == default) == (sized is None)
