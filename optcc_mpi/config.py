@@ -129,8 +129,9 @@ _ALL = (
         "OptCC's segments and the ring's messages (each message's fixed cost weighed by the "
         "ranks per core where ranks share CPUs). Default: learnt where ranks span machines "
         "(one short probe round per communicator, at the first call whose schedule it "
-        "sizes), else a 10 Gbit/s NIC's. Agreed by each call's check where a schedule is "
-        "built from it (a rate that differs across ranks is the same error on every rank).",
+        "sizes; used up to 200 Mbit/s), else a 10 Gbit/s NIC's. Agreed by each call's check "
+        "where a schedule is built from it (a rate that differs across ranks is the same "
+        "error on every rank).",
         "collectives",
     ),
     Variable(

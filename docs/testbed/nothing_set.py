@@ -88,6 +88,7 @@ def main() -> None:
             "total_s": {n: round(v, 3) for n, v in total.items()},
             "median_s": {n: round(statistics.median(t[1:]), 4) for n, t in times.items()},
             "max_s": {n: round(max(t[1:]), 4) for n, t in times.items()},
+            "step_s": {n: [round(v, 3) for v in t] for n, t in times.items()},
             "optcc_over_gloo": round(total["optcc"] / total["gloo"], 3),
             "parameter_gap": gap,
         }
