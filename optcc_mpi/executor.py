@@ -38,7 +38,7 @@ Cost per message
 ----------------
 Everything that depends only on the schedule and this rank (operation kinds, peers, tags,
 byte offsets, dependency counts, the operations ready at the start) is computed once and
-cached on the schedule (:class:`_Program`), so a call only copies two small lists before the
+cached on the schedule (:class:`_Flat`), so a call only copies two small lists before the
 loop starts. The loop creates one slice per message and keeps received-then-reduced data in
 a pool of temporary buffers reused across calls (a fresh large allocation costs page faults
 on first touch). Completed requests are removed by swapping with the last one, without
@@ -49,7 +49,7 @@ Out of place
 Given a separate, read-only *source* (``execute(..., source=sendbuf)``), buffer 0 starts
 empty instead of holding the input: an operation whose reads of buffer 0 precede every
 write of those elements (in dependency order) reads the source instead, so out of place
-costs no extra pass over memory (:class:`_Sourcing`, built once per plan). A send of such a
+costs no extra pass over memory (:class:`_Sourcing`, built once per rank's lists). A send of such a
 range sends from the source; a receive-and-reduce into it receives straight into its
 target (no temporary) and then computes ``target = op(source, target)``, a local reduction
 ``target = op(source, operand)`` (:meth:`~optcc_mpi.backend.Backend.reduce_into`: the same
@@ -266,7 +266,7 @@ def levels(schedule: Schedule) -> np.ndarray:
     return out
 
 
-class _Program:
+class _Flat:
     """One rank's program as flat per-operation lists for the executor's loop.
 
     Built once per (schedule, rank, itemsize) and cached on the schedule; the loop only
@@ -381,22 +381,22 @@ class _Sourcing:
 
     __slots__ = ("rbuf", "sbuf", "pieces", "pre", "post")
 
-    def __init__(self, plan: _Program) -> None:
-        n, count = plan.n, plan.count
-        self.rbuf = list(plan.buf)
-        self.sbuf = list(plan.sbuf)
+    def __init__(self, flat: _Flat) -> None:
+        n, count = flat.n, flat.count
+        self.rbuf = list(flat.buf)
+        self.sbuf = list(flat.sbuf)
         self.pieces: dict[int, list[tuple[int, int, bool]]] = {}
         if n == 0:
             self.pre: list[tuple[int, int]] = []
             self.post = [(0, count)] if count else []
             return
-        pos = np.asarray(_topological(plan), dtype=np.int64)
-        kind = np.asarray(plan.kind, dtype=np.int64)
-        buf = np.asarray(plan.buf, dtype=np.int64)
-        lo = np.asarray(plan.lo, dtype=np.int64)
-        hi = np.asarray(plan.hi, dtype=np.int64)
-        sbuf = np.asarray(plan.sbuf, dtype=np.int64)
-        slo = np.asarray(plan.slo, dtype=np.int64)
+        pos = np.asarray(_topological(flat), dtype=np.int64)
+        kind = np.asarray(flat.kind, dtype=np.int64)
+        buf = np.asarray(flat.buf, dtype=np.int64)
+        lo = np.asarray(flat.lo, dtype=np.int64)
+        hi = np.asarray(flat.hi, dtype=np.int64)
+        sbuf = np.asarray(flat.sbuf, dtype=np.int64)
+        slo = np.asarray(flat.slo, dtype=np.int64)
         on0 = buf == 0
         writes = np.flatnonzero(on0 & (kind != SEND))
         # Reads of buffer 0: a send's range, a reduction's target (COLL included), a local
@@ -438,7 +438,7 @@ class _Sourcing:
                 continue
             seg = np.arange(a[j], b[j])
             early = first[seg] >= mine[j]
-            if j < n_data and plan.kind[i] != SEND:
+            if j < n_data and flat.kind[i] != SEND:
                 # A reduction whose target is partly written already: reduced piece by
                 # piece, each from where its first operand lives.
                 edges = np.flatnonzero(np.diff(early.astype(np.int8))) + 1
@@ -456,21 +456,21 @@ class _Sourcing:
         self.post = _ranges(bounds, (first[:nseg] == n) & ~copied)
 
 
-def _topological(plan: _Program) -> list[int]:
+def _topological(flat: _Flat) -> list[int]:
     """Each operation's number in one topological order of the dependencies."""
-    waiting = plan.waiting.copy()
-    todo = deque(i for i in range(plan.n) if waiting[i] == 0)
-    pos = [-1] * plan.n
+    waiting = flat.waiting.copy()
+    todo = deque(i for i in range(flat.n) if waiting[i] == 0)
+    pos = [-1] * flat.n
     k = 0
     while todo:
         i = todo.popleft()
         pos[i] = k
         k += 1
-        for d in plan.dependents[i]:
+        for d in flat.dependents[i]:
             waiting[d] -= 1
             if waiting[d] == 0:
                 todo.append(d)
-    if k != plan.n:  # pragma: no cover - the builder rejects cycles
+    if k != flat.n:  # pragma: no cover - the builder rejects cycles
         raise ExecutionError("the program's dependencies have a cycle")
     return pos
 
@@ -484,13 +484,13 @@ def _ranges(bounds: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
     return [(int(bounds[x]), int(bounds[y])) for x, y in zip(starts, stops)]
 
 
-def _program(schedule: Schedule, rank: int, itemsize: int) -> _Program:
+def _flattened(schedule: Schedule, rank: int, itemsize: int) -> _Flat:
     cache = schedule.__dict__.setdefault("_exec_plans", {})
     key = (rank, itemsize)
-    plan = cache.get(key)
-    if plan is None:
-        plan = cache[key] = _Program(schedule, rank, itemsize)
-    return plan
+    flat = cache.get(key)
+    if flat is None:
+        flat = cache[key] = _Flat(schedule, rank, itemsize)
+    return flat
 
 
 def execute(
@@ -536,11 +536,11 @@ def execute(
         is the same, bit for bit, as with ``buf`` holding the input (module docstring).
     """
     transport = comm if isinstance(comm, Transport) else transports.of(comm)
-    plan = _program(schedule, transport.rank, buf.dtype.itemsize)
+    flat = _flattened(schedule, transport.rank, buf.dtype.itemsize)
     stats = ExecStats()
     if source is buf:
         source = None
-    if plan.n == 0:
+    if flat.n == 0:
         if source is not None:
             backend.copyto(buf, source)
         return stats
@@ -549,8 +549,8 @@ def execute(
         raise ArgumentError(f"a {transport.name} transport cannot be paced (emulation)")
     if staging is None:
         staging = transport.staging(backend)
-    sourcing = plan.sourced() if source is not None else None
-    run = _Run(schedule, plan, buf, transport, op, backend, staging, pacer, trace, stats)
+    sourcing = flat.sourced() if source is not None else None
+    run = _Run(schedule, flat, buf, transport, op, backend, staging, pacer, trace, stats)
     if sourcing is not None:
         run.read_from(source, sourcing)
     if grouped:
@@ -568,7 +568,7 @@ class _Run(Generic[Req]):
     def __init__(
         self,
         schedule: Schedule,
-        plan: _Program,
+        flat: _Flat,
         buf: Array,
         transport: Transport[Req],
         op: str,
@@ -578,10 +578,10 @@ class _Run(Generic[Req]):
         trace: bool,
         stats: ExecStats,
     ) -> None:
-        self.schedule, self.plan, self.t, self.op = schedule, plan, transport, op
+        self.schedule, self.flat, self.t, self.op = schedule, flat, transport, op
         self.backend, self.staging, self.pacer, self.tracing = backend, staging, pacer, trace
         self.stats = stats
-        n = plan.n
+        n = flat.n
         self.dtype = buf.dtype
         # Staged messages are NumPy arrays of NumPy's element type: staging is for device
         # arrays of NumPy's API (CuPy's), never for tensors.
@@ -596,15 +596,15 @@ class _Run(Generic[Req]):
         self.raw = None if staging or self.sync else [self.bytes_of(b) for b in self.buffers]
         # Per operation, where its data and its source operand come from (out of place:
         # read_from).
-        self.rbuf, self.sbuf = plan.buf, plan.sbuf
+        self.rbuf, self.sbuf = flat.buf, flat.sbuf
         self.pieces: dict[int, list[tuple[int, int, bool]]] = {}
         self.unwritten: list[tuple[int, int]] = []
-        self.pool = plan.temp_pool.setdefault(
+        self.pool = flat.temp_pool.setdefault(
             (backend.name, getattr(buf.dtype, "str", str(buf.dtype))), {}
         )
-        self.waiting = plan.waiting.copy()
+        self.waiting = flat.waiting.copy()
         self.posted = [False] * n
-        self.ready: deque[int] = deque(plan.ready)
+        self.ready: deque[int] = deque(flat.ready)
         self.reqs: list[Req] = []
         self.req_op: list[int] = []  # op index of each request in reqs
         self.temps: dict[int, Array] = {}  # op -> temporary receive buffer (RECV_REDUCE)
@@ -644,28 +644,28 @@ class _Run(Generic[Req]):
         if self.tracing:
             now = time.perf_counter() - self.t0
             self.stats.trace.append(
-                TraceEvent(i, self.plan.kind[i], self.post_time[i] - self.t0, now)
+                TraceEvent(i, self.flat.kind[i], self.post_time[i] - self.t0, now)
             )
-        waiting, qprev, posted, ready = self.waiting, self.plan.qprev, self.posted, self.ready
-        for d in self.plan.dependents[i]:
+        waiting, qprev, posted, ready = self.waiting, self.flat.qprev, self.posted, self.ready
+        for d in self.flat.dependents[i]:
             waiting[d] -= 1
             if waiting[d] == 0 and (qprev[d] < 0 or posted[qprev[d]]):
                 ready.append(d)
 
     def slice(self, i: int) -> Array:
-        plan = self.plan
-        return self.buffers[plan.buf[i]][plan.lo[i] : plan.hi[i]]
+        flat = self.flat
+        return self.buffers[flat.buf[i]][flat.lo[i] : flat.hi[i]]
 
     def data(self, i: int) -> Array:
         """What the transport moves for op ``i``, in place in its buffer."""
         if self.raw is not None:
-            return self.raw[self.plan.buf[i]][self.plan.blo[i] : self.plan.bhi[i]]
+            return self.raw[self.flat.buf[i]][self.flat.blo[i] : self.flat.bhi[i]]
         return self.t.message(self.backend, self.slice(i))
 
     def sent(self, i: int) -> Array:
         """The range send ``i`` reads: in its buffer, or in the source."""
-        plan = self.plan
-        return self.buffers[self.rbuf[i]][plan.lo[i] : plan.hi[i]]
+        flat = self.flat
+        return self.buffers[self.rbuf[i]][flat.lo[i] : flat.hi[i]]
 
     def take_temp(self, m: int) -> Array:
         free = self.pool.get(m)
@@ -684,33 +684,33 @@ class _Run(Generic[Req]):
             host = self.hosts[i] = self.backend.to_host(self.sent(i))
             return host.view(np.uint8)
         if self.raw is not None:
-            plan = self.plan
-            return self.raw[self.rbuf[i]][plan.blo[i] : plan.bhi[i]]
+            flat = self.flat
+            return self.raw[self.rbuf[i]][flat.blo[i] : flat.bhi[i]]
         return self.t.message(self.backend, self.sent(i))
 
     def recv_message(self, i: int) -> Array:
-        plan = self.plan
+        flat = self.flat
         if self.sync:
             self.backend.synchronize()
         if self.staging:
-            host = self.hosts[i] = np.empty(plan.hi[i] - plan.lo[i], dtype=self.host_dtype)
+            host = self.hosts[i] = np.empty(flat.hi[i] - flat.lo[i], dtype=self.host_dtype)
             return host.view(np.uint8)
-        if plan.kind[i] == RECV or self.rbuf[i] == SOURCE:
+        if flat.kind[i] == RECV or self.rbuf[i] == SOURCE:
             return self.data(i)  # (the latter: its target's first write, from the input)
-        temp = self.temps[i] = self.take_temp(plan.hi[i] - plan.lo[i])
+        temp = self.temps[i] = self.take_temp(flat.hi[i] - flat.lo[i])
         return self.t.message(self.backend, temp)
 
     def start_send(self, i: int) -> None:
-        self.track(i, self.t.isend(self.send_message(i), self.plan.peer[i], self.plan.tag[i]))
+        self.track(i, self.t.isend(self.send_message(i), self.flat.peer[i], self.flat.tag[i]))
 
     def local(self, i: int) -> None:
         """A local copy or reduction, done at once."""
-        plan = self.plan
+        flat = self.flat
         self.post_time[i] = time.perf_counter()
-        lo, hi, slo = plan.lo[i], plan.hi[i], plan.slo[i]
-        dst = self.buffers[plan.buf[i]][lo:hi]
+        lo, hi, slo = flat.lo[i], flat.hi[i], flat.slo[i]
+        dst = self.buffers[flat.buf[i]][lo:hi]
         src = self.buffers[self.sbuf[i]][slo : slo + (hi - lo)]
-        if plan.kind[i] == COPY:
+        if flat.kind[i] == COPY:
             self.backend.copyto(dst, src)
         else:
             self.reduce_into_target(i, dst, src)
@@ -726,22 +726,22 @@ class _Run(Generic[Req]):
         self.track(i, self.t.allreduce(self.backend, data, name, self.op))
 
     def post(self, i: int) -> None:
-        plan = self.plan
+        flat = self.flat
         self.posted[i] = True
-        j = plan.qnext[i]
+        j = flat.qnext[i]
         if j >= 0 and self.waiting[j] == 0:
             self.ready.append(j)
-        kind = plan.kind[i]
+        kind = flat.kind[i]
         if kind == SEND:
             if self.pacer is not None:
                 now = time.perf_counter()
-                when = self.pacer.send_release(now, plan.nbytes[i], plan.peer[i])
+                when = self.pacer.send_release(now, flat.nbytes[i], flat.peer[i])
                 if when > now:
                     self.defer(i, when, _ACT_SEND)
                     return
             self.start_send(i)
         elif kind == RECV or kind == RECV_REDUCE:
-            self.track(i, self.t.irecv(self.recv_message(i), plan.peer[i], plan.tag[i]))
+            self.track(i, self.t.irecv(self.recv_message(i), flat.peer[i], flat.tag[i]))
         elif kind == COPY or kind == REDUCE:
             self.local(i)
             self.finish(i)
@@ -757,14 +757,14 @@ class _Run(Generic[Req]):
     # -- completions ----------------------------------------------------------------------
     def arrived(self, i: int, now: float) -> None:
         """The library completed op i's request: move data into place and finish it."""
-        plan, stats = self.plan, self.stats
-        kind = plan.kind[i]
+        flat, stats = self.flat, self.stats
+        kind = flat.kind[i]
         if kind == SEND:
             stats.sends.append(
-                Message(i, plan.peer[i], plan.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
+                Message(i, flat.peer[i], flat.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
             )
             stats.messages_sent += 1
-            stats.bytes_sent += plan.nbytes[i]
+            stats.bytes_sent += flat.nbytes[i]
             self.hosts.pop(i, None)
             self.finish(i)
             return
@@ -773,20 +773,20 @@ class _Run(Generic[Req]):
             if host is not None:
                 self.backend.from_host(self.slice(i), host)
             if self.pacer is not None:
-                when = self.pacer.coll_done(self.post_time[i], plan.nbytes[i])
+                when = self.pacer.coll_done(self.post_time[i], flat.nbytes[i])
                 if when > time.perf_counter():
                     self.defer(i, when, _ACT_DONE)
                     return
             self.finish(i)
             return
         stats.recvs.append(
-            Message(i, plan.peer[i], plan.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
+            Message(i, flat.peer[i], flat.nbytes[i], self.post_time[i] - self.t0, now - self.t0)
         )
         stats.messages_received += 1
-        stats.bytes_received += plan.nbytes[i]
+        stats.bytes_received += flat.nbytes[i]
         self.land(i)
         if self.pacer is not None:
-            when = self.pacer.recv_done(self.post_time[i], time.perf_counter(), plan.nbytes[i])
+            when = self.pacer.recv_done(self.post_time[i], time.perf_counter(), flat.nbytes[i])
             if when > time.perf_counter():
                 self.defer(i, when, _ACT_DONE)
                 return
@@ -794,18 +794,18 @@ class _Run(Generic[Req]):
 
     def land(self, i: int) -> None:
         """A received message into its place: copied (staged) or reduced."""
-        backend, plan = self.backend, self.plan
+        backend, flat = self.backend, self.flat
         target = self.slice(i)
-        m = plan.hi[i] - plan.lo[i]
+        m = flat.hi[i] - flat.lo[i]
         host = self.hosts.pop(i, None) if self.staging else None
-        kind = plan.kind[i]
+        kind = flat.kind[i]
         if kind == RECV or self.rbuf[i] == SOURCE:
             if host is not None:
                 backend.from_host(target, host)
             if kind != RECV:
                 # Received into its target, whose input is still in the source: the input
                 # combined in as the first operand, as in place (no temporary either).
-                source = self.buffers[SOURCE][plan.lo[i] : plan.hi[i]]
+                source = self.buffers[SOURCE][flat.lo[i] : flat.hi[i]]
                 backend.reduce_into(self.op, target, source, target)
         elif host is not None:
             if backend.device:
@@ -823,13 +823,13 @@ class _Run(Generic[Req]):
     def reduce_into_target(self, i: int, target: Array, got: Array) -> None:
         """``target op= got``, or where this is the target's first write ``target =
         op(input, got)`` straight from the source (out of place)."""
-        b, plan, backend = self.rbuf[i], self.plan, self.backend
-        if b == plan.buf[i]:
+        b, flat, backend = self.rbuf[i], self.flat, self.backend
+        if b == flat.buf[i]:
             backend.reduce(self.op, target, got)
         elif b == SOURCE:
-            backend.reduce_into(self.op, target, self.buffers[b][plan.lo[i] : plan.hi[i]], got)
+            backend.reduce_into(self.op, target, self.buffers[b][flat.lo[i] : flat.hi[i]], got)
         else:
-            lo, source = plan.lo[i], self.buffers[SOURCE]
+            lo, source = flat.lo[i], self.buffers[SOURCE]
             for a, z, early in self.pieces[i]:
                 part, operand = target[a - lo : z - lo], got[a - lo : z - lo]
                 if early:
@@ -862,10 +862,10 @@ class _Run(Generic[Req]):
     # -- the drivers ----------------------------------------------------------------------
     def loop(self) -> None:
         """Post what is ready, then see completions as the transport allows."""
-        n, stats = self.plan.n, self.stats
+        n, stats = self.flat.n, self.stats
         ordered = self.t.caps.completion is Completion.ORDERED
         if ordered:
-            self.level = self.plan.leveled(self.schedule, self.t.rank)[0]
+            self.level = self.flat.leveled(self.schedule, self.t.rank)[0]
         while self.completed < n:
             while self.ready:
                 self.post(self.ready.popleft())
@@ -972,9 +972,9 @@ class _Run(Generic[Req]):
         take their times from the marks once the device has passed them
         (:meth:`ExecStats.settle`, read by the watch at the next call); else only the
         counts are kept."""
-        plan, stats, backend = self.plan, self.stats, self.backend
-        _, rounds = plan.leveled(self.schedule, self.t.rank)
-        kinds = plan.kind
+        flat, stats, backend = self.flat, self.stats, self.backend
+        _, rounds = flat.leveled(self.schedule, self.t.rank)
+        kinds = flat.kind
         clock = None if self.tracing else self.t.level_clock(backend)
         dev = DeviceTimes(clock, clock.mark(), [], {}) if clock is not None else None
         for ops in rounds:
@@ -982,9 +982,9 @@ class _Run(Generic[Req]):
             for i in ops:
                 k = kinds[i]
                 if k == SEND:
-                    posts.append(Post(True, self.send_message(i), plan.peer[i], plan.tag[i]))
+                    posts.append(Post(True, self.send_message(i), flat.peer[i], flat.tag[i]))
                 elif k == RECV or k == RECV_REDUCE:
-                    posts.append(Post(False, self.recv_message(i), plan.peer[i], plan.tag[i]))
+                    posts.append(Post(False, self.recv_message(i), flat.peer[i], flat.tag[i]))
             start = time.perf_counter()
             if posts:
                 begun = dev.clock.mark() if dev is not None else None

@@ -93,7 +93,7 @@ def _model(width: int, layers: int, seed: int) -> Any:
     return torch.nn.Sequential(*mods)
 
 
-class _Trainer:
+class _Copy:
     """One DDP copy of the model, its optimiser and its per-rank data stream; under
     emulation, the emulated network its averaging runs on (``emulate``: the spec that
     ``$OPTCC_EMULATE`` holds during its steps)."""
@@ -193,10 +193,10 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
         group_optcc = dist.new_group(
             backend="optcc", pg_options=ot.OptccOptions(algorithm=args.algorithm, links=links)
         )
-        ours = _Trainer(args, rank, None, spec, group=group_optcc, record=seen)
+        ours = _Copy(args, rank, None, spec, group=group_optcc, record=seen)
     else:
         hook, seen = _recorded(ot.comm_hook(algorithm=args.algorithm, links=links))
-        ours = _Trainer(args, rank, hook, spec)
+        ours = _Copy(args, rank, hook, spec)
     # Under emulation the baseline averages with the ring on the same virtual NICs (gloo's
     # own traffic cannot be paced): the module docstring says why that is fair.
     plain, plain_seen = (
@@ -204,7 +204,7 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
         if emu is None
         else _recorded(ot.comm_hook(algorithm="ring", links=str(emu.degrade)))
     )
-    trainers = {first: ours, "ddp": _Trainer(args, rank, plain, spec)}
+    trainers = {first: ours, "ddp": _Copy(args, rank, plain, spec)}
     records = {first: seen, "ddp": plain_seen}
     if getattr(args, "told", False):
         import torch.distributed as dist
@@ -215,19 +215,19 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
         group_told = dist.new_group(
             backend="optcc", pg_options=ot.OptccOptions(algorithm=args.algorithm, links=truth)
         )
-        trainers[TOLD] = _Trainer(args, rank, None, spec, group=group_told, record=told_seen)
+        trainers[TOLD] = _Copy(args, rank, None, spec, group=group_told, record=told_seen)
         records[TOLD] = told_seen
     bed = testbed.current() if config.get("OPTCC_TESTBED_NAME") else None
-    healthy: _Trainer | None = None
+    healthy: _Copy | None = None
     if args.fault_free:
         if emu is None:
-            healthy = _Trainer(args, rank, None)
+            healthy = _Copy(args, rank, None)
         else:
             fine = dataclasses.replace(emu, degrade=Links())
             ring, records["ddp fault-free"] = _recorded(
                 ot.comm_hook(algorithm="ring", links="healthy")
             )
-            healthy = _Trainer(args, rank, ring, str(fine))
+            healthy = _Copy(args, rank, ring, str(fine))
     load0 = load_average()
     order = list(trainers)
     for step in range(args.steps):
@@ -327,7 +327,7 @@ def _recorded(inner: Any) -> tuple[Any, dict[str, Any]]:
     return hook, seen
 
 
-def _timed_step(wire: Any, tr: _Trainer, keep: bool) -> None:
+def _timed_step(wire: Any, tr: _Copy, keep: bool) -> None:
     """One step of ``tr`` from a barrier, timed on the slowest rank (under emulation on
     its emulated network, set for this step only)."""
     if tr.emulate is not None:
