@@ -37,9 +37,9 @@ from optcc_mpi.torch.process_group import (  # noqa: E402
     OptccOptions,
     OptccProcessGroup,
     OptccWork,
-    OrderedWorker,
     stage_through_host,
 )
+from optcc_mpi.torch.worker import OrderedWorker  # noqa: E402
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
 ROOT = WORKER.parent.parent
