@@ -16,9 +16,10 @@ each, from a barrier on the control group to the end of the call on the slowest 
 first ``--warmup`` calls of each are left out. With ``--queued N``, what is timed is N
 ``all_reduce(async_op=True)`` calls, then a wait for each; else one call,
 ``all_reduce(async_op=True)`` then its wait, or with ``--sync`` torch's synchronous
-``all_reduce`` (which the backend runs in the caller's thread when nothing is queued). The table gives the median, minimum and
-maximum per call and the ratio of the optcc median to gloo's, with what the backend ran.
-With ``--out``, one JSON object per (size, group), with the command.
+``all_reduce`` (which the backend runs in the caller's thread when nothing is queued).
+The table gives the median, minimum and maximum per call and the ratio of the optcc
+median to gloo's, with what the backend ran. With ``--out``, one JSON object per (size,
+group), with the command.
 """
 
 from __future__ import annotations

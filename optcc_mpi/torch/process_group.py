@@ -433,6 +433,11 @@ def _reduce_op(reduce_op: Any, dtype: torch.dtype) -> tuple[str, bool, Any]:
     return name, average, premul
 
 
+def _lane_key(tensor: torch.Tensor, reduce_op: Any) -> tuple[torch.dtype, int, Any]:
+    """The signature a group keeps a short path for: dtype, size, torch's reduction."""
+    return tensor.dtype, tensor.numel(), getattr(reduce_op, "op", reduce_op)
+
+
 def _tensor_list(tensors: Any) -> list[Any]:
     """torch's ``tensors`` argument in either form (a tensor, or a sequence of them)."""
     if isinstance(tensors, torch.Tensor):
@@ -612,29 +617,41 @@ class OptccProcessGroup(dist.ProcessGroup):
         if self.carrier == "host" and _any_cuda(tensors):
             return self._staged(tensors, reduce_op, coalesced=False)
         if len(tensors) == 1:
-            short = self._lane(tensors[0], reduce_op)
+            tensor = tensors[0]
+            short = self._lane(tensor, reduce_op)
             if short is not None:
-                tensor = tensors[0]
                 if park:
-                    ran, work = self._worker.run_here(lambda: self._now(short, tensor))
-                    if ran:
-                        return cast(OptccWork, work)
-                return self._call(tensors, lambda: short.start(tensor), park)
+                    # Down once: the worker runs the lane's call here, which classifies
+                    # the tensor and goes on to the check and the wire (None: not the
+                    # lane's tensor, or its settings changed: the whole path).
+                    try:
+                        ran, record = self._worker.run_here(short.run, tensor)
+                    except Exception as exc:  # noqa: BLE001 - raised by the work's wait()
+                        return self._completed(tensor, None, exc)
+                    if ran and record is not None:
+                        return self._completed(tensor, record, None)
+                if short.takes(tensor):
+                    return self._call(tensors, lambda: short.start(tensor), park)
+                if not short.prepared.current():
+                    # (made again at the next call: the settings changed, config.reload())
+                    self._lanes.pop(_lane_key(tensor, reduce_op), None)
         return self._call(tensors, lambda: self._reduce(tensors, reduce_op), park)
 
     def _lane(self, tensor: Any, reduce_op: Any) -> Lane | None:
-        """The short path for ``tensor`` and ``reduce_op`` (:func:`~optcc_mpi.torch.tensors.lane`),
-        made at the first call of the signature; None: the whole path. Where NCCL is
-        there, every call takes the whole path (it agrees on the kind of device first)."""
+        """The short path of ``tensor``'s signature with ``reduce_op``
+        (:func:`~optcc_mpi.torch.tensors.lane`), made at the first call of the signature;
+        None: the whole path. Whether it takes this very tensor is the lane's to say
+        (:meth:`~optcc_mpi.torch.tensors.Lane.run`, :meth:`~optcc_mpi.torch.tensors.Lane.takes`).
+        Where NCCL is there, every call takes the whole path (it agrees on the kind of
+        device first)."""
         if self._nccl is not None or not isinstance(tensor, torch.Tensor):
             return None
-        kind = getattr(reduce_op, "op", reduce_op)
-        if kind == _RED.PREMUL_SUM:
-            return None
-        key = (tensor.dtype, tensor.numel(), kind)
+        key = _lane_key(tensor, reduce_op)
         found = self._lanes.get(key, _NO_LANE)
-        if found is _NO_LANE or (found is not None and not found.prepared.current()):
-            # (made again where the settings it was made under changed: config.reload())
+        if found is _NO_LANE:
+            kind = key[2]
+            if kind == _RED.PREMUL_SUM:
+                return None
             found = None
             names = _OPS.get(kind)
             if names is not None and names[tensor.dtype == torch.bool] == "sum":  # SUM, AVG
@@ -645,16 +662,16 @@ class OptccProcessGroup(dist.ProcessGroup):
             if len(self._lanes) >= _LANES:
                 self._lanes.clear()
             self._lanes[key] = found
-        return found if found is not None and found.takes(tensor) else None
+        return found
 
-    def _now(self, short: Lane, tensor: torch.Tensor) -> OptccWork:
-        """A call on the short path, run in the caller's thread: its completed work."""
+    def _completed(
+        self, tensor: torch.Tensor, record: CallRecord | None, error: Exception | None
+    ) -> OptccWork:
+        """The work of a call run in the caller's thread: complete, with ``record``, or
+        failed with ``error`` (raised by its ``wait()``, as a queued call's is)."""
         future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        record = None
-        try:
-            record = short.start(tensor).wait()
-        except Exception as exc:  # noqa: BLE001 - raised by the work's wait(), as queued
-            future.set_exception(cast(Any, exc))  # (torch's stub types it as the value)
+        if error is not None:
+            future.set_exception(cast(Any, error))  # (torch's stub types it as the value)
         else:
             future.set_result([tensor])
         work = OptccWork(future, self.timeout)

@@ -114,8 +114,8 @@ class OrderedWorker:
                 return False, None
             return True, job()
 
-    def run_here(self, job: Callable[[], _T]) -> tuple[bool, _T | None]:
-        """``(True, job())`` run in this thread, in the group's order, if no job is
+    def run_here(self, job: Callable[..., _T], *args: Any) -> tuple[bool, _T | None]:
+        """``(True, job(*args))`` run in this thread, in the group's order, if no job is
         pending (jobs submitted meanwhile start after it); else ``(False, None)`` and
         nothing ran: :meth:`submit` it. Unlike :meth:`now`, the lock is not held while
         ``job`` runs (it may wait for peers: an abort must not wait for it)."""
@@ -124,7 +124,7 @@ class OrderedWorker:
                 return False, None
             self._submitted += 1
         try:
-            return True, job()
+            return True, job(*args)
         finally:
             with self._lock:
                 self._completed += 1
@@ -331,6 +331,7 @@ class OrderedWorker:
             return True
         thread.join(timeout)
         return not thread.is_alive()
+
 
 #: No job taken from the queue ahead of its turn (:meth:`OrderedWorker._run`).
 _EMPTY = object()
