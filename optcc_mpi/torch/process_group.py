@@ -15,17 +15,19 @@ The path of one call
     dist.all_reduce(t)                           torch.distributed, Python
       -> OptccProcessGroup.allreduce([t], opts)  this module: torch's forms, its op
          the short path (a CPU tensor, SUM or AVG, healthy links, auto):
-         -> OrderedWorker.run_here               nothing queued: run here, in order
-            -> tensors.Lane.start                the signature checked here once
+         -> worker.OrderedWorker.run_here        nothing queued: run here, in order
+            -> tensors.Lane.run                  the tensor classified, once
                -> collectives.Prepared.start     the argument check (a short message
                                                  travels in it: done), then
                   -> TorchTransport.allreduce    gloo's AllReduce
+         each file entered once, going down; the work made, complete, on the way back.
          every other call:
          -> submit(worker, ...) -> OptccWork     queued in call order, returned at once
       -> OptccWork.wait()                        the caller waits: its job's turn has
          -> OrderedWorker.steal(job)             come, so it runs here (else the group's
                                                  thread runs it, and wait() waits)
-            -> tensors.start_tensor              a NumPy view of a CPU tensor
+            -> tensors.start_tensor              a NumPy view of a CPU tensor, the one
+                                                 classification of the call's buffer
                -> collectives.start_call         one argument check, the plan, then
                   -> TorchTransport.allreduce    gloo's AllReduce (healthy links)
                   or the executor                OptCC's schedule (degraded links)
@@ -35,9 +37,9 @@ short messages itself) and gloo's AllReduce for longer ones run in the caller's 
 on the short path with nothing else between (:func:`~optcc_mpi.torch.tensors.lane`: the same
 collectives and bits as the whole path, whichever path each rank takes). A call made
 while others are queued, or not waited for at once (DDP's buckets, FSDP2's reductions),
-runs on the group's own thread (:class:`OrderedWorker`) in call order, on the short path
-where it applies, so DDP and FSDP2 overlap them with the backward pass as they do with
-gloo and NCCL.
+runs on the group's own thread (:class:`~optcc_mpi.torch.worker.OrderedWorker`) in call
+order, on the short path where it applies, so DDP and FSDP2 overlap them with the backward
+pass as they do with gloo and NCCL.
 
 What a group does
 -----------------
