@@ -403,6 +403,7 @@ def start_call(
     sendbuf: Any = None,
     error: BaseException | None = None,
     label: tuple[str, str] | None = None,
+    classified: Backend | None = None,
 ) -> Started:
     """Start an in-place :func:`allreduce` of ``buf`` (from ``sendbuf`` if given) with the
     library's AllReduce left in flight: for callers that keep calls in order themselves
@@ -410,6 +411,9 @@ def start_call(
     arguments (it is agreed like any other, so every rank raises). ``label``: a further
     argument that must agree across the ranks, as ``(name, value in words)`` (the
     backend's average or pre-multiplied sum), named in the error if it differs.
+    ``classified``: ``buf`` (and ``sendbuf``) are 1-D contiguous arrays of this backend,
+    of one type and length, classified by the caller already (the tensor path's views,
+    :func:`optcc_mpi.torch.tensors.start_tensor`): they are not classified again.
 
     Returns
     -------
@@ -420,7 +424,7 @@ def start_call(
     st = _state(comm)
     call = _Call(
         st, IN_PLACE_MARK if sendbuf is None else sendbuf, buf, op, algorithm, links, None,
-        None, check, label=label,
+        None, check, label=label, classified=classified,
     )  # fmt: skip
     if error is not None:  # (before whatever the buffers' check found without it)
         call.err = error
@@ -501,16 +505,22 @@ def prepare(
     links: Links | str | None = None,
     check: bool = True,
     label: tuple[str, str] | None = None,
+    classified: bool = False,
 ) -> Prepared | None:
     """The :class:`Prepared` calls of ``buf``'s signature (its dtype and length, in
     place) with these arguments, or None where such a call is not one it serves (then
-    :func:`start_call` each). Checks on this rank only: nothing is communicated."""
+    :func:`start_call` each). Checks on this rank only: nothing is communicated.
+    ``classified``: ``buf`` is a 1-D contiguous writable array, as the caller found
+    (:func:`~optcc_mpi.torch.tensors.lane`): not classified again."""
     if type(buf) is not _NDARRAY:
         return None
     st = _state(comm)
     rc = config.rc
     env = (rc.links, rc.emulate)
-    call = _Call(st, IN_PLACE_MARK, buf, op, algorithm, links, None, None, check, label=label)
+    call = _Call(
+        st, IN_PLACE_MARK, buf, op, algorithm, links, None, None, check, label=label,
+        classified=NUMPY if classified else None,
+    )  # fmt: skip
     transport = st.transport
     plan = call.plan
     if (
@@ -569,6 +579,7 @@ class _Call:
         params: Params | None,
         check: bool,
         label: tuple[str, str] | None = None,
+        classified: Backend | None = None,
     ) -> None:
         self.sendbuf, self.result = sendbuf, recvbuf
         self.label = label
@@ -599,19 +610,27 @@ class _Call:
         self.name = ""
         self.count = self.nbytes = 0
         try:
-            self._buffers(st.transport, sendbuf, recvbuf)
+            self._buffers(st.transport, sendbuf, recvbuf, classified)
             self._settings(st, op, links, emulate)
         except Exception as exc:  # anything at all: the other ranks must hear of it
             self.err = as_ours(exc)
             self.fold = False
 
-    def _buffers(self, transport: Transport, sendbuf: Any, recvbuf: Any) -> None:
-        """The send and receive buffers as flat arrays of one backend."""
+    def _buffers(
+        self, transport: Transport, sendbuf: Any, recvbuf: Any, classified: Backend | None
+    ) -> None:
+        """The send and receive buffers as flat arrays of one backend (``classified``:
+        they are already, the caller classified them: :func:`start_call`)."""
         flat_in: Array
         flat_out: Array | None
         backend: Backend
         in_place = _is_in_place(sendbuf) or sendbuf is recvbuf
-        if type(sendbuf) is _NDARRAY and not in_place:
+        if classified is not None:
+            # Classified once, where the call began (a tensor's view): each classification
+            # is Python time on every call, and the caller's already said all of it.
+            backend, flat_out = classified, recvbuf
+            flat_in = recvbuf if in_place else sendbuf
+        elif type(sendbuf) is _NDARRAY and not in_place:
             # The commonest calls, checked inline (buffer_of does the same, slower).
             flat_in, backend = _numpy_flat(sendbuf, "sendbuf"), NUMPY
             if recvbuf is None:

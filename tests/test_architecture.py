@@ -69,9 +69,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("what the collectives keep per communicator", ("communicators",)),
     ("the collective entry points", ("collectives",)),
     (
-        "tensors over a transport, the torch.distributed backend, its side streams and "
-        "device agreement",
-        ("torch.tensors", "torch.process_group", "torch.streams", "torch.devices"),
+        "tensors over a transport, the torch.distributed backend, its ordered worker, its "
+        "side streams and device agreement",
+        (
+            "torch.tensors",
+            "torch.process_group",
+            "torch.worker",
+            "torch.streams",
+            "torch.devices",
+        ),
     ),
     (
         "faces: Comm, torch, doctor, testing, CA-SGD, data",

@@ -25,7 +25,8 @@ if not torch.distributed.is_available():  # pragma: no cover
 import torch.distributed as dist  # noqa: E402
 
 import optcc_mpi.torch  # noqa: E402, F401  (registers the backend)
-from optcc_mpi.torch.process_group import AbortedError, OptccProcessGroup  # noqa: E402
+from optcc_mpi.torch.process_group import OptccProcessGroup  # noqa: E402
+from optcc_mpi.torch.worker import AbortedError  # noqa: E402
 from optcc_mpi.transports import board  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not board.usable(), reason="no board: no C compiler here")

@@ -223,11 +223,11 @@ def test_cpu_tensors_have_no_streams() -> None:
 
 def test_calls_in_call_order_on_the_groups_thread() -> None:
     """As the backend would use it: calls started by the caller, run by the group's
-    ordered thread (:class:`~optcc_mpi.torch.process_group.OrderedWorker`); each call's work
+    ordered thread (:class:`~optcc_mpi.torch.worker.OrderedWorker`); each call's work
     follows the previous call's on the one side stream, and the second call's wait on the
     caller's stream is queued only after the first call's completion was recorded."""
     torch = pytest.importorskip("torch")
-    from optcc_mpi.torch.process_group import OrderedWorker
+    from optcc_mpi.torch.worker import OrderedWorker
 
     fake = FakeStreams()
     streams = SideStreams(fake)
@@ -271,7 +271,8 @@ def test_the_backends_cuda_path_follows_the_protocol() -> None:
     torch = pytest.importorskip("torch")
     import datetime
 
-    from optcc_mpi.torch.process_group import OrderedWorker, submit
+    from optcc_mpi.torch.process_group import submit
+    from optcc_mpi.torch.worker import OrderedWorker
 
     fake = FakeStreams()
     worker = OrderedWorker("test group")

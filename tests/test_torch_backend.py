@@ -37,9 +37,9 @@ from optcc_mpi.torch.process_group import (  # noqa: E402
     OptccOptions,
     OptccProcessGroup,
     OptccWork,
-    OrderedWorker,
     stage_through_host,
 )
+from optcc_mpi.torch.worker import OrderedWorker  # noqa: E402
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
 ROOT = WORKER.parent.parent
@@ -112,6 +112,52 @@ def test_world_of_one(world_of_one: object) -> None:
     out = [torch.empty(3)]
     dist.all_gather(out, torch.ones(3))
     assert out[0].tolist() == [1.0] * 3
+
+
+def test_a_buffer_is_classified_once_per_call(
+    world_of_one: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each buffer of a call is classified once, where the call begins (issue 44, 4): the
+    short path's lane says whether it takes the tensor, and reaches the wire with no
+    classification below it; the whole path's NumPy views (the tensor's, and the scaled
+    copy of an average taken in half precision) are classified by ``as_array`` and taken
+    by the collectives as they are, not again by ``buffer_of``."""
+    from optcc_mpi import backend
+    from optcc_mpi.torch import tensors
+
+    seen: list[str] = []
+
+    def counted(module: object, name: str) -> None:
+        real = getattr(module, name)
+
+        def spy(*args: object, **kwargs: object) -> object:
+            seen.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+    for module, name in (
+        (backend, "buffer_of"),
+        (collectives, "buffer_of"),
+        (collectives, "_numpy_flat"),
+        (tensors, "as_array"),
+    ):
+        counted(module, name)
+
+    def classified(call: object) -> list[str]:
+        seen.clear()
+        call()
+        return sorted(seen)
+
+    t = torch.arange(8, dtype=torch.float32)
+    for _ in range(2):  # (the first call of a signature makes its lane)
+        assert classified(lambda: dist.all_reduce(t)) == []
+        assert classified(lambda: dist.all_reduce(t, async_op=True).wait()) == []
+        assert classified(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX)) == ["as_array"]
+    h = torch.ones(8, dtype=torch.float16)
+    # (the tensor's view, and the view of the divided copy the sum reads)
+    assert classified(lambda: dist.all_reduce(h, op=dist.ReduceOp.AVG)) == ["as_array"] * 2
+    assert torch.equal(t, torch.arange(8, dtype=torch.float32)) and h.tolist() == [1.0] * 8
 
 
 def test_world_of_one_refuses_with_nothing_changed(world_of_one: object) -> None:

@@ -14,9 +14,12 @@ go through gloo even where the ranks share a machine (``OPTCC_BOARD=0``,
 for all) the groups are timed in turn, the order rotated call by call, ``--iters`` calls
 each, from a barrier on the control group to the end of the call on the slowest rank; the
 first ``--warmup`` calls of each are left out. With ``--queued N``, what is timed is N
-``all_reduce(async_op=True)`` calls, then a wait for each. The table gives the median, minimum and
-maximum per call and the ratio of the optcc median to gloo's, with what the backend ran.
-With ``--out``, one JSON object per (size, group), with the command.
+``all_reduce(async_op=True)`` calls, then a wait for each; else one call,
+``all_reduce(async_op=True)`` then its wait, or with ``--sync`` torch's synchronous
+``all_reduce`` (which the backend runs in the caller's thread when nothing is queued).
+The table gives the median, minimum and maximum per call and the ratio of the optcc
+median to gloo's, with what the backend ran. With ``--out``, one JSON object per (size,
+group), with the command.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from optcc_mpi import algorithms, config, transports
+from optcc_mpi import algorithms, collectives, config, transports
 from optcc_mpi.argtypes import int_at_least, links_learnt_arg, positive_size_arg
 from optcc_mpi.lab import world
 from optcc_mpi.lab.tools import append_rows, tool_main
@@ -87,11 +90,17 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                     works = [dist.all_reduce(b, group=pg, async_op=True) for b in bufs]
                     for w in works:
                         w.wait()
+                elif args.sync:
+                    dist.all_reduce(bufs[0], group=pg)
+                    works = []
                 else:
                     works = [dist.all_reduce(bufs[0], group=pg, async_op=True)]
                     works[0].wait()
                 dt = max(wire.allgather(time.perf_counter() - t0))
-                stats = getattr(works[-1], "stats", None)
+                # (a synchronous call returns no work: what it ran is the library's record)
+                stats = getattr(works[-1], "stats", None) if works else None
+                if args.sync and name != "gloo":
+                    stats = collectives.last_stats()
                 if stats:
                     # (in the check: every rank's data gathered with it, reduced in
                     # rank order on every rank)
@@ -108,6 +117,7 @@ def measure(args: argparse.Namespace, group: Any) -> list[dict[str, Any]]:
                     "bytes": n * 4,
                     "p": wire.size,
                     "queued": args.queued,
+                    "sync": bool(args.sync and not args.queued),
                     "median_ms": med * 1e3,
                     "min_ms": min(t) * 1e3,
                     "max_ms": max(t) * 1e3,
@@ -185,6 +195,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time N all_reduce(async_op=True) calls queued, then all waited for (one "
         "buffer each), instead of one call",
     )
+    parser.add_argument(
+        "--sync",
+        action="store_true",
+        help="time the one call as torch's synchronous all_reduce (no async_op), not "
+        "all_reduce(async_op=True) and its wait",
+    )
     parser.add_argument("--out", help="append rows as JSON lines to this file")
 
 
@@ -196,7 +212,13 @@ def run_args(args: argparse.Namespace) -> int:
     group, started = world.torch_group()
     rows = measure(args, group)
     if transports.of(group).rank == 0:
-        what = f"{args.queued} calls queued, then waited" if args.queued else "one call"
+        what = (
+            f"{args.queued} calls queued, then waited"
+            if args.queued
+            else "one synchronous call"
+            if args.sync
+            else "one call"
+        )
         print(f"# {args.command_line}\n# {rows[0]['p']} ranks, float32 SUM, in place, {what}")
         print(
             f"{'size':>8} {'group':<13} {'median ms':>10} {'min':>9} {'max':>9} {'x gloo':>7}  ran"

@@ -108,9 +108,9 @@ from optcc_mpi.torch.process_group import (
     OptccWork,
     register,
     submit,
-    worker_for,
 )
 from optcc_mpi.torch.tensors import HALF, as_array, ours, reduce_tensor
+from optcc_mpi.torch.worker import worker_for
 
 __all__ = ["allreduce", "comm_hook", "init_process_group_from_mpi", "as_array", "OptccOptions"]
 

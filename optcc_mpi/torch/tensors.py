@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import ml_dtypes
+import numpy as np
 import torch
 
 from optcc_mpi import collectives
-from optcc_mpi.backend import TORCH_DTYPES, get_cupy
+from optcc_mpi.backend import NUMPY, TORCH_DTYPES, get_cupy
 from optcc_mpi.communicators import CallRecord
 from optcc_mpi.dtypes import check_op
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, as_ours
@@ -225,6 +226,20 @@ class Lane:
             and self.prepared.current()
         )
 
+    def run(self, tensor: torch.Tensor) -> CallRecord | None:
+        """Reduce ``tensor`` in place and wait: the call's record; None, with nothing
+        communicated, where the tensor is not one this lane takes (:meth:`takes`: the
+        caller takes the whole path). The one classification of the call's tensor; a
+        mismatch raises here, on every rank, with the tensor unchanged."""
+        if not self.takes(tensor):
+            return None
+        record, request = self.prepared.start(tensor.detach().reshape(-1).numpy())
+        if request is not None:
+            self.transport.wait(request)
+        if self.average:
+            tensor.detach().div_(self.p)
+        return record
+
     def start(self, tensor: torch.Tensor) -> LaneCall:
         """Start reducing ``tensor`` in place (the check is done when this returns: a
         mismatch raises here, on every rank, with the tensor unchanged)."""
@@ -277,8 +292,9 @@ def lane(
     label = ("average", str(bool(average)))
     flat = tensor.detach().reshape(-1).numpy()
     prepared = collectives.prepare(
-        flat, comm=wire, op=op, algorithm=algorithm, links=links, check=check, label=label
-    )
+        flat, comm=wire, op=op, algorithm=algorithm, links=links, check=check, label=label,
+        classified=True,
+    )  # fmt: skip
     return None if prepared is None else Lane(prepared, bool(average), wire)
 
 
@@ -330,9 +346,15 @@ def start_tensor(
             error = exc
     if label is None and isinstance(average, bool):
         label = ("average", str(average))
+    # NumPy views made here (as_array: the tensor's kind, layout, contiguity, dtype) are
+    # classified: the collectives take them as they are, not classifying them again.
+    classified = (
+        NUMPY if type(arr) is np.ndarray and (send is None or type(send) is np.ndarray) else None
+    )
     started = collectives.start_call(
         arr, comm=mpi_comm if mpi else wire, op=opname, algorithm=algorithm, links=links,
         check=check, sendbuf=send, error=None if error is None else ours(error), label=label,
+        classified=classified,
     )  # fmt: skip
     return TensorCall(
         started,
