@@ -13,60 +13,18 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import numpy as np
 import pytest
+from board_ranks import run_ranks, thread_allgather
 
 from optcc_mpi import config
 from optcc_mpi.errors import ArgumentError, ExecutionError
 from optcc_mpi.transports import board
 
 pytestmark = pytest.mark.skipif(not board.usable(), reason="no board: no C compiler here")
-
-
-def thread_allgather(size: int) -> Callable[[int], Callable[[object], list[object]]]:
-    """An allgather among ``size`` threads: ``gather_of(rank)(obj)``."""
-    slots: list[object] = [None] * size
-    first, second = threading.Barrier(size), threading.Barrier(size)
-
-    def gather_of(rank: int) -> Callable[[object], list[object]]:
-        def gather(obj: object) -> list[object]:
-            slots[rank] = obj
-            first.wait()
-            got = list(slots)
-            second.wait()
-            return got
-
-        return gather
-
-    return gather_of
-
-
-def run_ranks(size: int, body: Callable[[int, board.Board], object]) -> list[object]:
-    """``body(rank, board)`` on ``size`` threads sharing one board; each one's result (an
-    exception is returned, not raised)."""
-    gather_of = thread_allgather(size)
-    places = [board.place()] * size
-    results: list[object] = [None] * size
-
-    def rank_main(rank: int) -> None:
-        try:
-            b = board.Board.open(rank, size, places, gather_of(rank))
-            assert b is not None
-            results[rank] = body(rank, b)
-        except BaseException as exc:  # reported to the test
-            results[rank] = exc
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])

@@ -16,12 +16,12 @@ must give exactly the bits of the rows folded in rank order by
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
 import pytest
+from board_ranks import run_ranks
 
 from optcc_mpi.check import fastcall, protocol
 from optcc_mpi.check.state import HEADER_BYTES, CheckState
@@ -158,38 +158,9 @@ def _c_sum(rows: np.ndarray) -> np.ndarray | None:
 
 
 def _on_a_board(p: int, body: Callable[[int, board.Board], object]) -> list[object]:
-    """``body(rank, board)`` on ``p`` threads sharing one board (ctypes releases the GIL
-    while a rank waits); each one's result."""
-    slots: list[object] = [None] * p
-    first, second = threading.Barrier(p), threading.Barrier(p)
-
-    def gather_of(rank: int) -> Callable[[object], list[object]]:
-        def gather(obj: object) -> list[object]:
-            slots[rank] = obj
-            first.wait()
-            got = list(slots)
-            second.wait()
-            return got
-
-        return gather
-
-    places = [board.place()] * p
-    results: list[object] = [None] * p
-
-    def main(rank: int) -> None:
-        try:
-            b = board.Board.open(rank, p, places, gather_of(rank))
-            assert b is not None
-            results[rank] = body(rank, b)
-        except BaseException as exc:  # reported to the test
-            results[rank] = exc
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(p)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    """``body(rank, board)`` on ``p`` threads sharing one board; each one's result (a
+    rank's exception raised)."""
+    results = run_ranks(p, body, timeout=300)
     for res in results:
         if isinstance(res, BaseException):
             raise res
