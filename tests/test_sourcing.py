@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from optcc_mpi import algorithms
-from optcc_mpi.executor import PIECES, SOURCE, _program, _Sourcing
+from optcc_mpi.executor import PIECES, SOURCE, _flattened, _Sourcing
 from optcc_mpi.links import Links
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, ScheduleBuilder
 from optcc_mpi.verify import verify
@@ -36,37 +36,37 @@ def _token(op: int, n: int) -> np.ndarray:
     return (np.arange(n, dtype=np.uint64) + np.uint64(1000 * op + 17)) * _K2
 
 
-def _order(plan: object, seed: int) -> list[int]:
+def _order(flat: object, seed: int) -> list[int]:
     """A random order the dependencies allow."""
     rng = np.random.default_rng(seed)
-    waiting = list(plan.waiting)
-    ready = [i for i in range(plan.n) if waiting[i] == 0]
+    waiting = list(flat.waiting)
+    ready = [i for i in range(flat.n) if waiting[i] == 0]
     out = []
     while ready:
         i = ready.pop(int(rng.integers(len(ready))))
         out.append(i)
-        for d in plan.dependents[i]:
+        for d in flat.dependents[i]:
             waiting[d] -= 1
             if waiting[d] == 0:
                 ready.append(d)
-    assert len(out) == plan.n
+    assert len(out) == flat.n
     return out
 
 
-def _run(plan: object, scratch: int, order: list[int], sourcing: _Sourcing | None) -> tuple:
+def _run(flat: object, scratch: int, order: list[int], sourcing: _Sourcing | None) -> tuple:
     """The program run symbolically: (messages sent by op, buffer 0, scratch)."""
-    count = plan.count
+    count = flat.count
     source = np.arange(1, count + 1, dtype=np.uint64) * _K1
     garbage = np.arange(count, dtype=np.uint64) + np.uint64(0xDEAD0000)
     bufs = {0: source.copy() if sourcing is None else garbage, 1: np.zeros(scratch, np.uint64)}
     bufs[SOURCE] = source
-    rbuf, sbuf = (plan.buf, plan.sbuf) if sourcing is None else (sourcing.rbuf, sourcing.sbuf)
+    rbuf, sbuf = (flat.buf, flat.sbuf) if sourcing is None else (sourcing.rbuf, sourcing.sbuf)
     if sourcing is not None:
         for lo, hi in sourcing.pre:
             bufs[0][lo:hi] = source[lo:hi]
     sent = {}
     for i in order:
-        k, b, lo, hi, slo = plan.kind[i], plan.buf[i], plan.lo[i], plan.hi[i], plan.slo[i]
+        k, b, lo, hi, slo = flat.kind[i], flat.buf[i], flat.lo[i], flat.hi[i], flat.slo[i]
         target = bufs[b][lo:hi]
         if k == SEND:
             sent[i] = bufs[rbuf[i]][lo:hi].copy()
@@ -94,12 +94,12 @@ def _run(plan: object, scratch: int, order: list[int], sourcing: _Sourcing | Non
     return sent, bufs[0], bufs[1]
 
 
-def _same(plan: object, scratch: int, seed: int) -> _Sourcing:
-    sourcing = plan.sourced()
+def _same(flat: object, scratch: int, seed: int) -> _Sourcing:
+    sourcing = flat.sourced()
     for s in (seed, seed + 1):
-        order = _order(plan, s)
-        want_sent, want, want_scratch = _run(plan, scratch, order, None)
-        got_sent, got, got_scratch = _run(plan, scratch, order, sourcing)
+        order = _order(flat, s)
+        want_sent, want, want_scratch = _run(flat, scratch, order, None)
+        got_sent, got, got_scratch = _run(flat, scratch, order, sourcing)
         assert got_sent.keys() == want_sent.keys()
         for i in want_sent:
             np.testing.assert_array_equal(got_sent[i], want_sent[i], err_msg=f"message of op {i}")
@@ -123,9 +123,9 @@ def test_every_algorithm_reads_the_source_as_in_place(name: str, p: int) -> None
             small = {"chunk_bytes": 4096} if "chunk_bytes" in algorithms.get(name).params else {}
             sched = algorithms.build(name, p, count, Links(links), itemsize=4, **small)
             for rank in range(p):
-                plan = _program(sched, rank, 4)
-                sourcing = _same(plan, sched.scratch, seed=rank + count)
-                colls = [(lo, hi) for k, lo, hi in zip(plan.kind, plan.lo, plan.hi) if k == COLL]
+                flat = _flattened(sched, rank, 4)
+                sourcing = _same(flat, sched.scratch, seed=rank + count)
+                colls = [(lo, hi) for k, lo, hi in zip(flat.kind, flat.lo, flat.hi) if k == COLL]
                 assert sourcing.pre == colls, (links, count, rank)
                 assert sourcing.post == []  # an AllReduce writes every element
                 if name != "native":  # some operation reads the input straight from it
@@ -161,12 +161,12 @@ def test_every_case_of_the_analysis() -> None:
     report = verify(sched, raise_on_error=False)
     assert report.errors and not any(e.startswith(("race", "matching")) for e in report.errors)
     for rank in range(2):
-        plan = _program(sched, rank, 8)
-        sourcing = _same(plan, sched.scratch, seed=3)
+        flat = _flattened(sched, rank, 8)
+        sourcing = _same(flat, sched.scratch, seed=3)
         # up front: the copy's operand [8, 16), the send's [32, 40), the COLL's [60, 64)
         assert sourcing.pre == [(8, 16), (32, 40), (60, 64)]
         assert sourcing.post == [(0, 8), (64, 70)]
-        kinds = plan.kind
+        kinds = flat.kind
         first_send = kinds.index(SEND)
         first_rr = kinds.index(RECV_REDUCE)
         assert sourcing.rbuf[first_send] == SOURCE and sourcing.rbuf[first_rr] == SOURCE
@@ -179,7 +179,7 @@ def test_every_case_of_the_analysis() -> None:
 
 def test_analysis_is_cached_per_plan() -> None:
     sched = algorithms.build("ring", 4, 4096, Links(), itemsize=4)
-    plan = _program(sched, 1, 4)
-    assert plan.sourcing is None  # made on the first call out of place only
-    assert plan.sourced() is plan.sourced()
-    assert RECV in plan.kind or RECV_REDUCE in plan.kind
+    flat = _flattened(sched, 1, 4)
+    assert flat.sourcing is None  # made on the first call out of place only
+    assert flat.sourced() is flat.sourced()
+    assert RECV in flat.kind or RECV_REDUCE in flat.kind
