@@ -351,7 +351,7 @@ def test_one_abort_poll_for_the_board_and_the_torch_transport(
                 return getattr(real, name)
 
             def optcc_board_wait(self, *args: object) -> int:
-                slices.append(cast(float, args[6]))
+                slices.append(cast(float, args[7]))
                 return cast(int, real.optcc_board_wait(*args))
 
         b._lib = Spy()  # type: ignore[assignment]
