@@ -471,7 +471,7 @@ class Board:
         if size < 2:
             return None, "none: one rank"
         if any(p is None for p in places):
-            return None, "none: unavailable on some rank (OPTCC_BOARD=0, no C library)"
+            return None, "none: unavailable on some rank (OPTCC_BOARD=0, no C library or /proc)"
         if any(p != places[0] for p in places):
             return None, "none: not one machine"
         total = BLOCKS_FIRST
