@@ -459,10 +459,12 @@ class Prepared:
         self.short = 1 < p <= GATHER_MAX_P  # (auto, the library alone, no emulation)
         self.shown = call.shown()
         self.env = env
-        name = st.transport.name
+        name, on = st.transport.name, st.transport.board_state
         #: The record of a call whose data travelled in the check, and of one that did not.
         self.records = tuple(
-            CallRecord(plan.algorithm, plan.schedule, ExecStats(), _HEALTHY, None, {}, inline, name)
+            CallRecord(
+                plan.algorithm, plan.schedule, ExecStats(), _HEALTHY, None, {}, inline, name, on
+            )
             for inline in (False, True)
         )
 
@@ -1220,6 +1222,7 @@ def _finish(st: CommState, call: _Call) -> Any:  # what allreduce returns
         dict(call.params or {}),
         False,
         st.transport.name,
+        st.transport.board_state,
     )
     if (
         (work is None or call.library)
@@ -1251,6 +1254,7 @@ def _finish_inline(st: CommState, call: _Call) -> Any:  # what allreduce returns
         dict(call.params or {}),
         True,
         st.transport.name,
+        st.transport.board_state,
     )
     if call.link_obj is _HEALTHY and call.emu is None and not call.params:
         _enable_compiled(st, flat_in.dtype, call.nbytes, plan)
@@ -1369,11 +1373,11 @@ def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Plan) ->
 def _fold_entry(st: CommState, plan: Plan) -> Fold:
     """The records of this plan's calls on the compiled path, made once: a call there
     costs no allocation for its record."""
-    name = st.transport.name
+    name, on = st.transport.name, st.transport.board_state
 
     def record(inline: bool) -> CallRecord:
         return CallRecord(
-            plan.algorithm, plan.schedule, ExecStats(), _HEALTHY, None, {}, inline, name
+            plan.algorithm, plan.schedule, ExecStats(), _HEALTHY, None, {}, inline, name, on
         )
 
     return Fold(plan, record(True), record(False))

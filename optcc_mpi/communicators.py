@@ -109,6 +109,12 @@ class CallRecord(Mapping[str, object]):
     inline: bool = False
     #: The transport's library: ``mpi``, ``gloo``, ``nccl``.
     transport: str = ""
+    #: Whether the shared-memory board of a torch group's ranks on one machine carried the
+    #: call's exchanges (:mod:`optcc_mpi.transports.board`): ``"on"``; ``"none: WHY"``
+    #: where the group has none and ``transport`` carried them (``"none: /dev/shm
+    #: budget"``: the boards would take too much of ``/dev/shm``); empty for a transport
+    #: that has no board (MPI).
+    board: str = ""
 
     def __getitem__(self, key: str) -> object:
         if key not in _RECORD_FIELDS:

@@ -309,7 +309,7 @@ def test_one_abort_poll_for_the_board_and_the_torch_transport(
                 return getattr(real, name)
 
             def optcc_board_wait(self, *args: object) -> int:
-                slices.append(cast(float, args[6]))
+                slices.append(cast(float, args[7]))
                 return cast(int, real.optcc_board_wait(*args))
 
         b._lib = Spy()  # type: ignore[assignment]
@@ -456,3 +456,277 @@ def test_one_wake_up_per_exchange(size: int) -> None:
     start = board.wakes()
     assert run_ranks(size, body) == [None] * size
     assert board.wakes() - start <= calls
+
+
+# -- its size and the /dev/shm budget (issue 43) ---------------------------------------------
+def open_states(size: int, groups: int) -> list[list[tuple[board.Board | None, str]]]:
+    """``groups`` boards of ``size`` ranks opened one after another on ``size`` threads
+    (:meth:`Board.opened`); per rank, each one's ``(board, state)``."""
+    got: list[list[tuple[board.Board | None, str]]] = [[] for _ in range(size)]
+    gathers = [thread_allgather(size) for _ in range(groups)]
+
+    def rank_main(rank: int) -> None:
+        for g in range(groups):
+            places = [board.place()] * size
+            got[rank].append(board.Board.opened(rank, size, places, gathers[g](rank)))
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}") for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return got
+
+
+@pytest.fixture
+def shm64(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> object:
+    """A real 64 MiB tmpfs (Docker's default /dev/shm), mounted for the test (root only)
+    and made the boards' directory; unmounted after (every board on it let go first)."""
+    import gc
+    import subprocess
+
+    where = tmp_path / "shm"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
+        capture_output=True,
+        timeout=30,
+    )
+    if mounted.returncode != 0:
+        pytest.skip("a 64 MiB tmpfs cannot be mounted here (needs root)")
+    monkeypatch.setattr(board, "SHM", where)
+    # The process's count of what its boards hold starts from nothing on this new file
+    # system: boards of earlier tests that something still holds (a stored error's frames)
+    # are in /dev/shm, not here.
+    gc.collect()
+    monkeypatch.setattr(board, "_held", 0)
+    try:
+        yield where
+    finally:
+        gc.collect()  # (the boards' mappings, so that the file system is not busy)
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def _used(where: Path) -> int:
+    st = os.statvfs(where)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+@pytest.mark.timeout(240)
+def test_thirty_groups_leave_a_64_mib_dev_shm_room_for_a_32_mib_file(shm64: Path) -> None:
+    """In a 64 MiB /dev/shm (a real tmpfs), 30 groups of 2 ranks each get a board, the
+    boards together within the budget (a quarter of it: 30 x 516 KiB), and their long
+    AllReduces, which would grow them, are refused the room and stay correct in more
+    chunks; a 32 MiB file can then still be written there (the DataLoader that failed
+    with 'No space left on device' beside 8 MiB boards). Boards beyond the budget are
+    none, on every rank, saying why; the process's count of what it holds goes back to
+    where it was once the boards are let go."""
+    import gc
+
+    gc.collect()  # (boards of earlier tests let go now, not during this one)
+    start = board.held()
+    got = open_states(2, 34)
+    states = [[state for _, state in rank] for rank in got]
+    assert states[0] == states[1]  # every rank decides the same, group by group
+    on = states[0].count("on")
+    assert on >= 30, states[0]
+    assert set(states[0][on:]) <= {"none: /dev/shm budget"}, states[0]
+    assert states[0][:on] == ["on"] * on  # (refused only once the budget is spent)
+    per = -(-(64 * 3 + 2 * 2 * (131_072 + 512)) // 4096) * 4096  # 516 KiB: whole pages
+    assert _used(shm64) == on * per
+    assert board.held() - start == on * per
+    assert _used(shm64) <= board.SHARE * (64 << 20)
+
+    # A long AllReduce on the first group: growing it would pass the budget, so it runs
+    # in 128 KiB chunks, and is right to the bit on both ranks.
+    boards = [got[r][0][0] for r in range(2)]
+    n = (1 << 20) + 3  # float32: 4 MiB, 32 chunks
+
+    def reduce_on(rank: int) -> bytes:
+        b = boards[rank]
+        assert b is not None
+        x = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+        b.allreduce(x, "sum")
+        assert b.total == board.BLOCKS_FIRST and not b.growing  # (refused: not tried again)
+        return x.tobytes()
+
+    results = _on_threads(2, reduce_on)
+    want = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    want += np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    assert results[0] == results[1] == want.tobytes()
+    assert _used(shm64) == on * per  # (no file left by the refused growth)
+
+    big = shm64 / "dataloader"
+    with open(big, "wb") as f:  # 32 MiB written, page by page, in a 64 MiB /dev/shm
+        for _ in range(32):
+            f.write(b"\1" * (1 << 20))
+    big.unlink()
+    del got
+    boards.clear()
+    gc.collect()
+    assert _used(shm64) == 0
+    assert board.held() == start
+
+
+def _on_threads(size: int, body: Callable[[int], object]) -> list[object]:
+    """``body(rank)`` on ``size`` threads; each one's result (raised again here)."""
+    results: list[object] = [None] * size
+
+    def rank_main(rank: int) -> None:
+        try:
+            results[rank] = body(rank)
+        except BaseException as exc:  # reported to the test
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}") for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+@pytest.mark.timeout(240)
+def test_a_board_grows_once_into_a_file_of_the_size_designed(shm64: Path) -> None:
+    """A board's files are the size designed (asserted against the tmpfs's own count of
+    its pages): 516 KiB at its making, then, for a 16 MiB AllReduce, a second file of
+    slots of 4 MiB in all per parity (the most); its result the rank-order sum on every
+    rank, to the bit; a later call grows it no more."""
+    n = 4 << 20  # float32: 16 MiB per rank
+    first = 64 * 3 + 2 * 2 * (131_072 + 512)
+
+    def pages(nbytes: int) -> int:
+        return -(-nbytes // 4096) * 4096
+
+    grown = 2 * 2 * ((4 << 20) // 2 + 512)
+
+    def body(rank: int, b: board.Board) -> bytes:
+        assert b.nbytes == first and b.slot == 131_072 + 512 and b.total == board.BLOCKS_FIRST
+        x = np.random.default_rng([7, rank]).standard_normal(n).astype(np.float32)
+        b.allreduce(x, "sum")
+        assert (b.total, b.slot, b.nbytes) == (board.BLOCKS_TOTAL, (2 << 20) + 512, first + grown)
+        assert not b.growing
+        assert _used(shm64) == pages(first) + pages(grown)  # (the file system's own count)
+        y = np.full(n, float(rank), np.float32)
+        b.allreduce(y, "sum")
+        assert b.nbytes == first + grown and bool((y == 1.0).all())
+        return x.tobytes()
+
+    results = run_ranks(2, body)
+    want = np.random.default_rng([7, 0]).standard_normal(n).astype(np.float32)
+    want += np.random.default_rng([7, 1]).standard_normal(n).astype(np.float32)
+    assert results[0] == results[1] == want.tobytes()
+    import gc
+
+    gc.collect()
+    assert _used(shm64) == 0
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_the_board_grows_to_the_least_size_that_holds_the_call(size: int) -> None:
+    """Sizes as designed, on /dev/shm: the first file holds the control line, every
+    rank's sequence number and two parities of 256 KiB of slots; an AllReduce longer than
+    a slot grows them to the least power of two times 256 KiB whose slot holds it (here
+    1 MiB per rank: 4 MiB of slots at 3 and 4 ranks, 2 MiB at 2), and one longer than the
+    largest chunk to 4 MiB, and chunks it; every result the rank-order reduction, the
+    same bits on every rank."""
+    from optcc_mpi.reductions import reduce_with
+
+    def inputs(r: int, n: int) -> np.ndarray:
+        return np.random.default_rng([r, n]).standard_normal(n)  # float64
+
+    seen: list[tuple[int, int, int]] = []
+
+    def body(rank: int, b: board.Board) -> list[bytes]:
+        slot = -(-((256 << 10) // size + 512) // 64) * 64
+        assert (b.total, b.slot, b.nbytes) == (256 << 10, slot, 64 * (1 + size) + 2 * size * slot)
+        out = []
+        for n in (100, (1 << 20) // 8, (24 << 20) // 8 // size):
+            x = inputs(rank, n)
+            b.allreduce(x, "sum")
+            out.append(x.tobytes())
+            if rank == 0:
+                seen.append((n * 8, b.total, b.slot))
+        return out
+
+    results = run_ranks(size, body)
+    for i, n in enumerate((100, (1 << 20) // 8, (24 << 20) // 8 // size)):
+        want = inputs(0, n)
+        for r in range(1, size):
+            reduce_with(np, "sum", want, inputs(r, n))
+        assert all(cast(list, res)[i] == want.tobytes() for res in results), (size, n)
+    mib = 1 << 20
+    grown = 2 * mib if size == 2 else 4 * mib
+    assert [total for _, total, _ in seen] == [256 << 10, grown, 4 * mib]
+    assert all(slot == board.slot_bytes(size, total) for _, total, slot in seen)
+
+
+def test_a_growth_refused_keeps_the_board_and_its_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budget refuses the larger file (rank 0 asks it; here it would allow it on rank
+    1, which is never asked): every rank keeps the board as it is, the call runs in 128
+    KiB chunks, right and the same on both ranks, and no later call asks again."""
+    asked: list[str] = []
+
+    def budget(nbytes: int) -> str | None:
+        asked.append(threading.current_thread().name)
+        if len(asked) == 1:
+            return None  # (the board's own making)
+        return "/dev/shm budget" if threading.current_thread().name == "rank-0" else None
+
+    monkeypatch.setattr(board, "budget", budget)
+    got = open_states(2, 1)
+    boards = [got[r][0][0] for r in range(2)]
+    n = 300_001
+
+    def body(rank: int) -> bytes:
+        b = boards[rank]
+        assert b is not None
+        x = np.arange(n, dtype=np.int64) * (rank + 1)
+        b.allreduce(x, "sum")
+        b.allreduce(x, "sum")  # (not asked again)
+        assert b.total == board.BLOCKS_FIRST and not b.growing
+        return x.tobytes()
+
+    results = _on_threads(2, body)
+    assert results[0] == results[1] == (np.arange(n, dtype=np.int64) * 6).tobytes()
+    assert asked == ["rank-0", "rank-0"]
+
+
+def test_a_board_beyond_the_budget_is_none_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm (a fake statvfs: 64 MiB, as good as full) leaves no room: rank 0 refuses
+    the board and every rank gets none, saying why, though the other ranks would find
+    room (they are never asked); and the two rules of the budget, each alone."""
+    real = os.statvfs
+
+    def statvfs_of(free_mib: float) -> Callable[[object], object]:
+        def statvfs(path: object) -> object:
+            st = real(path)  # type: ignore[arg-type]
+            if threading.current_thread().name != "rank-0" or Path(str(path)) != board.SHM:
+                return st
+
+            class Fake:
+                f_frsize = 4096
+                f_blocks = (64 << 20) // 4096
+                f_bavail = f_bfree = int(free_mib * (1 << 20)) // 4096
+
+            return Fake()
+
+        return statvfs
+
+    monkeypatch.setattr(board, "_held", 0)  # (as a process with no other board)
+    monkeypatch.setattr(board.os, "statvfs", statvfs_of(32.4))
+    got = open_states(3, 1)
+    assert [got[r][0] for r in range(3)] == [(None, "none: /dev/shm budget")] * 3
+    monkeypatch.setattr(board.os, "statvfs", statvfs_of(40))  # (room for half and more)
+    got = open_states(3, 1)
+    assert [got[r][0][1] for r in range(3)] == ["on"] * 3
+    del got
+    # The process's share, a quarter of 64 MiB, spent: none, however much is free.
+    monkeypatch.setattr(board, "_held", 16 << 20)
+    got = open_states(3, 1)
+    assert [got[r][0] for r in range(3)] == [(None, "none: /dev/shm budget")] * 3

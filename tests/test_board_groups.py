@@ -167,3 +167,55 @@ def test_a_destroyed_group_leaves_nothing_behind() -> None:
     assert files1 <= files0 + 8, (files0, files1)
     assert threads1 <= threads0 + 4, (threads0, threads1)
     assert maps1 <= maps0, (maps0, maps1)
+
+
+@pytest.mark.timeout(300)
+def test_a_group_beyond_the_budget_runs_on_gloo_and_its_stats_say_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/dev/shm's budget refuses the second group's board (rank 0 alone asks it, and the
+    other rank learns the answer in the gather that would have carried the file): that
+    group has no board on either rank, its calls (in the check, through gloo's AllReduce,
+    long enough to be chunked on a board) give every rank the same, right bits, and every
+    call's stats say the board was not used and why; the first group's say it was."""
+    real = board.budget
+    made: list[threading.Thread] = []
+    first = 64 * 3 + 2 * 2 * board.slot_bytes(2, board.BLOCKS_FIRST)  # (a board's making)
+
+    def budget(nbytes: int) -> str | None:
+        if nbytes == first:
+            made.append(threading.current_thread())
+            if len(made) == 2:
+                return "/dev/shm budget"
+        return real(nbytes)
+
+    monkeypatch.setattr(board, "budget", budget)
+    sizes = [1, 1 << 14, 1 << 20]  # float32: 4 B, 64 KiB, 4 MiB
+
+    def body(rank: int, make: Callable[[], OptccProcessGroup]) -> object:
+        seen = []
+        for _ in range(2):
+            group = make()
+            try:
+                for n in sizes:
+                    t = torch.arange(n, dtype=torch.float32) * (rank + 1) + 0.25
+                    work = group.allreduce([t])
+                    work.wait()
+                    want = torch.arange(n, dtype=torch.float32) * 3 + 0.5
+                    assert torch.equal(t, want), n
+                    seen.append(
+                        (n, work.stats["board"], work.stats["transport"], t.numpy().tobytes())
+                    )
+                has = group.optcc_transport().board is not None
+            finally:
+                group.shutdown()
+            seen.append(has)
+        return seen
+
+    first, second = on_threads(2, body)
+    assert first == second  # every rank: the same decisions, the same bits
+    assert isinstance(first, list)
+    assert [s[1] for s in first[:3]] == ["on"] * 3 and first[3] is True
+    assert [s[1] for s in first[4:7]] == ["none: /dev/shm budget"] * 3 and first[7] is False
+    assert {s[2] for s in first[:3] + first[4:7]} == {"gloo"}
+    assert len(made) == 2 and made[0] is made[1]  # (asked on one rank, rank 0)

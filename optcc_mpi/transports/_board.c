@@ -10,7 +10,14 @@
  *                        the reason, the rank that saw it and the rank at fault), int64
  *                        woken at 16 (the last block whose completion woke the sleepers)
  *   [64 + 64 r, +8)      rank r's int64 sequence number: the last block it posted
- *   data(b, r)           rank r's slot of parity b = seq & 1, `slot` bytes each
+ *   data(b, r)           rank r's slot of parity b = seq & 1, `slot` bytes each, at
+ *                        data + (b * size + r) * slot
+ *
+ * The slots need not follow the control line: `data` is passed with every call. A board
+ * starts with its slots in the same mapping, just after the sequence numbers, and may move
+ * them to a larger mapping of their own (board.py: a board grows) while its control line
+ * stays where it was, so that the sequence numbers run on and a mark made before the move
+ * is seen after it.
  *
  * Why two parities suffice: a rank posts block n + 2 into the slot that held block n only
  * after its wait for block n + 1 returned, which needs every rank to have posted n + 1,
@@ -62,10 +69,9 @@ static inline int64_t *mark_of(char *mem) { return (int64_t *)(mem + 8); }
 static inline int64_t *woken_of(char *mem) { return (int64_t *)(mem + 16); }
 static inline int64_t *seq_of(char *mem, int32_t r) { return (int64_t *)(mem + LINE + (int64_t)LINE * r); }
 
-static inline char *slot_of(char *mem, int32_t size, int64_t slot, int64_t seq, int32_t r)
+static inline char *slot_of(char *data, int32_t size, int64_t slot, int64_t seq, int32_t r)
 {
-    int64_t base = LINE + (int64_t)LINE * size;
-    return mem + base + ((seq & 1) * size + r) * slot;
+    return data + ((seq & 1) * size + r) * slot;
 }
 
 static double now(void)
@@ -114,12 +120,12 @@ static int32_t first_missing(char *mem, int32_t size, int64_t seq)
     return -1;
 }
 
-/* Post this rank's block `seq` (n bytes from src; n <= slot). */
-void optcc_board_post(char *mem, int32_t size, int32_t rank, int64_t slot, int64_t seq,
-                      const char *src, int64_t n)
+/* Post this rank's block `seq` (n bytes from src, into its slot among `data`; n <= slot). */
+void optcc_board_post(char *mem, char *data, int32_t size, int32_t rank, int64_t slot,
+                      int64_t seq, const char *src, int64_t n)
 {
     if (n > 0)
-        memcpy(slot_of(mem, size, slot, seq, rank), src, (size_t)n);
+        memcpy(slot_of(data, size, slot, seq, rank), src, (size_t)n);
     __atomic_store_n(seq_of(mem, rank), seq, __ATOMIC_SEQ_CST);
     if (first_missing(mem, size, seq) >= 0)
         return; /* a later post completes the block, and wakes */
@@ -142,8 +148,8 @@ static int ended(int64_t mark, int32_t missing)
  * `spin` seconds, then sleep. Returns -1 when every rank posted it (then each rank's first
  * n bytes are copied to out + r * n), -2 if the mark ends the wait (optcc_board_mark says
  * why), else the first rank still missing. */
-int32_t optcc_board_wait(char *mem, int32_t size, int64_t slot, int64_t seq, char *out,
-                         int64_t n, double seconds, double spin)
+int32_t optcc_board_wait(char *mem, char *data, int32_t size, int64_t slot, int64_t seq,
+                         char *out, int64_t n, double seconds, double spin)
 {
     double start = now();
     for (;;) {
@@ -170,7 +176,7 @@ int32_t optcc_board_wait(char *mem, int32_t size, int64_t slot, int64_t seq, cha
     }
     if (n > 0)
         for (int32_t r = 0; r < size; r++)
-            memcpy(out + (int64_t)r * n, slot_of(mem, size, slot, seq, r), (size_t)n);
+            memcpy(out + (int64_t)r * n, slot_of(data, size, slot, seq, r), (size_t)n);
     return -1;
 }
 

@@ -35,6 +35,11 @@ Declared
     together up to which short messages should travel in the argument check and be
     reduced on every rank; None (the default): the check's own
     (:data:`~optcc_mpi.check.state.FOLD_TOTAL`).
+``board_state``
+    Whether a shared-memory board (:mod:`optcc_mpi.transports.board`) carries the
+    communicator's exchanges: ``"on"``, or ``"none: ..."`` and why not, the same on every
+    rank; empty (the default) for a transport that has no board. Every call's record
+    carries it (:class:`~optcc_mpi.communicators.CallRecord`).
 ``crowding``
     Ranks per core where the ranks share CPUs, the same on every rank (1.0, the default,
     where unknown): a transport that can learn it at set-up sets it from
@@ -214,6 +219,9 @@ class Transport(Generic[Req]):
     #: Every rank's block together, in bytes, up to which short messages travel in the
     #: argument check (None: the check's own default); set where the gather is cheap.
     gather_total: int | None = None
+    #: Whether a shared-memory board carries the exchanges (``"on"``), or ``"none: WHY"``
+    #: (module docstring); empty for a transport that has no board.
+    board_state: str = ""
 
     def __init__(self, rank: int, size: int, kind: str) -> None:
         self.rank = rank

@@ -15,6 +15,8 @@ synchronisation, so only the members take part):
 Where every rank is on one machine, a *board* (:mod:`optcc_mpi.transports.board`, one
 shared mapping) carries instead the check's gathers, the barrier and, on gloo, the
 library's AllReduce of host data: the same bytes in the same rank order, without TCP.
+Where ``/dev/shm``'s budget leaves no room for one, the group has none, and its calls'
+records say so (:attr:`~optcc_mpi.transports.Transport.board_state`).
 
 gloo
     CPU tensors (reduced by torch, :class:`~optcc_mpi.backend.TorchBackend`) and NumPy
@@ -278,8 +280,9 @@ class TorchTransport(Transport["dist.Work"]):
         self.hosts = hosts
         self.crowding = crowding_of([cpus for _, cpus, _ in places])
         # The check's exchanges and the AllReduce of host data through shared memory where
-        # every rank can share it (board.py); None: on the control and data groups.
-        self.board = board.Board.open(
+        # every rank can share it and /dev/shm's budget allows (board.py); None: on the
+        # control and data groups, and every call's record says why (board_state).
+        self.board, self.board_state = board.Board.opened(
             rank, size, [shm for _, _, shm in places], self.allgather, self.crowding
         )
         if self.board is not None:
