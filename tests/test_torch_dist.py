@@ -45,7 +45,7 @@ def torchrun(scenario: str, n: int, out: Path, timeout: float = 600) -> list[dic
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("n", [2, 3, *(pytest.param(n, marks=pytest.mark.slow) for n in (4, 8))])
+@pytest.mark.parametrize("n", [2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4, 8))])
 def test_every_algorithm_over_gloo(tmp_path: Path, n: int) -> None:
     ranks = torchrun("collectives", n, tmp_path)
     assert not any(r["mpi_loaded"] for r in ranks), "an MPI library was loaded"

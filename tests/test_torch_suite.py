@@ -100,7 +100,7 @@ def test_selection_names_tests_of_torchs_suite() -> None:
 
 # Each test's ranks are stopped after torch_suite.TEST_TIMEOUT, each worker after 400 s.
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ranks", [pytest.param(n, marks=pytest.mark.slow) for n in (2, 3)])
 def test_ci_selection_passes_on_optcc_where_it_passes_on_gloo(ranks: int) -> None:
     names = list(torch_suite.CI_TESTS)
     known = torch_suite.known_differences()
