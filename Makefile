@@ -37,7 +37,7 @@ help:
 	@echo "make demo      the main job: every algorithm on 8 ranks, checked, and the model table"
 	@echo "make demo-ompi the same under Open MPI"
 	@echo "make test      every test file, the MPI tests at $(MPI_SIZES) ranks (MPICH): the"
-	@echo "               tests marked slow left out; about 12 minutes on 2 cores"
+	@echo "               tests marked slow left out; under 15 minutes on 2 cores"
 	@echo "make test-all  the full matrix (CI): every test, MPI at $(MPI_SIZES_ALL) ranks (MPICH)"
 	@echo "               and $(OMPI_SIZES) (Open MPI) with the launching tests, the package"
 	@echo "               check, torch's own suite; about an hour on 2 cores"
