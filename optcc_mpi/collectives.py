@@ -896,12 +896,15 @@ def _learns_rate(st: CommState, call: _Call) -> bool:
         return False
 
 
-def _learn_rate(st: CommState, call: _Call) -> None:
-    """Measure a healthy link's rate (:func:`optcc_mpi.probe.link_rate`, collective: every
-    rank is here at the same call, as the check agreed) the first time a call needs it
-    (:func:`_learns_rate`); the communicator keeps it. ``$OPTCC_LINK_RATE`` overrides."""
+def _learn_rate(st: CommState, call: _Call, probed: ProbeResult | None = None) -> None:
+    """Learn a healthy link's rate the first time a call needs it (:func:`_learns_rate`):
+    the reference of the probe this call just ran (``probed``: it measured every link),
+    else measured now (:func:`optcc_mpi.probe.link_rate`, collective: every rank is here
+    at the same call, as the check agreed); the communicator keeps it.
+    ``$OPTCC_LINK_RATE`` overrides."""
     if st.rate is None and _learns_rate(st, call):
-        st.rate = link_rate(st.transport) or 0.0
+        got = probed.reference if probed is not None else 0.0
+        st.rate = got if got > 0 else (link_rate(st.transport) or 0.0)
 
 
 @functools.lru_cache(maxsize=8)
@@ -991,21 +994,13 @@ def _plan_call(st: CommState, call: _Call) -> None:
     """Settle the profile every rank agreed on ("probe": measured now; "watch": from the
     observations every rank gathered) and the link rate (learnt now where the schedule
     needs it and it is not known yet), and plan for them."""
+    probed = None
+    settled = call.link_obj is PROBE or call.link_obj is WATCH
     if call.link_obj is PROBE:
         # Every rank agreed on "probe" above, so all of them take part in it.
         if st.probe is None:
-            st.probe = probe(st.transport, emulate=call.emu)
-            if st.rate is None and _learns_rate(st, call):
-                # (the probe has just measured every link: its reference is the rate)
-                got = st.probe.reference
-                st.rate = got if np.isfinite(got) and got > 0 else None
+            st.probe = probed = probe(st.transport, emulate=call.emu)
         call.link_obj = st.probe.links
-        _learn_rate(st, call)
-        call.plan = _plan(st, call, call.link_obj)
-    elif call.plan is None and call.link_obj is not WATCH:
-        # A profile told, a rate to learn first (_settings left the plan to here).
-        _learn_rate(st, call)
-        call.plan = _plan(st, call, call.link_obj)
     elif call.link_obj is WATCH:
         # Each rank brings its side of what its last call measured, and every rank reads
         # the same gathered rows, hence decides the same profile at the same call.
@@ -1019,7 +1014,9 @@ def _plan_call(st: CommState, call: _Call) -> None:
             call.epoch = perf_counter()
         # Where the traffic suspects a change, every rank probes on the transport.
         call.link_obj = watch.agree(rows, st.transport, call.emu)
-        _learn_rate(st, call)
+    if settled or call.plan is None:
+        # (a profile told, and a rate to learn first, leaves the plan to here: _settings)
+        _learn_rate(st, call, probed)
         call.plan = _plan(st, call, call.link_obj)
     if call.flat_out is None:
         call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
