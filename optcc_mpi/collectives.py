@@ -35,6 +35,11 @@ follows. The commonest short call over MPI (NumPy arrays, default arguments, a s
 before) runs either in C (:mod:`optcc_mpi.check.fastcall`): the same header, the same
 collectives, the same rank-order sums, at about the library's own latency.
 
+Across machines over gloo (no board, no compiled path) a short sum *rides*
+(:mod:`optcc_mpi.check.ride`): its data goes to the library's AllReduce with each rank's
+flag of agreement as one more element, and a call of the signature every rank expects is
+agreed by those flags alone (:func:`_guessed`, :meth:`Prepared.start`): one collective.
+
 With ``check=False`` the check is skipped (then the ranks must pass the same arguments,
 and ``check`` itself must be the same on every rank).
 """
@@ -362,6 +367,9 @@ class Started:
         #: The library's AllReduce still in flight (a request of the transport), or None.
         self.request: object | None = None
         self.result: Any = None  # what allreduce returns
+        if st.ride is not None and _guessed(st, call):
+            self.result = _finish(st, call)
+            return
         if _agree_call(st, call):
             self.result = _finish_inline(st, call)
             return
@@ -446,7 +454,7 @@ class Prepared:
     """
 
     __slots__ = ("st", "fields", "fold", "opn", "name", "dtype", "count", "nbytes",
-                 "short", "check", "shown", "records", "env")  # fmt: skip
+                 "short", "check", "shown", "records", "env", "rides")  # fmt: skip
 
     def __init__(self, st: CommState, call: _Call, env: tuple[object, object]) -> None:
         plan = call.plan
@@ -457,6 +465,7 @@ class Prepared:
         self.count, self.nbytes = call.count, call.nbytes
         p = st.size
         self.short = 1 < p <= GATHER_MAX_P  # (auto, the library alone, no emulation)
+        self.rides = call.rides
         self.shown = call.shown()
         self.env = env
         name, on = st.transport.name, st.transport.board_state
@@ -480,17 +489,33 @@ class Prepared:
         the same :class:`~optcc_mpi.errors.ArgumentError` on every rank if the ranks'
         arguments differ (then ``flat`` is unchanged)."""
         st = self.st
+        ride = st.ride
+        if ride is not None:
+            sig = ride.expected()
+            if sig is not None and ride.guess(sig, self.fields if self.rides else None, flat, flat):
+                _STATES.last = record = self.records[0]
+                return record, None
         if self.check and st.size > 1:
             try:
                 inline = protocol.agree_header(st.check, self.fields, None, self.fold, flat, None)
             except Mismatch as mismatch:
+                if ride is not None:
+                    ride.reset()
                 protocol.disagreement(st.check, None, mismatch, self.shown)
+            if ride is not None:
+                ride.agreed(self.fields)
             if inline:
                 protocol.reduce_gathered(st.check, self.opn, self.dtype, self.nbytes, flat)
                 _STATES.last = record = self.records[1]
                 return record, None
+        elif ride is not None:
+            ride.reset()  # (nothing agreed: every rank skips the check alike)
         _STATES.last = record = self.records[0]
         if st.size == 1:
+            return record, None
+        if self.rides:
+            assert ride is not None  # (self.rides: the call's)
+            ride.reduce(flat, flat, self.name)
             return record, None
         if self.short and self.nbytes and _gathered(st, self.nbytes):
             _gather_reduce(st, self.opn, flat, flat, NUMPY)  # (as _run: rank order)
@@ -566,7 +591,7 @@ class _Call:
         "sendbuf", "result", "flat_in", "flat_out", "backend", "in_place", "opn", "name",
         "count", "nbytes", "algorithm", "link_obj", "emu", "params", "check", "plan",
         "fold", "fields", "seen", "err", "epoch", "stats", "work", "keyed", "watched",
-        "library", "label", "defer", "request", "record", "learnt",
+        "library", "label", "defer", "request", "record", "learnt", "rides",
     )  # fmt: skip
 
     def __init__(
@@ -597,7 +622,7 @@ class _Call:
         self.epoch = 0.0
         self.stats: ExecStats | None = None
         self.work: Array | None = None
-        self.keyed = self.watched = self.library = False
+        self.keyed = self.watched = self.library = self.rides = False
         self.learnt: float | None = None  # the link rate learnt, where the header has it
         self.link_obj = _HEALTHY
         self.emu: Emulation | None = None
@@ -710,6 +735,11 @@ class _Call:
             if profile is not None:
                 self.plan = _plan(st, self, profile)
         p = st.size
+        if self.check and p > 1:
+            self.fields = self._header(st)
+            # A short sum that rides (check.ride): its data goes with a flag in the
+            # library's AllReduce, never in the check nor gathered.
+            self.rides = st.ride is not None and st.ride.takes(self.fields)
         self.fold = (
             self.check
             and self.algorithm == "auto"
@@ -718,9 +748,8 @@ class _Call:
             and self.backend is NUMPY
             and self.emu is None
             and 1 < p <= GATHER_MAX_P
+            and not self.rides
         )
-        if self.check and p > 1:
-            self.fields = self._header(st)
 
     def _header(self, st: CommState) -> tuple[int, ...]:
         link, emu, params = self.link_obj, self.emu, self.params
@@ -826,12 +855,42 @@ def _agree_call(st: CommState, call: _Call) -> bool:
                 st.check, call.fields, call.err, call.fold, data, call.seen
             )
         except Mismatch as mismatch:
+            if st.ride is not None:
+                st.ride.reset()
             protocol.disagreement(st.check, call.err, mismatch, call.shown())
         call.epoch = perf_counter()  # a collective just ended: about the same instant everywhere
+        if st.ride is not None:
+            st.ride.agreed(call.fields)
         return inline
+    if st.ride is not None:
+        st.ride.reset()  # (nothing agreed: every rank skips the check alike)
     if call.err is not None:
         raise call.err
     return False
+
+
+def _guessed(st: CommState, call: _Call) -> bool:
+    """The round of the signature every rank expects (check.ride), where there is one;
+    True if every rank flagged it: the call is complete but for its record."""
+    ride = st.ride
+    assert ride is not None  # (the caller's test)
+    sig = ride.expected()
+    if sig is None:
+        return False
+    mine = call.err is None and call.rides and call.backend is NUMPY and call.plan is not None
+
+    def out() -> np.ndarray:
+        if call.flat_out is None:
+            call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
+        call.work = call.flat_out
+        return cast(np.ndarray, call.flat_out)
+
+    return ride.guess(
+        sig,
+        call.fields if mine else None,
+        cast(np.ndarray, call.flat_in) if mine else None,
+        out,
+    )
 
 
 # -- phase 3: plan ------------------------------------------------------------------------------
@@ -1029,6 +1088,11 @@ def _run_data(st: CommState, call: _Call) -> None:
     p, backend, flat_out, plan = st.size, call.backend, call.flat_out, call.plan
     assert flat_out is not None and plan is not None  # made by now (_settings, _plan_call)
     coll_only = plan.library_only
+    if call.rides:  # (agreed: every rank's call rides)
+        assert st.ride is not None  # (call.rides: _settings)
+        st.ride.reduce(cast(np.ndarray, call.flat_in), cast(np.ndarray, flat_out), call.name)
+        call.work = flat_out
+        return
     short = call.algorithm == "auto" and coll_only and call.emu is None and 1 < p <= GATHER_MAX_P
     if short and 0 < call.nbytes and _gathered(st, call.nbytes):
         # A short message that did not travel in the check (the first call of a size, a

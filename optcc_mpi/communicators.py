@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 from optcc_mpi.check.fastcall import FoldCall
+from optcc_mpi.check.ride import Ride, serves
 from optcc_mpi.check.state import CheckState
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
@@ -154,7 +155,8 @@ class CommState:
     """
 
     __slots__ = (
-        "transport", "size", "rank", "check", "plans", "folds", "probe", "watch", "rate", "_env",
+        "transport", "size", "rank", "check", "ride", "plans", "folds", "probe", "watch", "rate",
+        "_env",
     )  # fmt: skip
 
     def __init__(self, transport: Transport) -> None:
@@ -163,6 +165,8 @@ class CommState:
         self.rank = transport.rank
         #: The argument check's buffers, room, gather limit and compiled context.
         self.check = CheckState(transport)
+        #: The rides of short sums (check.ride), where the transport allows them.
+        self.ride: Ride | None = Ride(transport) if serves(transport) else None
         #: Schedules built, by the call's arguments.
         self.plans: _Bounded[tuple[object, ...], Plan] = _Bounded()
         #: The short calls the compiled path may take, by (bytes, dtype).

@@ -63,7 +63,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "the check's state per communicator, agreement",
         ("check.state", "check.agreement", "check.crossover"),
     ),
-    ("the check's protocol, the probe, the watch", ("check.protocol", "probe", "watch")),
+    (
+        "the check's protocol and its ride, the probe, the watch",
+        ("check.protocol", "check.ride", "probe", "watch"),
+    ),
     # The check's face: lazy names only (it imports none of its modules).
     ("the argument check's face", ("check",)),
     ("what the collectives keep per communicator", ("communicators",)),

@@ -76,6 +76,8 @@ def test_a_destroy_ends_the_peers_waits_naming_the_rank() -> None:
     def body(rank: int, make: Callable[[], OptccProcessGroup]) -> object:
         group = make()
         assert group.optcc_transport().board is not None
+        # (the board's calls are cheaper than a round: they do not ride, check.ride)
+        assert not group.optcc_transport().caps.ride
         t = torch.full((1 << 20,), float(rank + 1))
         group.allreduce([t]).wait()
         assert bool((t == 3.0).all())

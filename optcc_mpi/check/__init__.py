@@ -16,6 +16,8 @@ side, which call it)::
     _fastcall.c same header, check and reduction in C, byte for byte)
     agreement   agreeing on anything else across ranks: one value, fields, a function
                 run on every rank with its errors shared (agree, agree_fields, Members)
+    ride        a repeated short sum agreed inside its own AllReduce, by a flag per rank,
+                where the transport allows it (gloo without the board): Ride
 
 Its callers: :mod:`optcc_mpi.collectives` (every call: ``agree_header``, then the fold or
 the plan), :class:`optcc_mpi.communicators.CommState` (owns each communicator's

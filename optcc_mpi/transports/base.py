@@ -145,6 +145,12 @@ class Capabilities:
     #: the result to every rank (a ring, as gloo's and NCCL's): its results are the same
     #: bits everywhere, NaN payloads included, with no pass over them afterwards.
     library_identical: bool = False
+    #: Whether a short sum may carry the ranks' flags of agreement as one more element of
+    #: the library's AllReduce, so that a call of the signature every rank expects needs
+    #: no check of its own (:mod:`optcc_mpi.check.ride`): the library's results are the
+    #: same bits everywhere, and nothing on this transport (a compiled path, a board)
+    #: takes a call past the Python check.
+    ride: bool = False
 
 
 @dataclass(frozen=True, slots=True)

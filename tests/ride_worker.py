@@ -1,0 +1,142 @@
+"""One rank of tests/test_ride.py, started by torchrun with ``OPTCC_BOARD=0`` (every call
+goes the way it goes across machines: check.ride). Writes ``OUTDIR/ride-RANK.json``;
+the test judges.
+
+``python -m torch.distributed.run --standalone --nproc-per-node N tests/ride_worker.py OUTDIR``
+
+Each phase records, per call, a digest of the result's bytes (the same on every rank),
+whether it equals the exact sum, and the communicator's ride counters after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import optcc_mpi.torch  # noqa: F401  (registers the optcc backend)
+from optcc_mpi import collectives
+from optcc_mpi.errors import ArgumentError
+from optcc_mpi.transports.torch import group_of
+
+OUT = Path(sys.argv[1])
+RANK = int(os.environ["RANK"])
+P = int(os.environ["WORLD_SIZE"])
+
+
+def data(call: int, rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input of ``call``: random floats of mixed scale (sums whose bits
+    depend on the order of the additions) or integers."""
+    rng = np.random.default_rng(1000 * call + rank)
+    if dtype.is_floating_point:
+        x = rng.standard_normal(count) * 10.0 ** rng.integers(-3, 4, count)
+    else:
+        x = rng.integers(-1000, 1000, count)
+    return torch.from_numpy(x).to(dtype)
+
+
+def exact(call: int, count: int, dtype: torch.dtype) -> np.ndarray:
+    """The sum of every rank's input: exact for integers, in float64 for floats."""
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    return np.asarray(sum(data(call, r, count, dtype).to(wide).numpy() for r in range(P)))
+
+
+class _Own(torch.Tensor):
+    """A tensor type of the user's own: its calls take the whole path, not the lane."""
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.as_subclass(torch.Tensor).numpy().tobytes()).hexdigest()[:16]
+
+
+def main() -> None:
+    dist.init_process_group("optcc")
+    pg = group_of(None)
+    state = collectives.comm_state(pg.optcc_transport())
+    ride = state.ride
+    out: dict[str, object] = {"rides": ride is not None}
+    if ride is None:
+        (OUT / f"ride-{RANK}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+        return
+    calls: list[dict[str, object]] = []
+
+    def one(
+        call: int,
+        count: int,
+        dtype: torch.dtype = torch.float32,
+        strided: bool = False,
+        into: list[dict[str, object]] = calls,
+    ) -> None:
+        t = data(call, RANK, count, dtype)
+        if strided:  # (a tensor's subclass: not the short path, the whole path)
+            t = t.as_subclass(_Own)
+        before = (ride.hits, ride.misses)
+        dist.all_reduce(t)
+        ref = exact(call, count, dtype)
+        got = t.as_subclass(torch.Tensor).numpy().astype(np.float64)
+        err = np.abs(got - ref.astype(np.float64)).max()
+        scale = np.abs(ref.astype(np.float64)).max() + 1e-30
+        into.append(
+            {
+                "call": call,
+                "count": count,
+                "digest": digest(t),
+                "error": float(err / scale),
+                "hit": ride.hits > before[0],
+                "miss": ride.misses > before[1],
+            }
+        )
+
+    # 1. One signature, 12 times; the same data at call 0 and call 11 (not expected, then
+    #    expected): the same bits.
+    for i in range(12):
+        one(0 if i in (0, 11) else i, 1000)
+    # 2. Two signatures in turn (a bucket pattern), then a third once, then the first.
+    for i in range(12):
+        one(100 + i, 1000 if i % 2 else 333)
+    one(200, 4096)
+    one(201, 1000)
+    # 3. This rank alone on the whole path (a strided tensor) while expected: the same
+    #    collectives, right sums.
+    for i in range(6):
+        one(300 + i, 1000, strided=RANK == 1 and i == 4)
+    # 4. Integers; float64; a size above RIDE_MAX (not riding) between riding ones.
+    for i in range(5):
+        one(400 + i, 257, torch.int64)
+    for i in range(4):
+        one(500 + i, 3000, torch.float64)
+    one(600, 600_000)  # 2.4 MB of float32: above RIDE_MAX
+    for i in range(4):
+        one(700 + i, 1000)
+    out["calls"] = calls
+
+    # 5. A call expected where one rank passes another size: the same error on every rank,
+    #    every tensor unchanged; then the loop goes on.
+    for i in range(4):
+        one(800 + i, 1000)
+    bad = data(900, RANK, 1001 if RANK == P - 1 else 1000, torch.float32)
+    kept = bad.clone()
+    try:
+        dist.all_reduce(bad)
+        out["mismatch"] = None
+    except ArgumentError as exc:
+        out["mismatch"] = str(exc)
+    out["unchanged"] = bool(torch.equal(bad, kept))
+    after: list[dict[str, object]] = []
+    for i in range(5):
+        one(1000 + i, 1000, into=after)
+    out["after"] = after
+    out["hits"], out["misses"] = ride.hits, ride.misses
+    (OUT / f"ride-{RANK}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
