@@ -320,7 +320,7 @@ def link_rate(comm: Communicator) -> float | None:
     ranks' rates, so that up to half of them may be slow. The same on every rank (from
     the gathered times); None where nothing was measured (a single rank).
 
-    What the collectives learn when told no rate (:mod:`optcc_mpi.collectives`): about
+    What the collectives learn when told no rate (:mod:`optcc_mpi.planning`): about
     ``MIN_SECONDS`` plus one barrier, once per communicator (0.1 s at 400 Mbit/s on 8
     ranks, 0.4 s at 50 Mbit/s on 16, where the smallest message already takes longer).
     """
