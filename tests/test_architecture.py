@@ -68,6 +68,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the argument check's face", ("check",)),
     ("what the collectives keep per communicator", ("communicators",)),
     ("a call's plan: its links, the link rate, the schedule", ("planning",)),
+    ("a call's arguments, checked on its rank; its buffers' checks", ("arguments",)),
     ("the collective entry points", ("collectives",)),
     (
         "tensors over a transport, the torch.distributed backend, its ordered worker, its "
