@@ -8,20 +8,25 @@ signed-zero rules, and ``docs/api.md`` for the whole interface.
 
 A call in five phases
 ---------------------
-Each phase is a function of a few named arguments, shared by every transport:
+Each phase is a function of a few named arguments, shared by every transport; this module
+holds the flow, the agreement, the run and the finish, and the parts named below:
 
-1. **check** (:class:`_Call`): this rank's arguments as flat arrays of one backend, the
-   reduction, the link profile and the emulation; any error is kept, not raised;
+1. **check** (:class:`optcc_mpi.arguments._Call`): this rank's arguments as flat arrays of
+   one backend, the reduction, the link profile and the emulation; any error is kept, not
+   raised;
 2. **agree** (:func:`_agree_call`): one collective of fixed shape (:mod:`optcc_mpi.check.protocol`),
    after which every rank goes on, or raises the same error before any buffer changed;
-3. **plan** (:func:`_plan_call`): the link profile (given, probed or watched) and the
-   schedule of the algorithm (``auto``: the fastest by the model), cached per
-   communicator;
+3. **plan** (:func:`optcc_mpi.planning._plan_call`): the link profile (given, probed or
+   watched), the link rate, and the schedule of the algorithm (``auto``: the fastest by
+   the model, :func:`choose_algorithm`), cached per communicator;
 4. **run** (:func:`_run_data`): the data already reduced in the check, the library's own
    AllReduce, every rank's data gathered and reduced in rank order, or the schedule on
    the executor over the communicator's transport (:mod:`optcc_mpi.transports`);
 5. **finish** (:func:`_finish`): keys back to floats, canonical NaNs, the record of the
    call (:func:`last_stats`).
+
+Every communicator's state, and the last call's record, are kept in one registry
+(:data:`optcc_mpi.communicators._STATES`).
 
 Short calls
 -----------
@@ -32,8 +37,9 @@ bytes) the data travels in the check itself and every rank reduces every rank's
 contribution in rank order: bit-identical on every rank by construction, one collective in
 all. Above the limit the check carries only the header and the library's AllReduce
 follows. The commonest short call over MPI (NumPy arrays, default arguments, a size seen
-before) runs either in C (:mod:`optcc_mpi.check.fastcall`): the same header, the same
-collectives, the same rank-order sums, at about the library's own latency.
+before) runs either in C (:mod:`optcc_mpi.compiled_path`, over
+:mod:`optcc_mpi.check.fastcall`): the same header, the same collectives, the same
+rank-order sums, at about the library's own latency.
 
 With ``check=False`` the check is skipped (then the ranks must pass the same arguments,
 and ``check`` itself must be the same on every rank).
@@ -41,7 +47,6 @@ and ``check`` itself must be the same on every rank).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
@@ -50,15 +55,15 @@ import numpy as np
 
 from optcc_mpi import algorithms, config, transports
 from optcc_mpi.algorithms._policy import SMALL_BYTES
-from optcc_mpi.arguments import _AUTO_CODE, _NDARRAY, _NUMPY_CODE, _Call, _is_in_place, _numpy_flat
+from optcc_mpi.arguments import _NDARRAY, _Call
 from optcc_mpi.backend import NUMPY, Array, Backend, result_like
-from optcc_mpi.check import crossover, fastcall, protocol
+from optcc_mpi.check import crossover, protocol
 from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch
-from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, served
-from optcc_mpi.communicators import CallRecord, CommState, Fold, Plan, Registry
+from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, room_for
+from optcc_mpi.communicators import _STATES, CallRecord, CommState, _known
+from optcc_mpi.compiled_path import _enable_compiled, _try_compiled
 from optcc_mpi.dtypes import CATEGORY, NAME_OF
 from optcc_mpi.emulation import Emulation, Pacer
-from optcc_mpi.errors import ExecutionError
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
 from optcc_mpi.planning import _HEALTHY, _plan_call, choose_algorithm
@@ -86,13 +91,6 @@ __all__ = [
     "SMALL_BYTES",
     "GATHER_MAX_P",
 ]  # and IN_PLACE, ALGORITHMS (module __getattr__)
-
-#: The header of a short call on the compiled path, with the call's own fields zero.
-_COMPILED_HEADER = (
-    protocol.PROTOCOL, 0, 0, 0, 0, _AUTO_CODE, 0, 0, _NUMPY_CODE, 0, 0, 0
-)  # fmt: skip
-#: Every communicator's state, and the last call's record: the collectives' only state.
-_STATES = Registry()
 
 
 class InPlaceType:
@@ -505,15 +503,6 @@ def prepare(
     return Prepared(st, call, env)
 
 
-def _known(comm: object) -> CommState | None:
-    """The state of an MPI communicator seen before (None: COMM_WORLD), found with one
-    dictionary lookup; else None."""
-    if comm is None:
-        return _STATES.known(None)
-    handle = getattr(comm, "handle", None)
-    return _STATES.known(handle) if type(handle) is int else None
-
-
 def _state(comm: Communicator) -> CommState:
     """The communicator's state (:func:`_known`, else made or found by its transport)."""
     st = _known(comm)
@@ -774,155 +763,3 @@ def _finish_inline(st: CommState, call: _Call) -> Any:  # what allreduce returns
     if call.link_obj is _HEALTHY and call.emu is None and not call.params:
         _enable_compiled(st, flat_in.dtype, call.nbytes, plan)
     return call.result
-
-
-# -- the compiled call path ----------------------------------------------------------------------
-#: Per transport class, whether it offers the compiled path (asked once per class: a
-#: check against a runtime protocol costs tens of microseconds a call).
-_COMPILABLE: dict[type, bool] = {}
-
-
-def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Plan) -> None:
-    """After a short call whose data travelled in the check with default arguments:
-    let the next such calls of this size and type take the compiled path."""
-    transport = st.transport
-    known = _COMPILABLE.get(type(transport))
-    if known is None:
-        known = _COMPILABLE[type(transport)] = isinstance(transport, fastcall.Compilable)
-    if not known:
-        return
-    if _STATES.fold is None:
-        # Bound at the first MPI call that could use it (binding it loads MPI, which a
-        # torch-only job never does).
-        _STATES.fold = fastcall.fold_function()
-        if _STATES.fold is None:
-            return
-    key = (nbytes, dtype)
-    if key not in st.folds:
-        st.folds.put(key, _fold_entry(st, plan))
-    compilable = cast(fastcall.Compilable, transport)  # (known above)
-    st.check.make_compiled(functools.partial(_compiled_context, compilable))
-
-
-def _fold_entry(st: CommState, plan: Plan) -> Fold:
-    """The records of this plan's calls on the compiled path, made once: a call there
-    costs no allocation for its record."""
-    name, on = st.transport.name, st.transport.board_state
-
-    def record(inline: bool) -> CallRecord:
-        return CallRecord(
-            plan.algorithm, plan.schedule, ExecStats(), _HEALTHY, None, {}, inline, name, on
-        )
-
-    return Fold(plan, record(True), record(False))
-
-
-def _compiled_context(transport: fastcall.Compilable, chk: CheckState) -> object | None:
-    """The compiled path's context over the check buffers of ``chk``. Until the gather
-    limit is decided: the least room, and nothing for the library (the Python path
-    decides the limit at the first call that needs it)."""
-    limit = chk.limit_known
-    handles = transport.predefined if chk.gather_limit is not None else None
-    return fastcall.context(
-        chk.transport,
-        chk.block,
-        chk.gathered,
-        chk.room,
-        _COMPILED_HEADER,
-        served(chk.size, chk.room, limit),
-        FOLD_MIN,
-        limit,
-        handles,
-    )
-
-
-def _try_compiled(
-    sendbuf: Any, recvbuf: Any, op: str | MPI.Op, comm: Communicator, check: bool
-) -> np.ndarray | None:
-    """The result if the compiled path took the call, else None (it declined, having
-    touched nothing, and the Python path runs the call)."""
-    if type(sendbuf) is _NDARRAY:
-        if type(recvbuf) is _NDARRAY:
-            return recvbuf if _compiled(sendbuf, recvbuf, op, comm, check) else None
-        if recvbuf is None:
-            out = np.empty_like(sendbuf)
-            return out if _compiled(sendbuf, out, op, comm, check) else None
-    elif _is_in_place(sendbuf) and type(recvbuf) is _NDARRAY:
-        return recvbuf if _compiled(recvbuf, recvbuf, op, comm, check) else None
-    return None
-
-
-_OP_CODE = protocol.OP_CODE
-
-
-def _compiled(
-    sendbuf: np.ndarray, recvbuf: np.ndarray, op: str | MPI.Op, comm: Communicator, check: bool
-) -> bool:
-    """Run the call on the compiled path (:mod:`optcc_mpi.check.fastcall`) if it can take it;
-    False when it declined, having touched nothing.
-
-    The caller checked the arguments that must be at their defaults. Here: the
-    communicator's state exists with a context for its current check room, which the
-    ranks agreed for this call (every rank derives it from the previous call's headers),
-    no setting changes the call, and an earlier call of this size and type was one whose
-    data travels in that room, or (above the gather limit, once decided) one that went to
-    the library's AllReduce after the check (``auto`` hands it to the library). With
-    ``check=False`` the same collectives run without comparing the headers: up to the limit
-    the room is the one the Python path's gather uses for this size
-    (:func:`~optcc_mpi.check.state.room_for`), so ranks on either path move blocks of one
-    shape; above it, the library's AllReduce alone.
-
-    A loop over one communicator skips the lookup (:attr:`Registry.recent`). Holding the
-    communicator object keeps its identity from being reused; a freed communicator's state
-    has no compiled context (the registry drops it when the transport closes), so its
-    calls go to Python."""
-    recent_comm, st = _STATES.recent
-    if comm is not recent_comm or st is None:
-        st = _known(comm)
-        if st is None:
-            return False
-        _STATES.recent = (comm, st)
-    chk = st.check
-    fast = chk.compiled
-    if fast is None or (check and not chk.ready):
-        return False  # (without the check, the room is room_for()'s: the C side checks it)
-    if type(op) is not str:
-        return False
-    opc = _OP_CODE.get(op)
-    rc = config.rc
-    if opc is None or rc.links is not None or rc.emulate is not None:
-        return False
-    dtype = sendbuf.dtype
-    nbytes = sendbuf.nbytes
-    entry = st.folds.get((nbytes, dtype))
-    if entry is None:
-        return False
-    # allreduce() comes here only once fold is bound (not None): no check on this path.
-    answer = _STATES.fold(fast, sendbuf, recvbuf, opc, check)  # type: ignore[misc]
-    if answer == fastcall.FALLBACK:
-        return False
-    inline = bool(check)
-    if answer == fastcall.GATHERED:  # agreed; a reduction the C path leaves to NumPy
-        protocol.reduce_gathered(chk, op, dtype, nbytes, _numpy_flat(recvbuf, "recvbuf"))
-    elif answer == fastcall.LIBRARY:  # the check, then the library's AllReduce
-        inline = False
-    elif answer == fastcall.MISMATCH:
-        # As the Python path: every rank saw the same headers, so the same next room and
-        # the same error (the ranks on the Python path raise it from the check).
-        table = chk.heads.copy().view("<i8")
-        chk.agree_next(FOLD_MIN)
-        shown = {
-            "element count": str(sendbuf.size),
-            "dtype": NAME_OF[dtype],
-            "op": op,
-            "algorithm": "'auto'",
-            "link profile": str(_HEALTHY),
-            "emulation": "none",
-            "backend": NUMPY.name,
-            "params": "{}",
-        }
-        protocol.disagreement(chk, None, Mismatch(table=table), shown)
-    elif answer != fastcall.DONE:
-        raise ExecutionError(f"the compiled call path failed (code {answer})")
-    _STATES.last = entry.gathered if inline else entry.library
-    return True

@@ -69,6 +69,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("what the collectives keep per communicator", ("communicators",)),
     ("a call's plan: its links, the link rate, the schedule", ("planning",)),
     ("a call's arguments, checked on its rank; its buffers' checks", ("arguments",)),
+    ("the compiled call path", ("compiled_path",)),
     ("the collective entry points", ("collectives",)),
     (
         "tensors over a transport, the torch.distributed backend, its ordered worker, its "

@@ -122,7 +122,7 @@ def test_a_buffer_is_classified_once_per_call(
     classification below it; the whole path's NumPy views (the tensor's, and the scaled
     copy of an average taken in half precision) are classified by ``as_array`` and taken
     by the collectives as they are, not again by ``buffer_of``."""
-    from optcc_mpi import arguments, backend
+    from optcc_mpi import arguments, backend, compiled_path
     from optcc_mpi.torch import tensors
 
     seen: list[str] = []
@@ -140,7 +140,7 @@ def test_a_buffer_is_classified_once_per_call(
         (backend, "buffer_of"),
         (arguments, "buffer_of"),
         (arguments, "_numpy_flat"),
-        (collectives, "_numpy_flat"),
+        (compiled_path, "_numpy_flat"),
         (tensors, "as_array"),
     ):
         counted(module, name)
