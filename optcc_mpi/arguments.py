@@ -130,7 +130,7 @@ class _Call:
         self, transport: Transport, sendbuf: Any, recvbuf: Any, classified: Backend | None
     ) -> None:
         """The send and receive buffers as flat arrays of one backend (``classified``:
-        they are already, the caller classified them: :func:`start_call`)."""
+        they are already, the caller classified them: :func:`~optcc_mpi.collectives.start_call`)."""
         flat_in: Array
         flat_out: Array | None
         backend: Backend
