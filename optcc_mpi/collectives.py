@@ -8,20 +8,25 @@ signed-zero rules, and ``docs/api.md`` for the whole interface.
 
 A call in five phases
 ---------------------
-Each phase is a function of a few named arguments, shared by every transport:
+Each phase is a function of a few named arguments, shared by every transport; this module
+holds the flow, the agreement, the run and the finish, and the parts named below:
 
-1. **check** (:class:`_Call`): this rank's arguments as flat arrays of one backend, the
-   reduction, the link profile and the emulation; any error is kept, not raised;
+1. **check** (:class:`optcc_mpi.arguments._Call`): this rank's arguments as flat arrays of
+   one backend, the reduction, the link profile and the emulation; any error is kept, not
+   raised;
 2. **agree** (:func:`_agree_call`): one collective of fixed shape (:mod:`optcc_mpi.check.protocol`),
    after which every rank goes on, or raises the same error before any buffer changed;
-3. **plan** (:func:`_plan_call`): the link profile (given, probed or watched) and the
-   schedule of the algorithm (``auto``: the fastest by the model), cached per
-   communicator;
+3. **plan** (:func:`optcc_mpi.planning._plan_call`): the link profile (given, probed or
+   watched), the link rate, and the schedule of the algorithm (``auto``: the fastest by
+   the model, :func:`choose_algorithm`), cached per communicator;
 4. **run** (:func:`_run_data`): the data already reduced in the check, the library's own
    AllReduce, every rank's data gathered and reduced in rank order, or the schedule on
    the executor over the communicator's transport (:mod:`optcc_mpi.transports`);
 5. **finish** (:func:`_finish`): keys back to floats, canonical NaNs, the record of the
    call (:func:`last_stats`).
+
+Every communicator's state, and the last call's record, are kept in one registry
+(:data:`optcc_mpi.communicators._STATES`).
 
 Short calls
 -----------
@@ -32,8 +37,9 @@ bytes) the data travels in the check itself and every rank reduces every rank's
 contribution in rank order: bit-identical on every rank by construction, one collective in
 all. Above the limit the check carries only the header and the library's AllReduce
 follows. The commonest short call over MPI (NumPy arrays, default arguments, a size seen
-before) runs either in C (:mod:`optcc_mpi.check.fastcall`): the same header, the same
-collectives, the same rank-order sums, at about the library's own latency.
+before) runs either in C (:mod:`optcc_mpi.compiled_path`, over
+:mod:`optcc_mpi.check.fastcall`): the same header, the same collectives, the same
+rank-order sums, at about the library's own latency.
 
 Across machines over gloo (no board, no compiled path) a short sum *rides*
 (:mod:`optcc_mpi.check.ride`): its data goes to the library's AllReduce with each rank's
@@ -46,9 +52,6 @@ and ``check`` itself must be the same on every rank).
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import functools
 from collections.abc import Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
@@ -56,24 +59,23 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from optcc_mpi import algorithms, config, transports
-from optcc_mpi.algorithms._policy import SMALL_BYTES, Fabric, network
-from optcc_mpi.backend import NUMPY, Array, Backend, buffer_of, result_like
-from optcc_mpi.check import crossover, fastcall, protocol
-from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch, code
-from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, CheckState, room_for, served
-from optcc_mpi.communicators import CallRecord, CommState, Fold, Plan, Registry
-from optcc_mpi.dtypes import CATEGORY, NAME_OF, OPS, VALID_PAIRS, dtype_name, op_name
-from optcc_mpi.dtypes import check_op_dtype as _check_op_dtype
-from optcc_mpi.emulation import Emulation, Pacer, forced_fraction
-from optcc_mpi.errors import ArgumentError, ArgumentTypeError, ExecutionError, as_ours
+from optcc_mpi.algorithms._policy import SMALL_BYTES
+from optcc_mpi.arguments import _NDARRAY, _Call
+from optcc_mpi.backend import NUMPY, Array, Backend, result_like
+from optcc_mpi.check import crossover, protocol
+from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch
+from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, room_for
+from optcc_mpi.communicators import _STATES, CallRecord, CommState, _known
+from optcc_mpi.compiled_path import _enable_compiled, _try_compiled
+from optcc_mpi.dtypes import CATEGORY, NAME_OF
+from optcc_mpi.emulation import Emulation, Pacer
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
-from optcc_mpi.probe import ProbeResult, link_rate, probe
+from optcc_mpi.planning import _HEALTHY, _plan_call, choose_algorithm
+from optcc_mpi.probe import ProbeResult, probe
 from optcc_mpi.reductions import reduce_rows
-from optcc_mpi.schedule import COLL, Params, Schedule
-from optcc_mpi.transports import Communicator, Transport
-from optcc_mpi.units import parse_rate
-from optcc_mpi.watch import MIN_BYTES
+from optcc_mpi.schedule import Params, Schedule
+from optcc_mpi.transports import Communicator
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -94,25 +96,6 @@ __all__ = [
     "SMALL_BYTES",
     "GATHER_MAX_P",
 ]  # and IN_PLACE, ALGORITHMS (module __getattr__)
-
-#: Marker for ``links="probe"``: measure the profile (once per communicator).
-PROBE = Links({})
-#: Marker for ``links="watch"``: learn the profile from the calls' own messages
-#: (:mod:`optcc_mpi.watch`).
-WATCH = Links({})
-_HEALTHY = Links()
-_OPSET = frozenset(OPS)
-_NDARRAY = np.ndarray
-_PROBE_CODE = code("probe")
-_WATCH_CODE = code("watch")
-_AUTO_CODE = code("auto")
-_NUMPY_CODE = code("numpy")
-#: The header of a short call on the compiled path, with the call's own fields zero.
-_COMPILED_HEADER = (
-    protocol.PROTOCOL, 0, 0, 0, 0, _AUTO_CODE, 0, 0, _NUMPY_CODE, 0, 0, 0
-)  # fmt: skip
-#: Every communicator's state, and the last call's record: the collectives' only state.
-_STATES = Registry()
 
 
 class InPlaceType:
@@ -144,10 +127,6 @@ def __getattr__(name: str) -> object:
 #: What :func:`start_call` passes as the send buffer of an in-place call (recognised by its
 #: type's name, as mpi4py's ``MPI.IN_PLACE`` is).
 IN_PLACE_MARK = InPlaceType()
-
-
-def _is_in_place(sendbuf: object) -> bool:
-    return sendbuf is None or type(sendbuf).__name__ == "InPlaceType"
 
 
 def last_stats() -> Mapping[str, object]:
@@ -188,24 +167,6 @@ def gather_limit(comm: Communicator = None) -> int:
     Measured (or read from ``$OPTCC_GATHER_LIMIT``) at the first call that needs it;
     asking here decides it now if needed, which is collective: ask on every rank."""
     return crossover.decide(_state(comm).check)
-
-
-def choose_algorithm(p: int, nbytes: int, links: Links) -> str:
-    """What ``algorithm="auto"`` runs: of the registered algorithms that declare
-    themselves eligible for this call (the library's AllReduce for short messages, the
-    point-to-point schedules for long ones), the one with the smallest modelled time;
-    ties go to the one listed first (the ring before OptCC on healthy links)."""
-    best, best_t = None, float("inf")
-    for alg in algorithms.all_algorithms():
-        if not alg.eligible(p, nbytes, links):
-            continue
-        t = alg.time(p, nbytes, 1.0, links)
-        # A relative margin keeps rounding in the cost models from breaking ties.
-        if best is None or t < best_t * (1 - 1e-9):
-            best, best_t = alg.name, t
-    if best is None:
-        raise ArgumentError(f"no registered algorithm is eligible for p={p}, {nbytes} bytes")
-    return best
 
 
 def allreduce(
@@ -567,280 +528,10 @@ def prepare(
     return Prepared(st, call, env)
 
 
-def _known(comm: object) -> CommState | None:
-    """The state of an MPI communicator seen before (None: COMM_WORLD), found with one
-    dictionary lookup; else None."""
-    if comm is None:
-        return _STATES.known(None)
-    handle = getattr(comm, "handle", None)
-    return _STATES.known(handle) if type(handle) is int else None
-
-
 def _state(comm: Communicator) -> CommState:
     """The communicator's state (:func:`_known`, else made or found by its transport)."""
     st = _known(comm)
     return st if st is not None else _STATES.state(transports.of(comm))
-
-
-# -- phase 1: this rank's arguments --------------------------------------------------------------
-class _Call:
-    """One call's arguments, checked on this rank (an error is kept in ``err``: every
-    rank must hear of it in the agreement before anyone raises)."""
-
-    __slots__ = (
-        "sendbuf", "result", "flat_in", "flat_out", "backend", "in_place", "opn", "name",
-        "count", "nbytes", "algorithm", "link_obj", "emu", "params", "check", "plan",
-        "fold", "fields", "seen", "err", "epoch", "stats", "work", "keyed", "watched",
-        "library", "label", "defer", "request", "record", "learnt", "rides",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        st: CommState,
-        sendbuf: Any,
-        recvbuf: Any,
-        op: str | MPI.Op,
-        algorithm: str,
-        links: Links | str | None,
-        emulate: Emulation | str | None,
-        params: Params | None,
-        check: bool,
-        label: tuple[str, str] | None = None,
-        classified: Backend | None = None,
-    ) -> None:
-        self.sendbuf, self.result = sendbuf, recvbuf
-        self.label = label
-        self.defer = False
-        self.request: object | None = None
-        self.record: CallRecord | None = None
-        self.algorithm, self.params, self.check = algorithm, params, check
-        self.plan: Plan | None = None
-        self.fold = False
-        self.fields: tuple[int, ...] = ()
-        self.seen: np.ndarray | None = None  # the watch's observations, riding the check
-        self.err: BaseException | None = None
-        self.epoch = 0.0
-        self.stats: ExecStats | None = None
-        self.work: Array | None = None
-        self.keyed = self.watched = self.library = self.rides = False
-        self.learnt: float | None = None  # the link rate learnt, where the header has it
-        self.link_obj = _HEALTHY
-        self.emu: Emulation | None = None
-        self.opn = op if type(op) is str and op in _OPSET else ""
-        # The buffers as flat arrays and their backend, set by _buffers; where this rank's
-        # arguments are rejected they stay unset (the call ends in the agreement, whose
-        # message reads the backend only if set: shown()).
-        self.flat_in: Array
-        self.flat_out: Array | None  # None until a result is made for it (_plan_call)
-        self.backend: Backend
-        self.in_place = False
-        self.name = ""
-        self.count = self.nbytes = 0
-        try:
-            self._buffers(st.transport, sendbuf, recvbuf, classified)
-            self._settings(st, op, links, emulate)
-        except Exception as exc:  # anything at all: the other ranks must hear of it
-            self.err = as_ours(exc)
-            self.fold = False
-
-    def _buffers(
-        self, transport: Transport, sendbuf: Any, recvbuf: Any, classified: Backend | None
-    ) -> None:
-        """The send and receive buffers as flat arrays of one backend (``classified``:
-        they are already, the caller classified them: :func:`start_call`)."""
-        flat_in: Array
-        flat_out: Array | None
-        backend: Backend
-        in_place = _is_in_place(sendbuf) or sendbuf is recvbuf
-        if classified is not None:
-            # Classified once, where the call began (a tensor's view): each classification
-            # is Python time on every call, and the caller's already said all of it.
-            backend, flat_out = classified, recvbuf
-            flat_in = recvbuf if in_place else sendbuf
-        elif type(sendbuf) is _NDARRAY and not in_place:
-            # The commonest calls, checked inline (buffer_of does the same, slower).
-            flat_in, backend = _numpy_flat(sendbuf, "sendbuf"), NUMPY
-            if recvbuf is None:
-                flat_out = None
-            elif type(recvbuf) is _NDARRAY:
-                flat_out = _numpy_flat(recvbuf, "recvbuf")
-                if flat_out.dtype != flat_in.dtype or flat_out.size != flat_in.size:
-                    _same_shape(flat_in, flat_out)
-                if np.may_share_memory(flat_in, flat_out):
-                    in_place = _overlap(flat_in, flat_out) is Overlap.SAME
-                    if not in_place:
-                        raise ArgumentError(
-                            "sendbuf and recvbuf overlap; use IN_PLACE to reduce in place"
-                        )
-                if not flat_out.flags.writeable:
-                    raise ArgumentError("recvbuf is read-only")
-            else:
-                flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
-        elif in_place:
-            if recvbuf is None:
-                raise ArgumentError(
-                    "sendbuf is IN_PLACE (or None) but no recvbuf was given: pass the "
-                    "buffer to reduce in place as recvbuf"
-                )
-            flat_out, backend = buffer_of(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
-            flat_in = flat_out
-        else:
-            flat_in, backend = buffer_of(sendbuf, what="sendbuf", tensors=transport.caps.tensors)
-            flat_out = None
-            if recvbuf is not None:
-                flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
-        if in_place and not backend.writable(flat_out):
-            raise ArgumentError("recvbuf is read-only")
-        if transport.caps.tensors:  # a library of its own kinds of memory (torch.distributed)
-            transport.check_backend(backend)
-        self.flat_in, self.flat_out, self.backend = flat_in, flat_out, backend
-        self.in_place = in_place
-        self.name = backend.dtype_name(flat_in) or dtype_name(flat_in.dtype)
-        self.count = int(flat_in.shape[0])
-        self.nbytes = self.count * flat_in.dtype.itemsize
-
-    def _settings(
-        self,
-        st: CommState,
-        op: str | MPI.Op,
-        links: Links | str | None,
-        emulate: Emulation | str | None,
-    ) -> None:
-        """The reduction, the algorithm's parameters, the link profile, the emulation,
-        the plan where it is known already, and the header this rank sends."""
-        if not self.opn:
-            self.opn = op_name(op)
-        if (self.opn, self.name) not in VALID_PAIRS:
-            _check_op_dtype(self.opn, self.name)
-        if type(self.algorithm) is not str:
-            raise ArgumentTypeError(
-                f"algorithm must be a string, not {type(self.algorithm).__name__}"
-            )
-        if self.algorithm != "auto":
-            algorithms.get(self.algorithm).check_params(self.params or {})
-        self.link_obj = _links_of(st, links, self.nbytes)
-        if emulate is None:
-            self.emu = _emulation_from_env(config.rc.emulate)
-        else:
-            self.emu = Emulation.coerce(emulate)
-        if self.emu is not None:
-            forced_fraction()  # a bad per-rank fraction fails here, before the agreement
-        # The plan is a pure function of arguments that must agree, so computing it
-        # before the agreement cannot make ranks diverge; "probe" and "watch" wait.
-        # A schedule sized by a link rate not learnt yet waits too (the rate is measured
-        # collectively, after the agreement: _plan_call).
-        if self.link_obj is not WATCH and not (st.rate is None and _learns_rate(st, self)):
-            known = st.probe.links if st.probe is not None else None
-            profile = known if self.link_obj is PROBE else self.link_obj
-            if profile is not None:
-                self.plan = _plan(st, self, profile)
-        p = st.size
-        if self.check and p > 1:
-            self.fields = self._header(st)
-            # A short sum that rides (check.ride): its data goes with a flag in the
-            # library's AllReduce, never in the check nor gathered.
-            self.rides = st.ride is not None and st.ride.takes(self.fields)
-        self.fold = (
-            self.check
-            and self.algorithm == "auto"
-            and self.plan is not None
-            and self.plan.library_only
-            and self.backend is NUMPY
-            and self.emu is None
-            and 1 < p <= GATHER_MAX_P
-            and not self.rides
-        )
-
-    def _header(self, st: CommState) -> tuple[int, ...]:
-        link, emu, params = self.link_obj, self.emu, self.params
-        if link is WATCH:
-            # What the last call measured rides in the check's data room (the data of a
-            # watched call never does: its plan waits for the agreed profile).
-            self.seen = st.watch_made().contribution()
-        lcode = (
-            _PROBE_CODE
-            if link is PROBE
-            else _WATCH_CODE
-            if link is WATCH
-            else code(repr(link.key()))
-            if link.fractions
-            else 0
-        )
-        rate = self._rate(st)
-        if rate is not None:
-            lcode = code(f"{lcode} at {rate}")
-        return (
-            protocol.PROTOCOL,
-            0,
-            self.count,
-            protocol.DTYPE_CODE[self.name],
-            protocol.OP_CODE[self.opn],
-            _AUTO_CODE if self.algorithm == "auto" else code(self.algorithm),
-            lcode,
-            0 if emu is None else code(str(emu)),
-            _NUMPY_CODE if self.backend is NUMPY else code(self.backend.name),
-            _params_code(params, self.label),
-            self.nbytes,
-            0,
-        )
-
-    def _rate(self, st: CommState) -> str | None:
-        """The link rate the call's schedule is built from, for the header: the value of
-        ``$OPTCC_LINK_RATE`` in bytes/s, or the rate learnt (``learnt`` and its value, or
-        None before it is), where the schedule is built from it (a schedule of ours, or
-        one not planned yet: the profile or the rate is learnt); else None. Ranks that
-        build from different rates would run different schedules, so the check agrees on
-        it. A call the library alone serves does not depend on it (nor does the compiled
-        path's header carry it)."""
-        text = self._rate_text()
-        if text is not None:
-            return repr(_rate_of(text))
-        if _learns_rate(st, self) and (self.plan is None or not self.plan.library_only):
-            self.learnt = st.rate or 0.0  # (for shown(): another rank's error message)
-            return f"learnt {st.rate!r}"
-        return None
-
-    def _rate_text(self) -> str | None:
-        """``$OPTCC_LINK_RATE`` as set, where the call's schedule is built from it."""
-        if self.plan is not None and self.plan.library_only:
-            return None
-        return config.rc.link_rate
-
-    def shown(self) -> dict[str, str]:
-        """What this rank passed, in words, for error messages on other ranks."""
-        link = self.link_obj
-        profile = "probe" if link is PROBE else "watch" if link is WATCH else str(link)
-        rate = self._rate_text()
-        if rate is not None:
-            profile += f" at OPTCC_LINK_RATE={rate}"
-        elif self.learnt is not None:
-            profile += (
-                " before the link rate was learnt"
-                if self.learnt == 0.0
-                else f" at the link rate learnt ({self.learnt / 1e6:.3g} MB/s)"
-            )
-        shown = {
-            "element count": str(self.count),
-            "dtype": self.name or "?",
-            "op": self.opn or "?",
-            "algorithm": repr(self.algorithm),
-            "link profile": profile,
-            "emulation": str(self.emu or "none"),
-            "backend": getattr(getattr(self, "backend", None), "name", "?"),
-            "params": repr(self.params or {}),
-        }
-        if self.label is not None:
-            # The caller's own argument rides in the params field, under its own name.
-            shown["params name"], shown["params"] = self.label
-        return shown
-
-
-def _params_code(params: Params | None, label: tuple[str, str] | None) -> int:
-    """The header's field of the algorithm's parameters and the caller's label."""
-    text = repr(sorted(params.items())) if params else ""
-    if label is not None:
-        text += f"|{label[0]}={label[1]}"
-    return code(text) if text else 0
 
 
 # -- phase 2: agree -----------------------------------------------------------------------------
@@ -891,194 +582,6 @@ def _guessed(st: CommState, call: _Call) -> bool:
         cast(np.ndarray, call.flat_in) if mine else None,
         out,
     )
-
-
-# -- phase 3: plan ------------------------------------------------------------------------------
-def _links_of(st: CommState, links: Links | str | None, nbytes: int) -> Links:
-    """This rank's link profile (PROBE for "probe", WATCH for "watch"), in the
-    communicator's ranks, for a call of ``nbytes``.
-
-    Told nothing (no ``links``, no ``$OPTCC_LINKS``), a call whose ranks span machines
-    learns the links (WATCH) where its messages are long enough to time
-    (:data:`~optcc_mpi.watch.MIN_BYTES`); shorter calls, and ranks that share one machine
-    (nothing there is a link to watch), take the links as healthy. The same on every rank:
-    the transport's kind and the call's size are agreed (the size by the check)."""
-    if links is None:
-        text = config.rc.links
-        if text is None:
-            if st.transport.kind == "network" and nbytes >= MIN_BYTES:
-                return WATCH
-            return _HEALTHY
-        links = text
-        marker = text.strip().lower()
-        if marker not in ("probe", "watch"):
-            return st.links_from_env(text)
-    if isinstance(links, str):
-        marker = links.strip().lower()
-        if marker == "probe":
-            return PROBE
-        if marker == "watch":
-            return WATCH
-    link_obj = Links.coerce(links)
-    link_obj.check(st.size)
-    return link_obj
-
-
-#: The fastest learnt rate (bytes/s: 200 Mbit/s) that sizes a network's schedules; above
-#: it the default model's (a 10 Gbit/s NIC's, 97.7 KiB sections) serves. Measured on the
-#: namespace testbed (2 cores): at 16 ranks the rate took OptCC from 1.45x to 1.07x the
-#: bound at 50 Mbit/s and from 1.52x to 1.09x at 200 (docs/testbed.md 1.6j,
-#: docs/results.md), at 2 ranks and 200 Mbit/s it changed nothing (1.009x, 1.012x); but at
-#: 8 ranks and 400 Mbit/s the learnt 37 MB/s cut a 25 MiB call into 128 segments of 25 KB
-#: sections, 2.10 s a call against 1.47 s with the default's 37 (the ranks' TCP there
-#: keeps both cores busy, and every message's cost is more than the model's 40 us times
-#: the ranks per core: ours, not a model yet). ``$OPTCC_LINK_RATE`` has no such cap.
-LEARNT_RATE_MAX = 25e6
-
-
-def _learns_rate(st: CommState, call: _Call) -> bool:
-    """Whether the call's schedule is sized by a link rate the communicator learns: its
-    ranks span machines (transport kind ``network``, not emulated), ``$OPTCC_LINK_RATE``
-    is not set, and the call may run a schedule of ours (``auto`` from
-    :data:`~optcc_mpi.algorithms._policy.SMALL_BYTES` on, or an algorithm whose cost
-    model takes the transport). The same on every rank: each input is agreed by the
-    check (the transport's kind is the same everywhere)."""
-    if st.size < 2 or st.transport.kind != "network" or call.emu is not None:
-        return False
-    if config.rc.link_rate is not None:
-        return False
-    if call.algorithm == "auto":
-        return call.nbytes >= SMALL_BYTES
-    try:
-        return "transport" in algorithms.get(call.algorithm).params
-    except ArgumentError:  # (an unknown name: the check says so on every rank)
-        return False
-
-
-def _learn_rate(st: CommState, call: _Call, probed: ProbeResult | None = None) -> None:
-    """Learn a healthy link's rate the first time a call needs it (:func:`_learns_rate`):
-    the reference of the probe this call just ran (``probed``: it measured every link),
-    else measured now (:func:`optcc_mpi.probe.link_rate`, collective: every rank is here
-    at the same call, as the check agreed); the communicator keeps it.
-    ``$OPTCC_LINK_RATE`` overrides."""
-    if st.rate is None and _learns_rate(st, call):
-        got = probed.reference if probed is not None else 0.0
-        st.rate = got if got > 0 else (link_rate(st.transport) or 0.0)
-
-
-@functools.lru_cache(maxsize=8)
-def _rate_of(text: str) -> float:
-    """``$OPTCC_LINK_RATE``'s value in bytes/s (a bad one is this rank's error, which the
-    check then agrees on)."""
-    try:
-        return parse_rate(text)
-    except ArgumentError as exc:
-        raise ArgumentError(f"OPTCC_LINK_RATE={text!r}: {exc}") from None
-
-
-def _emulation_from_env(text: str | None) -> Emulation | None:
-    text = (text or "").strip()
-    return _parse_emulation(text) if text else None
-
-
-@functools.lru_cache(maxsize=32)
-def _parse_emulation(text: str) -> Emulation:
-    """``$OPTCC_EMULATE``'s value, parsed once per text (a pure function of it)."""
-    return Emulation.parse(text)
-
-
-def _plan(st: CommState, call: _Call, links: Links) -> Plan:
-    """What the call runs (:class:`~optcc_mpi.communicators.Plan`); cached per
-    communicator.
-
-    A builder that declares a ``transport`` parameter (and was not given one) is told the
-    communicator's: the network model (:func:`~optcc_mpi.algorithms._policy.network`, at
-    the transport's ranks per core) under emulation or where the transport reports a
-    network, else what the transport reports."""
-    emulated = call.emu is not None
-    itemsize = call.flat_in.dtype.itemsize
-    params = call.params
-    pkey = repr(sorted(params.items())) if params else ""
-    algorithm = call.algorithm
-    # On healthy links a library whose AllReduce is already bandwidth-optimal (gloo's and
-    # NCCL's rings) serves every size it reduces exactly as we do: a schedule of ours
-    # could only match it, at a cost per message in Python.
-    served_all = (
-        algorithm == "auto"
-        and links.healthy
-        # (the watch learns from the messages of a schedule: on healthy links it asks
-        # for one every few calls, the library serving the others)
-        and not (call.watched and st.watch_made().observes())
-        and not emulated
-        and st.transport.caps.library_optimal
-        and st.transport.native(call.backend, call.name, call.opn)
-    )
-    # (a network's schedules are sized by the rate learnt, where it is: _learns_rate,
-    # and slow enough for the model: LEARNT_RATE_MAX)
-    rate = None if emulated or not st.rate or st.rate > LEARNT_RATE_MAX else st.rate
-    key = (
-        algorithm, call.count, itemsize, links.key(), pkey, emulated, served_all, rate,
-        call.watched,
-    )  # fmt: skip
-    hit = st.plans.get(key)
-    if hit is not None:
-        return hit
-    p = st.size
-    if algorithm == "auto":
-        # (served_all: what auto runs for a message too short for any schedule)
-        name = choose_algorithm(p, 0 if served_all else call.nbytes, links)
-    else:
-        name = algorithm
-    given = dict(params or {})
-    if "transport" in algorithms.get(name).params and "transport" not in given:
-        kind = "network" if emulated else st.transport.kind
-        # (over a network, the model at the rate told or learnt, weighed by the ranks per
-        # core)
-        fabric: Fabric | str = kind
-        if kind == "network":
-            fabric = network(st.transport.crowding, rate)
-            if call.watched and fabric.section_min < MIN_BYTES:
-                # The watch times only messages of MIN_BYTES or more: sections cut finer
-                # (the model's floor on slow links, 4-16 KB) would leave a watched call
-                # nothing to read, and a link that recovers under the plan unseen
-                # (the 4-rank testbed stayed at 1:0.5 for 14 calls after rank 1 healed).
-                fabric = dataclasses.replace(fabric, section_min=MIN_BYTES)
-        given["transport"] = fabric
-    sched = algorithms.build(name, p, call.count, links, itemsize=itemsize, **given)
-    coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
-    return st.plans.put(key, Plan(name, sched, coll_only))
-
-
-def _plan_call(st: CommState, call: _Call) -> None:
-    """Settle the profile every rank agreed on ("probe": measured now; "watch": from the
-    observations every rank gathered) and the link rate (learnt now where the schedule
-    needs it and it is not known yet), and plan for them."""
-    probed = None
-    settled = call.link_obj is PROBE or call.link_obj is WATCH
-    if call.link_obj is PROBE:
-        # Every rank agreed on "probe" above, so all of them take part in it.
-        if st.probe is None:
-            st.probe = probed = probe(st.transport, emulate=call.emu)
-        call.link_obj = st.probe.links
-    elif call.link_obj is WATCH:
-        # Each rank brings its side of what its last call measured, and every rank reads
-        # the same gathered rows, hence decides the same profile at the same call.
-        watch = st.watch_made()
-        call.watched = True
-        seen = call.seen
-        if seen is not None and protocol.extra_fits(st.check, seen.size):
-            rows = protocol.gathered_extra(st.check, seen.size)
-        else:  # no check ran, or its room was too small: one small collective more
-            rows = np.array(st.transport.allgather(watch.contribution()), dtype=np.int64)
-            call.epoch = perf_counter()
-        # Where the traffic suspects a change, every rank probes on the transport.
-        call.link_obj = watch.agree(rows, st.transport, call.emu)
-    if settled or call.plan is None:
-        # (a profile told, and a rate to learn first, leaves the plan to here: _settings)
-        _learn_rate(st, call, probed)
-        call.plan = _plan(st, call, call.link_obj)
-    if call.flat_out is None:
-        call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
 
 
 # -- phase 4: run -------------------------------------------------------------------------------
@@ -1320,236 +823,3 @@ def _finish_inline(st: CommState, call: _Call) -> Any:  # what allreduce returns
     if call.link_obj is _HEALTHY and call.emu is None and not call.params:
         _enable_compiled(st, flat_in.dtype, call.nbytes, plan)
     return call.result
-
-
-# -- buffers ------------------------------------------------------------------------------------
-def _recvbuf_for(
-    transport: Transport, flat_in: Array, recvbuf: Any, backend: Backend
-) -> tuple[Array, bool]:
-    """``recvbuf`` as a flat array of ``sendbuf``'s kind, checked, and whether it is
-    ``sendbuf``'s very memory (then the call is in place, as in mpi4py)."""
-    flat_out, out_backend = buffer_of(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
-    if out_backend is not backend:
-        raise ArgumentTypeError(
-            f"sendbuf is a {backend.name} buffer but recvbuf a "
-            f"{out_backend.name} one; pass two of the same kind"
-        )
-    _same_shape(flat_in, flat_out)
-    overlap = _overlap(flat_in, flat_out)
-    if overlap is Overlap.PARTLY:
-        raise ArgumentError("sendbuf and recvbuf overlap; use IN_PLACE to reduce in place")
-    if not backend.writable(flat_out):
-        raise ArgumentError("recvbuf is read-only")
-    return flat_out, overlap is Overlap.SAME
-
-
-def _same_shape(flat_in: Array, flat_out: Array) -> None:
-    """ArgumentError unless send and receive buffers have the same type and count."""
-    if flat_out.dtype != flat_in.dtype:
-        raise ArgumentError(
-            f"recvbuf dtype {flat_out.dtype} differs from sendbuf dtype {flat_in.dtype}"
-        )
-    if flat_out.shape[0] != flat_in.shape[0]:
-        raise ArgumentError(f"recvbuf has {flat_out.shape[0]} elements, sendbuf {flat_in.shape[0]}")
-
-
-def _numpy_flat(arr: np.ndarray, what: str) -> np.ndarray:
-    """``arr`` as a 1-D view, if contiguous in either order."""
-    if arr.ndim == 1:
-        if arr.flags.c_contiguous:
-            return arr
-    else:
-        flags = arr.flags
-        if flags.c_contiguous or flags.f_contiguous:
-            return arr.ravel(order="K")
-    buffer_of(arr, what=what)  # raises the error
-    raise AssertionError("unreachable: buffer_of refuses non-contiguous")  # pragma: no cover
-
-
-class Overlap(enum.Enum):
-    """How two buffers of the same size share memory."""
-
-    #: Not at all.
-    NONE = 0
-    #: They are the same memory (the call is in place).
-    SAME = 1
-    #: In part (an error).
-    PARTLY = 2
-
-
-def _overlap(a: Array, b: Array) -> Overlap:
-    """How ``a`` and ``b`` (1-D, same size and type) share memory."""
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):  # (both, or neither)
-        if not np.may_share_memory(a, b):
-            return Overlap.NONE
-        pa = a.__array_interface__["data"][0]
-        pb = b.__array_interface__["data"][0]
-        return Overlap.SAME if pa == pb else Overlap.PARTLY
-    pa, pb = _address(a), _address(b)
-    if pa is None or pb is None:
-        return Overlap.NONE
-    if pa == pb:
-        return Overlap.SAME
-    n = a.shape[0] * a.dtype.itemsize
-    return Overlap.PARTLY if pa < pb + n and pb < pa + n else Overlap.NONE
-
-
-def _address(arr: Array) -> int | None:
-    """Where a tensor's or a CuPy array's memory starts (None for other arrays)."""
-    data_ptr = getattr(arr, "data_ptr", None)
-    if data_ptr is not None:  # torch
-        return int(data_ptr())
-    ptr = getattr(getattr(arr, "data", None), "ptr", None)  # CuPy
-    return None if ptr is None else int(ptr)
-
-
-# -- the compiled call path ----------------------------------------------------------------------
-#: Per transport class, whether it offers the compiled path (asked once per class: a
-#: check against a runtime protocol costs tens of microseconds a call).
-_COMPILABLE: dict[type, bool] = {}
-
-
-def _enable_compiled(st: CommState, dtype: np.dtype, nbytes: int, plan: Plan) -> None:
-    """After a short call whose data travelled in the check with default arguments:
-    let the next such calls of this size and type take the compiled path."""
-    transport = st.transport
-    known = _COMPILABLE.get(type(transport))
-    if known is None:
-        known = _COMPILABLE[type(transport)] = isinstance(transport, fastcall.Compilable)
-    if not known:
-        return
-    if _STATES.fold is None:
-        # Bound at the first MPI call that could use it (binding it loads MPI, which a
-        # torch-only job never does).
-        _STATES.fold = fastcall.fold_function()
-        if _STATES.fold is None:
-            return
-    key = (nbytes, dtype)
-    if key not in st.folds:
-        st.folds.put(key, _fold_entry(st, plan))
-    compilable = cast(fastcall.Compilable, transport)  # (known above)
-    st.check.make_compiled(functools.partial(_compiled_context, compilable))
-
-
-def _fold_entry(st: CommState, plan: Plan) -> Fold:
-    """The records of this plan's calls on the compiled path, made once: a call there
-    costs no allocation for its record."""
-    name, on = st.transport.name, st.transport.board_state
-
-    def record(inline: bool) -> CallRecord:
-        return CallRecord(
-            plan.algorithm, plan.schedule, ExecStats(), _HEALTHY, None, {}, inline, name, on
-        )
-
-    return Fold(plan, record(True), record(False))
-
-
-def _compiled_context(transport: fastcall.Compilable, chk: CheckState) -> object | None:
-    """The compiled path's context over the check buffers of ``chk``. Until the gather
-    limit is decided: the least room, and nothing for the library (the Python path
-    decides the limit at the first call that needs it)."""
-    limit = chk.limit_known
-    handles = transport.predefined if chk.gather_limit is not None else None
-    return fastcall.context(
-        chk.transport,
-        chk.block,
-        chk.gathered,
-        chk.room,
-        _COMPILED_HEADER,
-        served(chk.size, chk.room, limit),
-        FOLD_MIN,
-        limit,
-        handles,
-    )
-
-
-def _try_compiled(
-    sendbuf: Any, recvbuf: Any, op: str | MPI.Op, comm: Communicator, check: bool
-) -> np.ndarray | None:
-    """The result if the compiled path took the call, else None (it declined, having
-    touched nothing, and the Python path runs the call)."""
-    if type(sendbuf) is _NDARRAY:
-        if type(recvbuf) is _NDARRAY:
-            return recvbuf if _compiled(sendbuf, recvbuf, op, comm, check) else None
-        if recvbuf is None:
-            out = np.empty_like(sendbuf)
-            return out if _compiled(sendbuf, out, op, comm, check) else None
-    elif _is_in_place(sendbuf) and type(recvbuf) is _NDARRAY:
-        return recvbuf if _compiled(recvbuf, recvbuf, op, comm, check) else None
-    return None
-
-
-_OP_CODE = protocol.OP_CODE
-
-
-def _compiled(
-    sendbuf: np.ndarray, recvbuf: np.ndarray, op: str | MPI.Op, comm: Communicator, check: bool
-) -> bool:
-    """Run the call on the compiled path (:mod:`optcc_mpi.check.fastcall`) if it can take it;
-    False when it declined, having touched nothing.
-
-    The caller checked the arguments that must be at their defaults. Here: the
-    communicator's state exists with a context for its current check room, which the
-    ranks agreed for this call (every rank derives it from the previous call's headers),
-    no setting changes the call, and an earlier call of this size and type was one whose
-    data travels in that room, or (above the gather limit, once decided) one that went to
-    the library's AllReduce after the check (``auto`` hands it to the library). With
-    ``check=False`` the same collectives run without comparing the headers: up to the limit
-    the room is the one the Python path's gather uses for this size
-    (:func:`~optcc_mpi.check.state.room_for`), so ranks on either path move blocks of one
-    shape; above it, the library's AllReduce alone.
-
-    A loop over one communicator skips the lookup (:attr:`Registry.recent`). Holding the
-    communicator object keeps its identity from being reused; a freed communicator's state
-    has no compiled context (the registry drops it when the transport closes), so its
-    calls go to Python."""
-    recent_comm, st = _STATES.recent
-    if comm is not recent_comm or st is None:
-        st = _known(comm)
-        if st is None:
-            return False
-        _STATES.recent = (comm, st)
-    chk = st.check
-    fast = chk.compiled
-    if fast is None or (check and not chk.ready):
-        return False  # (without the check, the room is room_for()'s: the C side checks it)
-    if type(op) is not str:
-        return False
-    opc = _OP_CODE.get(op)
-    rc = config.rc
-    if opc is None or rc.links is not None or rc.emulate is not None:
-        return False
-    dtype = sendbuf.dtype
-    nbytes = sendbuf.nbytes
-    entry = st.folds.get((nbytes, dtype))
-    if entry is None:
-        return False
-    # allreduce() comes here only once fold is bound (not None): no check on this path.
-    answer = _STATES.fold(fast, sendbuf, recvbuf, opc, check)  # type: ignore[misc]
-    if answer == fastcall.FALLBACK:
-        return False
-    inline = bool(check)
-    if answer == fastcall.GATHERED:  # agreed; a reduction the C path leaves to NumPy
-        protocol.reduce_gathered(chk, op, dtype, nbytes, _numpy_flat(recvbuf, "recvbuf"))
-    elif answer == fastcall.LIBRARY:  # the check, then the library's AllReduce
-        inline = False
-    elif answer == fastcall.MISMATCH:
-        # As the Python path: every rank saw the same headers, so the same next room and
-        # the same error (the ranks on the Python path raise it from the check).
-        table = chk.heads.copy().view("<i8")
-        chk.agree_next(FOLD_MIN)
-        shown = {
-            "element count": str(sendbuf.size),
-            "dtype": NAME_OF[dtype],
-            "op": op,
-            "algorithm": "'auto'",
-            "link profile": str(_HEALTHY),
-            "emulation": "none",
-            "backend": NUMPY.name,
-            "params": "{}",
-        }
-        protocol.disagreement(chk, None, Mismatch(table=table), shown)
-    elif answer != fastcall.DONE:
-        raise ExecutionError(f"the compiled call path failed (code {answer})")
-    _STATES.last = entry.gathered if inline else entry.library
-    return True

@@ -2,12 +2,13 @@
 
 The first collective call on a communicator (an mpi4py communicator or a
 ``torch.distributed`` process group, through its transport) makes its :class:`CommState`
-in the :class:`Registry` that :mod:`optcc_mpi.collectives` owns; every later call finds it
-there. It holds what every later call would otherwise recompute: the link profile from
-``$OPTCC_LINKS`` translated to this communicator's ranks, the probe's result, the watch,
-the link rate learnt, the schedules built (:class:`Plan`), the argument check's buffers,
-room, gather limit and compiled context (:class:`~optcc_mpi.check.state.CheckState`), and
-the plans of the short calls the compiled path may take.
+in the one :class:`Registry` (:data:`_STATES`, which the collectives alone write); every
+later call finds it there. It holds what every later call would otherwise recompute: the
+link profile from ``$OPTCC_LINKS`` translated to this communicator's ranks, the probe's
+result, the watch, the link rate learnt, the schedules built (:class:`Plan`), the argument
+check's buffers, room, gather limit and compiled context
+(:class:`~optcc_mpi.check.state.CheckState`), and the plans of the short calls the
+compiled path may take.
 
 Transports hold nothing of this: a transport only says when its communicator goes away
 (:meth:`~optcc_mpi.transports.Transport.on_close`), and the registry then drops the
@@ -204,8 +205,8 @@ class CommState:
 
 class Registry:
     """Every communicator's :class:`CommState`, by transport (and, for the compiled path's
-    one-lookup search, by MPI handle); the last call's record. One instance, owned by
-    :mod:`optcc_mpi.collectives`."""
+    one-lookup search, by MPI handle); the last call's record. One instance,
+    :data:`_STATES`, written by the collectives alone."""
 
     __slots__ = ("_states", "_by_handle", "_world", "_lock", "recent", "last", "fold")
 
@@ -260,3 +261,17 @@ class Registry:
             st.check.close()
             if self.recent[1] is st:
                 self.recent = (self, None)
+
+
+#: Every communicator's state, and the last call's record: the collectives' only state,
+#: written by them alone (:mod:`optcc_mpi.collectives`, :mod:`optcc_mpi.compiled_path`).
+_STATES = Registry()
+
+
+def _known(comm: object) -> CommState | None:
+    """The state of an MPI communicator seen before (None: COMM_WORLD), found with one
+    dictionary lookup; else None."""
+    if comm is None:
+        return _STATES.known(None)
+    handle = getattr(comm, "handle", None)
+    return _STATES.known(handle) if type(handle) is int else None

@@ -60,8 +60,9 @@ MIN_SECONDS = 0.08
 MAX_BYTES = 16 << 20
 #: :func:`probe_ranks`' defaults, the watch's too (:class:`optcc_mpi.watch.LinkWatch`'s
 #: ``probe_size``, ``probe_partners``, ``probe_repeats``): bytes per message to start from
-#: (doubled while too short to time, above), partners per rank spread over the ring (as the
-#: doctor's), and repeats (fewer than the doctor's 5: the watch runs it mid-job).
+#: (doubled while too short to time, above), partners per rank spread over the ring (the
+#: doctor's too: :data:`optcc_mpi.doctor.DEFAULT_PARTNERS` is this one), and repeats (fewer
+#: than the doctor's 5: the watch runs it mid-job).
 RANK_PROBE_BYTES = 2 << 20
 RANK_PROBE_PARTNERS = 3
 RANK_PROBE_REPEATS = 3
@@ -319,7 +320,7 @@ def link_rate(comm: Communicator) -> float | None:
     ranks' rates, so that up to half of them may be slow. The same on every rank (from
     the gathered times); None where nothing was measured (a single rank).
 
-    What the collectives learn when told no rate (:mod:`optcc_mpi.collectives`): about
+    What the collectives learn when told no rate (:mod:`optcc_mpi.planning`): about
     ``MIN_SECONDS`` plus one barrier, once per communicator (0.1 s at 400 Mbit/s on 8
     ranks, 0.4 s at 50 Mbit/s on 16, where the smallest message already takes longer).
     """

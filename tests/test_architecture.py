@@ -70,6 +70,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The check's face: lazy names only (it imports none of its modules).
     ("the argument check's face", ("check",)),
     ("what the collectives keep per communicator", ("communicators",)),
+    ("a call's plan: its links, the link rate, the schedule", ("planning",)),
+    ("a call's arguments, checked on its rank; its buffers' checks", ("arguments",)),
+    ("the compiled call path", ("compiled_path",)),
     ("the collective entry points", ("collectives",)),
     (
         "tensors over a transport, the torch.distributed backend, its ordered worker, its "

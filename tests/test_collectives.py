@@ -15,7 +15,7 @@ import pytest
 from array_kinds import KIND_IDS, KINDS
 
 import optcc_mpi
-from optcc_mpi import config, testing
+from optcc_mpi import arguments, config, testing
 from optcc_mpi.backend import instance as _instance
 from optcc_mpi.collectives import last_stats
 from optcc_mpi.dtypes import DTYPES, check_op_dtype
@@ -805,7 +805,10 @@ def test_agreement_by_allreduce_above_gather_limit(monkeypatch: pytest.MonkeyPat
     """Above GATHER_MAX_P ranks the agreement is an MPI_Allreduce of the headers:
     results and errors as with the gather."""
     comm, rank, p = world()
-    monkeypatch.setattr(optcc_mpi.collectives, "GATHER_MAX_P", 0)
+    # Where the collectives read it: the flow (the short path, the gather), and the call
+    # checked on its rank (whether its data may travel in the check).
+    for module in (optcc_mpi.collectives, arguments):
+        monkeypatch.setattr(module, "GATHER_MAX_P", 0)
     for n in (1, 1009, 70_000):
         xs = inputs("exact", "float64", n, p, 30)
         y = optcc_mpi.allreduce(xs[rank])

@@ -272,6 +272,30 @@ def test_a_rank_whose_partners_were_all_as_slow_is_unresolved() -> None:
     assert verdicts(diag) == {r: "degraded" if r in (0, 1, 9) else "healthy" for r in range(10)}
 
 
+def test_a_rank_slow_in_one_direction_only_is_named(rng: np.random.Generator) -> None:
+    """A rank whose messages out take twice as long and whose messages in do not (a link
+    shaped one way only) is degraded at its slow direction: the doctor rates a rank by
+    the smaller of its directions, where the watch's and the probes' estimator
+    (:func:`optcc_mpi.linkrates.rank_rates`, the faster) would call it healthy."""
+    from optcc_mpi import linkrates
+
+    slow = 3
+    the_plan = dr.plan(dr.Layout.uniform(8), size=MiB)
+    recs = synthetic(the_plan, {}, noise=0.1, rng=rng)
+    for rec in recs:
+        rows = rec["rows"]  # (round, sender, seconds)
+        rows[rows[:, 1] == slow, 2] *= 2
+    diag = dr.diagnose(the_plan, recs)
+    assert diag.flagged == [slow] and diag.status == "degraded"
+    row = diag.ranks[slow]
+    assert row.verdict == "degraded"
+    assert row.fraction_egress == pytest.approx(0.5, abs=0.1)
+    assert row.fraction_ingress > 0.8
+    assert row.fraction == row.fraction_egress
+    faster = linkrates.rank_rates(np.array([row.fraction_egress]), np.array([row.fraction_ingress]))
+    assert faster[0] > 0.8
+
+
 def test_noise_alone_is_not_a_degraded_link(rng: np.random.Generator) -> None:
     """Each repeat of every round slowed at random by up to 40% (and one repeat of one
     rank by 60%): the best of the repeats stays above the threshold."""

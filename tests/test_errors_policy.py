@@ -79,7 +79,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "abstract methods of the attached-rows helper"
     ),
     # -- kept on purpose ---------------------------------------------------------------
-    ("optcc_mpi/collectives.py", "_numpy_flat", "AssertionError"): (
+    ("optcc_mpi/arguments.py", "_numpy_flat", "AssertionError"): (
         "an unreachable line (buffer_of raised first): an assertion of ours, not an error "
         "a caller can cause"
     ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optcc_mpi import collectives, config, dtypes
+from optcc_mpi import communicators, config, dtypes
 from optcc_mpi.check import fastcall, protocol
 
 
@@ -13,7 +13,7 @@ def test_the_install_built_it() -> None:
     assert fastcall.available(), "make install builds optcc_mpi/check/_fastcall.c"
     assert callable(fastcall.fold_function())
     # Bound once, at the first call over MPI that can use it (test_fastcall_mpi.py).
-    assert collectives._STATES.fold in (None, fastcall.fold_function())
+    assert communicators._STATES.fold in (None, fastcall.fold_function())
 
 
 def test_off_switch_declines_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import optcc_mpi
-from optcc_mpi import collectives, config
+from optcc_mpi import collectives, communicators, config
 from optcc_mpi.check import crossover, fastcall
 from optcc_mpi.check.state import rooms
 from optcc_mpi.collectives import last_stats
@@ -33,14 +33,14 @@ def answers(monkeypatch: pytest.MonkeyPatch) -> Counter:
     names = {fastcall.FALLBACK: "fallback", fastcall.DONE: "done", fastcall.GATHERED: "gathered"}
     names[fastcall.MISMATCH] = "mismatch"
     names[fastcall.LIBRARY] = "library"
-    real = collectives._STATES.fold or fastcall.fold_function()
+    real = communicators._STATES.fold or fastcall.fold_function()
 
     def counted(*args: Any) -> int:
         answer = real(*args)
         seen[names.get(answer, "mpi error")] += 1
         return answer
 
-    monkeypatch.setattr(collectives._STATES, "fold", counted)
+    monkeypatch.setattr(communicators._STATES, "fold", counted)
     monkeypatch.delenv("OPTCC_LINKS", raising=False)
     config.reload()
     monkeypatch.delenv("OPTCC_EMULATE", raising=False)

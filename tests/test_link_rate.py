@@ -115,20 +115,20 @@ def test_told_no_rate_ranks_on_several_machines_learn_it(
     import numpy as np
 
     import optcc_mpi
-    from optcc_mpi import collectives
+    from optcc_mpi import collectives, planning
     from optcc_mpi.testing.local import LocalTransport, LocalWorld
 
     monkeypatch.delenv("OPTCC_LINK_RATE", raising=False)
     monkeypatch.delenv("OPTCC_LINKS", raising=False)
     config.reload()
     measured: list[int] = []
-    real = collectives.link_rate
+    real = planning.link_rate
 
     def counted(comm: LocalTransport) -> float | None:
         measured.append(comm.rank)
         return real(comm)
 
-    monkeypatch.setattr(collectives, "link_rate", counted)
+    monkeypatch.setattr(planning, "link_rate", counted)
     p, links = 4, "0:0.5"
     world = LocalWorld(p)
     for t in world.transports:
@@ -156,7 +156,7 @@ def test_told_no_rate_ranks_on_several_machines_learn_it(
         assert sorted(measured) == list(range(p))  # once per rank, at one call
         # (threads of one process: a rate of GB/s, above what sizes a schedule, so the
         # default model's; test_a_watched_call_... takes a slow one)
-        sized = rate if rate <= collectives.LEARNT_RATE_MAX else None
+        sized = rate if rate <= planning.LEARNT_RATE_MAX else None
         fabric = network(world.transports[0].crowding, sized)
         want = algorithms.get("optcc").build(p, xs[0].size, links, itemsize=4, transport=fabric)
         assert {k for _, k, _ in got} == {int(want.params["k"])}
@@ -170,13 +170,13 @@ def test_a_rate_told_is_not_learnt(monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy as np
 
     import optcc_mpi
-    from optcc_mpi import collectives
+    from optcc_mpi import collectives, planning
     from optcc_mpi.testing.local import LocalTransport, LocalWorld
 
     monkeypatch.setenv("OPTCC_LINK_RATE", "200mbit")
     config.reload()
     measured: list[int] = []
-    monkeypatch.setattr(collectives, "link_rate", lambda comm: measured.append(1))
+    monkeypatch.setattr(planning, "link_rate", lambda comm: measured.append(1))
     world = LocalWorld(3)
     for t in world.transports:
         t.kind = "network"
@@ -215,14 +215,14 @@ def test_a_watched_call_keeps_its_messages_long_enough_to_time(
     import numpy as np
 
     import optcc_mpi
-    from optcc_mpi import collectives
+    from optcc_mpi import collectives, planning
     from optcc_mpi.testing.local import LocalTransport, LocalWorld
     from optcc_mpi.watch import MIN_BYTES
 
     monkeypatch.delenv("OPTCC_LINK_RATE", raising=False)
     monkeypatch.delenv("OPTCC_LINKS", raising=False)
     config.reload()
-    monkeypatch.setattr(collectives, "link_rate", lambda comm: 6.25e6)  # 50 Mbit/s
+    monkeypatch.setattr(planning, "link_rate", lambda comm: 6.25e6)  # 50 Mbit/s
     p, count = 4, 1 << 20  # 4 MiB of float32
     world = LocalWorld(p)
     for t in world.transports:
@@ -265,12 +265,12 @@ def test_a_fast_learnt_rate_leaves_the_default_model(
     import numpy as np
 
     import optcc_mpi
-    from optcc_mpi import collectives
+    from optcc_mpi import collectives, planning
     from optcc_mpi.testing.local import LocalTransport, LocalWorld
 
     monkeypatch.delenv("OPTCC_LINK_RATE", raising=False)
     config.reload()
-    monkeypatch.setattr(collectives, "link_rate", lambda comm: learnt)
+    monkeypatch.setattr(planning, "link_rate", lambda comm: learnt)
     p, count = 4, 1 << 20
     world = LocalWorld(p)
     for t in world.transports:
@@ -283,7 +283,7 @@ def test_a_fast_learnt_rate_leaves_the_default_model(
         return int(plan.schedule.params["k"])
 
     crowding = world.transports[0].crowding
-    sized = learnt if learnt <= collectives.LEARNT_RATE_MAX else None
+    sized = learnt if learnt <= planning.LEARNT_RATE_MAX else None
     assert (sized is None) == (learnt > 25e6)
     build = algorithms.get("optcc").build
     want = int(build(p, count, "1:0.5", itemsize=4, transport=network(crowding, sized)).params["k"])

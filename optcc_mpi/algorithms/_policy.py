@@ -185,7 +185,7 @@ def transport_of(transport: str | Fabric) -> Fabric:
 def network(crowding: float = 1.0, rate: float | None = None) -> Fabric:
     """The network model in force: the same model as :data:`NETWORK` at
     ``$OPTCC_LINK_RATE`` (one healthy link's rate, e.g. ``200mbit``) where it is set, else
-    at ``rate`` (bytes/s: the rate the collectives learnt, :mod:`optcc_mpi.collectives`),
+    at ``rate`` (bytes/s: the rate the collectives learnt, :mod:`optcc_mpi.planning`),
     else :data:`NETWORK` itself, whose rate is a 10 Gbit/s NIC's.
 
     The rate sizes what a message's fixed cost is weighed against: OptCC's smallest

@@ -20,7 +20,9 @@ side, which call it)::
                 where the transport allows it (gloo without the board): Ride
 
 Its callers: :mod:`optcc_mpi.collectives` (every call: ``agree_header``, then the fold or
-the plan), :class:`optcc_mpi.communicators.CommState` (owns each communicator's
+the plan) and its parts (:mod:`optcc_mpi.arguments`: the header; :mod:`optcc_mpi.planning`:
+the watch's rows; :mod:`optcc_mpi.compiled_path`: the compiled call),
+:class:`optcc_mpi.communicators.CommState` (owns each communicator's
 ``CheckState``), :mod:`optcc_mpi.torch.tensors` (a tensor call's check, the short path's
 lane). docs/architecture.md has the words (check, header, room, fold, gather limit).
 

@@ -3,9 +3,10 @@
 A short :func:`optcc_mpi.allreduce` is one ``MPI_Allgather`` that carries the argument
 check and the data together, or, above the communicator's gather limit
 (:mod:`optcc_mpi.check.crossover`), the check alone followed by the library's ``MPI_Allreduce``
-(:mod:`optcc_mpi.collectives`). In Python the bookkeeping around those collectives
-(validating two buffers, packing and comparing the headers, reducing the rows) costs
-about three times the collective itself at two ranks on shared memory. ``_fastcall.c``
+(:mod:`optcc_mpi.collectives`; this module's caller is :mod:`optcc_mpi.compiled_path`). In
+Python the bookkeeping around those collectives (validating two buffers, packing and
+comparing the headers, reducing the rows) costs about three times the collective itself
+at two ranks on shared memory. ``_fastcall.c``
 does the same work in C for the commonest call: NumPy arrays for both ``sendbuf`` and
 ``recvbuf``, ``op`` given by name, every other argument at its default and neither
 ``$OPTCC_LINKS`` nor ``$OPTCC_EMULATE`` set, on a communicator of 2 to

@@ -589,6 +589,16 @@ def _rank_rates(the_plan: RoundPlan, secs: _Seconds, expect: float | None) -> _R
     # Per repeat, the same fractions against the same reference: the spread.
     ref_e = expect if expect is not None else med_e
     ref_i = expect if expect is not None else med_i
+    # A rank's fraction is the smaller of its two directions', not the faster as in the
+    # one estimator of the watch and the probes (optcc_mpi.linkrates.rank_rates), on
+    # purpose: the doctor diagnoses links, and a link slow one way only (a shaper on one
+    # direction, a duplex mismatch) is one it must name, where the faster direction would
+    # call it healthy (linkrates leaves such links to the doctor). What makes the smaller
+    # unsafe there, a healthy rank whose every message one way met a slow partner (a
+    # ring's neighbours of a slow rank), cannot blame a rank here: each direction is the
+    # best of k partners spread over the ring times R repeats, and a rank whose low
+    # direction its partners explain is unresolved, not degraded (_explained).
+    # tests/test_doctor.py::test_a_rank_slow_in_one_direction_only_is_named holds it.
     with np.errstate(invalid="ignore"):
         per_rep = np.fmin(np.minimum(eg_r / ref_e, 1.0), np.minimum(in_r / ref_i, 1.0))
     return _RankRates(egress, ingress, fe, fi, np.fmin(fe, fi), med_e, med_i, per_rep, pair)

@@ -53,6 +53,7 @@ import numpy as np
 from optcc_mpi import linkrates
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
+from optcc_mpi.probe import RANK_PROBE_PARTNERS
 from optcc_mpi.schedule import Schedule, ScheduleBuilder
 from optcc_mpi.simulate import simulate
 from optcc_mpi.units import format_size
@@ -71,8 +72,10 @@ __all__ = [
 
 #: Bytes per message.
 DEFAULT_SIZE = 8 << 20
-#: Partners (node shifts) per rank and phase.
-DEFAULT_PARTNERS = 3
+#: Partners (node shifts) per rank and phase: the watch's probe's number
+#: (:data:`optcc_mpi.probe.RANK_PROBE_PARTNERS`), one number of partners spread over the
+#: ring (:func:`optcc_mpi.linkrates.spread`) for every measurement of the ranks' links.
+DEFAULT_PARTNERS = RANK_PROBE_PARTNERS
 #: Repeats of every round.
 DEFAULT_REPEATS = 5
 
