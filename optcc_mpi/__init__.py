@@ -26,7 +26,7 @@ Modules
 ``simulate``   times a schedule under a link model by discrete events
 ``verify``     proves a schedule correct and deadlock-free, symbolically
 ``model``      closed-form times and the lower bound
-``backend``    NumPy / CuPy arrays behind one interface
+``arrays``     NumPy / CuPy arrays and torch tensors behind one interface
 ``glm``        mixed-precision CA-SGD for generalized linear models
 ``data``       HDF5 datasets, partitioned loading, converters
 """

@@ -2,8 +2,8 @@
 
 Phase 1 of a call (:mod:`optcc_mpi.collectives`, its module docstring has the five):
 :class:`_Call` makes of what the caller passed what the later phases use: the send and
-receive buffers as flat arrays of one backend (NumPy, CuPy, torch) and whether the call is
-in place, the reduction and the element type by name, the algorithm and its parameters,
+receive buffers as flat arrays of one array library (NumPy, CuPy, torch) and whether the
+call is in place, the reduction and the element type by name, the algorithm and its parameters,
 the link profile and the emulation (read as :mod:`optcc_mpi.planning` says), the plan
 where it is known before the agreement, whether the data may travel in the check
 (``fold``), and the header this rank sends in it (:mod:`optcc_mpi.check.protocol`). Nothing
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from optcc_mpi import algorithms, config
-from optcc_mpi.backend import NUMPY, Array, Backend, buffer_of
+from optcc_mpi.arrays import NUMPY, Array, ArrayOps, buffer_of
 from optcc_mpi.check import protocol
 from optcc_mpi.check.protocol import GATHER_MAX_P, code
 from optcc_mpi.communicators import CallRecord, CommState, Plan
@@ -71,7 +71,7 @@ class _Call:
     rank must hear of it in the agreement before anyone raises)."""
 
     __slots__ = (
-        "sendbuf", "result", "flat_in", "flat_out", "backend", "in_place", "opn", "name",
+        "sendbuf", "result", "flat_in", "flat_out", "arrays", "in_place", "opn", "name",
         "count", "nbytes", "algorithm", "link_obj", "emu", "params", "check", "plan",
         "fold", "fields", "seen", "err", "epoch", "stats", "work", "keyed", "watched",
         "library", "label", "defer", "request", "record", "learnt", "rides",
@@ -89,7 +89,7 @@ class _Call:
         params: Params | None,
         check: bool,
         label: tuple[str, str] | None = None,
-        classified: Backend | None = None,
+        classified: ArrayOps | None = None,
     ) -> None:
         self.sendbuf, self.result = sendbuf, recvbuf
         self.label = label
@@ -110,12 +110,12 @@ class _Call:
         self.link_obj = _HEALTHY
         self.emu: Emulation | None = None
         self.opn = op if type(op) is str and op in _OPSET else ""
-        # The buffers as flat arrays and their backend, set by _buffers; where this rank's
+        # The buffers as flat arrays and their array library, set by _buffers; where this rank's
         # arguments are rejected they stay unset (the call ends in the agreement, whose
-        # message reads the backend only if set: shown()).
+        # message reads the array library only if set: shown()).
         self.flat_in: Array
         self.flat_out: Array | None  # None until a result is made for it (_plan_call)
-        self.backend: Backend
+        self.arrays: ArrayOps
         self.in_place = False
         self.name = ""
         self.count = self.nbytes = 0
@@ -127,22 +127,22 @@ class _Call:
             self.fold = False
 
     def _buffers(
-        self, transport: Transport, sendbuf: Any, recvbuf: Any, classified: Backend | None
+        self, transport: Transport, sendbuf: Any, recvbuf: Any, classified: ArrayOps | None
     ) -> None:
-        """The send and receive buffers as flat arrays of one backend (``classified``:
+        """The send and receive buffers as flat arrays of one array library (``classified``:
         they are already, the caller classified them: :func:`~optcc_mpi.collectives.start_call`)."""
         flat_in: Array
         flat_out: Array | None
-        backend: Backend
+        arrays: ArrayOps
         in_place = _is_in_place(sendbuf) or sendbuf is recvbuf
         if classified is not None:
             # Classified once, where the call began (a tensor's view): each classification
             # is Python time on every call, and the caller's already said all of it.
-            backend, flat_out = classified, recvbuf
+            arrays, flat_out = classified, recvbuf
             flat_in = recvbuf if in_place else sendbuf
         elif type(sendbuf) is _NDARRAY and not in_place:
             # The commonest calls, checked inline (buffer_of does the same, slower).
-            flat_in, backend = _numpy_flat(sendbuf, "sendbuf"), NUMPY
+            flat_in, arrays = _numpy_flat(sendbuf, "sendbuf"), NUMPY
             if recvbuf is None:
                 flat_out = None
             elif type(recvbuf) is _NDARRAY:
@@ -158,27 +158,27 @@ class _Call:
                 if not flat_out.flags.writeable:
                     raise ArgumentError("recvbuf is read-only")
             else:
-                flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
+                flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, arrays)
         elif in_place:
             if recvbuf is None:
                 raise ArgumentError(
                     "sendbuf is IN_PLACE (or None) but no recvbuf was given: pass the "
                     "buffer to reduce in place as recvbuf"
                 )
-            flat_out, backend = buffer_of(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
+            flat_out, arrays = buffer_of(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
             flat_in = flat_out
         else:
-            flat_in, backend = buffer_of(sendbuf, what="sendbuf", tensors=transport.caps.tensors)
+            flat_in, arrays = buffer_of(sendbuf, what="sendbuf", tensors=transport.caps.tensors)
             flat_out = None
             if recvbuf is not None:
-                flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, backend)
-        if in_place and not backend.writable(flat_out):
+                flat_out, in_place = _recvbuf_for(transport, flat_in, recvbuf, arrays)
+        if in_place and not arrays.writable(flat_out):
             raise ArgumentError("recvbuf is read-only")
         if transport.caps.tensors:  # a library of its own kinds of memory (torch.distributed)
-            transport.check_backend(backend)
-        self.flat_in, self.flat_out, self.backend = flat_in, flat_out, backend
+            transport.check_arrays(arrays)
+        self.flat_in, self.flat_out, self.arrays = flat_in, flat_out, arrays
         self.in_place = in_place
-        self.name = backend.dtype_name(flat_in) or dtype_name(flat_in.dtype)
+        self.name = arrays.dtype_name(flat_in) or dtype_name(flat_in.dtype)
         self.count = int(flat_in.shape[0])
         self.nbytes = self.count * flat_in.dtype.itemsize
 
@@ -228,7 +228,7 @@ class _Call:
             and self.algorithm == "auto"
             and self.plan is not None
             and self.plan.library_only
-            and self.backend is NUMPY
+            and self.arrays is NUMPY
             and self.emu is None
             and 1 < p <= GATHER_MAX_P
             and not self.rides
@@ -261,7 +261,7 @@ class _Call:
             _AUTO_CODE if self.algorithm == "auto" else code(self.algorithm),
             lcode,
             0 if emu is None else code(str(emu)),
-            _NUMPY_CODE if self.backend is NUMPY else code(self.backend.name),
+            _NUMPY_CODE if self.arrays is NUMPY else code(self.arrays.name),
             _params_code(params, self.label),
             self.nbytes,
             0,
@@ -309,7 +309,7 @@ class _Call:
             "algorithm": repr(self.algorithm),
             "link profile": profile,
             "emulation": str(self.emu or "none"),
-            "backend": getattr(getattr(self, "backend", None), "name", "?"),
+            "array library": getattr(getattr(self, "arrays", None), "name", "?"),
             "params": repr(self.params or {}),
         }
         if self.label is not None:
@@ -328,21 +328,21 @@ def _params_code(params: Params | None, label: tuple[str, str] | None) -> int:
 
 # -- buffers ------------------------------------------------------------------------------------
 def _recvbuf_for(
-    transport: Transport, flat_in: Array, recvbuf: Any, backend: Backend
+    transport: Transport, flat_in: Array, recvbuf: Any, arrays: ArrayOps
 ) -> tuple[Array, bool]:
     """``recvbuf`` as a flat array of ``sendbuf``'s kind, checked, and whether it is
     ``sendbuf``'s very memory (then the call is in place, as in mpi4py)."""
-    flat_out, out_backend = buffer_of(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
-    if out_backend is not backend:
+    flat_out, out_arrays = buffer_of(recvbuf, what="recvbuf", tensors=transport.caps.tensors)
+    if out_arrays is not arrays:
         raise ArgumentTypeError(
-            f"sendbuf is a {backend.name} buffer but recvbuf a "
-            f"{out_backend.name} one; pass two of the same kind"
+            f"sendbuf is a {arrays.name} buffer but recvbuf a "
+            f"{out_arrays.name} one; pass two of the same kind"
         )
     _same_shape(flat_in, flat_out)
     overlap = _overlap(flat_in, flat_out)
     if overlap is Overlap.PARTLY:
         raise ArgumentError("sendbuf and recvbuf overlap; use IN_PLACE to reduce in place")
-    if not backend.writable(flat_out):
+    if not arrays.writable(flat_out):
         raise ArgumentError("recvbuf is read-only")
     return flat_out, overlap is Overlap.SAME
 

@@ -12,7 +12,7 @@ Each phase is a function of a few named arguments, shared by every transport; th
 holds the flow, the agreement, the run and the finish, and the parts named below:
 
 1. **check** (:class:`optcc_mpi.arguments._Call`): this rank's arguments as flat arrays of
-   one backend, the reduction, the link profile and the emulation; any error is kept, not
+   one array library, the reduction, the link profile and the emulation; any error is kept, not
    raised;
 2. **agree** (:func:`_agree_call`): one collective of fixed shape (:mod:`optcc_mpi.check.protocol`),
    after which every rank goes on, or raises the same error before any buffer changed;
@@ -61,7 +61,7 @@ import numpy as np
 from optcc_mpi import algorithms, config, transports
 from optcc_mpi.algorithms._policy import SMALL_BYTES
 from optcc_mpi.arguments import _NDARRAY, _Call
-from optcc_mpi.backend import NUMPY, Array, Backend, result_like
+from optcc_mpi.arrays import NUMPY, Array, ArrayOps, result_like
 from optcc_mpi.check import crossover, protocol
 from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch
 from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, room_for
@@ -372,15 +372,15 @@ def start_call(
     sendbuf: Any = None,
     error: BaseException | None = None,
     label: tuple[str, str] | None = None,
-    classified: Backend | None = None,
+    classified: ArrayOps | None = None,
 ) -> Started:
     """Start an in-place :func:`allreduce` of ``buf`` (from ``sendbuf`` if given) with the
     library's AllReduce left in flight: for callers that keep calls in order themselves
     (the ``optcc`` torch backend). ``error``: an error this rank already found in its own
     arguments (it is agreed like any other, so every rank raises). ``label``: a further
     argument that must agree across the ranks, as ``(name, value in words)`` (the
-    backend's average or pre-multiplied sum), named in the error if it differs.
-    ``classified``: ``buf`` (and ``sendbuf``) are 1-D contiguous arrays of this backend,
+    ``optcc`` backend's average or pre-multiplied sum), named in the error if it differs.
+    ``classified``: ``buf`` (and ``sendbuf``) are 1-D contiguous arrays of this library,
     of one type and length, classified by the caller already (the tensor path's views,
     :func:`optcc_mpi.torch.tensors.start_tensor`): they are not classified again.
 
@@ -513,7 +513,7 @@ def prepare(
     plan = call.plan
     if (
         call.err is not None
-        or call.backend is not NUMPY
+        or call.arrays is not NUMPY
         or not call.in_place
         or call.algorithm != "auto"
         or call.link_obj is not _HEALTHY
@@ -568,11 +568,11 @@ def _guessed(st: CommState, call: _Call) -> bool:
     sig = ride.expected()
     if sig is None:
         return False
-    mine = call.err is None and call.rides and call.backend is NUMPY and call.plan is not None
+    mine = call.err is None and call.rides and call.arrays is NUMPY and call.plan is not None
 
     def out() -> np.ndarray:
         if call.flat_out is None:
-            call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
+            call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.arrays)
         call.work = call.flat_out
         return cast(np.ndarray, call.flat_out)
 
@@ -588,7 +588,7 @@ def _guessed(st: CommState, call: _Call) -> bool:
 def _run_data(st: CommState, call: _Call) -> None:
     """The data phase: gathered and reduced in rank order, the library's AllReduce, or
     the schedule on the executor."""
-    p, backend, flat_out, plan = st.size, call.backend, call.flat_out, call.plan
+    p, arrays, flat_out, plan = st.size, call.arrays, call.flat_out, call.plan
     assert flat_out is not None and plan is not None  # made by now (_settings, _plan_call)
     coll_only = plan.library_only
     if call.rides:  # (agreed: every rank's call rides)
@@ -601,44 +601,44 @@ def _run_data(st: CommState, call: _Call) -> None:
         # A short message that did not travel in the check (the first call of a size, a
         # device array, a tensor): gathered and reduced in rank order all the same, so
         # that what auto returns never depends on which calls came before.
-        _gather_reduce(st, call.opn, call.flat_in, flat_out, backend)
+        _gather_reduce(st, call.opn, call.flat_in, flat_out, arrays)
         if call.watched:  # (as a call the library served: nothing timed, the log told)
             st.watch_made().unobserved(st.rank, plan.schedule)
         return
     # Out of place, the send buffer is read where the input is first needed (by the
     # executor, by the keys' conversion) rather than copied into recvbuf first: one pass
     # over memory less. A read-only one is copied: not every library sends from it.
-    source = None if call.in_place or not backend.writable(call.flat_in) else call.flat_in
+    source = None if call.in_place or not arrays.writable(call.flat_in) else call.flat_in
     if source is None and not call.in_place:
-        backend.copyto(flat_out, call.flat_in)
+        arrays.copyto(flat_out, call.flat_in)
     work = flat_out
-    call.keyed = p > 1 and call.opn in ("max", "min") and backend.has_keys(flat_out.dtype)
+    call.keyed = p > 1 and call.opn in ("max", "min") and arrays.has_keys(flat_out.dtype)
     if call.keyed:
         # max/min on floats reduce order-preserving integer keys (optcc_mpi.reductions).
-        work = backend.to_keys(flat_out, call.opn, source)
+        work = arrays.to_keys(flat_out, call.opn, source)
         source = None
     call.work = work
     if p == 1:
         if source is not None:
-            backend.copyto(flat_out, source)
+            arrays.copyto(flat_out, source)
         return
     pacer = call.emu.pacer(st.rank, p, call.link_obj) if call.emu is not None else None
     transport = st.transport
-    wname = backend.dtype_name(work) or NAME_OF[cast(np.dtype, work.dtype)]
-    if coll_only and pacer is None and not transport.native(backend, wname, call.opn):
+    wname = arrays.dtype_name(work) or NAME_OF[cast(np.dtype, work.dtype)]
+    if coll_only and pacer is None and not transport.native(arrays, wname, call.opn):
         # A library that cannot reduce this type as we do: every rank's data, reduced in
         # rank order on every rank.
-        _gather_reduce(st, call.opn, work if source is None else source, work, backend)
+        _gather_reduce(st, call.opn, work if source is None else source, work, arrays)
         return
-    if coll_only and pacer is None and not (backend.device and transport.caps.sync_device):
+    if coll_only and pacer is None and not (arrays.device and transport.caps.sync_device):
         # A schedule that is only the library's collective: call it directly (in place,
         # as every rank must: MPI_IN_PLACE is all or none).
         if source is not None:
-            backend.copyto(work, source)
+            arrays.copyto(work, source)
         if call.defer:
-            call.request = transport.allreduce(backend, work, wname, call.opn)
+            call.request = transport.allreduce(arrays, work, wname, call.opn)
         else:
-            transport.allreduce_now(backend, work, wname, call.opn)
+            transport.allreduce_now(arrays, work, wname, call.opn)
         call.library = short and not call.keyed  # (the compiled path can take the next)
         if call.watched:  # (a healthy call the watch left to the library: nothing timed)
             st.watch_made().unobserved(st.rank, plan.schedule)
@@ -648,7 +648,7 @@ def _run_data(st: CommState, call: _Call) -> None:
     sched = plan.schedule
     with np.errstate(all="ignore"):
         stats = call.stats = execute(
-            sched, work, comm=transport, op=call.opn, backend=backend, pacer=pacer, source=source
+            sched, work, comm=transport, op=call.opn, arrays=arrays, pacer=pacer, source=source
         )
     if call.watched:
         _record_watch(st, sched, work.dtype.itemsize, stats, call.epoch, pacer)
@@ -705,20 +705,20 @@ def _timed_sends(stats: ExecStats, pacer: Pacer | None) -> list[tuple[int, int, 
     return [(q, sent[q], 0.0, secs) for q, secs in pacer.charged_to.items() if q in sent]
 
 
-def _gather_reduce(st: CommState, opn: str, flat_in: Array, out: Array, backend: Backend) -> None:
+def _gather_reduce(st: CommState, opn: str, flat_in: Array, out: Array, arrays: ArrayOps) -> None:
     """Every rank's data gathered (through host memory) and reduced in rank order.
 
     ``out`` may be ``flat_in`` itself (the call is then in place). A transport that can
     gather where the data lives (NCCL: on the device) does, and the rows are reduced there."""
-    rows = st.transport.gather_rows(backend, flat_in)
+    rows = st.transport.gather_rows(arrays, flat_in)
     if rows is not None:
-        backend.copyto(out, rows[0])
+        arrays.copyto(out, rows[0])
         for r in range(1, st.size):
-            backend.reduce(opn, out, rows[r])
+            arrays.reduce(opn, out, rows[r])
         return
-    host = backend.to_host(flat_in)  # (NumPy's: the array itself)
-    if backend.device and st.transport.caps.sync_device:
-        backend.synchronize()
+    host = arrays.to_host(flat_in)  # (NumPy's: the array itself)
+    if arrays.device and st.transport.caps.sync_device:
+        arrays.synchronize()
     dtype = host.dtype
     nbytes = host.size * dtype.itemsize
     if st.size <= GATHER_MAX_P:
@@ -730,41 +730,41 @@ def _gather_reduce(st: CommState, opn: str, flat_in: Array, out: Array, backend:
         if nbytes <= cap:
             np.copyto(chk.views(dtype, nbytes)[0], host)
             st.transport.allgather_block(chk.block, chk.gathered)
-            _reduce_into(st, opn, dtype, nbytes, out, backend)
+            _reduce_into(st, opn, dtype, nbytes, out, arrays)
             return
     rows = np.empty((st.size, nbytes), dtype=np.uint8)
     st.transport.allgather_block(np.ascontiguousarray(host).view(np.uint8), rows)
     total = np.empty(host.size, dtype=dtype)
     reduce_rows(np, opn, total, [rows[r].view(dtype) for r in range(st.size)])
-    _put(out, total, backend)
+    _put(out, total, arrays)
 
 
 def _reduce_into(
-    st: CommState, opn: str, dtype: np.dtype, nbytes: int, out: Array, backend: Backend
+    st: CommState, opn: str, dtype: np.dtype, nbytes: int, out: Array, arrays: ArrayOps
 ) -> None:
-    if backend is NUMPY:
+    if arrays is NUMPY:
         protocol.reduce_gathered(st.check, opn, dtype, nbytes, cast(np.ndarray, out))
         return
     host = np.empty(nbytes // dtype.itemsize, dtype=dtype)
     protocol.reduce_gathered(st.check, opn, dtype, nbytes, host)
-    _put(out, host, backend)
+    _put(out, host, arrays)
 
 
-def _put(out: Array, host: np.ndarray, backend: Backend) -> None:
-    if backend is NUMPY:
+def _put(out: Array, host: np.ndarray, arrays: ArrayOps) -> None:
+    if arrays is NUMPY:
         np.copyto(cast(np.ndarray, out), host)
     else:
-        backend.from_host(out, host)
-        if backend.device and backend.name != "torch":
-            backend.synchronize()
+        arrays.from_host(out, host)
+        if arrays.device and arrays.name != "torch":
+            arrays.synchronize()
 
 
 # -- phase 5: finish ----------------------------------------------------------------------------
 def _finish(st: CommState, call: _Call) -> Any:  # what allreduce returns
-    backend, work, plan, flat_out = call.backend, call.work, call.plan, call.flat_out
+    arrays, work, plan, flat_out = call.arrays, call.work, call.plan, call.flat_out
     assert plan is not None and flat_out is not None  # made by now (_settings, _plan_call)
     if call.keyed:
-        backend.from_keys(work, flat_out.dtype, call.opn)
+        arrays.from_keys(work, flat_out.dtype, call.opn)
     elif (
         plan.library_only
         and work is not None
@@ -776,7 +776,7 @@ def _finish(st: CommState, call: _Call) -> Any:  # what allreduce returns
         # Which NaN an addition returns depends on operand order, which the library may
         # vary by rank (MPI's recursive doubling: a + b here, b + a there): make every NaN
         # the canonical one. A ring's results are one element's one sum, copied.
-        backend.canonical_nans(call.flat_out)
+        arrays.canonical_nans(call.flat_out)
     _STATES.last = call.record = CallRecord(
         plan.algorithm,
         plan.schedule,
@@ -792,7 +792,7 @@ def _finish(st: CommState, call: _Call) -> Any:  # what allreduce returns
         (work is None or call.library)
         and call.link_obj is _HEALTHY
         and not call.params
-        and backend is NUMPY
+        and arrays is NUMPY
     ):
         _enable_compiled(st, cast(np.ndarray, call.flat_in).dtype, call.nbytes, plan)
     return call.result if call.result is not None else call.flat_out
@@ -803,7 +803,7 @@ def _finish_inline(st: CommState, call: _Call) -> Any:  # what allreduce returns
     # Only NumPy arrays travel in the check (_settings: fold), and only with a plan.
     flat_in, flat_out = cast(np.ndarray, call.flat_in), cast("np.ndarray | None", call.flat_out)
     if flat_out is None:
-        result, made = result_like(call.sendbuf, flat_in, call.backend)
+        result, made = result_like(call.sendbuf, flat_in, call.arrays)
         call.result, call.flat_out = result, made
         flat_out = cast(np.ndarray, made)
     protocol.reduce_gathered(st.check, call.opn, flat_in.dtype, call.nbytes, flat_out)

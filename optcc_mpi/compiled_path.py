@@ -25,7 +25,7 @@ import numpy as np
 
 from optcc_mpi import config
 from optcc_mpi.arguments import _AUTO_CODE, _NDARRAY, _NUMPY_CODE, _is_in_place, _numpy_flat
-from optcc_mpi.backend import NUMPY
+from optcc_mpi.arrays import NUMPY
 from optcc_mpi.check import fastcall, protocol
 from optcc_mpi.check.protocol import Mismatch
 from optcc_mpi.check.state import FOLD_MIN, CheckState, served
@@ -184,7 +184,7 @@ def _compiled(
             "algorithm": "'auto'",
             "link profile": str(_HEALTHY),
             "emulation": "none",
-            "backend": NUMPY.name,
+            "array library": NUMPY.name,
             "params": "{}",
         }
         protocol.disagreement(chk, None, Mismatch(table=table), shown)

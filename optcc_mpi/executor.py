@@ -27,7 +27,7 @@ How completions are seen is the transport's (``Transport.caps.completion``,
     The host waits for nothing: the operations of each level are posted as one group,
     local work follows on the device stream, and the stream orders everything after it.
 
-With a device backend and a transport that does not order itself after the current
+With arrays on a device and a transport that does not order itself after the current
 stream (MPI), the stream is synchronised before every library call; where the library
 cannot take device memory, messages are staged through host copies.
 
@@ -52,7 +52,7 @@ write of those elements (in dependency order) reads the source instead, so out o
 costs no extra pass over memory (:class:`_Sourcing`, built once per rank's lists). A send of such a
 range sends from the source; a receive-and-reduce into it receives straight into its
 target (no temporary) and then computes ``target = op(source, target)``, a local reduction
-``target = op(source, operand)`` (:meth:`~optcc_mpi.backend.Backend.reduce_into`: the same
+``target = op(source, operand)`` (:meth:`~optcc_mpi.arrays.ArrayOps.reduce_into`: the same
 operands in the same order, so the bits of the in-place call). A target read partly before
 its first write is reduced piece by piece; only a send's or a copy's range read partly
 before and partly after its first write, and the ranges of the library's own AllReduce
@@ -78,7 +78,7 @@ from typing import Generic, NamedTuple, cast
 import numpy as np
 
 from optcc_mpi import transports
-from optcc_mpi.backend import Array, Backend
+from optcc_mpi.arrays import Array, ArrayOps
 from optcc_mpi.emulation import Pacer
 from optcc_mpi.errors import ArgumentError, ExecutionError
 from optcc_mpi.schedule import COLL, COPY, RECV, RECV_REDUCE, REDUCE, SEND, Schedule
@@ -318,7 +318,7 @@ class _Flat:
         self.qprev, self.qnext = prog.qprev, prog.qnext
         self.dependents = prog.dependents
         self.ready = [i for i in range(self.n) if self.waiting[i] == 0 and self.qprev[i] < 0]
-        #: Free temporary receive buffers by (backend, dtype, elements), reused by calls.
+        #: Free temporary receive buffers by (array library, dtype, elements), reused by calls.
         self.temp_pool: dict[tuple[str, str], dict[int, list[Array]]] = {}
         #: Levels of this rank's operations and the operations of each level, in an order
         #: both ends of every pair agree on: made on first use by a transport that needs
@@ -499,7 +499,7 @@ def execute(
     *,
     comm: transports.Communicator = None,
     op: str,
-    backend: Backend,
+    arrays: ArrayOps,
     staging: bool | None = None,
     pacer: Pacer | None = None,
     trace: bool = False,
@@ -512,16 +512,16 @@ def execute(
     schedule : Schedule
         Built for the communicator's size and ``buf.size`` elements.
     buf : array
-        1-D contiguous array of ``backend`` holding this rank's input (unless ``source``
-        is given); holds the result on return.
+        1-D contiguous array of ``arrays``' library holding this rank's input (unless
+        ``source`` is given); holds the result on return.
     comm : Transport, mpi4py communicator or torch.distributed process group
         Where the messages travel (:func:`optcc_mpi.transports.of`: on a communicator,
         its private duplicate).
     op : str
         The reduction, one of :data:`optcc_mpi.dtypes.OPS` (ten reductions; ``max`` and
         ``min`` on floats are expected on the keys, :mod:`optcc_mpi.reductions`).
-    backend : Backend
-        Array backend of ``buf``.
+    arrays : ArrayOps
+        The operations of ``buf``'s array library.
     staging : bool, optional
         Stage device buffers through host memory; default: the transport's answer.
     pacer : optional
@@ -530,8 +530,8 @@ def execute(
         Record per-operation times in ``ExecStats.trace`` (the per-message records in
         ``sends``/``recvs`` are always kept).
     source : array, optional
-        This rank's input, when it is not in ``buf``: an array of ``backend`` of the same
-        type and size that is only read and must not overlap ``buf`` (the send buffer of
+        This rank's input, when it is not in ``buf``: an array of ``buf``'s library, of its
+        type and size, that is only read and must not overlap ``buf`` (the send buffer of
         a call out of place). ``buf``'s contents on entry are then ignored; the result
         is the same, bit for bit, as with ``buf`` holding the input (module docstring).
     """
@@ -542,15 +542,15 @@ def execute(
         source = None
     if flat.n == 0:
         if source is not None:
-            backend.copyto(buf, source)
+            arrays.copyto(buf, source)
         return stats
     grouped = transport.caps.completion is Completion.GROUPED
     if pacer is not None and grouped:
         raise ArgumentError(f"a {transport.name} transport cannot be paced (emulation)")
     if staging is None:
-        staging = transport.staging(backend)
+        staging = transport.staging(arrays)
     sourcing = flat.sourced() if source is not None else None
-    run = _Run(schedule, flat, buf, transport, op, backend, staging, pacer, trace, stats)
+    run = _Run(schedule, flat, buf, transport, op, arrays, staging, pacer, trace, stats)
     if sourcing is not None:
         run.read_from(source, sourcing)
     if grouped:
@@ -572,25 +572,25 @@ class _Run(Generic[Req]):
         buf: Array,
         transport: Transport[Req],
         op: str,
-        backend: Backend,
+        arrays: ArrayOps,
         staging: bool,
         pacer: Pacer | None,
         trace: bool,
         stats: ExecStats,
     ) -> None:
         self.schedule, self.flat, self.t, self.op = schedule, flat, transport, op
-        self.backend, self.staging, self.pacer, self.tracing = backend, staging, pacer, trace
+        self.arrays, self.staging, self.pacer, self.tracing = arrays, staging, pacer, trace
         self.stats = stats
         n = flat.n
         self.dtype = buf.dtype
         # Staged messages are NumPy arrays of NumPy's element type: staging is for device
         # arrays of NumPy's API (CuPy's), never for tensors.
         self.host_dtype = cast(np.dtype, buf.dtype)
-        scratch = backend.empty(schedule.scratch, buf.dtype) if schedule.scratch else None
+        scratch = arrays.empty(schedule.scratch, buf.dtype) if schedule.scratch else None
         # Buffer 1 is None where the schedule has no scratch: then no operation names it
         # (the builder checks every range against its buffer's size).
         self.buffers = [buf, cast(Array, scratch)]
-        self.sync = backend.device and transport.caps.sync_device
+        self.sync = arrays.device and transport.caps.sync_device
         # Byte views of the buffers, made once per call: a message is one slice of these.
         # (A device buffer bound for MPI is viewed only after synchronising, per message.)
         self.raw = None if staging or self.sync else [self.bytes_of(b) for b in self.buffers]
@@ -600,7 +600,7 @@ class _Run(Generic[Req]):
         self.pieces: dict[int, list[tuple[int, int, bool]]] = {}
         self.unwritten: list[tuple[int, int]] = []
         self.pool = flat.temp_pool.setdefault(
-            (backend.name, getattr(buf.dtype, "str", str(buf.dtype))), {}
+            (arrays.name, getattr(buf.dtype, "str", str(buf.dtype))), {}
         )
         self.waiting = flat.waiting.copy()
         self.posted = [False] * n
@@ -617,7 +617,7 @@ class _Run(Generic[Req]):
         self.t0 = stats.start = time.perf_counter()
 
     def bytes_of(self, arr: Array) -> Array:
-        return None if arr is None else self.t.message(self.backend, arr)
+        return None if arr is None else self.t.message(self.arrays, arr)
 
     def read_from(self, source: Array, sourcing: _Sourcing) -> None:
         """Read buffer 0's initial contents from ``source`` (module docstring): the ranges
@@ -628,14 +628,14 @@ class _Run(Generic[Req]):
         self.rbuf, self.sbuf, self.pieces = sourcing.rbuf, sourcing.sbuf, sourcing.pieces
         buf = self.buffers[0]
         for lo, hi in sourcing.pre:
-            self.backend.copyto(buf[lo:hi], source[lo:hi])
+            self.arrays.copyto(buf[lo:hi], source[lo:hi])
         self.unwritten = sourcing.post
 
     def copy_unwritten(self) -> None:
         """The elements no operation wrote, from the source (nothing in place)."""
         buf, source = self.buffers[0], self.buffers[-1]
         for lo, hi in self.unwritten:
-            self.backend.copyto(buf[lo:hi], source[lo:hi])
+            self.arrays.copyto(buf[lo:hi], source[lo:hi])
 
     # -- bookkeeping ----------------------------------------------------------------------
     def finish(self, i: int) -> None:
@@ -660,7 +660,7 @@ class _Run(Generic[Req]):
         """What the transport moves for op ``i``, in place in its buffer."""
         if self.raw is not None:
             return self.raw[self.flat.buf[i]][self.flat.blo[i] : self.flat.bhi[i]]
-        return self.t.message(self.backend, self.slice(i))
+        return self.t.message(self.arrays, self.slice(i))
 
     def sent(self, i: int) -> Array:
         """The range send ``i`` reads: in its buffer, or in the source."""
@@ -669,7 +669,7 @@ class _Run(Generic[Req]):
 
     def take_temp(self, m: int) -> Array:
         free = self.pool.get(m)
-        return free.pop() if free else self.backend.empty(m, self.dtype)
+        return free.pop() if free else self.arrays.empty(m, self.dtype)
 
     def track(self, i: int, req: Req) -> None:
         self.post_time[i] = time.perf_counter()
@@ -679,26 +679,26 @@ class _Run(Generic[Req]):
     # -- posting --------------------------------------------------------------------------
     def send_message(self, i: int) -> Array:
         if self.sync:
-            self.backend.synchronize()
+            self.arrays.synchronize()
         if self.staging:
-            host = self.hosts[i] = self.backend.to_host(self.sent(i))
+            host = self.hosts[i] = self.arrays.to_host(self.sent(i))
             return host.view(np.uint8)
         if self.raw is not None:
             flat = self.flat
             return self.raw[self.rbuf[i]][flat.blo[i] : flat.bhi[i]]
-        return self.t.message(self.backend, self.sent(i))
+        return self.t.message(self.arrays, self.sent(i))
 
     def recv_message(self, i: int) -> Array:
         flat = self.flat
         if self.sync:
-            self.backend.synchronize()
+            self.arrays.synchronize()
         if self.staging:
             host = self.hosts[i] = np.empty(flat.hi[i] - flat.lo[i], dtype=self.host_dtype)
             return host.view(np.uint8)
         if flat.kind[i] == RECV or self.rbuf[i] == SOURCE:
             return self.data(i)  # (the latter: its target's first write, from the input)
         temp = self.temps[i] = self.take_temp(flat.hi[i] - flat.lo[i])
-        return self.t.message(self.backend, temp)
+        return self.t.message(self.arrays, temp)
 
     def start_send(self, i: int) -> None:
         self.track(i, self.t.isend(self.send_message(i), self.flat.peer[i], self.flat.tag[i]))
@@ -711,19 +711,19 @@ class _Run(Generic[Req]):
         dst = self.buffers[flat.buf[i]][lo:hi]
         src = self.buffers[self.sbuf[i]][slo : slo + (hi - lo)]
         if flat.kind[i] == COPY:
-            self.backend.copyto(dst, src)
+            self.arrays.copyto(dst, src)
         else:
             self.reduce_into_target(i, dst, src)
 
     def start_coll(self, i: int) -> None:
         target = self.slice(i)
         if self.sync:
-            self.backend.synchronize()
+            self.arrays.synchronize()
         data = target
         if self.staging:
-            data = self.hosts[i] = self.backend.to_host(target)
-        name = cast(str, self.backend.dtype_name(target))  # checked by the collectives
-        self.track(i, self.t.allreduce(self.backend, data, name, self.op))
+            data = self.hosts[i] = self.arrays.to_host(target)
+        name = cast(str, self.arrays.dtype_name(target))  # checked by the collectives
+        self.track(i, self.t.allreduce(self.arrays, data, name, self.op))
 
     def post(self, i: int) -> None:
         flat = self.flat
@@ -771,7 +771,7 @@ class _Run(Generic[Req]):
         if kind == COLL:
             host = self.hosts.pop(i, None)
             if host is not None:
-                self.backend.from_host(self.slice(i), host)
+                self.arrays.from_host(self.slice(i), host)
             if self.pacer is not None:
                 when = self.pacer.coll_done(self.post_time[i], flat.nbytes[i])
                 if when > time.perf_counter():
@@ -794,23 +794,23 @@ class _Run(Generic[Req]):
 
     def land(self, i: int) -> None:
         """A received message into its place: copied (staged) or reduced."""
-        backend, flat = self.backend, self.flat
+        arrays, flat = self.arrays, self.flat
         target = self.slice(i)
         m = flat.hi[i] - flat.lo[i]
         host = self.hosts.pop(i, None) if self.staging else None
         kind = flat.kind[i]
         if kind == RECV or self.rbuf[i] == SOURCE:
             if host is not None:
-                backend.from_host(target, host)
+                arrays.from_host(target, host)
             if kind != RECV:
                 # Received into its target, whose input is still in the source: the input
                 # combined in as the first operand, as in place (no temporary either).
                 source = self.buffers[SOURCE][flat.lo[i] : flat.hi[i]]
-                backend.reduce_into(self.op, target, source, target)
+                arrays.reduce_into(self.op, target, source, target)
         elif host is not None:
-            if backend.device:
+            if arrays.device:
                 temp = self.take_temp(m)
-                backend.from_host(temp, host)
+                arrays.from_host(temp, host)
                 self.reduce_into_target(i, target, temp)
                 self.pool.setdefault(m, []).append(temp)
             else:
@@ -823,19 +823,19 @@ class _Run(Generic[Req]):
     def reduce_into_target(self, i: int, target: Array, got: Array) -> None:
         """``target op= got``, or where this is the target's first write ``target =
         op(input, got)`` straight from the source (out of place)."""
-        b, flat, backend = self.rbuf[i], self.flat, self.backend
+        b, flat, arrays = self.rbuf[i], self.flat, self.arrays
         if b == flat.buf[i]:
-            backend.reduce(self.op, target, got)
+            arrays.reduce(self.op, target, got)
         elif b == SOURCE:
-            backend.reduce_into(self.op, target, self.buffers[b][flat.lo[i] : flat.hi[i]], got)
+            arrays.reduce_into(self.op, target, self.buffers[b][flat.lo[i] : flat.hi[i]], got)
         else:
             lo, source = flat.lo[i], self.buffers[SOURCE]
             for a, z, early in self.pieces[i]:
                 part, operand = target[a - lo : z - lo], got[a - lo : z - lo]
                 if early:
-                    backend.reduce_into(self.op, part, source[a:z], operand)
+                    arrays.reduce_into(self.op, part, source[a:z], operand)
                 else:
-                    backend.reduce(self.op, part, operand)
+                    arrays.reduce(self.op, part, operand)
 
     def remove(self, idx: list[int]) -> list[int]:
         """Drop completed requests by index (swapping in the last one); their ops."""
@@ -889,8 +889,8 @@ class _Run(Generic[Req]):
                 self.arrived(i, now)
         if self.unwritten:
             self.copy_unwritten()
-        if self.backend.device and self.sync:
-            self.backend.synchronize()
+        if self.arrays.device and self.sync:
+            self.arrays.synchronize()
         stats.seconds = time.perf_counter() - self.t0
 
     def wait_any(self) -> list[int]:
@@ -972,10 +972,10 @@ class _Run(Generic[Req]):
         take their times from the marks once the device has passed them
         (:meth:`ExecStats.settle`, read by the watch at the next call); else only the
         counts are kept."""
-        flat, stats, backend = self.flat, self.stats, self.backend
+        flat, stats, arrays = self.flat, self.stats, self.arrays
         _, rounds = flat.leveled(self.schedule, self.t.rank)
         kinds = flat.kind
-        clock = None if self.tracing else self.t.level_clock(backend)
+        clock = None if self.tracing else self.t.level_clock(arrays)
         dev = DeviceTimes(clock, clock.mark(), [], {}) if clock is not None else None
         for ops in rounds:
             posts = []
@@ -992,7 +992,7 @@ class _Run(Generic[Req]):
                     if req is not None:
                         self.t.wait(req)  # NCCL: the current stream waits, not the host
                 if self.tracing:
-                    backend.synchronize()
+                    arrays.synchronize()
                 if dev is not None:
                     for i in ops:
                         dev.level_of[i] = len(dev.levels)

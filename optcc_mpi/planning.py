@@ -33,7 +33,7 @@ import numpy as np
 
 from optcc_mpi import algorithms, config
 from optcc_mpi.algorithms._policy import SMALL_BYTES, Fabric, network
-from optcc_mpi.backend import Array, Backend, result_like
+from optcc_mpi.arrays import Array, ArrayOps, result_like
 from optcc_mpi.check import protocol
 from optcc_mpi.communicators import CommState, Plan
 from optcc_mpi.emulation import Emulation
@@ -63,7 +63,7 @@ class CheckedCall(Protocol):
     result: Any
     flat_in: Array
     flat_out: Array | None
-    backend: Backend
+    arrays: ArrayOps
     opn: str
     name: str
     count: int
@@ -213,7 +213,7 @@ def _plan(st: CommState, call: CheckedCall, links: Links) -> Plan:
         and not (call.watched and st.watch_made().observes())
         and not emulated
         and st.transport.caps.library_optimal
-        and st.transport.native(call.backend, call.name, call.opn)
+        and st.transport.native(call.arrays, call.name, call.opn)
     )
     # (a network's schedules are sized by the rate learnt, where it is: _learns_rate,
     # and slow enough for the model: LEARNT_RATE_MAX)
@@ -280,4 +280,4 @@ def _plan_call(st: CommState, call: CheckedCall) -> None:
         _learn_rate(st, call, probed)
         call.plan = _plan(st, call, call.link_obj)
     if call.flat_out is None:
-        call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.backend)
+        call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.arrays)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi import linkrates
-from optcc_mpi.backend import Array, Backend
+from optcc_mpi.arrays import Array, ArrayOps
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
@@ -133,7 +133,7 @@ def probe(
         return ProbeResult(Links(), np.full(1, np.inf), np.full(1, np.inf), 0.0, nbytes)
     emu = Emulation.coerce(emulate)
     shifts = [1] if p == 2 else [1, 2]
-    buf, backend = wire.scratch(nbytes)
+    buf, arrays = wire.scratch(nbytes)
     rates: dict[int, np.ndarray] = {}
     for s in shifts:
         sched = _shift_schedule(p, nbytes, s)
@@ -141,9 +141,7 @@ def probe(
         for _ in range(repeats):
             pacer = emu.pacer(rank, p, Links()) if emu is not None else None
             wire.barrier()
-            stats = execute(
-                sched, buf, comm=wire, op="sum", backend=backend, pacer=pacer, trace=True
-            )
+            stats = execute(sched, buf, comm=wire, op="sum", arrays=arrays, pacer=pacer, trace=True)
             for _op, kind, posted, done in stats.trace:
                 if kind == RECV and done > posted:
                     best = max(best, nbytes / (done - posted))
@@ -242,16 +240,16 @@ def probe_ranks(
     size = nbytes
     rows: list[list[tuple[int, int, int, float]]] = []
     rep = 0
-    buf, backend = wire.scratch(size)
+    buf, arrays = wire.scratch(size)
     while rep < (1 if paced else repeats):  # (charges do not vary: once is enough)
-        mine = _probe_repeat(wire, shifts, buf, backend, size, rep, emu, paced)
+        mine = _probe_repeat(wire, shifts, buf, arrays, size, rep, emu, paced)
         got = wire.allgather(mine)
         rows.extend(got)
         fastest = min((secs for r in got for *_, secs in r if secs > 0), default=math.inf)
         if not paced and fastest < min_seconds and size < max_bytes:
             # Every rank saw the same gathered times: the same new size, the same restart.
             size, rows, rep = min(2 * size, max_bytes), [], 0
-            buf, backend = wire.scratch(size)
+            buf, arrays = wire.scratch(size)
             continue
         rep += 1
     if emu is not None and emu.bw is not None:  # (paced)
@@ -334,7 +332,7 @@ def _probe_repeat(
     wire: Transport[Any],
     shifts: list[int],
     buf: Array,
-    backend: Backend[Any, Any],
+    arrays: ArrayOps[Any, Any],
     size: int,
     rep: int,
     emu: Emulation | None,
@@ -350,7 +348,7 @@ def _probe_repeat(
         pacer = emu.pacer(rank, p, Links()) if emu is not None else None
         wire.quiet_barrier()
         t0 = time.perf_counter()
-        stats = execute(sched, buf, comm=wire, op="sum", backend=backend, pacer=pacer, trace=True)
+        stats = execute(sched, buf, comm=wire, op="sum", arrays=arrays, pacer=pacer, trace=True)
         src, dst = (rank - s) % p, (rank + s) % p
         if pacer is not None and paced:
             mine.append((rnd, rank, dst, pacer.charged_to.get(dst, 0.0)))

@@ -23,8 +23,8 @@ With a CUDA build of PyTorch (NCCL), and no MPI:
    float64 reference, on the device (in place: in the tensor's own memory), the transport
    NCCL's, and no host synchronisation during the call (``scripts/gpu_check_rank.py``);
 5. ``reductions``: the device reductions (``optcc_mpi.reductions.TorchOps`` on CUDA)
-   against NumPy's bits (``reduce_with``) on the same inputs: every dtype the torch
-   backend reduces and every op defined for it; every bit pattern of float16 and
+   against NumPy's bits (``reduce_with``) on the same inputs: every dtype
+   TorchArrayOps reduces and every op defined for it; every bit pattern of float16 and
    bfloat16, random bit patterns and special values (NaN, zeros of both signs,
    infinities, subnormals, rounding ties) for the wider floats, the integer extremes.
    Results agree bit for bit, except that a sum or product that is NaN may be any NaN;
@@ -101,9 +101,9 @@ CHECKS = (
     "allreduce", "gram", "training", "torch", "reductions", "timing", "ranks", "backend", "staged",
 )  # fmt: skip
 #: Host synchronisations a call that sent no messages may make: none (short messages are
-#: gathered on the device, optcc_mpi.transports.torch.TorchTransport.gather_rows).
+#: gathered on the device, optcc_mpi.transports.distributed.TorchTransport.gather_rows).
 SYNCS_WITHOUT_MESSAGES = 0
-#: The torch backend's dtypes (optcc_mpi.backend), each checked by ``reductions``.
+#: TorchArrayOps' dtypes (optcc_mpi.arrays), each checked by ``reductions``.
 TORCH_DTYPES = (
     "bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32",
     "float64", "complex64", "complex128",
@@ -994,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
         return algorithms_child(args.cpu)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    from optcc_mpi.backend import cupy_status
+    from optcc_mpi.arrays import cupy_status
 
     cupy_st = cupy_status()
     torch_st = torch_status()

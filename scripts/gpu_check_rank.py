@@ -26,7 +26,7 @@ synchronisation where messages travel). What a rank records per call:
 ``syncs``/``host_copies``
     What :class:`HostSyncs` saw during the call (explicit synchronisations, and on CUDA
     every synchronising operation torch's sync debug mode reports; device-to-host copies
-    by the torch backend).
+    by TorchArrayOps).
 ``messages``/``groups``
     Point-to-point messages the executor sent and received, and the groups (``batch``
     calls) it posted them in.
@@ -57,7 +57,7 @@ import optcc_mpi  # noqa: E402
 import optcc_mpi.torch as ot  # noqa: E402
 from optcc_mpi import algorithms, collectives, transports  # noqa: E402
 from optcc_mpi.transports import Completion  # noqa: E402
-from optcc_mpi.backend import TorchBackend  # noqa: E402
+from optcc_mpi.arrays import TorchArrayOps  # noqa: E402
 from optcc_mpi.reductions import reduce_with  # noqa: E402
 
 #: (dtype, op) pairs every algorithm runs: the issue's four dtypes and more, every op kind.
@@ -87,8 +87,8 @@ class HostSyncs:
     """Counts what makes the host wait for the device while a call runs.
 
     Explicit waits are counted by wrapping ``torch.cuda.synchronize``, ``Stream.synchronize``,
-    ``Event.synchronize`` and :meth:`TorchBackend.synchronize`; device-to-host copies by
-    wrapping :meth:`TorchBackend.to_host`. On CUDA, torch's sync debug mode also reports
+    ``Event.synchronize`` and :meth:`TorchArrayOps.synchronize`; device-to-host copies by
+    wrapping :meth:`TorchArrayOps.to_host`. On CUDA, torch's sync debug mode also reports
     every synchronising operation (a ``.item()``, a copy to the host, ...) as a warning,
     and each is counted. Use as a context manager; ``syncs`` and ``host_copies`` hold the
     counts of the last ``with`` block.
@@ -114,8 +114,8 @@ class HostSyncs:
 
     def __enter__(self) -> HostSyncs:
         self.syncs = self.host_copies = 0
-        self._wrap(TorchBackend, "synchronize", "syncs")
-        self._wrap(TorchBackend, "to_host", "host_copies")
+        self._wrap(TorchArrayOps, "synchronize", "syncs")
+        self._wrap(TorchArrayOps, "to_host", "host_copies")
         if self.cuda:
             self._wrap(torch.cuda, "synchronize", "syncs")
             self._wrap(torch.cuda.Stream, "synchronize", "syncs")

@@ -1,6 +1,6 @@
-"""Array backends the collective tests run over (written once, run for each).
+"""Array libraries the collective tests run over (written once, run for each).
 
-Each entry turns a NumPy array into the backend's array and back. The fake device array
+Each entry turns a NumPy array into the library's array and back. The fake device array
 exercises the GPU code paths on any machine: CUDA-aware (device buffers straight to MPI)
 and staged (through host copies), with a checked stream. CuPy joins when a GPU is usable.
 """
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi import testing
-from optcc_mpi.backend import cupy_status
-from optcc_mpi.backend import instance as _instance
+from optcc_mpi.arrays import cupy_status
+from optcc_mpi.arrays import instance as _instance
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import optcc_mpi.torch  # noqa: F401  (registers the optcc backend)
 from optcc_mpi import collectives
 from optcc_mpi.errors import ArgumentError
-from optcc_mpi.transports.torch import group_of
+from optcc_mpi.transports.distributed import group_of
 
 OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])

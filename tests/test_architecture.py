@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("element types and reductions by name", ("dtypes",)),
     ("how reductions compute", ("reductions",)),
-    ("array backends, link profiles", ("backend", "links", "linklog", "linkrates")),
+    ("array libraries, link profiles", ("arrays", "links", "linklog", "linkrates")),
     ("models and emulation", ("model", "emulation")),
     ("the schedule", ("schedule",)),
     (
@@ -114,7 +114,7 @@ CORE = (
     "verify",
     "algorithms",
     "links",
-    "backend",
+    "arrays",
     "emulation",
     "probe",
     "model",

@@ -297,7 +297,7 @@ def test_one_abort_poll_for_the_board_and_the_torch_transport(
     import datetime
 
     from optcc_mpi.transports import base
-    from optcc_mpi.transports import torch as torch_transport
+    from optcc_mpi.transports import distributed as torch_transport
 
     monkeypatch.setattr(base, "ABORT_POLL", 0.125)
     slices: list[float] = []

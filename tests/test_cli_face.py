@@ -23,8 +23,8 @@ import optcc_mpi
 from optcc_mpi import units
 from optcc_mpi.cli import build_parser, main
 from optcc_mpi.lab import launch
+from optcc_mpi.lab import ring as ring_lab
 from optcc_mpi.lab import testbed as tb
-from optcc_mpi.lab import transport as transport_lab
 
 EXE = [sys.executable, "-m", "optcc_mpi"]
 ENV = {**os.environ, "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
@@ -311,7 +311,7 @@ def test_the_lab_never_imports_the_cli() -> None:
 def test_lab_help_lists_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
     assert status_of(["lab", "--help"]) == 0
     out = capsys.readouterr().out
-    for tool in ("percall", "transport", "calibrate", "transition", "profiles"):
+    for tool in ("percall", "ring", "calibrate", "transition", "profiles"):
         assert tool in out
     assert status_of(["lab"]) == 2  # no tool: the help, and a failing status
 
@@ -321,8 +321,8 @@ def test_lab_help_lists_every_tool(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["lab", "percall", "--sizes", "4,0"], ["--sizes", "at least 1 byte"]),
         (["lab", "percall", "--iters", "0"], ["--iters", "'0'"]),
-        (["lab", "transport", "-b", "1M", "-e", "64K"], ["-e/--end 65536", "-b/--begin"]),
-        (["lab", "transport", "-f", "1"], ["-f/--factor", "above 1"]),
+        (["lab", "ring", "-b", "1M", "-e", "64K"], ["-e/--end 65536", "-b/--begin"]),
+        (["lab", "ring", "-f", "1"], ["-f/--factor", "above 1"]),
         (["lab", "calibrate", "--pieces", "1"], ["--pieces", "at least 2"]),
         (["lab", "calibrate", "--bytes", "8", "--pieces", "16"], ["cannot be cut"]),
         (["lab", "transition", "--calls", "1,2"], ["--calls", "three positive counts"]),
@@ -366,7 +366,7 @@ def test_lab_profiles_both_ways(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_lab_mpi_tools_under_a_launcher(tmp_path: Path) -> None:
-    """percall, transport and calibrate on 2 ranks through ``optcc-mpi lab``: tables on
+    """percall, ring and calibrate on 2 ranks through ``optcc-mpi lab``: tables on
     rank 0, rows that record the command, every result right."""
     mpi = launch.launcher_argv(2)
     pc = tmp_path / "pc.jsonl"
@@ -394,7 +394,7 @@ def test_lab_mpi_tools_under_a_launcher(tmp_path: Path) -> None:
         *mpi,
         *EXE,
         "lab",
-        "transport",
+        "ring",
         "-b",
         "64K",
         "-e",
@@ -408,7 +408,7 @@ def test_lab_mpi_tools_under_a_launcher(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [json.loads(x) for x in tr.read_text().splitlines()]
-    assert {r["method"] for r in rows} == set(transport_lab.METHODS)  # every method timed
+    assert {r["method"] for r in rows} == set(ring_lab.METHODS)  # every method timed
     assert all(r["wrong"] == 0 for r in rows)
     cal = tmp_path / "cal.jsonl"
     res = run(

@@ -16,7 +16,7 @@ from array_kinds import KIND_IDS, KINDS
 
 import optcc_mpi
 from optcc_mpi import arguments, config, testing
-from optcc_mpi.backend import instance as _instance
+from optcc_mpi.arrays import instance as _instance
 from optcc_mpi.collectives import last_stats
 from optcc_mpi.dtypes import DTYPES, check_op_dtype
 
@@ -276,7 +276,7 @@ def test_shapes_and_orders() -> None:
 
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("algorithm", ALGS)
-def test_array_backends(kind: object, algorithm: str) -> None:
+def test_array_libraries(kind: object, algorithm: str) -> None:
     """Device arrays (fake: CUDA-aware and staged; CuPy when a GPU is present) give the
     same bits as NumPy, and every MPI call sees a synchronised stream."""
     comm, rank, p = world()
@@ -465,19 +465,19 @@ def test_saturating_library_op_is_replaced(monkeypatch: pytest.MonkeyPatch) -> N
     """Told that the library saturates, native gets a user-defined op that wraps."""
     from mpi4py import MPI
 
-    from optcc_mpi.transports import mpi as backend
+    from optcc_mpi.transports import mpi as mpi_transport
 
-    backend.mpi_datatype_and_op.cache_clear()
-    monkeypatch.setattr(backend, "_library_wraps", lambda *args: False)
+    mpi_transport.mpi_datatype_and_op.cache_clear()
+    monkeypatch.setattr(mpi_transport, "_library_wraps", lambda *args: False)
     try:
-        datatype, mpi_op = backend.mpi_datatype_and_op("int8", "sum")
+        datatype, mpi_op = mpi_transport.mpi_datatype_and_op("int8", "sum")
         assert mpi_op != MPI.SUM and datatype == MPI.INT8_T
         a = np.full(64, 100, dtype=np.int8)
         b = np.full(64, 100, dtype=np.int8)
         mpi_op.Reduce_local([a, datatype], [b, datatype])
         np.testing.assert_array_equal(b, np.full(64, -56, dtype=np.int8))
     finally:
-        backend.mpi_datatype_and_op.cache_clear()
+        mpi_transport.mpi_datatype_and_op.cache_clear()
 
 
 def test_bfloat16_type_is_ml_dtypes() -> None:
@@ -846,12 +846,12 @@ class _DeviceOnly:
 
 @pytest.fixture
 def fake_cupy(monkeypatch: pytest.MonkeyPatch):
-    """A CuPy over host memory, enough for the CuPy backend: ``asarray`` wraps the CUDA
+    """A CuPy over host memory, enough for ``CupyArrayOps``: ``asarray`` wraps the CUDA
     array interface's pointer without a copy, as CuPy does with device memory."""
     import ctypes
     import types
 
-    from optcc_mpi import backend
+    from optcc_mpi import arrays
 
     class FakeArray(np.ndarray):
         def set(self, host: np.ndarray) -> None:
@@ -875,13 +875,13 @@ def fake_cupy(monkeypatch: pytest.MonkeyPatch):
     stream = types.SimpleNamespace(synchronize=lambda: None)
     cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream)
     monkeypatch.setitem(sys.modules, "cupy", cp)
-    backend._cupy_factory.cache_clear()
-    before = list(backend._BACKENDS)
+    arrays._cupy_factory.cache_clear()
+    before = list(arrays._FACTORIES)
     yield cp
-    backend._BACKENDS[:] = before
-    for factory in [f for f in backend._INSTANCES if f is backend.CupyBackend]:
-        del backend._INSTANCES[factory]
-    backend._cupy_factory.cache_clear()
+    arrays._FACTORIES[:] = before
+    for factory in [f for f in arrays._INSTANCES if f is arrays.CupyArrayOps]:
+        del arrays._INSTANCES[factory]
+    arrays._cupy_factory.cache_clear()
 
 
 @pytest.mark.parametrize("algorithm", ALGS)

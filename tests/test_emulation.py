@@ -12,7 +12,7 @@ import pytest
 
 import optcc_mpi
 from optcc_mpi import algorithms, config, model
-from optcc_mpi.backend import NumpyBackend
+from optcc_mpi.arrays import NumpyArrayOps
 from optcc_mpi.emulation import ENV_FRACTION, Emulation, Pacer
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
@@ -81,7 +81,7 @@ def _run_paced(name: str, p: int, count: int, links: Links, emu: Emulation) -> t
     sched = algorithms.build(name, p, count, links, itemsize=4)
     x = np.full(count, rank + 1, dtype=np.float32)
     pacer = emu.pacer(rank, p, links)
-    stats = execute(sched, x, comm=comm, op="sum", backend=NumpyBackend(), pacer=pacer)
+    stats = execute(sched, x, comm=comm, op="sum", arrays=NumpyArrayOps(), pacer=pacer)
     np.testing.assert_array_equal(x, np.full(count, p * (p + 1) / 2, dtype=np.float32))
     return pacer, stats
 

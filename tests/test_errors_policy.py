@@ -68,8 +68,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "sequence-style access to the epoch's blocks: an index past the end is an "
         "IndexError, as for a list"
     ),
-    ("optcc_mpi/backend.py", "Backend.*", "NotImplementedError"): (
-        "abstract methods of the array-backend interface"
+    ("optcc_mpi/arrays.py", "ArrayOps.*", "NotImplementedError"): (
+        "abstract methods of the ArrayOps interface"
     ),
     ("optcc_mpi/transports/base.py", "Transport.*", "NotImplementedError"): (
         "abstract methods of the transport contract, and allreduce: a capability a "

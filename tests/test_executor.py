@@ -12,8 +12,8 @@ import pytest
 
 import optcc_mpi
 from optcc_mpi import algorithms, testing, transports
-from optcc_mpi.backend import NumpyBackend
-from optcc_mpi.backend import instance as _instance
+from optcc_mpi.arrays import NumpyArrayOps
+from optcc_mpi.arrays import instance as _instance
 from optcc_mpi.collectives import last_stats
 from optcc_mpi.executor import execute
 from optcc_mpi.links import Links
@@ -34,7 +34,7 @@ def test_records_every_message(name: str) -> None:
     sched = algorithms.build(name, p, count, Links({0: 0.5}), itemsize=8, **small)
     assert len(sched.program(rank).ops) > 4 * p
     x = np.arange(count, dtype=np.float64) * (rank + 1)
-    stats = execute(sched, x, comm=comm, op="sum", backend=NumpyBackend())
+    stats = execute(sched, x, comm=comm, op="sum", arrays=NumpyArrayOps())
     np.testing.assert_array_equal(x, np.arange(count, dtype=np.float64) * (p * (p + 1) // 2))
     ops = sched.program(rank).ops
     sends = [i for i, o in enumerate(ops) if o[0] == SEND]
@@ -55,11 +55,11 @@ def test_repeated_calls_reuse_plan_and_temporaries() -> None:
     comm = MPI.COMM_WORLD
     p = comm.Get_size()
     sched = algorithms.build("ring", p, 4096, Links(), itemsize=4, chunk_bytes=1024)
-    be = NumpyBackend()
+    be = NumpyArrayOps()
     plan_pools = []
     for it in range(3):
         x = np.full(4096, it + 1.0, dtype=np.float32)
-        execute(sched, x, comm=comm, op="max", backend=be)
+        execute(sched, x, comm=comm, op="max", arrays=be)
         np.testing.assert_array_equal(x, np.full(4096, it + 1.0, dtype=np.float32))
         plans = sched.__dict__["_exec_plans"]
         assert list(plans) == [(comm.Get_rank(), 4)]  # one plan per (rank, itemsize)
@@ -160,21 +160,21 @@ def test_out_of_place_on_every_driver(observe: str) -> None:
     for sched in scheds:
         x = _inputs("float64", sched.count, rank, seed=5)
         ref = x.copy()
-        execute(sched, ref, comm=wire, op="sum", backend=NumpyBackend())
+        execute(sched, ref, comm=wire, op="sum", arrays=NumpyArrayOps())
         out = np.full_like(x, np.inf)
-        stats = execute(sched, out, comm=wire, op="sum", backend=NumpyBackend(), source=x)
+        stats = execute(sched, out, comm=wire, op="sum", arrays=NumpyArrayOps(), source=x)
         np.testing.assert_array_equal(out.view(np.uint8), ref.view(np.uint8), err_msg=sched.name)
         if observe != "grouped":  # (the grouped driver keeps counts only, no records)
             assert len(stats.sends) == stats.messages_sent
 
 
 class _Traffic:
-    """Bytes the NumPy backend's element-wise work moves through memory: a copy reads and
+    """Bytes NumPy's ArrayOps' element-wise work moves through memory: a copy reads and
     writes its elements once, a reduction reads two operands and writes one."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes = 0
-        real = {k: getattr(NumpyBackend, k) for k in ("copyto", "reduce", "reduce_into")}
+        real = {k: getattr(NumpyArrayOps, k) for k in ("copyto", "reduce", "reduce_into")}
         passes = {"copyto": 2, "reduce": 3, "reduce_into": 3}
         for name, fn in real.items():
 
@@ -182,12 +182,12 @@ class _Traffic:
                 self.bytes += k * args[-1].nbytes
                 fn(be, *args)
 
-            monkeypatch.setattr(NumpyBackend, name, counted)
+            monkeypatch.setattr(NumpyArrayOps, name, counted)
 
 
 @pytest.mark.parametrize("name", ["ring", "optcc", "r2ccl", "auto"])
 def test_out_of_place_moves_no_more_bytes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Out of place costs no extra pass over memory: the backend's copies and reductions
+    """Out of place costs no extra pass over memory: the array library's copies and reductions
     move no more bytes than in place (and the messages are the same). (Not ``native``:
     the library's AllReduce runs in place on every rank, since ``MPI_IN_PLACE`` is all or
     none and ranks may differ, so out of place it is one copy first, as the library's own

@@ -27,7 +27,7 @@ if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("this PyTorch has no torch.distributed", allow_module_level=True)
 
 from optcc_mpi import algorithms  # noqa: E402
-from optcc_mpi.backend import TorchBackend  # noqa: E402
+from optcc_mpi.arrays import TorchArrayOps  # noqa: E402
 from optcc_mpi.lab import launch  # noqa: E402
 from optcc_mpi.reductions import TorchOps  # noqa: E402
 
@@ -154,7 +154,7 @@ def test_backend_judge_fails_what_is_wrong() -> None:
 @pytest.mark.timeout(700)
 @pytest.mark.slow
 def test_cpu_run_reductions_and_timing(cpu_run: dict[str, Any]) -> None:
-    """Check 5 covers every dtype of the torch backend; check 6 records numbers (not
+    """Check 5 covers every dtype of TorchArrayOps; check 6 records numbers (not
     judged: only their consistency is asserted here)."""
     lines = _lines(cpu_run, "reductions ")
     for name in gc.TORCH_DTYPES:
@@ -172,7 +172,7 @@ def test_without_a_gpu_nothing_is_checked() -> None:
     """No GPU (no CuPy, a CPU build of PyTorch): it says why and exits 0."""
     if gc.torch_status().get("available"):  # pragma: no cover - a GPU machine
         pytest.skip("this machine has a GPU")
-    from optcc_mpi.backend import cupy_status
+    from optcc_mpi.arrays import cupy_status
 
     if cupy_status().get("available"):  # pragma: no cover
         pytest.skip("this machine has a GPU")
@@ -314,15 +314,15 @@ def test_judge_errors_and_ddp_faults() -> None:
 
 # -- the rank's counters and references ---------------------------------------------------------
 def test_host_syncs_counts_and_restores() -> None:
-    before = (TorchBackend.synchronize, TorchBackend.to_host)
-    backend = TorchBackend("cpu")
+    before = (TorchArrayOps.synchronize, TorchArrayOps.to_host)
+    arrays = TorchArrayOps("cpu")
     with rank.HostSyncs(cuda=False) as seen:
-        backend.synchronize()
-        backend.to_host(torch.ones(3))
-        backend.to_host(torch.ones(3))
+        arrays.synchronize()
+        arrays.to_host(torch.ones(3))
+        arrays.to_host(torch.ones(3))
     assert (seen.syncs, seen.host_copies) == (1, 2)
-    assert (TorchBackend.synchronize, TorchBackend.to_host) == before
-    backend.synchronize()  # no longer counted
+    assert (TorchArrayOps.synchronize, TorchArrayOps.to_host) == before
+    arrays.synchronize()  # no longer counted
     assert seen.syncs == 1
 
 

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "optcc_mpi"
 SHARED: dict[str, str] = {
     "__getattr__": "a module's attribute hook (PEP 562): names made on first use",
     "__dir__": "a module's listing hook (PEP 562)",
-    "register": "registers this module's entry (a command, the algorithms, the torch backend)",
+    "register": "registers this module's entry (a command, the algorithms, the optcc backend)",
     "run": "a command's or a lab tool's body",
     "main": "a lab tool's `python -m` entry point, and the CLI's",
     "add_arguments": "a lab tool's options",

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optcc_mpi.backend import NUMPY
+from optcc_mpi.arrays import NUMPY
 from optcc_mpi.check.protocol import DTYPE_CODE, OP_CODE, PROTOCOL, code
 from optcc_mpi.check.ride import RIDE_MAX, Ride, serves
 from optcc_mpi.transports.base import Capabilities
@@ -34,8 +34,8 @@ class _Gloo:
         self.size = size
         self.caps = Capabilities(library_identical=True, ride=ride)
 
-    def native(self, backend: object, dtype_name: str, op: str) -> bool:
-        return backend is NUMPY and op == "sum" and dtype_name in ("float32", "float64", "int64")
+    def native(self, arrays: object, dtype_name: str, op: str) -> bool:
+        return arrays is NUMPY and op == "sum" and dtype_name in ("float32", "float64", "int64")
 
 
 def header(count: int = 1000, dtype: str = "float32", **over: int) -> tuple[int, ...]:
@@ -44,7 +44,7 @@ def header(count: int = 1000, dtype: str = "float32", **over: int) -> tuple[int,
     fields = {
         "protocol": PROTOCOL, "error": 0, "count": count, "dtype": DTYPE_CODE[dtype],
         "op": OP_CODE["sum"], "algorithm": code("auto"), "links": 0, "emulation": 0,
-        "backend": code("numpy"), "params": 0, "bytes": count * size, "room": 0,
+        "array library": code("numpy"), "params": 0, "bytes": count * size, "room": 0,
     }  # fmt: skip
     fields.update(over)
     return tuple(fields.values())
@@ -61,7 +61,7 @@ def test_which_signatures_ride() -> None:
     assert not ride.takes(header(algorithm=code("ring")))
     assert not ride.takes(header(links=code("watch")))
     assert not ride.takes(header(emulation=code("x")))
-    assert not ride.takes(header(backend=code("torch")))
+    assert not ride.takes(header(arrays=code("torch")))
     assert not ride.takes(header(error=1))
     assert not ride.takes(())  # a call without a check
 

@@ -122,7 +122,7 @@ def test_a_buffer_is_classified_once_per_call(
     classification below it; the whole path's NumPy views (the tensor's, and the scaled
     copy of an average taken in half precision) are classified by ``as_array`` and taken
     by the collectives as they are, not again by ``buffer_of``."""
-    from optcc_mpi import arguments, backend, compiled_path
+    from optcc_mpi import arguments, arrays, compiled_path
     from optcc_mpi.torch import tensors
 
     seen: list[str] = []
@@ -137,7 +137,7 @@ def test_a_buffer_is_classified_once_per_call(
         monkeypatch.setattr(module, name, spy)
 
     for module, name in (
-        (backend, "buffer_of"),
+        (arrays, "buffer_of"),
         (arguments, "buffer_of"),
         (arguments, "_numpy_flat"),
         (compiled_path, "_numpy_flat"),

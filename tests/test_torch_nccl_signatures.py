@@ -1,7 +1,7 @@
 """The NCCL transport's calls against torch's real signatures, on the CPU (issue 33).
 
 CI has no GPU and its torch build has no ``ProcessGroupNCCL``, so the NCCL path of
-:class:`~optcc_mpi.transports.torch.TorchTransport` runs here over fake carriers whose
+:class:`~optcc_mpi.transports.distributed.TorchTransport` runs here over fake carriers whose
 every method accepts exactly the calls torch's own class accepts: the signatures are read
 at test time from the pybind docstrings of ``torch._C._distributed_c10d.Backend`` (what
 ``from_store`` opens) and ``ProcessGroup`` (a registered group), not written by hand. A
@@ -31,12 +31,12 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402 - after the skip
 
 from optcc_mpi import algorithms  # noqa: E402
-from optcc_mpi.backend import torch_backend  # noqa: E402
+from optcc_mpi.arrays import torch_array_ops  # noqa: E402
 from optcc_mpi.executor import execute  # noqa: E402
 from optcc_mpi.links import Links  # noqa: E402
 from optcc_mpi.transports import Completion  # noqa: E402
 from optcc_mpi.transports.base import Post  # noqa: E402
-from optcc_mpi.transports.torch import Carriers, TorchTransport  # noqa: E402
+from optcc_mpi.transports.distributed import Carriers, TorchTransport  # noqa: E402
 from optcc_mpi.watch import MessageLayout  # noqa: E402
 
 C10D = torch._C._distributed_c10d
@@ -390,14 +390,14 @@ def test_grouped_driver_over_nccl_transport(kind: type[_Calls], size: int) -> No
     inputs = [rng.standard_normal(count).astype(np.float32) for _ in range(size)]
     exact = np.sum([x.astype(np.float64) for x in inputs], axis=0)
     bound = (size - 1) * np.finfo(np.float32).eps * np.sum(np.abs(inputs), axis=0)
-    cpu = torch_backend("cpu")
+    cpu = torch_array_ops("cpu")
     for name in algorithms.names():
         small = {"chunk_bytes": 1024} if "chunk_bytes" in algorithms.get(name).params else {}
         sched = algorithms.build(name, size, count, Links({size - 1: 0.5}), itemsize=4, **small)
 
         def run(rank: int, sched: Any = sched) -> torch.Tensor:
             buf = torch.from_numpy(inputs[rank].copy())
-            execute(sched, buf, comm=wires[rank], op="sum", backend=cpu)
+            execute(sched, buf, comm=wires[rank], op="sum", arrays=cpu)
             return buf
 
         before = [len(t.data.log) for t in wires]
@@ -447,19 +447,19 @@ def test_nccl_levels_are_timed_on_the_device_and_read_without_waiting(
     size = 3
     count = 1 << 17  # 512 KiB of float32: messages above the watch's 64 KiB
     sched = algorithms.build("ring", size, count, Links(), itemsize=4)
-    cpu = torch_backend("cpu")
+    cpu = torch_array_ops("cpu")
 
     def call(passed: bool) -> tuple[list[Any], list[np.ndarray], list[_FakeClock]]:
         clocks = [_FakeClock() for _ in range(size)]
         wires = _nccl_transports(size, FakeBackend)
         for t, clock in zip(wires, clocks):
-            monkeypatch.setattr(t, "level_clock", lambda backend, c=clock: c)
+            monkeypatch.setattr(t, "level_clock", lambda arrays, c=clock: c)
         watches = [LinkWatch(size) for _ in range(size)]
 
         def run(rank: int) -> Any:
             buf = torch.ones(count)
             epoch = time.perf_counter()
-            stats = execute(sched, buf, comm=wires[rank], op="sum", backend=cpu)
+            stats = execute(sched, buf, comm=wires[rank], op="sum", arrays=cpu)
             assert torch.equal(buf, torch.full((count,), float(size)))
             watches[rank].record_messages(rank, sched, 4, stats, epoch)
             return stats

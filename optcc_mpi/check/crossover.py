@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 
 from optcc_mpi import config
-from optcc_mpi.backend import NUMPY
+from optcc_mpi.arrays import NUMPY
 from optcc_mpi.check import fastcall
 from optcc_mpi.check.state import FOLD_MIN, HEADER_BYTES, CheckState, rooms, served
 from optcc_mpi.errors import ArgumentError

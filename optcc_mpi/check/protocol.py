@@ -13,7 +13,7 @@ The block
 ---------
 Each rank contributes a 96-byte header (:data:`FIELDS`: protocol version, error flag,
 element count, type, op, and checksums of the algorithm, link profile, emulation, array
-backend and parameters, the message's bytes and the room) followed by ``C`` bytes of room
+library and parameters, the message's bytes and the room) followed by ``C`` bytes of room
 for data, and the blocks are gathered (:meth:`~optcc_mpi.transports.Transport.allgather_block`).
 ``C`` is the same on every rank because every rank derives it from the headers of the
 previous call on that communicator (the largest message then, rounded up to a power of
@@ -80,7 +80,7 @@ FIELDS = (
     "algorithm",
     "link profile",
     "emulation",
-    "backend",
+    "array library",
     "params",
     "bytes",
     "capacity",

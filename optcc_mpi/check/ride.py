@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from optcc_mpi.backend import NUMPY
+from optcc_mpi.arrays import NUMPY
 from optcc_mpi.check.protocol import OP_CODE, code
 from optcc_mpi.dtypes import DTYPES
 from optcc_mpi.transports.base import Transport
@@ -56,8 +56,8 @@ __all__ = ["RIDE_MAX", "Ride", "serves"]
 #: and a wrong guess wastes more.
 RIDE_MAX = 2 * 1024 * 1024
 #: Header fields (protocol.FIELDS): element count, dtype, op, algorithm, link profile,
-#: emulation, backend, bytes.
-_COUNT, _DTYPE, _OP, _ALGORITHM, _LINKS, _EMULATION, _BACKEND, _BYTES = 2, 3, 4, 5, 6, 7, 8, 10
+#: emulation, array library, bytes.
+_COUNT, _DTYPE, _OP, _ALGORITHM, _LINKS, _EMULATION, _ARRAYS, _BYTES = 2, 3, 4, 5, 6, 7, 8, 10
 #: The fields a signature is made of: every field of the header but the last (the room,
 #: which the check itself fills in).
 _SIGNATURE = 11
@@ -113,7 +113,7 @@ class Ride:
             and fields[_ALGORITHM] == _AUTO
             and fields[_LINKS] == 0
             and fields[_EMULATION] == 0
-            and fields[_BACKEND] == _NUMPY
+            and fields[_ARRAYS] == _NUMPY
             and 0 < fields[_BYTES] <= RIDE_MAX
         ):
             return False

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 import optcc_mpi
-from optcc_mpi import algorithms, backend, simulate
+from optcc_mpi import algorithms, arrays, simulate
 from optcc_mpi.check import fastcall
 from optcc_mpi.lab import provenance
 
@@ -100,7 +100,7 @@ def info_record() -> dict[str, Any]:
         "mpi_error": mpi_error,
         "mpi_ranks": mpi_mod.COMM_WORLD.Get_size() if mpi_mod is not None else None,
         "launcher": provenance.launcher_record(),
-        "cupy": backend.cupy_status(),
+        "cupy": arrays.cupy_status(),
         "cuda_aware_mpi": _cuda_aware() if mpi_mod is not None else None,
         "torch": _torch(),
         "fastcall": _fastcall(mpi_mod),

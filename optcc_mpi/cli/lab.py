@@ -13,12 +13,12 @@ import argparse
 from typing import Any
 
 from optcc_mpi.cli._common import print_help
-from optcc_mpi.lab import backend, calibrate, ddp, hsdp, percall, profiles, transition, transport
+from optcc_mpi.lab import backend, calibrate, ddp, hsdp, percall, profiles, ring, transition
 
 #: The tools, in the order ``optcc-mpi lab --help`` lists them.
 TOOLS = {
     "percall": percall,
-    "transport": transport,
+    "ring": ring,
     "calibrate": calibrate,
     "transition": transition,
     "profiles": profiles,
@@ -35,7 +35,7 @@ too (over torch.distributed's gloo, and the optcc backend); `profiles` and
 
 examples:
   mpiexec -n 2 optcc-mpi lab percall --iters 2000 --batch 50
-  mpiexec -n 2 optcc-mpi lab transport -b 1M -e 256M -f 4 -n 5
+  mpiexec -n 2 optcc-mpi lab ring -b 1M -e 256M -f 4 -n 5
   mpiexec -n 2 optcc-mpi lab calibrate
   optcc-mpi testbed run -- .venv/bin/python -m optcc_mpi lab transition --out t.jsonl
   optcc-mpi lab profiles --family server --max-ranks 32 --no-verify
@@ -50,7 +50,7 @@ def register(subparsers: Any) -> None:
     """Add the ``lab`` command and one sub-command per tool to ``subparsers``."""
     parser = subparsers.add_parser(
         "lab",
-        help="measuring tools: per-call cost, transport, calibration, transitions, profiles, DDP",
+        help="measuring tools: per-call cost, rings, calibration, transitions, profiles, DDP",
         description="The lab's measuring tools, behind the benchmark numbers in docs/.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

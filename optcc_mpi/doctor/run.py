@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from optcc_mpi import linklog, linkrates, transports
-from optcc_mpi.backend import NUMPY
+from optcc_mpi.arrays import NUMPY
 from optcc_mpi.doctor.diagnosis import Diagnosis, diagnose
 from optcc_mpi.doctor.expected import interface_speed, reference
 from optcc_mpi.doctor.rounds import (
@@ -65,7 +65,7 @@ def _allgather(comm: Any, value: Any) -> list[Any]:
 
 def _run(comm: Any, schedule: Schedule, buf: np.ndarray, pacer: Any) -> ExecStats:
     """This rank's part of ``schedule`` (per-operation times traced)."""
-    return execute(schedule, buf, comm=comm, op="sum", backend=NUMPY, pacer=pacer, trace=True)
+    return execute(schedule, buf, comm=comm, op="sum", arrays=NUMPY, pacer=pacer, trace=True)
 
 
 def _private(comm: Any) -> Any:

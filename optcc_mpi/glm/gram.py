@@ -7,7 +7,7 @@ bookkeeping, :func:`gemm_nt_plan`, is a pure function that the CPU test suite ch
 against NumPy; :mod:`optcc_mpi.glm.kernels` is the only caller of :func:`gram_bf16`.
 
 CuPy itself is never imported here: the caller passes the ``cupy`` module it got from
-:func:`optcc_mpi.backend.get_cupy`.
+:func:`optcc_mpi.arrays.get_cupy`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 import scipy.sparse as sp
 
-from ..backend import get_cupy
+from ..arrays import get_cupy
 from ..errors import ArgumentError
 from .comm import Group, checksum
 from .kernels import GRAM_LAYOUTS
@@ -50,7 +50,7 @@ def resolve_device(device: Any) -> Any:
     """Array module for the local kernels: NumPy for ``"cpu"``, CuPy for ``"gpu"``.
 
     ``"auto"`` picks the GPU when one is usable. CuPy is obtained from
-    ``optcc_mpi.backend.get_cupy()`` (the only module allowed to import it), which returns
+    ``optcc_mpi.arrays.get_cupy()`` (the only module allowed to import it), which returns
     the module when ``cupy.is_available()`` and None otherwise. A module object is
     returned unchanged (for callers and tests that bring their own).
     """

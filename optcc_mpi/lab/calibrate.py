@@ -37,7 +37,7 @@ import numpy as np
 
 from optcc_mpi.algorithms._policy import Fabric
 from optcc_mpi.argtypes import int_at_least, positive_size_arg
-from optcc_mpi.backend import NumpyBackend
+from optcc_mpi.arrays import NumpyArrayOps
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.executor import execute
 from optcc_mpi.lab.tools import append_rows, tool_main
@@ -111,7 +111,7 @@ def measure(
         )
     t_start = time.perf_counter()
     chain, big, cut = _schedules(p, nbytes, steps, small, pieces)
-    be = NumpyBackend()
+    be = NumpyArrayOps()
     comm = comm.Dup()
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     overlap = local.Get_size() != p  # not all on one node: a NIC moves the data
@@ -121,12 +121,12 @@ def measure(
     def timed(schedule: Any, size: int) -> float:
         comm.Barrier()
         t0 = time.perf_counter()
-        execute(schedule, bufs[size], comm=comm, op="sum", backend=be)
+        execute(schedule, bufs[size], comm=comm, op="sum", arrays=be)
         return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
     try:
         for schedule, size in ((chain, small), (big, nbytes), (cut, nbytes)):
-            execute(schedule, bufs[size], comm=comm, op="sum", backend=be)  # warm-up
+            execute(schedule, bufs[size], comm=comm, op="sum", arrays=be)  # warm-up
         chains, bigs, ratios = [], [], []
         for _ in range(repeats):
             chains.append(timed(chain, small))

@@ -15,9 +15,9 @@ One topic per module, the public names re-exported here:
     transport of the four required methods (``docs/transports.md``): every collective
     runs over it without MPI or a process group.
 :mod:`optcc_mpi.testing.fake_device`
-    A fake device array and backend (:func:`device_array`, :data:`FAKE_DEVICE`), so the
+    A fake device array and its ArrayOps (:func:`device_array`, :data:`FAKE_DEVICE`), so the
     GPU code paths run, and are checked for missing stream synchronisation, without a
-    GPU. Importing this package registers that backend; it owns only its own arrays.
+    GPU. Importing this package registers that array library; it owns only its own arrays.
 :mod:`optcc_mpi.testing.fake_streams`
     Recording fakes of device streams and events (:class:`FakeStreams`), so the stream
     protocol of :mod:`optcc_mpi.torch.streams` (side streams, completion events, a wait that
@@ -58,7 +58,7 @@ from optcc_mpi.testing.contract import (
 )
 from optcc_mpi.testing.fake_device import (
     FAKE_DEVICE,
-    FakeDeviceBackend,
+    FakeDeviceArrayOps,
     HostDeviceArray,
     UnsynchronizedError,
     device_array,
@@ -81,7 +81,7 @@ __all__ = [
     "select_checks",
     "verify_counts",
     "FAKE_DEVICE",
-    "FakeDeviceBackend",
+    "FakeDeviceArrayOps",
     "HostDeviceArray",
     "UnsynchronizedError",
     "device_array",

@@ -1,15 +1,15 @@
 """A fake device array, so the GPU code paths run on machines without a GPU.
 
 :class:`HostDeviceArray` exposes ``__cuda_array_interface__`` over host memory, as a GPU
-array would over device memory, and :class:`FakeDeviceBackend` treats it as device memory:
+array would over device memory, and :class:`FakeDeviceArrayOps` treats it as device memory:
 every element-wise operation (a copy, or any of the reductions of
 :data:`optcc_mpi.dtypes.OPS`) is "queued" on a fake stream, and handing a buffer to MPI
 while work is queued raises :class:`UnsynchronizedError`. Tests therefore fail if the
-executor ever forgets to synchronise before an MPI call. With the backend's
+executor ever forgets to synchronise before an MPI call. With the array library's
 ``cuda_aware`` set to True the array itself goes to mpi4py (through the CUDA array
 interface); otherwise data is staged through host copies, exactly as for CuPy.
 
-Importing this module registers the backend (:data:`FAKE_DEVICE`); it owns only
+Importing this module registers the array library (:data:`FAKE_DEVICE`); it owns only
 :class:`HostDeviceArray` instances, so no other array is affected.
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-from optcc_mpi.backend import Backend, register_backend
+from optcc_mpi.arrays import ArrayOps, register_array_ops
 from optcc_mpi.dtypes import NAME_OF
 from optcc_mpi.errors import OptccError
 from optcc_mpi.reductions import reduce_into, reduce_with
@@ -28,7 +28,7 @@ from optcc_mpi.reductions import reduce_into, reduce_with
 if TYPE_CHECKING:
     from numpy._core.multiarray import flagsobj as _Flags  # the type of ndarray.flags
 
-__all__ = ["HostDeviceArray", "FakeDeviceBackend", "UnsynchronizedError", "device_array"]
+__all__ = ["HostDeviceArray", "FakeDeviceArrayOps", "UnsynchronizedError", "device_array"]
 
 
 class UnsynchronizedError(OptccError, AssertionError):
@@ -106,8 +106,8 @@ def device_array(values: np.ndarray) -> HostDeviceArray:
     return HostDeviceArray(np.array(values, copy=True))
 
 
-class FakeDeviceBackend(Backend[HostDeviceArray, np.dtype]):
-    """Backend of :class:`HostDeviceArray` with a fake, checked stream."""
+class FakeDeviceArrayOps(ArrayOps[HostDeviceArray, np.dtype]):
+    """The operations on :class:`HostDeviceArray`, with a fake, checked stream."""
 
     name = "fake-device"
     device = True
@@ -180,4 +180,4 @@ class FakeDeviceBackend(Backend[HostDeviceArray, np.dtype]):
 
 
 #: The registered instance factory (tests reset its counters through it).
-FAKE_DEVICE = register_backend(FakeDeviceBackend)
+FAKE_DEVICE = register_array_ops(FakeDeviceArrayOps)

@@ -7,7 +7,7 @@ all-reduce of the job runs OptCC, asynchronously; everything else goes to gloo o
 
 Under ``torchrun`` (or ``srun`` with torch's variables) the schedules run over the
 ``torch.distributed`` process group itself: gloo on CPU tensors, NCCL on CUDA tensors,
-no MPI library needed (:mod:`optcc_mpi.transports.torch`). Under ``mpiexec`` they run over
+no MPI library needed (:mod:`optcc_mpi.transports.distributed`). Under ``mpiexec`` they run over
 MPI as before, when a communicator is given or torch.distributed is not initialised.
 
 ``allreduce(tensor, op="sum", *, group=None, comm=None, algorithm="auto", average=False)``
@@ -51,9 +51,9 @@ This package (``optcc_mpi.torch``) is the face; below it, from a call down to th
         |           reduction into the caller's tensor
     streams         side streams and events per (group, device); devices: agreeing on
         |           CPU or CUDA across ranks
-    optcc_mpi.collectives -> optcc_mpi.transports.torch (gloo, NCCL) -> the wire
+    optcc_mpi.collectives -> optcc_mpi.transports.distributed (gloo, NCCL) -> the wire
 
-The transport stays with the other transports (:mod:`optcc_mpi.transports.torch`: one
+The transport stays with the other transports (:mod:`optcc_mpi.transports.distributed`: one
 module behind the transport contract). This package imports the real PyTorch by absolute
 import.
 
@@ -160,7 +160,7 @@ def _target(comm: Any, group: Any) -> tuple[Any, Any]:
 
 
 def _torch_group(group: Any) -> Any:
-    from optcc_mpi.transports.torch import group_of
+    from optcc_mpi.transports.distributed import group_of
 
     return group_of(group)
 

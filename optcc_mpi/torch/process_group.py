@@ -106,7 +106,7 @@ from optcc_mpi.torch.streams import StreamCall
 from optcc_mpi.torch.tensors import HALF, Lane, LaneCall, TensorCall, lane, start_tensor
 from optcc_mpi.torch.worker import AbortedError, InFlight, OrderedWorker, _Job
 from optcc_mpi.transports.base import ABORT_POLL
-from optcc_mpi.transports.torch import TorchTransport, fresh_store
+from optcc_mpi.transports.distributed import TorchTransport, fresh_store
 
 __all__ = [
     "BACKEND",

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from optcc_mpi import collectives
-from optcc_mpi.backend import NUMPY, TORCH_DTYPES, get_cupy
+from optcc_mpi.arrays import NUMPY, TORCH_DTYPES, get_cupy
 from optcc_mpi.communicators import CallRecord
 from optcc_mpi.dtypes import check_op
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError, as_ours

@@ -24,7 +24,7 @@ import torch
 
 from optcc_mpi.errors import ArgumentError, OptccError
 from optcc_mpi.torch.streams import SideStreams, StreamApi
-from optcc_mpi.transports.torch import TorchTransport
+from optcc_mpi.transports.distributed import TorchTransport
 
 __all__ = ["AbortedError", "InFlight", "OrderedWorker", "worker_for"]
 

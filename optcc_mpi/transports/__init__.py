@@ -7,7 +7,7 @@ that implements this page:
 
 * :mod:`optcc_mpi.transports.mpi`: an mpi4py communicator (nonblocking point-to-point,
   ``MPI_Waitsome``, the library's ``MPI_Allreduce``);
-* :mod:`optcc_mpi.transports.torch`: a ``torch.distributed`` process group, gloo on CPU
+* :mod:`optcc_mpi.transports.distributed`: a ``torch.distributed`` process group, gloo on CPU
   tensors or NCCL on CUDA tensors (``isend``/``irecv``, ``batch_isend_irecv``, the
   group's ``all_reduce``).
 
@@ -79,9 +79,9 @@ def of(comm: Communicator) -> Transport:
 
         return mpi.transport(comm)
     if root == "torch":
-        from optcc_mpi.transports import torch
+        from optcc_mpi.transports import distributed
 
-        return torch.transport(comm)
+        return distributed.transport(comm)
     raise ArgumentTypeError(
         "comm must be an mpi4py communicator (e.g. MPI.COMM_WORLD) or a torch.distributed "
         f"process group, not {type(comm).__module__}.{type(comm).__name__}"

@@ -79,7 +79,7 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from optcc_mpi.backend import NUMPY, Array, Backend
+from optcc_mpi.arrays import NUMPY, Array, ArrayOps
 from optcc_mpi.errors import ArgumentTypeError
 from optcc_mpi.links import Links
 
@@ -134,7 +134,7 @@ class Capabilities:
     #: Whether a device buffer needs the current stream synchronised before the library
     #: reads it (MPI: yes; NCCL orders itself after the current stream).
     sync_device: bool = True
-    #: Whether tensors stay tensors (:func:`optcc_mpi.backend.buffer_of`'s ``tensors``),
+    #: Whether tensors stay tensors (:func:`optcc_mpi.arrays.buffer_of`'s ``tensors``),
     #: rather than being seen as NumPy or CuPy arrays.
     tensors: bool = False
     #: Whether the library's own AllReduce is bandwidth-optimal on healthy links (a ring,
@@ -268,44 +268,44 @@ class Transport(Generic[Req]):
         return [(self.isend if p.send else self.irecv)(p.data, p.peer, p.tag) for p in posts]
 
     # -- memory --------------------------------------------------------------------------------
-    def message(self, backend: Backend, arr: Array) -> Array:
+    def message(self, arrays: ArrayOps, arr: Array) -> Array:
         """What :meth:`isend`/:meth:`irecv` take for the bytes of ``arr``."""
-        return backend.byte_view(arr)
+        return arrays.byte_view(arr)
 
-    def scratch(self, nbytes: int) -> tuple[Array, Backend]:
-        """A buffer of ``nbytes`` bytes this transport moves, and its backend (the
+    def scratch(self, nbytes: int) -> tuple[Array, ArrayOps]:
+        """A buffer of ``nbytes`` bytes this transport moves, and its array library (the
         probe's and the doctor's messages): host memory unless the library needs device
         memory."""
         return np.zeros(nbytes, dtype=np.uint8), NUMPY
 
-    def staging(self, backend: Backend) -> bool:
-        """Whether messages of ``backend``'s arrays go through host copies."""
+    def staging(self, arrays: ArrayOps) -> bool:
+        """Whether the messages of this array library go through host copies."""
         return False
 
-    def level_clock(self, backend: Backend) -> LevelClock | None:
+    def level_clock(self, arrays: ArrayOps) -> LevelClock | None:
         """Where the host never sees a message complete (:attr:`Completion.GROUPED`), a
-        clock on the device ``backend``'s arrays live on, whose marks time each level of
+        clock on the device the arrays of ``arrays`` live on, whose marks time each level of
         a call afterwards (the watch's measurements); None (the default): no times."""
         return None
 
-    def check_backend(self, backend: Backend) -> None:
-        """ArgumentError if this transport cannot move ``backend``'s arrays (checked
+    def check_arrays(self, arrays: ArrayOps) -> None:
+        """ArgumentError if this transport cannot move the arrays of ``arrays`` (checked
         for transports whose :attr:`Capabilities.tensors` is set)."""
 
     # -- the library's own AllReduce ----------------------------------------------------------
-    def native(self, backend: Backend, dtype_name: str, op: str) -> bool:
+    def native(self, arrays: ArrayOps, dtype_name: str, op: str) -> bool:
         """Whether :meth:`allreduce` reduces ``dtype_name`` with ``op`` exactly as this
         package does (else the caller gathers and reduces in rank order)."""
         return False
 
-    def allreduce(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> Req:
+    def allreduce(self, arrays: ArrayOps, arr: Array, dtype_name: str, op: str) -> Req:
         """Start the library's in-place AllReduce of ``arr``; its request (the executor
         waits for it as for a message's). Called only where :meth:`native` said yes."""
         raise NotImplementedError(f"{self.describe()} has no AllReduce of its own")
 
-    def allreduce_now(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> None:
+    def allreduce_now(self, arrays: ArrayOps, arr: Array, dtype_name: str, op: str) -> None:
         """:meth:`allreduce`, completed before returning."""
-        self.wait(self.allreduce(backend, arr, dtype_name, op))
+        self.wait(self.allreduce(arrays, arr, dtype_name, op))
 
     # -- control traffic ----------------------------------------------------------------------
     def allgather_block(self, block: np.ndarray, out: np.ndarray) -> None:
@@ -315,9 +315,9 @@ class Transport(Generic[Req]):
         for r, row in enumerate(rows):
             out[r] = np.frombuffer(row, dtype=np.uint8)
 
-    def gather_rows(self, backend: Backend, arr: Array) -> Array | None:
+    def gather_rows(self, arrays: ArrayOps, arr: Array) -> Array | None:
         """Every rank's ``arr`` (1-D, the same size everywhere) as the rows of a 2-D array
-        of ``backend``, gathered where it lives (on the device for device memory); None
+        of ``arrays``, gathered where it lives (on the device for device memory); None
         where this transport gathers through the host only."""
         return None
 

@@ -7,7 +7,7 @@ messages, the probe), so that none of it can ever match a message or a collectiv
 the user's, even one posted with ``MPI.ANY_SOURCE`` and ``MPI.ANY_TAG``. Making it is
 collective (``MPI_Comm_dup``); every rank reaches it at its first call.
 
-Messages are bytes (``uint8`` views, :meth:`~optcc_mpi.backend.Backend.byte_view`): no
+Messages are bytes (``uint8`` views, :meth:`~optcc_mpi.arrays.ArrayOps.byte_view`): no
 MPI datatype is needed for bfloat16, and no reduction happens inside MPI, so results do
 not depend on how the library reduces. Only the library's own AllReduce (the ``COLL``
 operation, :func:`mpi_datatype_and_op`) asks MPI to reduce. Device memory goes to MPI
@@ -31,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from optcc_mpi import config
-from optcc_mpi.backend import Array, Backend
+from optcc_mpi.arrays import Array, ArrayOps
 from optcc_mpi.dtypes import ALIASES, CATEGORY, DTYPES, LOW_PRECISION, check_op_dtype, op_name
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
@@ -123,16 +123,16 @@ class MpiTransport(Transport[MPI.Request]):
             except Exception:  # pragma: no cover - MPI already finalising
                 pass
 
-    def staging(self, backend: Backend) -> bool:
-        if not backend.device:
+    def staging(self, arrays: ArrayOps) -> bool:
+        if not arrays.device:
             return False
-        aware = backend.cuda_aware if backend.cuda_aware is not None else cuda_aware_mpi()
+        aware = arrays.cuda_aware if arrays.cuda_aware is not None else cuda_aware_mpi()
         return not aware
 
-    def native(self, backend: Backend, dtype_name: str, op: str) -> bool:
+    def native(self, arrays: ArrayOps, dtype_name: str, op: str) -> bool:
         return True  # mpi_datatype_and_op gives every pair this package's semantics
 
-    def allreduce(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> MPI.Request:
+    def allreduce(self, arrays: ArrayOps, arr: Array, dtype_name: str, op: str) -> MPI.Request:
         datatype, mpi_op = mpi_datatype_and_op(dtype_name, op)
         arr = cast(np.ndarray, arr)  # NumPy's API: no tensors here (caps.tensors is False)
         if arr.dtype in LOW_PRECISION:
@@ -149,7 +149,7 @@ class MpiTransport(Transport[MPI.Request]):
     def wait(self, req: MPI.Request) -> None:
         req.Wait()
 
-    def allreduce_now(self, backend: Backend, arr: Array, dtype_name: str, op: str) -> None:
+    def allreduce_now(self, arrays: ArrayOps, arr: Array, dtype_name: str, op: str) -> None:
         datatype, mpi_op = mpi_datatype_and_op(dtype_name, op)
         arr = cast(np.ndarray, arr)  # NumPy's API: no tensors here (caps.tensors is False)
         if arr.dtype in LOW_PRECISION:

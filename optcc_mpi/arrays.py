@@ -1,15 +1,15 @@
-"""Array backends: NumPy, CuPy and PyTorch tensors behind one small interface.
+"""Array libraries: NumPy, CuPy and PyTorch tensors behind one small interface.
 
-Everything that touches array memory goes through a :class:`Backend`: allocation,
+Everything that touches array memory goes through an :class:`ArrayOps`: allocation,
 copies, the element-wise reduction (:mod:`optcc_mpi.reductions`), the order-preserving
 keys of ``max``/``min`` and the canonical NaN, stream synchronisation and host copies.
 What a transport hands to its library is the transport's business
-(:mod:`optcc_mpi.transports`): the backend only says where the memory lives.
+(:mod:`optcc_mpi.transports`): an :class:`ArrayOps` only says where the memory lives.
 
 This is the only module that imports CuPy, and only when a CuPy array shows up; likewise
 PyTorch, only when a tensor shows up. :func:`buffer_of` turns what users pass (arrays,
 buffers, mpi4py buffer specifications, tensors, objects with the CUDA array interface)
-into a 1-D array and its backend, without a copy.
+into a 1-D array and its :class:`ArrayOps`, without a copy.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ if TYPE_CHECKING:  # names for annotations: none of these libraries is imported 
 
 __all__ = [
     "Array",
-    "Backend",
-    "XpBackend",
-    "NumpyBackend",
-    "CupyBackend",
-    "TorchBackend",
+    "ArrayOps",
+    "XpArrayOps",
+    "NumpyArrayOps",
+    "CupyArrayOps",
+    "TorchArrayOps",
     "NUMPY",
-    "register_backend",
-    "torch_backend",
+    "register_array_ops",
+    "torch_array_ops",
     "TORCH_DTYPES",
     "buffer_of",
     "result_like",
@@ -57,20 +57,20 @@ __all__ = [
     "get_cupy",
 ]
 
-#: A 1-D contiguous array of one backend: a NumPy or CuPy array, or a PyTorch tensor.
+#: A 1-D contiguous array of one array library: a NumPy or CuPy array, or a PyTorch tensor.
 Array = Union[np.ndarray, "torch.Tensor", "cupy.ndarray"]
-#: The array type and the element-type type of one backend (:class:`Backend`'s parameters).
+#: The array type and the element-type type of one library (:class:`ArrayOps`'s parameters).
 ArrayT = TypeVar("ArrayT")
 DTypeT = TypeVar("DTypeT")
 
 
-class Backend(Generic[ArrayT, DTypeT]):
+class ArrayOps(Generic[ArrayT, DTypeT]):
     """Operations on 1-D contiguous arrays of one array library.
 
     Generic in the library's array type and its type of element types
-    (``Backend[np.ndarray, np.dtype]``, ``Backend[torch.Tensor, torch.dtype]``); subclasses
-    implement the methods for their library. Code that takes whichever backend owns a
-    user's buffer, not known until run time, writes a bare ``Backend`` and :data:`Array`
+    (``ArrayOps[np.ndarray, np.dtype]``, ``ArrayOps[torch.Tensor, torch.dtype]``); subclasses
+    implement the methods for their library. Code that takes whichever library owns a
+    user's buffer, not known until run time, writes a bare ``ArrayOps`` and :data:`Array`
     for its arrays. ``device`` says whether the memory lives on a GPU (then MPI calls
     need a synchronised stream, and staging through host memory when the MPI library is
     not CUDA-aware).
@@ -78,12 +78,12 @@ class Backend(Generic[ArrayT, DTypeT]):
 
     name = "abstract"
     device = False
-    #: Whether a transport may hand this backend's device memory to its library
+    #: Whether a transport may hand these arrays' device memory to its library
     #: directly; None: the transport asks its library (:mod:`optcc_mpi.transports`).
     cuda_aware: bool | None = None
 
     def owns(self, arr: object) -> bool:
-        """True if ``arr`` is an array of this backend."""
+        """True if ``arr`` is an array of this library."""
         raise NotImplementedError
 
     def empty(self, n: int, dtype: DTypeT) -> ArrayT:
@@ -103,7 +103,7 @@ class Backend(Generic[ArrayT, DTypeT]):
     def reduce_into(self, op: str, out: ArrayT, a: ArrayT, b: ArrayT) -> None:
         """``out = op(a, b)`` element-wise: the bits of :meth:`reduce` on ``out`` holding
         ``a`` (the same operands in the same order). ``out`` may be ``a`` or ``b`` itself
-        (the same object), and must not overlap them otherwise. A backend that can write
+        (the same object), and must not overlap them otherwise. A library that can write
         the result elsewhere saves a copy (the executor reads a send buffer's first use
         this way); this default copies."""
         if out is b:
@@ -118,7 +118,7 @@ class Backend(Generic[ArrayT, DTypeT]):
 
     # -- max/min keys and NaN (optcc_mpi.reductions), on the whole buffer ---------------------
     def has_keys(self, dtype: DTypeT) -> bool:
-        """Whether ``max``/``min`` on ``dtype`` go through integer keys (a backend that
+        """Whether ``max``/``min`` on ``dtype`` go through integer keys (a library that
         reduces nothing itself: no)."""
         return False
 
@@ -133,7 +133,7 @@ class Backend(Generic[ArrayT, DTypeT]):
 
     def canonical_nans(self, arr: ArrayT) -> None:
         """Every NaN of float or complex ``arr`` made the canonical one, in place (a
-        backend that reduces nothing itself: nothing to do)."""
+        library that reduces nothing itself: nothing to do)."""
 
     def dtype_name(self, arr: ArrayT) -> str | None:
         """Our name (:data:`optcc_mpi.dtypes.DTYPES`) of ``arr``'s element type, or None."""
@@ -168,8 +168,8 @@ class Backend(Generic[ArrayT, DTypeT]):
         return f"<{type(self).__name__} {self.name}>"
 
 
-class XpBackend(Backend[XpArray, np.dtype]):
-    """A backend of NumPy's array API (NumPy, CuPy): the keys, the NaNs, names, views and
+class XpArrayOps(ArrayOps[XpArray, np.dtype]):
+    """The ops of NumPy's array API (NumPy, CuPy): the keys, the NaNs, names, views and
     flags computed through the array module :attr:`xp`."""
 
     #: The array module (NumPy-compatible API) for whole-buffer element-wise work.
@@ -198,7 +198,7 @@ class XpBackend(Backend[XpArray, np.dtype]):
         return bool(flags.c_contiguous or flags.f_contiguous)
 
 
-class NumpyBackend(XpBackend[np.ndarray]):
+class NumpyArrayOps(XpArrayOps[np.ndarray]):
     """Host memory, NumPy arrays."""
 
     name = "numpy"
@@ -236,7 +236,7 @@ class NumpyBackend(XpBackend[np.ndarray]):
         return bool(arr.flags.writeable)
 
 
-class CupyBackend(XpBackend["cupy.ndarray"]):
+class CupyArrayOps(XpArrayOps["cupy.ndarray"]):
     """GPU memory, CuPy arrays; reductions run on the GPU.
 
     The executor synchronises the current stream before a buffer goes to a library that
@@ -284,12 +284,12 @@ class CupyBackend(XpBackend["cupy.ndarray"]):
         dst.set(host)
 
 
-class TorchBackend(Backend["torch.Tensor", "torch.dtype"]):
+class TorchArrayOps(ArrayOps["torch.Tensor", "torch.dtype"]):
     """PyTorch tensors, kept as tensors: reductions by torch on the tensors' device.
 
-    The torch.distributed transport moves tensors (:mod:`optcc_mpi.transports.torch`);
+    The torch.distributed transport moves tensors (:mod:`optcc_mpi.transports.distributed`);
     over MPI a tensor is viewed as a NumPy or CuPy array instead (:func:`buffer_of`). One
-    instance per device (:func:`torch_backend`). Work is queued on torch's current
+    instance per device (:func:`torch_array_ops`). Work is queued on torch's current
     stream, which NCCL's operations are ordered with, so nothing here synchronises.
     """
 
@@ -367,7 +367,7 @@ class TorchBackend(Backend["torch.Tensor", "torch.dtype"]):
         return not (arr.is_conj() or arr.is_neg())
 
 
-#: The tensor element types the torch backend reduces (by our names, which are torch's).
+#: The tensor element types TorchArrayOps reduces (by our names, which are torch's).
 TORCH_DTYPES = (
     "bool",
     "int8",
@@ -385,38 +385,38 @@ TORCH_DTYPES = (
 
 
 @functools.lru_cache(maxsize=16)
-def torch_backend(device: torch.device | str) -> TorchBackend:
-    """The :class:`TorchBackend` of ``device`` (a ``torch.device`` or its name)."""
-    return TorchBackend(device)
+def torch_array_ops(device: torch.device | str) -> TorchArrayOps:
+    """The :class:`TorchArrayOps` of ``device`` (a ``torch.device`` or its name)."""
+    return TorchArrayOps(device)
 
 
-_BACKENDS: list[Callable[[], Backend]] = []
-_INSTANCES: dict[Callable[[], Backend], Backend] = {}
+_FACTORIES: list[Callable[[], ArrayOps]] = []
+_INSTANCES: dict[Callable[[], ArrayOps], ArrayOps] = {}
 
 
-def register_backend(factory: Callable[[], Backend]) -> Callable[[], Backend]:
-    """Add a backend (a zero-argument factory); later registrations are tried first."""
-    _BACKENDS.insert(0, factory)
+def register_array_ops(factory: Callable[[], ArrayOps]) -> Callable[[], ArrayOps]:
+    """Add an array library (its ArrayOps' factory, no arguments); later ones are tried first."""
+    _FACTORIES.insert(0, factory)
     return factory
 
 
-register_backend(NumpyBackend)
+register_array_ops(NumpyArrayOps)
 
 
-def instance(factory: Callable[[], Backend]) -> Backend:
+def instance(factory: Callable[[], ArrayOps]) -> ArrayOps:
     inst = _INSTANCES.get(factory)
     if inst is None:
         inst = _INSTANCES[factory] = factory()
     return inst
 
 
-#: The NumPy backend (the fast path of :func:`buffer_of`).
-NUMPY = instance(NumpyBackend)
+#: NumPy's ArrayOps (the fast path of :func:`buffer_of`).
+NUMPY = instance(NumpyArrayOps)
 
 
 @functools.lru_cache(maxsize=1)
-def _cupy_factory() -> Callable[[], Backend]:
-    return register_backend(CupyBackend)
+def _cupy_factory() -> Callable[[], ArrayOps]:
+    return register_array_ops(CupyArrayOps)
 
 
 def get_cupy() -> ModuleType | None:
@@ -432,16 +432,16 @@ def get_cupy() -> ModuleType | None:
 
 
 # -- what users pass: arrays, buffers, mpi4py buffer specifications, tensors --------------------
-def _contiguous_flat(arr: Array, backend: Backend, what: str) -> Array:
-    if not backend.contiguous(arr):
+def _contiguous_flat(arr: Array, arrays: ArrayOps, what: str) -> Array:
+    if not arrays.contiguous(arr):
         raise ArgumentError(
             f"{what} is not contiguous; pass a contiguous array (e.g. np.ascontiguousarray)"
         )
-    return backend.flat(arr)
+    return arrays.flat(arr)
 
 
-def buffer_of(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[Array, Backend]:
-    """A 1-D array over the memory of ``obj`` (no copy), and the backend that owns it.
+def buffer_of(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple[Array, ArrayOps]:
+    """A 1-D array over the memory of ``obj`` (no copy), and the ArrayOps of its library.
 
     Accepted: NumPy and CuPy arrays of any shape and either memory order, if contiguous;
     any object with the buffer protocol (``array.array``, ``bytearray``, ``memoryview``,
@@ -450,7 +450,7 @@ def buffer_of(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple
     predefined MPI datatype (or a contiguous one of a predefined type); objects with the
     CUDA array interface (Numba device arrays and the like, viewed through CuPy); PyTorch
     tensors: with ``tensors`` (the torch.distributed transport) as tensors
-    (:class:`TorchBackend`), else CPU tensors through a NumPy view and CUDA tensors
+    (:class:`TorchArrayOps`), else CPU tensors through a NumPy view and CUDA tensors
     through DLPack as CuPy arrays, after synchronising PyTorch's current stream. ``what``
     names the argument in errors.
     """
@@ -464,7 +464,7 @@ def buffer_of(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple
             return _tensor(obj, what)
         arr = _from_torch(obj, what)
         return buffer_of(arr, what=what)
-    for factory in _BACKENDS:
+    for factory in _FACTORIES:
         inst = instance(factory)
         if inst.owns(obj):
             return _contiguous_flat(obj, inst, what), inst
@@ -493,7 +493,7 @@ def buffer_of(obj: Any, *, what: str = "buffer", tensors: bool = False) -> tuple
     return _contiguous_flat(arr, NUMPY, what), NUMPY
 
 
-def _from_cuda_interface(obj: object, what: str) -> tuple[Array, Backend]:
+def _from_cuda_interface(obj: object, what: str) -> tuple[Array, ArrayOps]:
     """A CuPy view (no copy) of an object exposing ``__cuda_array_interface__``."""
     cp = get_cupy()
     if cp is None:
@@ -510,8 +510,8 @@ def _from_cuda_interface(obj: object, what: str) -> tuple[Array, Backend]:
     return _contiguous_flat(arr, inst, what), inst
 
 
-def _tensor(t: torch.Tensor, what: str) -> tuple[torch.Tensor, TorchBackend]:
-    """A tensor as a 1-D tensor of the same memory, and its device's torch backend."""
+def _tensor(t: torch.Tensor, what: str) -> tuple[torch.Tensor, TorchArrayOps]:
+    """A tensor as a 1-D tensor of the same memory, and its device's TorchArrayOps."""
     import torch
 
     if t.layout != torch.strided:
@@ -523,7 +523,7 @@ def _tensor(t: torch.Tensor, what: str) -> tuple[torch.Tensor, TorchBackend]:
         )
     if t.is_conj() or t.is_neg():
         raise ArgumentError(f"{what}: a lazy conjugate/negative view; call .resolve_conj() first")
-    inst = torch_backend(t.device)
+    inst = torch_array_ops(t.device)
     if inst.dtype_name(t) is None:
         raise ArgumentTypeError(
             f"{what}: tensor dtype {t.dtype} is not supported; supported: "
@@ -564,7 +564,7 @@ def _from_torch(t: torch.Tensor, what: str) -> Array:
     raise ArgumentTypeError(f"{what}: tensors on {t.device.type} are not supported (cpu, cuda)")
 
 
-def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Array, Backend]:
+def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Array, ArrayOps]:
     """An mpi4py buffer specification as a 1-D array of the datatype's elements."""
     from mpi4py import MPI
 
@@ -597,7 +597,7 @@ def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Array, Back
             "[buf, datatype] whose first item is the buffer; for numbers pass "
             "np.array([...])"
         )
-    seen, backend = buffer_of(buf, what=what)
+    seen, arrays = buffer_of(buf, what=what)
     raw = cast(np.ndarray, seen)  # not a tensor (tensors=False): NumPy's API (CuPy's too)
     dtype, per = (raw.dtype, 1) if datatype is None else _datatype_dtype(datatype, what)
     nbytes = raw.size * raw.dtype.itemsize
@@ -615,7 +615,7 @@ def _from_spec(msg: list[Any] | tuple[Any, ...], what: str) -> tuple[Array, Back
         )
     size = dtype.itemsize
     as_bytes = raw.view(np.uint8) if raw.dtype != np.uint8 else raw
-    return as_bytes[displ * size : (displ + count) * size].view(dtype), backend
+    return as_bytes[displ * size : (displ + count) * size].view(dtype), arrays
 
 
 def _datatype_dtype(datatype: MPI.Datatype, what: str) -> tuple[np.dtype, int]:
@@ -646,7 +646,7 @@ def _datatype_dtype(datatype: MPI.Datatype, what: str) -> tuple[np.dtype, int]:
     return dt, per
 
 
-def result_like(obj: Any, flat: Array, backend: Backend) -> tuple[Array, Array]:
+def result_like(obj: Any, flat: Array, arrays: ArrayOps) -> tuple[Array, Array]:
     """A new result for input ``obj`` (whose 1-D view is ``flat``): the object returned to
     the caller, and its 1-D view. Arrays and tensors get one of their own kind, shape and
     memory order; other buffers a 1-D NumPy array of their element type."""
@@ -658,11 +658,11 @@ def result_like(obj: Any, flat: Array, backend: Backend) -> tuple[Array, Array]:
         import torch
 
         made = torch.empty_like(obj, memory_format=torch.preserve_format)
-        return made, buffer_of(made, what="result", tensors=backend.name == "torch")[0]
-    if backend is not NUMPY and not isinstance(obj, (list, tuple)) and backend.owns(obj):
-        own = backend.empty_like(obj)
-        return own, backend.flat(own)
-    new = backend.empty(flat.shape[0], flat.dtype)
+        return made, buffer_of(made, what="result", tensors=arrays.name == "torch")[0]
+    if arrays is not NUMPY and not isinstance(obj, (list, tuple)) and arrays.owns(obj):
+        own = arrays.empty_like(obj)
+        return own, arrays.flat(own)
+    new = arrays.empty(flat.shape[0], flat.dtype)
     return new, new
 
 

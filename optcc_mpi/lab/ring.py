@@ -1,8 +1,8 @@
-"""Transport benchmark: our executor's ring against a hand-written ring and MPI_Allreduce.
+"""Ring benchmark: our executor's ring against a hand-written ring and MPI_Allreduce.
 
 Run under MPI (shared memory or any network)::
 
-    mpiexec -n 2 optcc-mpi lab transport -b 1M -e 256M -f 4 -n 5
+    mpiexec -n 2 optcc-mpi lab ring -b 1M -e 256M -f 4 -n 5
 
 For every size it times, interleaved iteration by iteration so that all see the same
 machine load:
@@ -179,7 +179,7 @@ def run(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``optcc-mpi lab transport`` (and ``python -m optcc_mpi.lab.transport``)."""
+    """The options of ``optcc-mpi lab ring`` (and ``python -m optcc_mpi.lab.ring``)."""
     parser.description = (
         "Executor ring vs hand-written Sendrecv ring vs MPI_Allreduce, interleaved per "
         "iteration, every result checked (run under mpiexec). Exit status 1 if any result "
@@ -187,8 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         "examples:\n"
-        "  mpiexec -n 2 optcc-mpi lab transport -b 1M -e 256M -f 4 -n 5\n"
-        "  mpiexec -n 2 optcc-mpi lab transport -b 64M -e 64M --chunk 1M --chunk 0 --out t.jsonl"
+        "  mpiexec -n 2 optcc-mpi lab ring -b 1M -e 256M -f 4 -n 5\n"
+        "  mpiexec -n 2 optcc-mpi lab ring -b 64M -e 64M --chunk 1M --chunk 0 --out t.jsonl"
     )
     parser.add_argument(
         "-b", "--begin", type=positive_size_arg, default=1 << 20, help="smallest size (1M)"
@@ -259,8 +259,8 @@ def run_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m optcc_mpi.lab.transport``: the same as ``optcc-mpi lab transport``."""
-    return tool_main("optcc_mpi.lab.transport", add_arguments, run_args, argv)
+    """``python -m optcc_mpi.lab.ring``: the same as ``optcc-mpi lab ring``."""
+    return tool_main("optcc_mpi.lab.ring", add_arguments, run_args, argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ Where ``/dev/shm``'s budget leaves no room for one, the group has none, and its 
 records say so (:attr:`~optcc_mpi.transports.Transport.board_state`).
 
 gloo
-    CPU tensors (reduced by torch, :class:`~optcc_mpi.backend.TorchBackend`) and NumPy
+    CPU tensors (reduced by torch, :class:`~optcc_mpi.arrays.TorchArrayOps`) and NumPy
     arrays (reduced by NumPy, their memory wrapped by ``torch.from_numpy``). A gloo
     request reports its completion only when waited for, so the executor waits for the
     outstanding operation of lowest level (completions
@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions
 
-from optcc_mpi.backend import torch_backend
+from optcc_mpi.arrays import torch_array_ops
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.transports import base, board
@@ -411,23 +411,23 @@ class TorchTransport(Transport["dist.Work"]):
         self.close()
 
     # -- point-to-point ------------------------------------------------------------------
-    def check_backend(self, backend: Any) -> None:
+    def check_arrays(self, arrays: Any) -> None:
         if self.name == "nccl":
-            if backend.name != "torch" or not backend.device:
+            if arrays.name != "torch" or not arrays.device:
                 raise ArgumentError(
                     "an NCCL process group moves CUDA tensors only; pass CUDA tensors, or "
                     "use a gloo group for CPU tensors and NumPy arrays"
                 )
-        elif backend.name == "torch" and backend.device:
-            where = backend.where.type
+        elif arrays.name == "torch" and arrays.device:
+            where = arrays.where.type
             hint = "use an NCCL group for CUDA tensors" if where == "cuda" else "not " + where
             raise ArgumentError(
                 f"a gloo process group moves CPU tensors and NumPy arrays ({hint}); move the "
                 "tensor to the CPU"
             )
-        elif backend.name not in ("torch", "numpy"):
+        elif arrays.name not in ("torch", "numpy"):
             raise ArgumentTypeError(
-                f"the torch.distributed transport cannot move {backend.name} arrays; pass "
+                f"the torch.distributed transport cannot move {arrays.name} arrays; pass "
                 "tensors (or NumPy arrays over gloo)"
             )
 
@@ -435,14 +435,14 @@ class TorchTransport(Transport["dist.Work"]):
         if self.name != "nccl":
             return super().scratch(nbytes)
         device = torch.device("cuda", torch.cuda.current_device())
-        return torch.zeros(nbytes, dtype=torch.uint8, device=device), torch_backend(device)
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device), torch_array_ops(device)
 
-    def level_clock(self, backend: Any) -> LevelClock | None:
-        if self.name != "nccl" or not backend.device:
+    def level_clock(self, arrays: Any) -> LevelClock | None:
+        if self.name != "nccl" or not arrays.device:
             return None
         return CudaClock()
 
-    def message(self, backend: Any, arr: Any) -> Any:
+    def message(self, arrays: Any, arr: Any) -> Any:
         if isinstance(arr, np.ndarray):
             return torch.from_numpy(arr.view(np.uint8))
         return arr.view(torch.uint8)
@@ -505,12 +505,12 @@ class TorchTransport(Transport["dist.Work"]):
         return [self.data._end_coalescing(*where)]
 
     # -- the library's own AllReduce -------------------------------------------------------
-    def native(self, backend: Any, dtype_name: str, op: str) -> bool:
-        if backend.name == "numpy" and dtype_name == "bfloat16":
+    def native(self, arrays: Any, dtype_name: str, op: str) -> bool:
+        if arrays.name == "numpy" and dtype_name == "bfloat16":
             return False
         return dtype_name in _EXACT[self.name].get(op, ())
 
-    def allreduce(self, backend: Any, arr: Any, dtype_name: str, op: str) -> Any:
+    def allreduce(self, arrays: Any, arr: Any, dtype_name: str, op: str) -> Any:
         on = self.board
         if on is not None and self.name == "gloo":
             # Every rank on this machine: through the shared mapping, reduced in rank order
@@ -582,8 +582,8 @@ class TorchTransport(Transport["dist.Work"]):
             self._held(self.ctrl._allgather_base(into, mine, AllgatherOptions()), into, mine)
         )
 
-    def gather_rows(self, backend: Any, arr: Any) -> Any:
-        if backend.name != "torch":
+    def gather_rows(self, arrays: Any, arr: Any) -> Any:
+        if arrays.name != "torch":
             return None
         rows = torch.empty((self.size, arr.shape[0]), dtype=arr.dtype, device=arr.device)
         # As bytes: the library moves them whatever the type (bool, bfloat16, complex).
