@@ -39,13 +39,15 @@ class _Gloo:
 
 
 def header(count: int = 1000, dtype: str = "float32", **over: int) -> tuple[int, ...]:
-    """A header as a call's check sends it (protocol.FIELDS), with fields ``over``."""
+    """A header as a call's check sends it (protocol.FIELDS, in order; keys are short
+    names), with fields ``over``."""
     size = np.dtype(dtype).itemsize
     fields = {
         "protocol": PROTOCOL, "error": 0, "count": count, "dtype": DTYPE_CODE[dtype],
         "op": OP_CODE["sum"], "algorithm": code("auto"), "links": 0, "emulation": 0,
-        "array library": code("numpy"), "params": 0, "bytes": count * size, "room": 0,
+        "arrays": code("numpy"), "params": 0, "bytes": count * size, "room": 0,
     }  # fmt: skip
+    assert over.keys() <= fields.keys(), over
     fields.update(over)
     return tuple(fields.values())
 
