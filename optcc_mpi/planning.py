@@ -143,7 +143,7 @@ def _learns_rate(st: CommState, call: CheckedCall) -> bool:
     ranks span machines (transport kind ``network``, not emulated), ``$OPTCC_LINK_RATE``
     is not set, and the call may run a schedule of ours (``auto`` from
     :data:`~optcc_mpi.algorithms._policy.SMALL_BYTES` on, or an algorithm whose cost
-    model takes the transport). The same on every rank: each input is agreed by the
+    model takes the fabric). The same on every rank: each input is agreed by the
     check (the transport's kind is the same everywhere)."""
     if st.size < 2 or st.transport.kind != "network" or call.emu is not None:
         return False
@@ -152,7 +152,7 @@ def _learns_rate(st: CommState, call: CheckedCall) -> bool:
     if call.algorithm == "auto":
         return call.nbytes >= SMALL_BYTES
     try:
-        return "transport" in algorithms.get(call.algorithm).params
+        return "fabric" in algorithms.get(call.algorithm).params
     except ArgumentError:  # (an unknown name: the check says so on every rank)
         return False
 
@@ -193,10 +193,10 @@ def _plan(st: CommState, call: CheckedCall, links: Links) -> Plan:
     """What the call runs (:class:`~optcc_mpi.communicators.Plan`); cached per
     communicator.
 
-    A builder that declares a ``transport`` parameter (and was not given one) is told the
+    A builder that declares a ``fabric`` parameter (and was not given one) is told the
     communicator's: the network model (:func:`~optcc_mpi.algorithms._policy.network`, at
     the transport's ranks per core) under emulation or where the transport reports a
-    network, else what the transport reports."""
+    network, else the kind of fabric the transport reports (its ``kind``)."""
     emulated = call.emu is not None
     itemsize = call.flat_in.dtype.itemsize
     params = call.params
@@ -232,7 +232,7 @@ def _plan(st: CommState, call: CheckedCall, links: Links) -> Plan:
     else:
         name = algorithm
     given = dict(params or {})
-    if "transport" in algorithms.get(name).params and "transport" not in given:
+    if "fabric" in algorithms.get(name).params and "fabric" not in given:
         kind = "network" if emulated else st.transport.kind
         # (over a network, the model at the rate told or learnt, weighed by the ranks per
         # core)
@@ -245,7 +245,7 @@ def _plan(st: CommState, call: CheckedCall, links: Links) -> Plan:
                 # nothing to read, and a link that recovers under the plan unseen
                 # (the 4-rank testbed stayed at 1:0.5 for 14 calls after rank 1 healed).
                 fabric = dataclasses.replace(fabric, section_min=MIN_BYTES)
-        given["transport"] = fabric
+        given["fabric"] = fabric
     sched = algorithms.build(name, p, call.count, links, itemsize=itemsize, **given)
     coll_only = bool(sched.n_ops) and bool(np.all(sched.kind == COLL))
     return st.plans.put(key, Plan(name, sched, coll_only))

@@ -11,7 +11,7 @@ import pytest
 
 from optcc_mpi import algorithms, config
 from optcc_mpi.algorithms import optcc
-from optcc_mpi.algorithms._policy import NETWORK, network, transport_of
+from optcc_mpi.algorithms._policy import NETWORK, fabric_of, network
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.simulate import simulate
 
@@ -19,14 +19,14 @@ MiB = 1 << 20
 
 
 def _k(p: int, nbytes: int) -> int:
-    sched = algorithms.get("optcc").build(p, nbytes // 4, "0:0.5", itemsize=4, transport="network")
+    sched = algorithms.get("optcc").build(p, nbytes // 4, "0:0.5", itemsize=4, fabric="network")
     return int(sched.params["k"])
 
 
 def test_default_network_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPTCC_LINK_RATE", raising=False)
     config.reload()
-    assert network() is NETWORK and transport_of("network") is NETWORK
+    assert network() is NETWORK and fabric_of("network") is NETWORK
     assert 100_000 <= optcc.section_floor("network") <= 100_001  # 2 * 40 us * 1.25 GB/s
     assert _k(16, 8 * MiB) == 5
 
@@ -34,9 +34,9 @@ def test_default_network_model(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_link_rate_sets_the_network_rate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPTCC_LINK_RATE", "200mbit")
     config.reload()
-    tr = transport_of("network")
-    assert tr.rate == 25e6
-    assert (tr.latency, tr.message_cost, tr.overlap) == (
+    fab = fabric_of("network")
+    assert fab.rate == 25e6
+    assert (fab.latency, fab.message_cost, fab.overlap) == (
         NETWORK.latency,
         NETWORK.message_cost,
         NETWORK.overlap,
@@ -45,12 +45,12 @@ def test_link_rate_sets_the_network_rate(monkeypatch: pytest.MonkeyPatch) -> Non
     # are as many as the builder makes.
     assert optcc.section_floor("network") == 2001
     assert [_k(p, 8 * MiB) for p in (4, 8, 16)] == [128, 128, 128]
-    assert transport_of("shared-memory").rate != 25e6  # shared memory keeps its model
+    assert fabric_of("shared-memory").rate != 25e6  # shared memory keeps its model
 
 
 def _k_crowded(p: int, nbytes: int, crowding: float) -> int:
     sched = algorithms.get("optcc").build(
-        p, nbytes // 4, "0:0.5", itemsize=4, transport=network(crowding)
+        p, nbytes // 4, "0:0.5", itemsize=4, fabric=network(crowding)
     )
     return int(sched.params["k"])
 
@@ -90,7 +90,7 @@ def test_more_segments_come_closer_to_the_bound(monkeypatch: pytest.MonkeyPatch)
         else:
             monkeypatch.setenv("OPTCC_LINK_RATE", rate)
         config.reload()
-        sched = algorithms.get("optcc").build(16, 2 * MiB, "0:0.5", itemsize=4, transport="network")
+        sched = algorithms.get("optcc").build(16, 2 * MiB, "0:0.5", itemsize=4, fabric="network")
         times[rate] = simulate(sched, "0:0.5", bw=25e6, latency=40e-6).time / bound
     assert times["200mbit"] < times[None]
     assert times["200mbit"] < 1.01 < 1.05 < times[None]
@@ -100,7 +100,7 @@ def test_bad_link_rate_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("OPTCC_LINK_RATE", "fast")
     config.reload()
     with pytest.raises(ArgumentError, match="OPTCC_LINK_RATE='fast'"):
-        transport_of("network")
+        fabric_of("network")
 
 
 # -- the rate learnt (issue 42) ---------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_told_no_rate_ranks_on_several_machines_learn_it(
         # default model's; test_a_watched_call_... takes a slow one)
         sized = rate if rate <= planning.LEARNT_RATE_MAX else None
         fabric = network(world.transports[0].crowding, sized)
-        want = algorithms.get("optcc").build(p, xs[0].size, links, itemsize=4, transport=fabric)
+        want = algorithms.get("optcc").build(p, xs[0].size, links, itemsize=4, fabric=fabric)
         assert {k for _, k, _ in got} == {int(want.params["k"])}
     else:
         assert [rate for rate, _, _ in got] == [None] * p
@@ -198,7 +198,7 @@ def test_the_learnt_rate_sizes_the_segments() -> None:
     slow = network(1.0, 6.25e6)
     assert slow.rate == 6.25e6 and slow.message_cost == NETWORK.message_cost
     build = algorithms.get("optcc").build
-    k = int(build(16, 2 * MiB, "0:0.5", itemsize=4, transport=slow).params["k"])
+    k = int(build(16, 2 * MiB, "0:0.5", itemsize=4, fabric=slow).params["k"])
     assert k > _k(16, 8 * MiB)
     crowded = network(8.0, 6.25e6)
     assert crowded.message_cost == 8 * NETWORK.message_cost
@@ -248,7 +248,7 @@ def test_a_watched_call_keeps_its_messages_long_enough_to_time(
     build = algorithms.get("optcc").build
 
     def k(fabric: object) -> int:
-        return int(build(p, count, "", itemsize=4, transport=fabric).params["k"])
+        return int(build(p, count, "", itemsize=4, fabric=fabric).params["k"])
 
     assert k(watched) < k(slow)
     assert got == [{"watch": k(watched), "healthy": k(slow)}] * p
@@ -286,7 +286,7 @@ def test_a_fast_learnt_rate_leaves_the_default_model(
     sized = learnt if learnt <= planning.LEARNT_RATE_MAX else None
     assert (sized is None) == (learnt > 25e6)
     build = algorithms.get("optcc").build
-    want = int(build(p, count, "1:0.5", itemsize=4, transport=network(crowding, sized)).params["k"])
+    want = int(build(p, count, "1:0.5", itemsize=4, fabric=network(crowding, sized)).params["k"])
     assert world.run(job) == [want] * p
-    default = int(build(p, count, "1:0.5", itemsize=4, transport=NETWORK).params["k"])
+    default = int(build(p, count, "1:0.5", itemsize=4, fabric=NETWORK).params["k"])
     assert (want == default) == (sized is None)

@@ -34,8 +34,8 @@ def observations(
     NICs at ``truth``: each rank's side of every message, as the executor would record it,
     taken from the simulator's trace of the schedule (a send is posted when it is ready, a
     receive at the start, and completes when the data is in)."""
-    # Over a network, as the collectives build it (OptCC's sections follow the transport).
-    params = {"transport": "network"} if "transport" in algorithms.get(name).params else {}
+    # Over a network, as the collectives build it (OptCC's sections follow the fabric).
+    params = {"fabric": "network"} if "fabric" in algorithms.get(name).params else {}
     count = (16 << 20) // 4
     sched = algorithms.build(name, p, count, plan or Links(), itemsize=4, **params)
     trace = simulate(sched, truth, bw=50 * MB, latency=50e-6, trace=True).trace

@@ -20,7 +20,7 @@ keeps it apart from anyone else's.
 
 ``report`` reads those files, simulates each algorithm from 2 to 256 ranks on the same
 links with every message delayed by the cost per message measured at the largest
-measured p (``optcc_mpi.simulate``; OptCC's schedule built for the network transport, as
+measured p (``optcc_mpi.simulate``; OptCC's schedule built for the network fabric, as
 the testbed's ranks build it), writes ``sim-TAG.jsonl`` and ``scale-TAG.png`` and prints
 a Markdown table.
 """
@@ -121,7 +121,7 @@ def measured(out: Path, tag: str) -> dict[int, dict[str, Any]]:
 
 def simulated(links: str, size: int, bw: float, cost: float) -> list[dict[str, Any]]:
     """Each algorithm from 2 to 256 ranks in the simulator, with no per-message delay and
-    with every message ``cost`` late; schedules built for the network transport, as the
+    with every message ``cost`` late; schedules built for the network fabric, as the
     testbed's ranks build them (at ``$OPTCC_LINK_RATE`` when set)."""
     from optcc_mpi import algorithms, model
     from optcc_mpi.simulate import simulate
@@ -131,7 +131,7 @@ def simulated(links: str, size: int, bw: float, cost: float) -> list[dict[str, A
         bound = model.lower_bound(p, size, bw, links)
         for name in ALGORITHMS:
             alg = algorithms.get(name)
-            kw = {"transport": "network"} if "transport" in alg.params else {}
+            kw = {"fabric": "network"} if "fabric" in alg.params else {}
             sched = alg.build(p, size // 4, links, itemsize=4, **kw)
             for latency in (0.0, cost):
                 r = simulate(sched, links, bw=bw, latency=latency, itemsize=4)

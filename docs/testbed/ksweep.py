@@ -9,7 +9,7 @@ Run inside the testbed, one rank per namespace, e.g.::
         0:0.5 16,32 8,0,2,3,4,6,8,0,2,3,4,6 5 ramp > docs/testbed/rampsweep-p8.jsonl
 
 Arguments: the links (as ``links=``), sizes in MiB, values of the parameter (``auto`` is
-the builder's own choice for this transport; ``k=47:ramp=5`` sets several parameters at
+the builder's own choice for this fabric; ``k=47:ramp=5`` sets several parameters at
 one point, docs/testbed.md 1.6f), timed calls per point (one warm-up call first), and the
 parameter's name (default ``k``). Rank 0 prints one JSON line per point:
 median, min and max over the calls of the slowest rank's time, and the k and ramp the

@@ -1,20 +1,20 @@
 """Policy shared by the algorithm modules: which sizes ``auto`` hands to whom, and how
-large a message should be on each kind of transport.
+large a message should be on each kind of fabric.
 
 A point-to-point schedule costs at least 2(p-1) message latencies plus our executor's
 per-message work, the MPI library's short-message algorithms about 2 log2(p) latencies in
 compiled code; below :data:`SMALL_BYTES` per rank ``auto`` therefore leaves the call to
 the library (``native``) and above it to the point-to-point schedules.
 
-Message size by transport (measured, docs/bench.md): a builder that declares a
-``transport`` parameter is told by :func:`optcc_mpi.allreduce` which kind of transport
-joins the communicator's ranks, ``"shared-memory"`` (MPI says every rank shares one node)
-or ``"network"`` (anything else, and every emulated network), or is given a measured
-:class:`Fabric` (``params={"transport": Fabric(...)}``, e.g. from
-``python -m optcc_mpi.lab.calibrate``). A :class:`Fabric` is a small model of what joins
-the ranks: a latency per step ``alpha``, a fixed cost per message ``beta``, the rate
-``bw`` it delivers, and whether it moves data while the CPU reduces (``overlap``). The
-message size follows from it (derived, ours):
+Message size by fabric (measured, docs/bench.md): a builder that declares a ``fabric``
+parameter is told by :func:`optcc_mpi.allreduce` which kind of fabric joins the
+communicator's ranks (its transport's :attr:`~optcc_mpi.transports.Transport.kind`),
+``"shared-memory"`` (MPI says every rank shares one node) or ``"network"`` (anything
+else, and every emulated network), or is given a measured :class:`Fabric`
+(``params={"fabric": Fabric(...)}``, e.g. from ``python -m optcc_mpi.lab.calibrate``).
+A :class:`Fabric` is a small model of what joins the ranks: a latency per step ``alpha``,
+a fixed cost per message ``beta``, the rate ``bw`` it delivers, and whether it moves data
+while the CPU reduces (``overlap``). The message size follows from it (derived, ours):
 
 * with overlap (a NIC), a section cut into messages of ``m`` bytes pipelines the reduction
   of one message with the transfer of the next; the messages' fixed cost stays below a
@@ -46,13 +46,13 @@ __all__ = [
     "MAX_AUTO_OPS",
     "SMALL_BYTES",
     "NETWORK_MESSAGE_BYTES",
-    "TRANSPORTS",
+    "FABRICS",
     "MIN_MESSAGE_BYTES",
     "EPS",
     "Fabric",
     "NETWORK",
     "SHARED_MEMORY",
-    "transport_of",
+    "fabric_of",
     "network",
     "small_messages",
     "large_messages",
@@ -93,7 +93,7 @@ class Fabric:
     rate : float
         Bytes per second one direction delivers.
     overlap : bool
-        Whether the transport moves data while the CPU reduces (a NIC: yes; shared
+        Whether the fabric moves data while the CPU reduces (a NIC: yes; shared
         memory, where MPI copies with the CPU inside its calls: no).
     section_min : int
         Bytes below which no section is cut, whatever the model says: a watched call's
@@ -160,24 +160,24 @@ NETWORK = Fabric("network", latency=50e-6, message_cost=40e-6, rate=1.25e9, over
 SHARED_MEMORY = Fabric(
     "shared-memory", latency=12e-6, message_cost=200e-6, rate=6.5e9, overlap=False
 )
-#: The kinds of transport a builder's ``transport`` parameter may name.
-TRANSPORTS = ("network", "shared-memory")
+#: The kinds of fabric a builder's ``fabric`` parameter may name (the kinds a transport
+#: reports, :attr:`optcc_mpi.transports.Transport.kind`).
+FABRICS = ("network", "shared-memory")
 _BY_NAME = {"network": NETWORK, "shared-memory": SHARED_MEMORY}
 
 
-def transport_of(transport: str | Fabric) -> Fabric:
-    """The :class:`Fabric` a builder's ``transport`` parameter names (or is):
+def fabric_of(fabric: str | Fabric) -> Fabric:
+    """The :class:`Fabric` a builder's ``fabric`` parameter names (or is):
     ``"network"`` is :data:`NETWORK`, at the rate ``$OPTCC_LINK_RATE`` says when it is set
     (:func:`network`)."""
-    if isinstance(transport, Fabric):
-        return transport
-    if transport == "network":
+    if isinstance(fabric, Fabric):
+        return fabric
+    if fabric == "network":
         return network()
-    got = _BY_NAME.get(transport) if isinstance(transport, str) else None
+    got = _BY_NAME.get(fabric) if isinstance(fabric, str) else None
     if got is None:
         raise ArgumentError(
-            f"transport must be one of {', '.join(map(repr, TRANSPORTS))} or a Fabric, "
-            f"got {transport!r}"
+            f"fabric must be one of {', '.join(map(repr, FABRICS))} or a Fabric, got {fabric!r}"
         )
     return got
 
@@ -242,7 +242,7 @@ def large_messages(p: int, nbytes: float, links: Links) -> bool:
     return not small_messages(p, nbytes, links)
 
 
-def message_bytes(section_bytes: int, transport: str | Fabric = "network", window: int = 2) -> int:
+def message_bytes(section_bytes: int, fabric: str | Fabric = "network", window: int = 2) -> int:
     """Target size of one message when a section of ``section_bytes`` is sent over
-    ``transport`` (see the module docstring)."""
-    return transport_of(transport).message_bytes(section_bytes, window)
+    ``fabric`` (see the module docstring)."""
+    return fabric_of(fabric).message_bytes(section_bytes, window)

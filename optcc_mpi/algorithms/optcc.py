@@ -66,7 +66,7 @@ import numpy as np
 
 from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._optcc_pipeline import Pipeline
-from optcc_mpi.algorithms._policy import MAX_AUTO_OPS, Fabric, large_messages, transport_of
+from optcc_mpi.algorithms._policy import MAX_AUTO_OPS, Fabric, fabric_of, large_messages
 from optcc_mpi.errors import ArgumentError, PlanError
 from optcc_mpi.links import Links
 from optcc_mpi.model import fractions, lower_bound
@@ -100,9 +100,9 @@ SECTION_BYTES = 16 * 1024
 SECTION_MIN = 1024
 
 
-def section_floor(transport: str | Fabric | None) -> int:
-    """Smallest section of a segment over ``transport``: :data:`SECTION_BYTES` without one
-    (the simulator's fabric, where a message costs only its bytes); over a transport that
+def section_floor(fabric: str | Fabric | None) -> int:
+    """Smallest section of a segment over ``fabric``: :data:`SECTION_BYTES` without one
+    (the simulator's fabric, where a message costs only its bytes); over a fabric that
     overlaps, the bytes the fixed costs of one message at both its ends could have moved
     (``2 * message_cost * rate``, at least :data:`SECTION_MIN`), below which the CPU's
     work per message outruns the wire; without overlap (shared memory, where MPI copies
@@ -117,16 +117,16 @@ def section_floor(transport: str | Fabric | None) -> int:
     :data:`RAMP_MAX_NETWORK` found 24, 47 and 95 segments 0.5-1.5% faster than 18, 36
     and 72 at 16, 32 and 64 MiB (docs/testbed.md 1.6f).
     """
-    if transport is None:
+    if fabric is None:
         return SECTION_BYTES
-    tr = transport_of(transport)
-    if not tr.overlap:
+    fab = fabric_of(fabric)
+    if not fab.overlap:
         return 1 << 62
     # (No minimum of SECTION_BYTES here: on slow links whose rate is told the model's
     # own floor is the right one, 4 KB at 50 Mbit/s with 8 ranks per core, where 128
     # segments of 4.4 KiB sections came within 1.03x of the bound and 34 of 16 KiB took
     # 1.23x; docs/testbed.md 1.6j. The fabric's own section_min holds: a watched call's.)
-    return int(np.ceil(max(float(SECTION_MIN), 2 * tr.message_cost * tr.rate, tr.section_min)))
+    return int(np.ceil(max(float(SECTION_MIN), 2 * fab.message_cost * fab.rate, fab.section_min)))
 
 
 #: How much above the bound the plan may go to attach ranks that would own almost
@@ -472,14 +472,14 @@ def segment_bounds(lo: int, hi: int, k: int, ramp: int = 0, ratio: float = 2.0) 
     return lo + np.round(cum / cum[-1] * (hi - lo)).astype(np.int64)
 
 
-#: The longest automatic ramp over a transport whose messages have a fixed cost (see
+#: The longest automatic ramp over a fabric whose messages have a fixed cost (see
 #: :func:`auto_ramp`).
 RAMP_MAX_NETWORK = 5
 
 
 def auto_ramp(k: int, most: int = 8) -> int:
     """Ramp segments at each end for ``k`` segments: ``k / 7`` rounded, 1 to ``most``
-    (8; :data:`RAMP_MAX_NETWORK` over a transport whose messages have a fixed cost, where
+    (8; :data:`RAMP_MAX_NETWORK` over a fabric whose messages have a fixed cost, where
     a ramp's last sections are small messages: on the testbed below, k = 47 at 32 MiB took
     1524-1531 ms with a ramp of 7 and 1420-1430 ms with 4 or 5, and k = 95 at 64 MiB
     2828-2836 ms with 8 and 2783-2795 ms with 5; docs/testbed.md 1.6f).
@@ -574,7 +574,7 @@ def optcc(
     ratio: float = 1.4,
     row_lag: int = 1,
     ag_lag: int = 0,
-    transport: str | Fabric | None = None,
+    fabric: str | Fabric | None = None,
 ) -> Schedule:
     """OptCC AllReduce schedule.
 
@@ -607,7 +607,7 @@ def optcc(
     ramp : int, optional
         Geometrically smaller segments at each end of the pipeline (see
         :func:`segment_bounds`); by default :func:`auto_ramp` of the segment count.
-    transport : {"network", "shared-memory"}, Fabric or None
+    fabric : {"network", "shared-memory"}, Fabric or None
         What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator):
         it sets the smallest section of a segment (:func:`section_floor`), so the number
         of segments when ``k`` is not given. None (the default, and the simulator's
@@ -620,9 +620,7 @@ def optcc(
     a, nb = _grid_shape(plan, grid)
     m = len(plan.attached)
     pat = "fold" if pattern == "auto" else pattern
-    kk, ramp = _segments(
-        count * itemsize, plan, a, k=k, ramp=ramp, transport=transport, pattern=pat
-    )
+    kk, ramp = _segments(count * itemsize, plan, a, k=k, ramp=ramp, fabric=fabric, pattern=pat)
     check_size("optcc", kk * _ops_per_segment(p, a, nb, m, pat) + 1, p=p, k=kk)
     params: Params = dict(
         weights=plan.weights,
@@ -667,13 +665,13 @@ def _segments(
     *,
     k: int | None,
     ramp: int | None,
-    transport: str | Fabric | None,
+    fabric: str | Fabric | None,
     pattern: str,
 ) -> tuple[int, int]:
     """Segments and ramp segments of a buffer of ``nbytes``: ``k`` and ``ramp`` where
-    given, otherwise :func:`choose_segments` with the section floor of ``transport``
+    given, otherwise :func:`choose_segments` with the section floor of ``fabric``
     (:func:`section_floor`) and :func:`auto_ramp`."""
-    floor = section_floor(transport)
+    floor = section_floor(fabric)
     kk = (
         k
         if k is not None
@@ -681,8 +679,8 @@ def _segments(
     )
     kk = max(1, int(kk))
     if ramp is None:
-        # A transport with a fixed cost per message holds the ramp's smallest sections
+        # A fabric with a fixed cost per message holds the ramp's smallest sections
         # back (auto_ramp).
-        costly = transport is not None and floor > SECTION_BYTES
+        costly = fabric is not None and floor > SECTION_BYTES
         ramp = auto_ramp(kk, RAMP_MAX_NETWORK if costly else 8)
     return kk, int(ramp)

@@ -44,9 +44,9 @@ from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import (
     MAX_AUTO_OPS,
     Fabric,
+    fabric_of,
     large_messages,
     message_bytes,
-    transport_of,
 )
 from optcc_mpi.algorithms.ring import add_ring_allreduce, reduce_scatter, ring_chunks
 from optcc_mpi.errors import ArgumentError
@@ -205,7 +205,7 @@ def r2ccl(
     chunks: int = 16,
     window: int = 2,
     chunk_bytes: int | None = None,
-    transport: str | Fabric = "network",
+    fabric: str | Fabric = "network",
     schedule: int | None = None,
 ) -> Schedule:
     """R2CCL-AllReduce schedule.
@@ -226,10 +226,10 @@ def r2ccl(
     window : int
         Messages in flight per connection.
     chunk_bytes : int, optional
-        Message size target of the rings; default from ``transport``
+        Message size target of the rings; default from ``fabric``
         (:func:`optcc_mpi.algorithms._policy.message_bytes`, sized for the full ring's
         sections).
-    transport : {"network", "shared-memory"} or Fabric
+    fabric : {"network", "shared-memory"} or Fabric
         What joins the ranks (set by :func:`optcc_mpi.allreduce`; see the ring).
     schedule : {None, 0, 1, 2}
         When a degraded rank sends its raw tail. R2CCL's overlap schedules: 1 once its
@@ -245,9 +245,9 @@ def r2ccl(
     if schedule not in (None, 0, 1, 2):
         raise ArgumentError(f"r2ccl: schedule must be None, 0, 1 or 2, not {schedule!r}")
     if chunk_bytes is None:
-        chunk_bytes = message_bytes(-(-count // max(p, 1)) * itemsize, transport, window)
+        chunk_bytes = message_bytes(-(-count // max(p, 1)) * itemsize, fabric, window)
     else:
-        transport_of(transport)  # the same error for an unknown transport
+        fabric_of(fabric)  # the same error for an unknown fabric
     links = links if links is not None else Links()
     cut = _cut(
         p,

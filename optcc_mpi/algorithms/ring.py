@@ -17,9 +17,9 @@ from optcc_mpi.algorithms import register
 from optcc_mpi.algorithms._policy import (
     NETWORK_MESSAGE_BYTES,
     Fabric,
+    fabric_of,
     large_messages,
     message_bytes,
-    transport_of,
 )
 from optcc_mpi.links import Links
 from optcc_mpi.model import fault_free, fractions
@@ -28,7 +28,7 @@ from optcc_mpi.schedule import Schedule, ScheduleBuilder, check_size, split
 __all__ = ["ring", "ring_time", "add_ring_allreduce", "reduce_scatter", "all_gather", "ring_chunks"]
 
 #: Default message size over a network (``_policy.NETWORK_MESSAGE_BYTES``); schedules that
-#: know their transport take it from :func:`optcc_mpi.algorithms._policy.message_bytes`.
+#: know their fabric take it from :func:`optcc_mpi.algorithms._policy.message_bytes`.
 CHUNK_BYTES = NETWORK_MESSAGE_BYTES
 
 
@@ -151,7 +151,7 @@ def ring_time(
     links: Links | str | None = None,
     *,
     latency: float = 0.0,
-    transport: str | Fabric = "network",
+    fabric: str | Fabric = "network",
     chunk_bytes: int | None = None,
     itemsize: int = 4,
     window: int = 2,
@@ -161,20 +161,20 @@ def ring_time(
 
     A measured :class:`~optcc_mpi.algorithms._policy.Fabric` (not a name, whose figures
     are only defaults for the message size) adds its costs (derived, ours): data moves at
-    ``min(bw, transport.rate)``, and each step pays the transport's latency and, with
+    ``min(bw, fabric.rate)``, and each step pays the fabric's latency and, with
     overlap, one exposed message cost (the others run while earlier messages travel),
     without overlap one per message (``c`` messages per section)."""
     if p < 2:
         return 0.0
     steps = 2 * (p - 1)
-    if not isinstance(transport, Fabric):
+    if not isinstance(fabric, Fabric):
         return fault_free(p, nbytes, bw) / fractions(links, p).min() + steps * latency
-    tr = transport_of(transport)
+    fab = fabric_of(fabric)
     section = -(-int(nbytes) // (max(1, itemsize) * p)) * max(1, itemsize)
-    size = tr.message_bytes(section, window) if chunk_bytes is None else chunk_bytes
+    size = fab.message_bytes(section, window) if chunk_bytes is None else chunk_bytes
     msgs = ring_chunks(section, 1, size) if section else 0
-    per_step = max(latency, tr.latency) + tr.message_cost * (1 if tr.overlap else msgs)
-    rate = min(bw, tr.rate)
+    per_step = max(latency, fab.latency) + fab.message_cost * (1 if fab.overlap else msgs)
+    rate = min(bw, fab.rate)
     return fault_free(p, nbytes, rate) / fractions(links, p).min() + steps * per_step
 
 
@@ -192,7 +192,7 @@ def ring(
     itemsize: int = 4,
     chunk_bytes: int | None = None,
     window: int = 2,
-    transport: str | Fabric = "network",
+    fabric: str | Fabric = "network",
 ) -> Schedule:
     """Ring AllReduce over ranks 0..p-1 in rank order.
 
@@ -205,20 +205,20 @@ def ring(
     itemsize : int
         Bytes per element, for chunking.
     chunk_bytes : int, optional
-        Target message size; default from the transport
+        Target message size; default from the fabric
         (:func:`optcc_mpi.algorithms._policy.message_bytes`).
     window : int
         Messages in flight per connection.
-    transport : {"network", "shared-memory"} or Fabric
+    fabric : {"network", "shared-memory"} or Fabric
         What joins the ranks (set by :func:`optcc_mpi.allreduce` from the communicator,
         or a measured :class:`~optcc_mpi.algorithms._policy.Fabric`): the message size
         follows from its model; in shared memory each section travels as one message.
     """
     section = -(-count // max(p, 1))
     if chunk_bytes is None:
-        chunk_bytes = message_bytes(section * itemsize, transport, window)
+        chunk_bytes = message_bytes(section * itemsize, fabric, window)
     else:
-        transport_of(transport)  # the same error for an unknown transport
+        fabric_of(fabric)  # the same error for an unknown fabric
     chunks = ring_chunks(section, itemsize, chunk_bytes)
     check_size("ring", 4 * p * (p - 1) * min(chunks, max(1, count)), p=p, chunks=chunks)
     b = ScheduleBuilder(p, count, "ring", window=window, chunks=chunks)

@@ -1,5 +1,6 @@
-"""Measure the transport model (:class:`optcc_mpi.algorithms._policy.Fabric`) through
-the executor: per-step latency, per-message cost and the rate it delivers.
+"""Measure the fabric (:class:`optcc_mpi.algorithms._policy.Fabric`, the model of what
+joins the ranks) through the executor: per-step latency, per-message cost and the rate it
+delivers.
 
 Run under mpiexec, e.g. ``mpiexec -n 2 optcc-mpi lab calibrate``. Three tiny
 schedules in the ring's pattern (every rank sends to rank + 1 and receives from rank - 1
@@ -18,11 +19,11 @@ at once, so every link carries one flow per direction), each run by
 
 Each is repeated and the median kept (of the slowest rank's time of each repeat); the two
 rate runs of a repeat go back to back and ``beta`` comes from the median of their ratios,
-so that background load that slows a whole repeat cancels. Whether the transport overlaps
+so that background load that slows a whole repeat cancels. Whether the fabric overlaps
 the reduction is what MPI says of the ranks: all on one node (shared memory) or not.
 
-The result is passed to a schedule as ``params={"transport": t}`` (the ring's message size
-follows from it) and to its cost model (``algorithms.get("ring").time(..., transport=t)``).
+The result is passed to a schedule as ``params={"fabric": fab}`` (the ring's message size
+follows from it) and to its cost model (``algorithms.get("ring").time(..., fabric=fab)``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from optcc_mpi.schedule import ScheduleBuilder, split
 __all__ = ["measure", "add_arguments", "run_args", "main", "SUMMARY"]
 
 #: What ``optcc-mpi lab --help`` says of this tool.
-SUMMARY = "measure the transport model (latency, per-message cost, rate) through the executor"
+SUMMARY = "measure the fabric (latency, per-message cost, rate) through the executor"
 
 
 def _schedules(p: int, nbytes: int, steps: int, small: int, pieces: int) -> tuple[Any, ...]:
@@ -78,7 +79,8 @@ def measure(
     repeats: int = 5,
     small: int = 64,
 ) -> tuple[Fabric, dict[str, Any]]:
-    """Measure the transport (collective on ``comm``; the same result on every rank).
+    """Measure the fabric that joins ``comm``'s ranks (collective on ``comm``; the same
+    result on every rank).
 
     Parameters
     ----------
@@ -154,7 +156,7 @@ def measure(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``optcc-mpi lab calibrate`` (and ``python -m optcc_mpi.lab.calibrate``)."""
     parser.description = (
-        "Measure the transport's latency per step, cost per message and rate through our "
+        "Measure the fabric's latency per step, cost per message and rate through our "
         "executor, and print the message size the ring would use (run under mpiexec with "
         "at least 2 ranks, on healthy links)."
     )
@@ -197,23 +199,24 @@ def run_args(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    t, how = measure(
+    fab, how = measure(
         comm, nbytes=args.bytes, steps=args.steps, pieces=args.pieces, repeats=args.repeats
     )
     if comm.Get_rank() == 0:
-        m = t.message_bytes(args.section)
-        print(t)
-        print(f"messages for a {args.section} B section: {m} B ({t.messages(args.section)})")
+        m = fab.message_bytes(args.section)
+        print(fab)
+        print(f"messages for a {args.section} B section: {m} B ({fab.messages(args.section)})")
         print(
-            "use: params={'transport': Fabric("
-            f"'calibrated', {t.latency:.3g}, {t.message_cost:.3g}, {t.rate:.4g}, {t.overlap})}}"
+            "use: params={'fabric': Fabric("
+            f"'calibrated', {fab.latency:.3g}, {fab.message_cost:.3g}, {fab.rate:.4g}, "
+            f"{fab.overlap})}}"
         )
         if args.json:
             row = {
-                "latency_us": t.latency * 1e6,
-                "message_cost_us": t.message_cost * 1e6,
-                "rate_MBps": t.rate / 1e6,
-                "overlap": t.overlap,
+                "latency_us": fab.latency * 1e6,
+                "message_cost_us": fab.message_cost * 1e6,
+                "rate_MBps": fab.rate / 1e6,
+                "overlap": fab.overlap,
                 "message_bytes": m,
                 "section_bytes": args.section,
                 "p": comm.Get_size(),

@@ -28,7 +28,8 @@ Declared
     tensors stay tensors.
 ``rank``, ``size``, ``kind``
     Passed to ``Transport.__init__``: this process's rank, the number of ranks, and
-    ``"shared-memory"`` (every rank on one node) or ``"network"``.
+    the kind of fabric that joins them, ``"shared-memory"`` (every rank on one node) or
+    ``"network"``.
 ``gather_total``
     Where :meth:`~Transport.allgather_block` is much cheaper than the library's
     AllReduce (the board of ranks on one machine), the bytes of every rank's block
@@ -193,8 +194,9 @@ class Transport(Generic[Req]):
     rank, size : int
         This process's rank and the number of ranks.
     kind : str
-        ``"shared-memory"`` (every rank on one node) or ``"network"``: builders size
-        their messages from it.
+        ``"shared-memory"`` (every rank on one node) or ``"network"``: the kind of fabric
+        that joins the ranks (:data:`optcc_mpi.algorithms._policy.FABRICS`), from which
+        builders size their messages.
     """
 
     #: The library: ``"mpi"``, ``"gloo"``, ``"nccl"``, ...
