@@ -102,14 +102,9 @@ from optcc_mpi import algorithms, linklog, transports
 from optcc_mpi.check import agreement
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.torch.process_group import (
-    OptccOptions,
-    OptccProcessGroup,
-    OptccWork,
-    register,
-    submit,
-)
+from optcc_mpi.torch.process_group import OptccOptions, OptccProcessGroup, register
 from optcc_mpi.torch.tensors import HALF, as_array, ours, reduce_tensor
+from optcc_mpi.torch.work import OptccWork, submit
 from optcc_mpi.torch.worker import worker_for
 
 __all__ = ["allreduce", "comm_hook", "init_process_group_from_mpi", "as_array", "OptccOptions"]
