@@ -46,7 +46,9 @@ This package (``optcc_mpi.torch``) is the face; below it, from a call down to th
     dist.all_reduce(t)            allreduce(t) / comm_hook()     (this face)
         |                              |
     process_group   the backend: options, its group's thread (jobs, turns), the short
-        |           path per call, NCCL's stream semantics, the host carrier
+        |           path per call, the host carrier
+    work            a call's Work (torch's handle of it), its job queued in call order
+        |           (the hook's calls too), NCCL's stream semantics for CUDA tensors
     tensors         one tensor call: its argument check, the short path's lane, the
         |           reduction into the caller's tensor
     streams         side streams and events per (group, device); devices: agreeing on
