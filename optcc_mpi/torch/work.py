@@ -1,9 +1,10 @@
 """The handle torch gets of a call: :class:`OptccWork`, and :func:`submit`, which queues a
 job on a group's ordered thread and hands back its work.
 
-Every call on an ``optcc`` group (:mod:`optcc_mpi.torch.process_group`), and every bucket
-of the DDP hook over a process group (:mod:`optcc_mpi.torch`), returns an
-:class:`OptccWork`: torch's ``Work`` of the call, complete once its tensors are reduced.
+An ``optcc`` group's own AllReduces (:mod:`optcc_mpi.torch.process_group`), any collective
+of the library underneath that waits its turn behind them, and the calls of the face over
+a process group (:mod:`optcc_mpi.torch`: the DDP hook's buckets, ``allreduce``) hand back
+an :class:`OptccWork`: torch's ``Work`` of the call, complete once its tensors are reduced.
 
 How a work completes
 --------------------
