@@ -75,11 +75,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the compiled call path", ("compiled_path",)),
     ("the collective entry points", ("collectives",)),
     (
-        "tensors over a transport, the torch.distributed backend, its ordered worker, its "
-        "side streams and device agreement",
+        "tensors over a transport, the torch.distributed backend, a call's Work, its ordered "
+        "worker, its side streams and device agreement",
         (
             "torch.tensors",
             "torch.process_group",
+            "torch.work",
             "torch.worker",
             "torch.streams",
             "torch.devices",

@@ -264,14 +264,14 @@ def test_calls_in_call_order_on_the_groups_thread() -> None:
 
 
 def test_the_backends_cuda_path_follows_the_protocol() -> None:
-    """``process_group.submit`` for tensors on a device, as the backend and the hook call
-    it, driven with the recording fake: the caller's ready event, the job on the side
-    stream, the future completed there, and ``wait()`` making the caller's stream wait on
-    the completion without a host synchronisation."""
+    """``work.submit`` for tensors on a device, as the backend and the hook call it, driven
+    with the recording fake: the caller's ready event, the job on the side stream, the
+    future completed there, and ``wait()`` making the caller's stream wait on the
+    completion without a host synchronisation."""
     torch = pytest.importorskip("torch")
     import datetime
 
-    from optcc_mpi.torch.process_group import submit
+    from optcc_mpi.torch.work import submit
     from optcc_mpi.torch.worker import OrderedWorker
 
     fake = FakeStreams()

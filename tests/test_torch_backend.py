@@ -36,9 +36,9 @@ from optcc_mpi.torch.process_group import (  # noqa: E402
     BACKEND,
     OptccOptions,
     OptccProcessGroup,
-    OptccWork,
     stage_through_host,
 )
+from optcc_mpi.torch.work import OptccWork  # noqa: E402
 from optcc_mpi.torch.worker import OrderedWorker  # noqa: E402
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")

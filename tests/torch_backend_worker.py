@@ -65,7 +65,8 @@ import torch.distributed as dist  # noqa: E402
 
 import optcc_mpi.torch as ot  # noqa: E402
 from optcc_mpi import collectives  # noqa: E402
-from optcc_mpi.torch.process_group import OptccOptions, OptccWork  # noqa: E402
+from optcc_mpi.torch.process_group import OptccOptions  # noqa: E402
+from optcc_mpi.torch.work import OptccWork  # noqa: E402
 from optcc_mpi.transports.distributed import transport  # noqa: E402
 
 RED = dist.ReduceOp

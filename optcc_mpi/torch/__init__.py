@@ -46,7 +46,9 @@ This package (``optcc_mpi.torch``) is the face; below it, from a call down to th
     dist.all_reduce(t)            allreduce(t) / comm_hook()     (this face)
         |                              |
     process_group   the backend: options, its group's thread (jobs, turns), the short
-        |           path per call, NCCL's stream semantics, the host carrier
+        |           path per call, the host carrier
+    work            a call's Work (torch's handle of it), its job queued in call order
+        |           (the hook's calls too), NCCL's stream semantics for CUDA tensors
     tensors         one tensor call: its argument check, the short path's lane, the
         |           reduction into the caller's tensor
     streams         side streams and events per (group, device); devices: agreeing on
@@ -102,14 +104,9 @@ from optcc_mpi import algorithms, linklog, transports
 from optcc_mpi.check import agreement
 from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
-from optcc_mpi.torch.process_group import (
-    OptccOptions,
-    OptccProcessGroup,
-    OptccWork,
-    register,
-    submit,
-)
+from optcc_mpi.torch.process_group import OptccOptions, OptccProcessGroup, register
 from optcc_mpi.torch.tensors import HALF, as_array, ours, reduce_tensor
+from optcc_mpi.torch.work import OptccWork, submit
 from optcc_mpi.torch.worker import worker_for
 
 __all__ = ["allreduce", "comm_hook", "init_process_group_from_mpi", "as_array", "OptccOptions"]

@@ -22,8 +22,8 @@ The path of one call
                   -> TorchTransport.allreduce    gloo's AllReduce
          each file entered once, going down; the work made, complete, on the way back.
          every other call:
-         -> submit(worker, ...) -> OptccWork     queued in call order, returned at once
-      -> OptccWork.wait()                        the caller waits: its job's turn has
+         -> work.submit(...) -> OptccWork        queued in call order, returned at once
+      -> work.OptccWork.wait()                   the caller waits: its job's turn has
          -> OrderedWorker.steal(job)             come, so it runs here (else the group's
                                                  thread runs it, and wait() waits)
             -> tensors.start_tensor              a NumPy view of a CPU tensor, the one
@@ -63,8 +63,8 @@ Per group, :class:`OptccOptions` (``pg_options=`` of ``init_process_group`` and
 ``new_group``, or the second element of a ``backend_override`` pair); else the
 algorithm from ``$OPTCC_ALGORITHM`` (default ``"auto"``) and the links from
 ``$OPTCC_LINKS`` (``probe``, ``watch`` or a profile, in the job's global ranks).
-:attr:`OptccWork.stats` says what a call ran; with ``links="watch"``,
-``$OPTCC_LINKS_LOG`` records what the watch adopts.
+:attr:`OptccWork.stats <optcc_mpi.torch.work.OptccWork.stats>` says what a call ran;
+with ``links="watch"``, ``$OPTCC_LINKS_LOG`` records what the watch adopts.
 
 Errors
 ------
@@ -82,8 +82,7 @@ running work at once.
 from __future__ import annotations
 
 import datetime
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -99,12 +98,12 @@ from torch._C._distributed_c10d import (
 from optcc_mpi import algorithms
 from optcc_mpi.communicators import CallRecord
 from optcc_mpi.config import rc
-from optcc_mpi.errors import ArgumentError, ArgumentTypeError, ExecutionError
+from optcc_mpi.errors import ArgumentError, ArgumentTypeError
 from optcc_mpi.links import Links
 from optcc_mpi.torch.devices import agree_device_kind
-from optcc_mpi.torch.streams import StreamCall
 from optcc_mpi.torch.tensors import HALF, Lane, LaneCall, TensorCall, lane, start_tensor
-from optcc_mpi.torch.worker import AbortedError, InFlight, OrderedWorker, _Job
+from optcc_mpi.torch.work import _WHAT, OptccWork, submit
+from optcc_mpi.torch.worker import AbortedError, InFlight, OrderedWorker
 from optcc_mpi.transports.base import ABORT_POLL
 from optcc_mpi.transports.distributed import TorchTransport, fresh_store
 
@@ -113,15 +112,12 @@ __all__ = [
     "AbortedError",
     "OptccOptions",
     "OptccProcessGroup",
-    "OptccWork",
     "register",
     "stage_through_host",
-    "submit",
 ]
 
 #: The name torch.distributed knows the backend by.
 BACKEND = "optcc"
-_WHAT = "all_reduce on the optcc backend"
 #: torch's reductions (``RedOpType`` members; the stubs name them on ``ReduceOp`` only).
 _RED: Any = dist.ReduceOp.RedOpType
 _T = TypeVar("_T")
@@ -184,124 +180,6 @@ class OptccOptions:
         return self.timeout
 
 
-class OptccWork(dist.Work):
-    """The handle of one call on an ``optcc`` group: complete once the tensors are
-    reduced (before that, they must not be touched).
-
-    Parameters
-    ----------
-    future : torch.futures.Future
-        Completed with the list of tensors, or with the call's error.
-    timeout : datetime.timedelta
-        How long :meth:`wait` waits at most (the group's timeout).
-    """
-
-    def __init__(
-        self,
-        future: torch.futures.Future[list[torch.Tensor]],
-        timeout: datetime.timedelta,
-        steal: Callable[[], None] | None = None,
-        release: Callable[[], None] | None = None,
-        streams: StreamCall | None = None,
-    ) -> None:
-        super().__init__()
-        self._future = future
-        self._timeout = timeout
-        self._streams = streams  # a CUDA call's events (NCCL's wait semantics)
-        self._steal = steal  # runs the call here, if its turn came and no thread took it
-        self._release = release  # hands a parked call to the group's thread
-        self._done = threading.Event()
-        self._seen: torch.futures.Future[list[torch.Tensor]] | None = None  # (get_future)
-        #: What this call did (a :class:`~optcc_mpi.communicators.CallRecord`: the
-        #: algorithm, its schedule, the executor's stats), once complete; empty for the
-        #: collectives that pass through to the library.
-        self.stats: Mapping[str, object] = {}
-        future.add_done_callback(lambda _: self._done.set())
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Block until the call is complete; raise its error if it failed.
-
-        Raises
-        ------
-        ArgumentError, ArgumentTypeError
-            The arguments were refused (the same error on every rank).
-        AbortedError
-            The group was aborted first.
-        RuntimeError
-            The call did not complete within ``timeout`` (default: the group's), or a
-            peer failed.
-        """
-        if self._streams is not None:
-            # NCCL's: the caller's current streams wait for the job's completion events;
-            # the host waits only for the job to be queued (with a timeout: for the device).
-            return self._streams.wait(timeout)
-        limit = timeout if timeout and timeout.total_seconds() > 0 else self._timeout
-        if self._steal is not None and not self._done.is_set():
-            self._steal()
-        if not self._done.wait(limit.total_seconds()):
-            raise ExecutionError(
-                f"{_WHAT}: not complete after {limit} (a rank that never made the call, "
-                "or a stalled peer)"
-            )
-        self._future.wait()  # raises the call's error
-        return True
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """The future that completes with the reduced tensors, or fails with the call's
-        error (DDP chains on it, in C++)."""
-        if self._release is not None:
-            self._release()
-        if self._seen is None:
-            self._seen = _failing(self._future)
-        return self._seen
-
-    def is_completed(self) -> bool:
-        """Whether the call has finished (successfully or not)."""
-        if self._release is not None:
-            self._release()
-        if self._streams is not None:
-            return self._streams.is_completed()
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        """Whether the call has finished without an error."""
-        return self._future.done() and self.exception() is None
-
-    def exception(self) -> BaseException | None:
-        """The call's error, once finished (None while running or on success)."""
-        if self._streams is not None:
-            return self._streams.exception()
-        if not self._future.done():
-            return None
-        try:
-            self._future.value()
-        except BaseException as exc:  # noqa: BLE001 - reported, not handled
-            return exc
-        return None
-
-    def result(self) -> list[torch.Tensor]:
-        """The reduced tensors (waits first)."""
-        self.wait()
-        return self._future.value()
-
-
-def _failing(future: torch.futures.Future[_T]) -> torch.futures.Future[_T]:
-    """``future`` as code in C++ sees it: its value, or its error as an error.
-
-    A Python future's ``set_exception`` completes it with the exception object as its
-    value (Python's ``wait`` raises it); DDP's reducer, in C++, reads that value as its
-    bucket and dereferences the first tensor of none (SIGSEGV). A future chained with
-    ``then`` gets the error C++'s way: its ``wait``/``value`` raise it there too."""
-    return future.then(_value_or_raise)
-
-
-def _value_or_raise(future: torch.futures.Future[_T]) -> _T:
-    value = future.value()  # (a wrapper without the parent's unwrapping: no raise)
-    if isinstance(value, BaseException):
-        raise value
-    return value
-
-
 class _Done:
     """A call finished already: its record (what :meth:`TensorCall.wait` returns)."""
 
@@ -353,62 +231,6 @@ def stage_through_host(
 _LANES = 64
 #: No short path made yet for a signature (OptccProcessGroup._lane).
 _NO_LANE: Any = object()
-
-
-def submit(
-    worker: OrderedWorker,
-    tensors: list[Any],
-    job: Callable[[], object],
-    timeout: datetime.timedelta,
-    park: bool = False,
-    overlap: bool = False,
-) -> OptccWork:
-    """Queue ``job()``, which reduces ``tensors`` in place, on ``worker``; its
-    :class:`OptccWork`. A job that returns a :class:`~optcc_mpi.communicators.CallRecord`
-    gives the work its :attr:`~OptccWork.stats`. A caller that waits for a job of CPU
-    tensors runs it itself when its turn has come (:meth:`OrderedWorker.steal`).
-
-    CUDA tensors follow NCCL's stream semantics (:mod:`optcc_mpi.torch.streams`): the call
-    records an event on the caller's current stream of every device of the tensors, the
-    job runs on the group's side stream of each device after it, the future is completed
-    there, and ``wait()`` makes the caller's current streams wait for the job's completion
-    without blocking the host beyond the job's queueing."""
-    cuda = any(t.is_cuda for t in tensors)
-    devices = sorted({t.device for t in tensors if t.is_cuda}, key=str) if cuda else []
-    # A CUDA-aware future (its events follow the side streams) where CUDA is there; the
-    # stream API may be a recording fake on a build without it.
-    aware = list[int | str | torch.device](devices) if torch.cuda.is_available() else []
-    future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=aware or None)
-    stolen: list[_Job] = []
-    if cuda:
-        call = worker.side_streams(timeout).start(tensors)
-        work = OptccWork(future, timeout, streams=call)
-    else:
-        work = OptccWork(
-            future,
-            timeout,
-            lambda: worker.steal(stolen[0]),
-            (lambda: worker.release(stolen[0])) if park else None,
-        )
-
-    def done(record: object) -> list[Any]:
-        if isinstance(record, CallRecord):
-            work.stats = record
-        return tensors
-
-    def run() -> list[Any] | InFlight | None:
-        if cuda:
-            # (the future is completed with the side streams current; the worker leaves it)
-            call.run(lambda: done(job()), future)
-            return None
-        record = job()
-        if isinstance(record, InFlight):
-            finish = record.finish
-            return InFlight(lambda: done(finish()))
-        return done(record)
-
-    stolen.append(worker.submit(run, future, park and not cuda, overlap and not cuda))
-    return work
 
 
 def _reduce_op(reduce_op: Any, dtype: torch.dtype) -> tuple[str, bool, Any]:

@@ -4,8 +4,9 @@ waits for its own call when every call before it is done.
 
 A group's calls are collectives: every rank must run them in the same order. The worker
 keeps that order and lets the caller go on (the backward pass, the next bucket) while
-its reductions are on the wire; :mod:`optcc_mpi.torch.process_group` hands it the jobs,
-and :class:`InFlight` lets a job leave its library's work in flight while the next one
+its reductions are on the wire; :func:`optcc_mpi.torch.work.submit` hands it the jobs
+(of the backend, :mod:`optcc_mpi.torch.process_group`, and of the DDP hook), and
+:class:`InFlight` lets a job leave its library's work in flight while the next one
 starts (pipelined as gloo's own queue is).
 """
 
