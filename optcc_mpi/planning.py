@@ -114,7 +114,10 @@ def _links_of(st: CommState, links: Links | str | None, nbytes: int) -> Links:
         links = text
         marker = text.strip().lower()
         if marker not in ("probe", "watch"):
-            return st.links_from_env(text)
+            told = st.links_from_env(text)
+            # Healthy links told are the default's: the same paths (the short path, the
+            # ride, the compiled path) as links not told at all.
+            return _HEALTHY if told.healthy else told
     if isinstance(links, str):
         marker = links.strip().lower()
         if marker == "probe":
@@ -123,7 +126,7 @@ def _links_of(st: CommState, links: Links | str | None, nbytes: int) -> Links:
             return WATCH
     link_obj = Links.coerce(links)
     link_obj.check(st.size)
-    return link_obj
+    return _HEALTHY if link_obj.healthy else link_obj
 
 
 #: The fastest learnt rate (bytes/s: 200 Mbit/s) that sizes a network's schedules; above

@@ -15,7 +15,7 @@ import pytest
 from array_kinds import KIND_IDS, KINDS
 
 import optcc_mpi
-from optcc_mpi import arguments, config, testing
+from optcc_mpi import arguments, collectives, config, planning, testing
 from optcc_mpi.arrays import instance as _instance
 from optcc_mpi.collectives import last_stats
 from optcc_mpi.dtypes import DTYPES, check_op_dtype
@@ -908,3 +908,22 @@ def test_cuda_array_interface_without_cupy(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(TypeError, match="CUDA array interface.*needs CuPy"):
         optcc_mpi.allreduce(_DeviceOnly(np.ones(4, np.float32)))
+
+
+@pytest.mark.timeout(120)
+def test_healthy_links_told_take_the_paths_of_links_not_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A healthy profile told (``Links()``, ``{}``, ``$OPTCC_LINKS=healthy``) is the
+    default's own object, so that its calls take the paths of calls told nothing (the
+    short path, the ride, the compiled path all test for it)."""
+    comm, _, _ = world()
+    st = collectives.comm_state(comm)
+    for links in (optcc_mpi.Links(), {}, "healthy"):
+        assert planning._links_of(st, links, 1 << 20) is planning._HEALTHY
+    monkeypatch.setenv("OPTCC_LINKS", "healthy")
+    config.reload()
+    assert planning._links_of(st, None, 1 << 20) is planning._HEALTHY
+    monkeypatch.setenv("OPTCC_LINKS", "0:0.5")
+    config.reload()
+    assert not planning._links_of(st, None, 1 << 20).healthy
