@@ -44,7 +44,7 @@ from collections.abc import Callable
 import numpy as np
 
 from optcc_mpi.arrays import NUMPY
-from optcc_mpi.check.protocol import OP_CODE, code
+from optcc_mpi.check.protocol import FIELDS, OP_CODE, code
 from optcc_mpi.dtypes import DTYPES
 from optcc_mpi.transports.base import Transport
 
@@ -55,12 +55,17 @@ __all__ = ["RIDE_MAX", "Ride", "serves"]
 #: the check (0.3 ms over gloo) up to a few MiB; above, the copies cost what they save,
 #: and a wrong guess wastes more.
 RIDE_MAX = 2 * 1024 * 1024
-#: Header fields (protocol.FIELDS): element count, dtype, op, algorithm, link profile,
-#: emulation, array library, bytes.
-_COUNT, _DTYPE, _OP, _ALGORITHM, _LINKS, _EMULATION, _ARRAYS, _BYTES = 2, 3, 4, 5, 6, 7, 8, 10
+#: Where the header's fields are (protocol.FIELDS).
+_ERROR, _COUNT, _DTYPE, _OP, _ALGORITHM, _LINKS, _EMULATION, _ARRAYS, _BYTES = (
+    FIELDS.index(name)
+    for name in (
+        "error", "element count", "dtype", "op", "algorithm", "link profile", "emulation",
+        "array library", "bytes",
+    )
+)  # fmt: skip
 #: The fields a signature is made of: every field of the header but the last (the room,
 #: which the check itself fills in).
-_SIGNATURE = 11
+_SIGNATURE = FIELDS.index("capacity")
 #: How many signatures' successors are remembered (a loop's calls are a handful).
 _REMEMBERED = 256
 _SUM, _AUTO, _NUMPY = OP_CODE["sum"], code("auto"), code("numpy")
@@ -106,7 +111,7 @@ class Ride:
         """Whether a call whose header is ``fields`` rides: a sum of a type the
         transport's AllReduce reduces exactly, ``auto`` on healthy links without
         emulation, of NumPy data, of 1 to :data:`RIDE_MAX` bytes."""
-        if len(fields) < _SIGNATURE or fields[1]:
+        if len(fields) < _SIGNATURE or fields[_ERROR]:
             return False
         if not (
             fields[_OP] == _SUM
