@@ -52,7 +52,7 @@ and ``check`` itself must be the same on every rank).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
 
@@ -451,20 +451,13 @@ class Prepared:
         arguments differ (then ``flat`` is unchanged)."""
         st = self.st
         ride = st.ride
-        if ride is not None:
-            sig = ride.expected()
-            if sig is not None and ride.guess(sig, self.fields if self.rides else None, flat, flat):
-                _STATES.last = record = self.records[0]
-                return record, None
+        if ride is not None and ride.guess(self.fields if self.rides else None, flat, flat):
+            _STATES.last = record = self.records[0]
+            return record, None
         if self.check and st.size > 1:
-            try:
-                inline = protocol.agree_header(st.check, self.fields, None, self.fold, flat, None)
-            except Mismatch as mismatch:
-                if ride is not None:
-                    ride.reset()
-                protocol.disagreement(st.check, None, mismatch, self.shown)
-            if ride is not None:
-                ride.agreed(self.fields)
+            inline = _agree_checked(
+                st, self.fields, None, self.fold, flat, None, lambda: self.shown
+            )
             if inline:
                 protocol.reduce_gathered(st.check, self.opn, self.dtype, self.nbytes, flat)
                 _STATES.last = record = self.records[1]
@@ -541,17 +534,8 @@ def _agree_call(st: CommState, call: _Call) -> bool:
     if call.check and st.size > 1:
         # (Only NumPy arrays travel in the check: _settings decides fold.)
         data = cast("np.ndarray | None", call.flat_in if call.fold else None)
-        try:
-            inline = protocol.agree_header(
-                st.check, call.fields, call.err, call.fold, data, call.seen
-            )
-        except Mismatch as mismatch:
-            if st.ride is not None:
-                st.ride.reset()
-            protocol.disagreement(st.check, call.err, mismatch, call.shown())
+        inline = _agree_checked(st, call.fields, call.err, call.fold, data, call.seen, call.shown)
         call.epoch = perf_counter()  # a collective just ended: about the same instant everywhere
-        if st.ride is not None:
-            st.ride.agreed(call.fields)
         return inline
     if st.ride is not None:
         st.ride.reset()  # (nothing agreed: every rank skips the check alike)
@@ -560,15 +544,38 @@ def _agree_call(st: CommState, call: _Call) -> bool:
     return False
 
 
+def _agree_checked(
+    st: CommState,
+    fields: tuple[int, ...],
+    err: BaseException | None,
+    fold: bool,
+    data: np.ndarray | None,
+    extra: np.ndarray | None,
+    shown: Callable[[], dict[str, str]],
+) -> bool:
+    """:func:`~optcc_mpi.check.protocol.agree_header`, the same error on every rank if it
+    finds a mismatch (``shown``: this rank's arguments in words, asked for then), and
+    the ride's record of what every rank agreed (or of an error, after which nothing is
+    expected)."""
+    ride = st.ride
+    try:
+        inline = protocol.agree_header(st.check, fields, err, fold, data, extra)
+    except Mismatch as mismatch:
+        if ride is not None:
+            ride.reset()
+        protocol.disagreement(st.check, err, mismatch, shown())
+    if ride is not None:
+        ride.agreed(fields)
+    return inline
+
+
 def _guessed(st: CommState, call: _Call) -> bool:
     """The round of the signature every rank expects (check.ride), where there is one;
     True if every rank flagged it: the call is complete but for its record."""
     ride = st.ride
     assert ride is not None  # (the caller's test)
-    sig = ride.expected()
-    if sig is None:
-        return False
-    mine = call.err is None and call.rides and call.arrays is NUMPY and call.plan is not None
+    # (A call that rides has NumPy data and, healthy and auto, its plan: the header says.)
+    mine = call.err is None and call.rides and call.plan is not None
 
     def out() -> np.ndarray:
         if call.flat_out is None:
@@ -577,7 +584,6 @@ def _guessed(st: CommState, call: _Call) -> bool:
         return cast(np.ndarray, call.flat_out)
 
     return ride.guess(
-        sig,
         call.fields if mine else None,
         cast(np.ndarray, call.flat_in) if mine else None,
         out,

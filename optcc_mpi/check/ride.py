@@ -138,9 +138,11 @@ class Ride:
         return seen[0]
 
     def agreed(self, fields: tuple[int, ...]) -> None:
-        """Record a call every rank agreed on (its header: the check's, or the expected
-        one of a round every rank flagged)."""
-        sig = tuple(fields[:_SIGNATURE])
+        """Record a call every rank agreed on by the check (its header)."""
+        self._follow(tuple(fields[:_SIGNATURE]))
+
+    def _follow(self, sig: Signature) -> None:
+        """``sig`` followed the last agreed call."""
         last = self._last
         if last is not None:
             seen = self._next.get(last)
@@ -162,40 +164,51 @@ class Ride:
             self._scratch = np.empty(nbytes, dtype=np.uint8)
         return self._scratch[:nbytes].view(dtype)
 
+    def _round(self, dtype: np.dtype, name: str, count: int, data: np.ndarray | None) -> np.ndarray:
+        """One AllReduce of ``count`` elements and a flag in the scratch buffer: ``data``
+        and 1, or (None) zeros and 0; the buffer, summed."""
+        buf = self._buffer(dtype, count + 1)
+        if data is None:
+            buf.fill(0)
+        else:
+            np.copyto(buf[:count], data)
+            buf[count] = 1
+        self.transport.allreduce_now(NUMPY, buf, name, "sum")
+        return buf
+
     def guess(
         self,
-        sig: Signature,
         fields: tuple[int, ...] | None,
         data: np.ndarray | None,
         out: np.ndarray | Callable[[], np.ndarray],
     ) -> bool:
-        """The round of the expected signature ``sig``; True if every rank flagged it (then
-        ``out`` holds the sum). ``fields``: this rank's header (None: its call is checked
-        otherwise, or not at all); ``data``: its 1-D NumPy input; ``out``: where the result
-        goes, a writable array of ``data``'s type and length (or a function of no
-        arguments returning one, made only if every rank flagged)."""
+        """The round of the signature every rank expects (:meth:`expected`), where there is
+        one; True if every rank flagged it (then ``out`` holds the sum), False with
+        nothing communicated where nothing is expected. ``fields``: this rank's header
+        (None: its call is checked otherwise, or not at all); ``data``: its 1-D NumPy
+        input; ``out``: where the result goes, a writable array of ``data``'s type and
+        length (or a function of no arguments returning one, made only if every rank
+        flagged)."""
+        sig = self.expected()
+        if sig is None:
+            return False
         count = sig[_COUNT]
         name = _NAMES[sig[_DTYPE]]
         dtype = DTYPES[name]
-        buf = self._buffer(dtype, count + 1)
-        if (
+        mine = (
             fields is not None
             and data is not None
             and tuple(fields[:_SIGNATURE]) == sig
             and data.dtype == dtype
-        ):
-            np.copyto(buf[:count], data)
-            buf[count] = 1
-        else:
-            buf.fill(0)
-        self.transport.allreduce_now(NUMPY, buf, name, "sum")
+        )
+        buf = self._round(dtype, name, count, data if mine else None)
         if int(buf[count]) != self.size:
             self.misses += 1
             return False
         self.hits += 1
         target = out() if callable(out) else out
         np.copyto(target, buf[:count])
-        self.agreed(sig)
+        self._follow(sig)
         return True
 
     def reduce(self, data: np.ndarray, out: np.ndarray, name: str) -> None:
@@ -203,8 +216,4 @@ class Ride:
         flag, in the scratch buffer, the sum into ``out`` (the same elements, so the same
         bits, as a guessed round of the same data); ``name``: the type's name."""
         count = data.shape[0]
-        buf = self._buffer(data.dtype, count + 1)
-        np.copyto(buf[:count], data)
-        buf[count] = 1
-        self.transport.allreduce_now(NUMPY, buf, name, "sum")
-        np.copyto(out, buf[:count])
+        np.copyto(out, self._round(data.dtype, name, count, data)[:count])
