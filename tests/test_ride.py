@@ -8,13 +8,11 @@ board off (tests/ride_worker.py), where every call goes the way it goes across m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from torch_launch import torchrun
 
 from optcc_mpi.arrays import NUMPY
 from optcc_mpi.check.protocol import DTYPE_CODE, OP_CODE, PROTOCOL, code
@@ -24,7 +22,6 @@ from optcc_mpi.transports.base import Capabilities
 pytest.importorskip("torch")
 
 WORKER = Path(__file__).with_name("ride_worker.py")
-ROOT = WORKER.parent.parent
 
 
 class _Gloo:
@@ -100,17 +97,8 @@ def test_a_guess_needs_the_same_successor_twice() -> None:
     assert ride.expected() is None  # the successor does not ride
 
 
-def _torchrun(n: int, out: Path, timeout: float = 600) -> list[dict]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "MPI", "OPTCC_"))
-    }
-    env.update(OMP_NUM_THREADS="1", OPTCC_BOARD="0")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={n}", str(WORKER), str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+def _torchrun(n: int, out: Path) -> list[dict]:
+    proc = torchrun(WORKER, n, str(out), OPTCC_BOARD="0")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return [json.loads((out / f"ride-{r}.json").read_text()) for r in range(n)]
 

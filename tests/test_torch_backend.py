@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
+from torch_launch import this_checkout
+from torch_launch import torchrun as launch_worker
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():  # pragma: no cover
@@ -42,14 +44,6 @@ from optcc_mpi.torch.work import OptccWork  # noqa: E402
 from optcc_mpi.torch.worker import OrderedWorker  # noqa: E402
 
 WORKER = Path(__file__).with_name("torch_backend_worker.py")
-ROOT = WORKER.parent.parent
-
-
-def _this_checkout(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with this checkout first on ``PYTHONPATH``: a worker started as a script has
-    its own folder on the path, not the current directory, and would import the package
-    installed in the environment (another checkout's, where it is an editable install)."""
-    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
 
 
 def torchrun(
@@ -64,18 +58,7 @@ def torchrun(
 def _torchrun(
     scenario: str, n: int, out: Path, timeout: float, **env_extra: str
 ) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "MPI", "OPTCC_"))
-    }
-    # A hang prints every thread's stack before the test's own timeout ends it.
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORKER_DUMP_AFTER=str(timeout - 30))
-    env.update(env_extra)
-    env = _this_checkout(env)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={n}", str(WORKER), scenario, str(out),
-    ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return launch_worker(WORKER, n, scenario, str(out), timeout=timeout, **env_extra)
 
 
 # -- one process ---------------------------------------------------------------------------------
@@ -564,7 +547,7 @@ def test_started_as_srun_starts_it(tmp_path: Path) -> None:
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
         }
-        env = _this_checkout(env)
+        env = this_checkout(env)
         argv = [sys.executable, str(WORKER), "passthrough", str(tmp_path)]
         procs.append(
             subprocess.Popen(
@@ -584,7 +567,7 @@ def test_from_mpi(tmp_path: Path) -> None:
     pytest.importorskip("mpi4py")
     n = 2
     argv = [*launch.launcher_argv(n), sys.executable, str(WORKER), "from_mpi", str(tmp_path)]
-    env = _this_checkout(launch.clean_env({**os.environ, "OMP_NUM_THREADS": "1"}))
+    env = this_checkout(launch.clean_env({**os.environ, "OMP_NUM_THREADS": "1"}))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for r in range(n):
