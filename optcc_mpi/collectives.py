@@ -76,6 +76,7 @@ from optcc_mpi.probe import ProbeResult, probe
 from optcc_mpi.reductions import reduce_rows
 from optcc_mpi.schedule import Params, Schedule
 from optcc_mpi.transports import Communicator
+from optcc_mpi.watch import MIN_BYTES
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -653,9 +654,12 @@ def _run_data(st: CommState, call: _Call) -> None:
     # (np.seterr) on one rank alone would leave the others waiting.
     sched = plan.schedule
     with np.errstate(all="ignore"):
+        # (a watched call's messages are timed at their arrival: watch.MIN_BYTES)
+        stamp_from = MIN_BYTES if call.watched and pacer is None else 0
         stats = call.stats = execute(
-            sched, work, comm=transport, op=call.opn, arrays=arrays, pacer=pacer, source=source
-        )
+            sched, work, comm=transport, op=call.opn, arrays=arrays, pacer=pacer,
+            source=source, stamp_from=stamp_from,
+        )  # fmt: skip
     if call.watched:
         _record_watch(st, sched, work.dtype.itemsize, stats, call.epoch, pacer)
 

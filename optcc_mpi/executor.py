@@ -22,7 +22,10 @@ How completions are seen is the transport's (``Transport.caps.completion``,
     for the outstanding operation of lowest *level* (:func:`levels`). Every operation
     below that level has completed on this rank, hence on every rank the partners of the
     lowest outstanding operations anywhere have been posted: the wait ends, whatever the
-    schedule, if the verifier accepts it.
+    schedule, if the verifier accepts it. A message that arrived while the loop waited
+    for another would be timed when the loop reached it; where its arrival time matters
+    (``stamp_from``: the watch's messages), a helper thread waits for it from its
+    posting on and notes when it arrived (:class:`_Helpers`).
 ``"grouped"`` (NCCL)
     The host waits for nothing: the operations of each level are posted as one group,
     local work follows on the device stream, and the stream orders everything after it.
@@ -68,12 +71,15 @@ always on. :mod:`optcc_mpi.lab.bench` turns these into link utilisation (``--tra
 from __future__ import annotations
 
 import heapq
+import queue
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as _FutureTimeout
 from dataclasses import dataclass, field
-from typing import Generic, NamedTuple, cast
+from typing import Generic, NamedTuple, TypeVar, cast
 
 import numpy as np
 
@@ -504,6 +510,7 @@ def execute(
     pacer: Pacer | None = None,
     trace: bool = False,
     source: Array | None = None,
+    stamp_from: int = 0,
 ) -> ExecStats:
     """Execute this rank's program of ``schedule`` on ``buf``.
 
@@ -534,6 +541,12 @@ def execute(
         type and size, that is only read and must not overlap ``buf`` (the send buffer of
         a call out of place). ``buf``'s contents on entry are then ignored; the result
         is the same, bit for bit, as with ``buf`` holding the input (module docstring).
+    stamp_from : int
+        Where completions are seen only in order (gloo), receives of at least this many
+        bytes (0: none) are timed at their arrival rather than when the loop reaches
+        them: each is waited for by a helper thread from its posting on (the watch's
+        messages, :mod:`optcc_mpi.watch`: a healthy message queued behind a slow one
+        would otherwise look slow). Elsewhere every completion is seen when it happens.
     """
     transport = comm if isinstance(comm, Transport) else transports.of(comm)
     flat = _flattened(schedule, transport.rank, buf.dtype.itemsize)
@@ -551,6 +564,8 @@ def execute(
         staging = transport.staging(arrays)
     sourcing = flat.sourced() if source is not None else None
     run = _Run(schedule, flat, buf, transport, op, arrays, staging, pacer, trace, stats)
+    if stamp_from > 0 and transport.caps.completion is Completion.ORDERED:
+        run.stamp_from = stamp_from
     if sourcing is not None:
         run.read_from(source, sourcing)
     if grouped:
@@ -614,6 +629,11 @@ class _Run(Generic[Req]):
         self.seq = 0
         self.completed = 0
         self.post_time = [0.0] * n
+        #: Receives of at least this many bytes are waited for by helpers (0: none), the
+        #: futures of those waits by op, and their arrival times once the loop saw them.
+        self.stamp_from = 0
+        self.helping: dict[int, Future[float]] = {}
+        self.arrival: dict[int, float] = {}
         self.t0 = stats.start = time.perf_counter()
 
     def bytes_of(self, arr: Array) -> Array:
@@ -638,11 +658,12 @@ class _Run(Generic[Req]):
             self.arrays.copyto(buf[lo:hi], source[lo:hi])
 
     # -- bookkeeping ----------------------------------------------------------------------
-    def finish(self, i: int) -> None:
-        """Op ``i`` completed: its dependents may become ready."""
+    def finish(self, i: int, at: float | None = None) -> None:
+        """Op ``i`` completed (``at``: when its message arrived, if known): its
+        dependents may become ready."""
         self.completed += 1
         if self.tracing:
-            now = time.perf_counter() - self.t0
+            now = (time.perf_counter() if at is None else at) - self.t0
             self.stats.trace.append(
                 TraceEvent(i, self.flat.kind[i], self.post_time[i] - self.t0, now)
             )
@@ -675,6 +696,11 @@ class _Run(Generic[Req]):
         self.post_time[i] = time.perf_counter()
         self.reqs.append(req)
         self.req_op.append(i)
+        if self.stamp_from:
+            flat = self.flat
+            kind = flat.kind[i]
+            if (kind == RECV or kind == RECV_REDUCE) and flat.nbytes[i] >= self.stamp_from:
+                self.helping[i] = _helpers().wait(self.t.wait, req)
 
     # -- posting --------------------------------------------------------------------------
     def send_message(self, i: int) -> Array:
@@ -790,7 +816,9 @@ class _Run(Generic[Req]):
             if when > time.perf_counter():
                 self.defer(i, when, _ACT_DONE)
                 return
-        self.finish(i)
+            self.finish(i)
+            return
+        self.finish(i, now)
 
     def land(self, i: int) -> None:
         """A received message into its place: copied (staged) or reduced."""
@@ -885,8 +913,9 @@ class _Run(Generic[Req]):
                 )
             done = self.wait_ordered() if ordered else self.wait_any()
             now = time.perf_counter()
+            arrival = self.arrival
             for i in done:
-                self.arrived(i, now)
+                self.arrived(i, arrival.pop(i, now) if arrival else now)
         if self.unwritten:
             self.copy_unwritten()
         if self.arrays.device and self.sync:
@@ -919,12 +948,13 @@ class _Run(Generic[Req]):
 
         A request of this transport reports its completion only when waited for, and a
         wait cannot be cut short, so while timers are pending (a paced send, a deferred
-        completion) the wait runs on a helper thread (:func:`_waiter`) and the loop waits
+        completion) the wait runs on a helper thread (:class:`_Helpers`) and the loop waits
         for that thread until the earliest timer: timers fire on time, and a message
         that completed is seen when it completes, not after a sleep (a message from a
         fast rank timed at the pace of this rank's slow send would make a fast link look
         slow). Without timers the request is waited for here (the helper's hand-off costs
-        tens of microseconds). Either way the request waited for is the outstanding one of
+        tens of microseconds), unless a helper already waits for it (``stamp_from``:
+        it has the arrival time). Either way the request waited for is the outstanding one of
         lowest level, which cannot deadlock (module docstring), and no wait outlasts a
         timer, so every timer fires."""
         level = self.level
@@ -936,25 +966,27 @@ class _Run(Generic[Req]):
             key = (level[i], i)
             if best is None or key < best:
                 best, j_best = key, j
-        bg = self.__dict__.setdefault("_bg", {})  # op -> future of its helper's wait
+        helping = self.helping  # op -> its helper's wait (the arrival time)
         if self.timers:
             due = self.timers[0][0]  # a heap: the earliest timer
             if j_best < 0:
                 time.sleep(max(0.0, due - time.perf_counter()))
                 return []
             i = self.req_op[j_best]
-            fut = bg.get(i)
+            fut = helping.get(i)
             if fut is None:
-                fut = bg[i] = _waiter().submit(self.t.wait, self.reqs[j_best])
+                fut = helping[i] = _helpers().wait(self.t.wait, self.reqs[j_best])
             try:
-                fut.result(timeout=max(0.0, due - time.perf_counter()))
+                self.arrival[i] = fut.result(timeout=max(0.0, due - time.perf_counter()))
             except _FutureTimeout:
                 return []
-            del bg[i]
+            del helping[i]
             return self.remove([j_best])
-        fut = bg.pop(self.req_op[j_best], None)
+        i = self.req_op[j_best]
+        fut = helping.pop(i, None)
         if fut is not None:
-            fut.result()  # already handed to the helper: never wait twice for one request
+            # (handed to a helper: never wait twice for one request)
+            self.arrival[i] = fut.result()
         else:
             self.t.wait(self.reqs[j_best])
         return self.remove([j_best])
@@ -1023,17 +1055,62 @@ class _Run(Generic[Req]):
 
 
 _ACT_SEND, _ACT_DONE = 0, 1
-_WAITER: list[ThreadPoolExecutor] = []
 
 
-def _waiter() -> ThreadPoolExecutor:
-    """The threads that wait for requests while the loop keeps time for its timers
-    (:meth:`_Run.wait_ordered`). A request's wait releases the interpreter lock (gloo's
-    does), so the loop runs while they block. Several threads: a request handed over and
-    not yet complete when a timer fired keeps its thread, and a request of a lower level
-    posted since needs another. Threads are made only when none is idle; the bound is far
-    above the requests a call has in flight, so that a request handed over is always
-    being waited for (one queued behind blocked threads could be what they wait for)."""
-    if not _WAITER:
-        _WAITER.append(ThreadPoolExecutor(max_workers=1024, thread_name_prefix="optcc-wait"))
-    return _WAITER[0]
+class _Helpers:
+    """Threads that wait for requests, each noting when its request completed
+    (:meth:`_Run.wait_ordered`): where completions are seen only by waiting, in order,
+    a message that arrived while the loop waited for another is timed at its arrival,
+    and while timers are pending the loop keeps time for them. A request's wait
+    releases the interpreter lock (gloo's does), so the loop runs while they block.
+
+    A thread is made only when none is idle, with no bound: a request handed over is
+    always being waited for (one queued behind blocked threads could be what they wait
+    for), and the threads are as many as a call ever had in flight at once. Daemons: a
+    call that failed leaves its helpers in their waits until the library ends them, and
+    must not keep the interpreter from exiting meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[float]]] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def wait(self, wait: Callable[[_R], None], req: _R) -> Future[float]:
+        """Have a helper call ``wait(req)``; the future of the ``perf_counter`` time at
+        which it returned (or of its error)."""
+        fut: Future[float] = Future()
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._jobs.put((lambda: wait(req), fut))
+        if spawn:
+            threading.Thread(target=self._serve, name="optcc-wait", daemon=True).start()
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            job, fut = self._jobs.get()
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - the loop's result() raises it
+                fut.set_exception(exc)
+            else:
+                fut.set_result(time.perf_counter())
+            del job, fut  # (nothing of a finished call kept alive while idle)
+            with self._lock:
+                self._idle += 1
+
+
+_R = TypeVar("_R")
+_HELPERS: list[_Helpers] = []
+
+
+def _helpers() -> _Helpers:
+    """This process's :class:`_Helpers` (made at first use)."""
+    if not _HELPERS:
+        _HELPERS.append(_Helpers())
+    return _HELPERS[0]

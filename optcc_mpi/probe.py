@@ -141,7 +141,16 @@ def probe(
         for _ in range(repeats):
             pacer = emu.pacer(rank, p, Links()) if emu is not None else None
             wire.barrier()
-            stats = execute(sched, buf, comm=wire, op="sum", arrays=arrays, pacer=pacer, trace=True)
+            stats = execute(
+                sched,
+                buf,
+                comm=wire,
+                op="sum",
+                arrays=arrays,
+                pacer=pacer,
+                trace=True,
+                stamp_from=1,
+            )
             for _op, kind, posted, done in stats.trace:
                 if kind == RECV and done > posted:
                     best = max(best, nbytes / (done - posted))
@@ -348,7 +357,9 @@ def _probe_repeat(
         pacer = emu.pacer(rank, p, Links()) if emu is not None else None
         wire.quiet_barrier()
         t0 = time.perf_counter()
-        stats = execute(sched, buf, comm=wire, op="sum", arrays=arrays, pacer=pacer, trace=True)
+        stats = execute(
+            sched, buf, comm=wire, op="sum", arrays=arrays, pacer=pacer, trace=True, stamp_from=1
+        )
         src, dst = (rank - s) % p, (rank + s) % p
         if pacer is not None and paced:
             mine.append((rnd, rank, dst, pacer.charged_to.get(dst, 0.0)))

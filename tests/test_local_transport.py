@@ -7,6 +7,8 @@ of every algorithm, the watch and the probe run over ``isend``, ``irecv``, ``wai
 
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ import pytest
 import optcc_mpi
 from optcc_mpi import algorithms, collectives
 from optcc_mpi.errors import ArgumentError
-from optcc_mpi.testing.local import LocalTransport, LocalWorld
+from optcc_mpi.testing.local import LocalRequest, LocalTransport, LocalWorld
 from optcc_mpi.transports import Completion, Transport
 
 
@@ -115,3 +117,45 @@ def test_a_transport_must_implement_the_required_methods() -> None:
 
     assert LocalTransport.caps.completion is Completion.ORDERED
     assert set(Transport.REQUIRED) == {"isend", "irecv", "wait", "allgather"}
+
+
+def test_ordered_completions_are_timed_at_arrival() -> None:
+    """Where a completion is seen only by waiting for it, in order, a message that arrived
+    while the loop waited for another is timed at its arrival when asked (``stamp_from``:
+    the watch's messages), not when the loop reached it (a healthy message queued behind
+    a slow one looked slow, and the watch misread the slow ranks under OptCC's plan)."""
+    from optcc_mpi.arrays import NumpyArrayOps
+    from optcc_mpi.executor import execute
+    from optcc_mpi.schedule import ScheduleBuilder
+
+    b = ScheduleBuilder(3, 2, "two messages into rank 0")
+    b.transfer(1, 0, 0, 1, reduce=True)  # first in rank 0's program: the loop waits for it
+    b.transfer(2, 0, 1, 2, reduce=True)
+    sched = b.build()
+    world = LocalWorld(3, timeout=20.0)
+    zero = world.transports[0]
+    seen = threading.Event()  # rank 0 has seen rank 2's message arrive
+    waits = zero.wait
+
+    def wait(req: LocalRequest) -> None:
+        sender = req.key[0] if req.key is not None else None
+        waits(req)
+        if sender == 2:
+            seen.set()
+
+    zero.wait = wait  # type: ignore[method-assign]
+
+    def one(t: LocalTransport) -> list[tuple[int, float]]:
+        if t.rank == 1:
+            # Rank 1's message leaves only once rank 0 has seen rank 2's arrive (or after
+            # a while: without arrival times nothing waits for it before rank 1's).
+            seen.wait(5.0)
+        x = np.full(2, float(t.rank + 1))
+        stats = execute(sched, x, comm=t, op="sum", arrays=NumpyArrayOps(), stamp_from=1)
+        if t.rank == 0:
+            np.testing.assert_array_equal(x, [3.0, 4.0])
+        return [(m.peer, m.completed) for m in stats.recvs]
+
+    done = dict(world.run(one)[0])
+    assert seen.is_set()
+    assert done[2] < done[1], done
