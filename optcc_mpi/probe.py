@@ -54,8 +54,10 @@ __all__ = [
 ONE_SHOT_HEALTHY_ABOVE = 0.75
 
 #: :func:`probe_ranks` doubles its messages until the fastest takes at least this long
-#: (a message's fixed costs then weigh under about 5% on the testbed)...
-MIN_SECONDS = 0.08
+#: (a message's fixed costs then weigh under about 5% on the testbed; its receives are
+#: timed at their arrival, ``execute(stamp_from=)``: 80 ms before they were, and the 8-rank
+#: testbed's probes at 40 ms found every profile of a long run)...
+MIN_SECONDS = 0.04
 #: ... or they reach this size.
 MAX_BYTES = 16 << 20
 #: :func:`probe_ranks`' defaults, the watch's too (:class:`optcc_mpi.watch.LinkWatch`'s
@@ -328,7 +330,7 @@ def link_rate(comm: Communicator) -> float | None:
     the gathered times); None where nothing was measured (a single rank).
 
     What the collectives learn when told no rate (:mod:`optcc_mpi.planning`): about
-    ``MIN_SECONDS`` plus one barrier, once per communicator (0.1 s at 400 Mbit/s on 8
+    ``MIN_SECONDS`` plus one barrier, once per communicator (0.05 s at 400 Mbit/s on 8
     ranks, 0.4 s at 50 Mbit/s on 16, where the smallest message already takes longer).
     """
     if transport_of(comm).size < 2:

@@ -105,9 +105,11 @@ what, what the probe found), and a ``probe`` record keeps every probe.
 Steady under a held profile (issue 42, ours)
 --------------------------------------------
 A plan reads its own traffic with a bias: under OptCC's plan the slow ranks read high
-(0.74-0.79 for a true 0.6 on the 8-rank testbed; a message is stamped when it is waited
-for, so healthy messages queued behind a slow one look slow and the reference drops), and
-a watch that compared those readings with the profile probed again every few calls. So a
+(0.74-0.79 for a true 0.6 on the 8-rank testbed while a gloo message was stamped when the
+executor's in-order loop reached it: healthy messages queued behind a slow one looked
+slow and the reference dropped; stamped at their arrival, ``execute(stamp_from=)``,
+ranks 2 and 5 at 0.6 and 0.4 read 0.63 and 0.49), and a watch that compared such
+readings with the profile probed again every few calls. So a
 profile the probe decided is followed by a few calibrating calls: per schedule (by its
 layout's tag) the median of what they read is the schedule's *baseline*, its reading of
 the truth, and later calls are compared with it (below the healthy cut, where a reading
@@ -115,7 +117,7 @@ is a number); a suspicion the probe clears under a degraded plan sets the baseli
 A healthy plan loads every rank alike and has none. Where timings are noisy (ranks
 outnumbering cores), each streak the probe finds wrong makes the next suspicion need one
 more departing call, up to ``confirm_max``. The first exploration after a probe-decided
-adoption waits four times ``explore`` (the probe has just measured every rank alike).
+adoption waits eight times ``explore`` (the probe has just measured every rank alike).
 
 Volume: each rank contributes ``p + 2`` values and its side of the timed messages, at
 most :func:`watch_length` int64 (16 KiB up to 16 ranks, less beyond, so that the gather
@@ -671,10 +673,12 @@ class LinkWatch:
             # alike: its traffic has no plan's bias to learn, only noise)
             self._calibrating = 2 * self.confirm if self.profile.fractions else 0
             # The probe has just measured every rank alike, as an exploring call would:
-            # the first exploration waits four times as long (on the 8-rank testbed the
+            # the first exploration waits eight times as long (on the 8-rank testbed the
             # exploring calls 8, 17 and 34 calls after an adoption cost more than the
-            # probe that decided it).
-            self._gap = min(4 * self.explore, self.explore_max)
+            # probe that decided it; since a watched call's messages are timed at their
+            # arrival, the plan's own traffic shows a recovery: a long run's recoveries
+            # were all found by it, none by an exploration).
+            self._gap = min(8 * self.explore, self.explore_max)
             return adopted
         if readings and self.profile.fractions:
             # The profile is right and these schedules read otherwise under it: what they

@@ -249,6 +249,26 @@ def _fake_probe(found: Links, p: int, calls: list[int]):
     return run
 
 
+def test_the_first_exploration_after_a_probe_waits_eight_times_explore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A profile the probe decided is followed by calls on its own plan, the first
+    exploring call (the healthy profile) coming 8 x explore steady calls later (the
+    probe has just measured every rank alike), then explore_max apart at most."""
+    import optcc_mpi.watch as watch_mod
+
+    p = 4
+    truth = Links({1: 0.5})
+    monkeypatch.setattr(watch_mod, "probe_ranks", _fake_probe(truth, p, []))
+    w = LinkWatch(p, confirm=2, explore=4, explore_max=64)
+    seen = ring_rates(truth.vector(p))
+    wire = object()
+    got = [w.agree(seen, wire) for _ in range(60)]
+    assert w.changes == [(2, truth)]
+    explored = [i for i, g in enumerate(got) if i > 1 and g == Links()]
+    assert explored and explored[0] == 1 + 2 * w.confirm + 8 * w.explore
+
+
 def test_a_suspicion_is_decided_by_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """Far-apart slow ranks in a 4-rank ring: the traffic shows 0.6 as the fastest rate
     (ranks 1 and 3 only exchange with the slow ranks) and blames rank 2 alone at 0.67;
@@ -281,8 +301,11 @@ def test_a_suspicion_is_decided_by_the_probe(monkeypatch: pytest.MonkeyPatch) ->
             read.append(np.abs(w.measured.vector(p) - truth.vector(p)).max())
     assert all(g in (truth, Links()) for g in got) and w.changes == [(2, truth)]  # (explore)
     # The probe measured every rank as an exploring call does: the first exploration is
-    # the 4 x explore-th steady call (16 here), after the 2 x confirm calibrating ones.
-    assert got.index(Links()) == 2 * w.confirm + 4 * 4 - 1  # (7 before: explore - 1 + 4)
+    # the 8 x explore-th steady call (at most explore_max: 16 here), after the 2 x confirm
+    # calibrating ones.
+    first = min(8 * w.explore, w.explore_max)
+    assert first > w.explore
+    assert got.index(Links()) == 2 * w.confirm + first - 1  # (7 before: explore - 1 + 4)
     assert [(call, adopted) for call, *_, adopted in w.probes] == [(2, True)]
     assert max(read) <= 0.1
     # A real change is still adopted within ten calls: rank 3 slows (the plan's traffic
