@@ -357,8 +357,9 @@ class LinkWatch:
         On healthy links, one call in ``sample`` runs a schedule whose messages the watch
         times; the library's AllReduce serves the others where it is bandwidth-optimal.
     probe_margin : float
-        A rank held healthy that the probe names less than ``probe_margin`` under
-        ``healthy_above`` is probed again, and adopted only if both probes name it.
+        A rank held healthy (or that the traffic shows healthy) that the probe names less
+        than ``probe_margin`` under ``healthy_above`` is probed again, and adopted only
+        if both probes name it.
     confirm_max : int
         The most departing calls in a row a suspicion may come to need (``confirm``
         grows by one with each streak the probe found wrong).
@@ -645,12 +646,15 @@ class LinkWatch:
             return self.profile
         found = prober()
         got = found.links.vector(self.p)
-        # A rank the profile holds healthy that the probe names just under the threshold
-        # may be noise (on the 8-rank testbed a recovered rank once read 0.79): a second
-        # probe decides, each rank keeping the larger of its two fractions (noise only
-        # ever makes a rank look slower). Slow ranks, well under it, need no second look.
+        # A rank the profile holds healthy, or the traffic now shows healthy, that the
+        # probe names just under the threshold may be noise (on the 8-rank testbed a
+        # recovered rank once read 0.79, and over MPI one the traffic showed recovered
+        # read 0.73 and was held there for 100 calls): a second probe decides, each rank
+        # keeping the larger of its two fractions (noise only ever makes a rank look
+        # slower). Slow ranks, well under it, need no second look.
         low = self.healthy_above - self.probe_margin
-        if np.any((got < self.healthy_above) & (got >= low) & (cur >= 1.0)):
+        seen_healthy = (cur >= 1.0) | (suspect >= self.healthy_above)
+        if np.any((got < self.healthy_above) & (got >= low) & seen_healthy):
             again = prober()
             both = np.maximum(got, again.links.vector(self.p))
             got = np.where(both >= self.healthy_above, 1.0, both)

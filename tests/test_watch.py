@@ -451,6 +451,14 @@ def test_a_healthy_rank_named_just_under_the_threshold_is_probed_again(
     ran.clear()
     w = LinkWatch(p, confirm=1)
     assert w.agree(slow3, wire) == Links({3: 0.5}) and len(ran) == 1
+    # A slow rank the traffic now shows recovered, named just under the threshold (over
+    # MPI once 0.73 for a healed rank): probed again, and healthy if the second says so.
+    results[:] = [Links({3: 0.73}), Links()]
+    ran.clear()
+    w = LinkWatch(p, confirm=1, profile=Links({3: 0.3}))
+    healed = ring_rates(Links().vector(p))
+    assert w.agree(healed, wire) == Links() and len(ran) == 2
+    assert w.changes == [(1, Links())]
 
 
 def test_linkrates_tell_far_apart_slow_ranks_from_their_neighbours() -> None:
