@@ -653,9 +653,9 @@ def _run_data(st: CommState, call: _Call) -> None:
     # Each rank reduces different parts: a floating-point warning or exception
     # (np.seterr) on one rank alone would leave the others waiting.
     sched = plan.schedule
+    # (a watched call's messages are timed at their arrival: watch.MIN_BYTES)
+    stamp_from = MIN_BYTES if call.watched and pacer is None else 0
     with np.errstate(all="ignore"):
-        # (a watched call's messages are timed at their arrival: watch.MIN_BYTES)
-        stamp_from = MIN_BYTES if call.watched and pacer is None else 0
         stats = call.stats = execute(
             sched, work, comm=transport, op=call.opn, arrays=arrays, pacer=pacer,
             source=source, stamp_from=stamp_from,

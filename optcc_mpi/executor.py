@@ -1055,6 +1055,7 @@ class _Run(Generic[Req]):
 
 
 _ACT_SEND, _ACT_DONE = 0, 1
+_R = TypeVar("_R")
 
 
 class _Helpers:
@@ -1105,7 +1106,6 @@ class _Helpers:
                 self._idle += 1
 
 
-_R = TypeVar("_R")
 _HELPERS: list[_Helpers] = []
 
 
