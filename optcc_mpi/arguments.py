@@ -252,6 +252,10 @@ class _Call:
         rate = self._rate(st)
         if rate is not None:
             lcode = code(f"{lcode} at {rate}")
+        if link is WATCH and lcode not in st.watch_codes:
+            # (check.ride: a watched call the watch needs nothing of rides; a handful of
+            # codes, one per link rate)
+            st.watch_codes.add(lcode)
         return (
             protocol.PROTOCOL,
             0,

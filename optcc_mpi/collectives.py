@@ -71,7 +71,7 @@ from optcc_mpi.dtypes import CATEGORY, NAME_OF
 from optcc_mpi.emulation import Emulation, Pacer
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
-from optcc_mpi.planning import _HEALTHY, _plan_call, choose_algorithm
+from optcc_mpi.planning import _HEALTHY, WATCH, _plan_call, choose_algorithm, settle_ridden
 from optcc_mpi.probe import ProbeResult, probe
 from optcc_mpi.reductions import reduce_rows
 from optcc_mpi.schedule import Params, Schedule
@@ -575,8 +575,9 @@ def _guessed(st: CommState, call: _Call) -> bool:
     True if every rank flagged it: the call is complete but for its record."""
     ride = st.ride
     assert ride is not None  # (the caller's test)
-    # (A call that rides has NumPy data and, healthy and auto, its plan: the header says.)
-    mine = call.err is None and call.rides and call.plan is not None
+    # (A call that rides has NumPy data and, healthy and auto, its plan, or is watched
+    # and planned once the watch has agreed: the header says.)
+    mine = call.err is None and call.rides and (call.plan is not None or call.link_obj is WATCH)
 
     def out() -> np.ndarray:
         if call.flat_out is None:
@@ -584,11 +585,16 @@ def _guessed(st: CommState, call: _Call) -> bool:
         call.work = call.flat_out
         return cast(np.ndarray, call.flat_out)
 
-    return ride.guess(
+    if not ride.guess(
         call.fields if mine else None,
         cast(np.ndarray, call.flat_in) if mine else None,
         out,
-    )
+        call.seen if mine else None,
+    ):
+        return False
+    if call.link_obj is WATCH:  # (every rank's: the flags say every header was the same)
+        settle_ridden(st, call, ride.carried)
+    return True
 
 
 # -- phase 4: run -------------------------------------------------------------------------------
@@ -598,10 +604,14 @@ def _run_data(st: CommState, call: _Call) -> None:
     p, arrays, flat_out, plan = st.size, call.arrays, call.flat_out, call.plan
     assert flat_out is not None and plan is not None  # made by now (_settings, _plan_call)
     coll_only = plan.library_only
-    if call.rides:  # (agreed: every rank's call rides)
+    # (agreed: every rank's call rides; a watched one only if the watch, having agreed,
+    # left it to the library as it foresaw)
+    if call.rides and plan.library_only:
         assert st.ride is not None  # (call.rides: _settings)
         st.ride.reduce(cast(np.ndarray, call.flat_in), cast(np.ndarray, flat_out), call.name)
         call.work = flat_out
+        if call.watched:
+            st.watch_made().unobserved(st.rank, plan.schedule)
         return
     short = call.algorithm == "auto" and coll_only and call.emu is None and 1 < p <= GATHER_MAX_P
     if short and 0 < call.nbytes and _gathered(st, call.nbytes):

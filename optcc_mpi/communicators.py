@@ -157,7 +157,7 @@ class CommState:
 
     __slots__ = (
         "transport", "size", "rank", "check", "ride", "plans", "folds", "probe", "watch", "rate",
-        "_env",
+        "watch_codes", "_env",
     )  # fmt: skip
 
     def __init__(self, transport: Transport) -> None:
@@ -168,6 +168,8 @@ class CommState:
         self.check = CheckState(transport)
         #: The rides of short sums (check.ride), where the transport allows them.
         self.ride: Ride | None = Ride(transport) if serves(transport) else None
+        if self.ride is not None:
+            self.ride.links_ride = self._watch_rides
         #: Schedules built, by the call's arguments.
         self.plans: _Bounded[tuple[object, ...], Plan] = _Bounded()
         #: The short calls the compiled path may take, by (bytes, dtype).
@@ -180,6 +182,10 @@ class CommState:
         #: segments of its schedules where ``$OPTCC_LINK_RATE`` is not set: None until the
         #: first call that needs it, 0.0 where nothing could be measured.
         self.rate: float | None = None
+        #: The header's link codes of the watched calls made (``links="watch"``, at each
+        #: link rate): every rank adds those of the calls it makes, so an agreed header's
+        #: is in every rank's.
+        self.watch_codes: set[int] = set()
         self._env: tuple[str | None, Links | ArgumentError] = ("\0", Links())
 
     def links_from_env(self, text: str | None) -> Links:
@@ -195,6 +201,17 @@ class CommState:
         if isinstance(value, ArgumentError):
             raise value
         return value
+
+    def _watch_rides(self, link: int) -> int | None:
+        """The ride's :attr:`~optcc_mpi.check.ride.Ride.links_ride`: a watched call rides
+        when the watch needs nothing of it (:meth:`~optcc_mpi.watch.LinkWatch.quiet`:
+        the library's AllReduce serves it whatever it carries), carrying what the last
+        call observed (:meth:`~optcc_mpi.watch.LinkWatch.carried_size`). Only agreed
+        state is read: the watch's, and codes every rank made."""
+        watch = self.watch
+        if watch is None or link not in self.watch_codes or not watch.quiet():
+            return None
+        return watch.carried_size()
 
     def watch_made(self) -> LinkWatch:
         """The communicator's watch, made on first use."""

@@ -284,3 +284,21 @@ def _plan_call(st: CommState, call: CheckedCall) -> None:
         call.plan = _plan(st, call, call.link_obj)
     if call.flat_out is None:
         call.result, call.flat_out = result_like(call.sendbuf, call.flat_in, call.arrays)
+
+
+def settle_ridden(st: CommState, call: CheckedCall, carried: np.ndarray | None) -> None:
+    """A watched call that rode (:mod:`optcc_mpi.check.ride`: the watch was quiet, the
+    library's AllReduce served it): the plan it ran, and the watch given what
+    :func:`_plan_call` would have given it, every rank's ``carried`` observations of the
+    last call (None: nothing to tell), agreed alike on every rank. What they decide
+    (a probe, a departure to confirm) holds from the next call on."""
+    watch = st.watch_made()
+    # (call.watched still False: the plan a healthy call the library serves runs)
+    call.plan = _plan(st, call, _HEALTHY)
+    call.watched = True
+    rows = carried
+    if rows is None:
+        rows = np.zeros((st.size, watch.contribution_size()), dtype=np.int64)
+    watch.agree(rows, st.transport, call.emu)
+    call.link_obj = _HEALTHY
+    watch.unobserved(st.rank, call.plan.schedule)

@@ -745,6 +745,27 @@ class LinkWatch:
             or (self.calls - 1) % max(self.sample, 1) == 0
         )
 
+    def quiet(self) -> bool:
+        """Whether the next call needs nothing of its own from the watch: links held
+        healthy, no departure being confirmed, not a call the sample takes, no emulated
+        rates. Such a call is served by the library's AllReduce whatever it carries
+        (:meth:`observes` is False after it), so it may ride
+        (:mod:`optcc_mpi.check.ride`), carrying :meth:`carried_size` values. The same
+        answer on every rank: it reads only what every rank agreed."""
+        assert self._mine is not None
+        return (
+            not self.profile.fractions
+            and not self._recent
+            and self.calls % max(self.sample, 1) != 0
+            and not self._mine.any()
+        )
+
+    def carried_size(self) -> int:
+        """Int64 values each rank carries to the next call: :meth:`contribution_size`
+        where the last call was observed (its message values), else 0 (nothing to
+        tell; a contribution of zeros says the same)."""
+        return self.contribution_size() if self._layout is not None else 0
+
     def _departs(self, new: np.ndarray, cur: np.ndarray) -> bool:
         """Whether ``new`` departs from ``cur``: some rank slower by more than
         ``threshold``, or faster by more than half of it (a measured rate is a lower

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import optcc_mpi.torch  # noqa: F401  (registers the optcc backend)
 from optcc_mpi import collectives
 from optcc_mpi.errors import ArgumentError
+from optcc_mpi.torch import OptccOptions
 from optcc_mpi.transports.distributed import group_of
 
 OUT = Path(sys.argv[1])
@@ -134,6 +135,36 @@ def main() -> None:
         one(1000 + i, 1000, into=after)
     out["after"] = after
     out["hits"], out["misses"] = ride.hits, ride.misses
+
+    # 6. A group whose links are watched (what a job across machines gets by default):
+    #    calls the watch needs nothing of ride, carrying what an observed call measured.
+    wg = dist.new_group(backend="optcc", pg_options=OptccOptions(links="watch"))
+    wst = collectives.comm_state(group_of(wg).optcc_transport())
+    wride = wst.ride
+    assert wride is not None
+    watched: list[dict[str, object]] = []
+    for i in range(24):
+        before = (wride.hits, wride.misses)
+        t = data(1100 + i, RANK, 65536, torch.float32)  # 256 KiB: the watch times them
+        dist.all_reduce(t, group=wg)
+        ref = exact(1100 + i, 65536, torch.float32)
+        got = t.numpy().astype(np.float64)
+        watch = wst.watch
+        watched.append(
+            {
+                "call": 1100 + i,
+                "digest": digest(t),
+                "error": float(np.abs(got - ref).max() / np.abs(ref).max()),
+                "hit": wride.hits > before[0],
+                "miss": wride.misses > before[1],
+                "carried": wride.hits > before[0] and wride.carried is not None,
+                "algorithm": collectives.last_stats()["algorithm"],
+                "watch_calls": watch.calls if watch is not None else -1,
+                "profile": str(watch.profile) if watch is not None else "",
+                "measured": str(watch.measured) if watch is not None else "",
+            }
+        )
+    out["watched"] = watched
     (OUT / f"ride-{RANK}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

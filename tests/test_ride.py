@@ -27,8 +27,8 @@ WORKER = Path(__file__).with_name("ride_worker.py")
 class _Gloo:
     """What Ride reads of a transport: its size, capabilities and exact types."""
 
-    def __init__(self, size: int = 3, ride: bool = True) -> None:
-        self.size = size
+    def __init__(self, size: int = 3, ride: bool = True, rank: int = 0) -> None:
+        self.size, self.rank = size, rank
         self.caps = Capabilities(library_identical=True, ride=ride)
 
     def native(self, arrays: object, dtype_name: str, op: str) -> bool:
@@ -63,6 +63,40 @@ def test_which_signatures_ride() -> None:
     assert not ride.takes(header(arrays=code("torch")))
     assert not ride.takes(header(error=1))
     assert not ride.takes(())  # a call without a check
+
+
+def test_a_watched_call_rides_where_its_owner_says() -> None:
+    """A link code other than healthy's rides only where the owner's hook says so (the
+    communicator's watch, quiet), carrying what the hook says."""
+    ride = Ride(_Gloo())  # type: ignore[arg-type]
+    watched = header(links=code("watch"))
+    assert not ride.takes(watched)
+    answers: dict[int, int | None] = {code("watch"): 7}
+    ride.links_ride = answers.get
+    assert ride.takes(watched) and ride.takes(header())
+    assert not ride.takes(header(links=code("0:0.5")))
+    answers[code("watch")] = None  # the watch needs the call: it does not ride
+    assert not ride.takes(watched)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "float16"])
+def test_carried_values_come_back_exact_from_a_sum(dtype: str) -> None:
+    """Each rank's int64 values, cut into pieces in its own slot and zeros elsewhere,
+    summed in the round's type: every rank's values back, bit for bit (negative ones,
+    the watch's -1, and the largest too)."""
+    from optcc_mpi.check.ride import _pieces, _pieces_of, _values_of
+
+    p, k = 3, 5
+    rng = np.random.default_rng(7)
+    values = rng.integers(-(2**62), 2**62, size=(p, k))
+    values[0, 0], values[1, 1], values[2, 2] = -1, np.iinfo(np.int64).max, 0
+    dt = np.dtype(dtype)
+    bits, n = _pieces(dt)
+    bufs = np.zeros((p, p * k * n), dtype=dt)
+    for r in range(p):
+        bufs[r, r * k * n : (r + 1) * k * n] = _pieces_of(values[r], bits, n)
+    total = bufs.sum(axis=0, dtype=dt)  # (the library's AllReduce: a sum in the type)
+    assert np.array_equal(_values_of(total, bits, n).reshape(p, k), values)
 
 
 def test_only_transports_that_allow_it_ride() -> None:
@@ -114,7 +148,7 @@ def test_calls_ride_across_machines(ranks: list[dict]) -> None:
 
 
 def test_every_sum_right_and_the_same_bits_everywhere(ranks: list[dict]) -> None:
-    for key in ("calls", "after"):
+    for key in ("calls", "after", "watched"):
         for i, call in enumerate(ranks[0][key]):
             tol = 0.0 if call["call"] // 100 == 4 else 1e-15 if call["call"] // 100 == 5 else 1e-6
             assert call["error"] <= tol, call
@@ -152,3 +186,22 @@ def test_a_mismatch_while_expected_is_the_checks_error(ranks: list[dict]) -> Non
     assert message is not None and "element count differs" in message and "rank 2" in message
     assert all(r["unchanged"] for r in ranks)
     assert all(c["error"] <= 1e-6 for c in ranks[0]["after"])
+
+
+def test_watched_calls_the_watch_needs_nothing_of_ride(ranks: list[dict]) -> None:
+    """A group with ``links="watch"``: the calls the watch leaves to the library ride
+    (one round, no check), every call is counted by the watch, a call it observes (every
+    fourth, on healthy links) runs its schedule and never rides, and the call after one
+    carries what it measured in the round: the watch reads a profile from it."""
+    calls = ranks[0]["watched"]
+    assert [c["watch_calls"] for c in calls] == list(range(1, len(calls) + 1))
+    hits = [i for i, c in enumerate(calls) if c["hit"]]
+    assert len(hits) >= len(calls) // 3, calls
+    served = {calls[i]["algorithm"] for i in hits}
+    assert len(served) == 1, calls
+    # (the watch's calls count from 1: the one before call i was its i-th)
+    assert all(i % 4 != 0 for i in hits), hits
+    assert all(c["algorithm"] not in served for i, c in enumerate(calls) if i % 4 == 0), calls
+    carried = [c for c in calls if c["carried"]]
+    assert carried, calls
+    assert all(c["measured"] != "None" for c in carried), carried

@@ -35,6 +35,16 @@ AllReduce gives every rank the same bits already.
 
 The cost of a wrong guess is one round of the expected shape, data wasted; a guess needs
 the same successor twice in a row, so a changed pattern stops guessing at once.
+
+A call whose link code is not healthy's rides where the owner says so
+(:attr:`Ride.links_ride`, a function of what every rank agreed): the communicator's watch,
+on links it holds healthy, for a call that needs no schedule of its own
+(:meth:`optcc_mpi.watch.LinkWatch.quiet`). What such a call owes the next one (the
+watch's observations, int64 values, the same count on every rank) travels in the round
+too: each rank writes its values into a slot of its own, cut into 16-bit pieces (8-bit
+for 2-byte floats), and every other rank writes zeros there, so the sum is every rank's
+values exactly (such a piece plus zeros is exact in every type that rides): an allgather
+inside the AllReduce (:attr:`Ride.carried`).
 """
 
 from __future__ import annotations
@@ -93,11 +103,23 @@ class Ride:
         The communicator's transport (:func:`serves` it).
     """
 
-    __slots__ = ("transport", "size", "_last", "_next", "_scratch", "hits", "misses")
+    __slots__ = (
+        "transport", "size", "rank", "_last", "_next", "_scratch", "hits", "misses",
+        "links_ride", "carried",
+    )  # fmt: skip
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.size = transport.size
+        self.rank = transport.rank
+        #: For a link code other than healthy's (0): None where a call of it does not ride
+        #: now, else how many int64 values each rank carries in its round (0: none). The
+        #: owner's (the communicator's watch); it must read only what every rank agreed,
+        #: so that every rank expects the same.
+        self.links_ride: Callable[[int], int | None] | None = None
+        #: What every rank carried in the last guessed round, one row per rank (None:
+        #: nothing was carried).
+        self.carried: np.ndarray | None = None
         # The last agreed call's signature (None: none, or the chain was broken).
         self._last: Signature | None = None
         # Each signature's successor the last time and how many times in a row it was.
@@ -116,7 +138,7 @@ class Ride:
         if not (
             fields[_OP] == _SUM
             and fields[_ALGORITHM] == _AUTO
-            and fields[_LINKS] == 0
+            and self._carries(fields[_LINKS]) is not None
             and fields[_EMULATION] == 0
             and fields[_ARRAYS] == _NUMPY
             and 0 < fields[_BYTES] <= RIDE_MAX
@@ -124,6 +146,14 @@ class Ride:
             return False
         name = _NAMES[fields[_DTYPE]] if 0 <= fields[_DTYPE] < len(_NAMES) else ""
         return self.transport.native(NUMPY, name, "sum")
+
+    def _carries(self, link: int) -> int | None:
+        """None where a call of link code ``link`` does not ride; else the int64 values
+        each rank carries in its round (:attr:`links_ride`; healthy links: 0)."""
+        if link == 0:
+            return 0
+        hook = self.links_ride
+        return None if hook is None else hook(link)
 
     # -- what every rank expects ----------------------------------------------------------
     def expected(self) -> Signature | None:
@@ -164,15 +194,32 @@ class Ride:
             self._scratch = np.empty(nbytes, dtype=np.uint8)
         return self._scratch[:nbytes].view(dtype)
 
-    def _round(self, dtype: np.dtype, name: str, count: int, data: np.ndarray | None) -> np.ndarray:
-        """One AllReduce of ``count`` elements and a flag in the scratch buffer: ``data``
-        and 1, or (None) zeros and 0; the buffer, summed."""
-        buf = self._buffer(dtype, count + 1)
+    def _round(
+        self,
+        dtype: np.dtype,
+        name: str,
+        count: int,
+        data: np.ndarray | None,
+        carry: int = 0,
+        values: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """One AllReduce of ``count`` elements, a flag and ``carry`` int64 values per rank
+        (:func:`_pieces`) in the scratch buffer: ``data``, 1 and ``values`` in this rank's
+        slot, or (``data`` None) zeros and 0; the buffer, summed."""
+        bits, n = _pieces(dtype)
+        slot = carry * n
+        buf = self._buffer(dtype, count + 1 + self.size * slot)
         if data is None:
             buf.fill(0)
         else:
             np.copyto(buf[:count], data)
             buf[count] = 1
+            if slot:
+                rest = buf[count + 1 :]
+                rest.fill(0)
+                assert values is not None and values.size == carry  # (guess: mine)
+                at = self.rank * slot
+                rest[at : at + slot] = _pieces_of(values, bits, n)
         self.transport.allreduce_now(NUMPY, buf, name, "sum")
         return buf
 
@@ -181,6 +228,7 @@ class Ride:
         fields: tuple[int, ...] | None,
         data: np.ndarray | None,
         out: np.ndarray | Callable[[], np.ndarray],
+        values: np.ndarray | None = None,
     ) -> bool:
         """The round of the signature every rank expects (:meth:`expected`), where there is
         one; True if every rank flagged it (then ``out`` holds the sum), False with
@@ -188,24 +236,34 @@ class Ride:
         (None: its call is checked otherwise, or not at all); ``data``: its 1-D NumPy
         input; ``out``: where the result goes, a writable array of ``data``'s type and
         length (or a function of no arguments returning one, made only if every rank
-        flagged)."""
+        flagged); ``values``: the int64 values this rank carries, where the expected
+        signature carries some (:attr:`links_ride`; every rank's, as rows, in
+        :attr:`carried` after a round every rank flagged)."""
         sig = self.expected()
         if sig is None:
             return False
         count = sig[_COUNT]
         name = _NAMES[sig[_DTYPE]]
         dtype = DTYPES[name]
+        carry = self._carries(sig[_LINKS]) or 0
         mine = (
             fields is not None
             and data is not None
             and tuple(fields[:_SIGNATURE]) == sig
             and data.dtype == dtype
+            and (not carry or (values is not None and values.size == carry))
         )
-        buf = self._round(dtype, name, count, data if mine else None)
+        buf = self._round(
+            dtype, name, count, data if mine else None, carry, values if mine else None
+        )
         if int(buf[count]) != self.size:
             self.misses += 1
             return False
         self.hits += 1
+        self.carried = None
+        if carry:
+            bits, n = _pieces(dtype)
+            self.carried = _values_of(buf[count + 1 :], bits, n).reshape(self.size, carry)
         target = out() if callable(out) else out
         np.copyto(target, buf[:count])
         self._follow(sig)
@@ -217,3 +275,23 @@ class Ride:
         bits, as a guessed round of the same data); ``name``: the type's name."""
         count = data.shape[0]
         np.copyto(out, self._round(data.dtype, name, count, data)[:count])
+
+
+def _pieces(dtype: np.dtype) -> tuple[int, int]:
+    """How carried int64 values are cut for a round of ``dtype``: ``(bits, pieces)``, an
+    integer of ``bits`` bits being exact in it (2-byte floats: 8 bits of 11 or 8)."""
+    return (8, 8) if dtype.kind == "f" and dtype.itemsize < 4 else (16, 4)
+
+
+def _pieces_of(values: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """``values`` (int64) as ``n`` unsigned pieces of ``bits`` bits each, low first."""
+    u = values.astype(np.int64).view(np.uint64)
+    shifts = np.arange(n, dtype=np.uint64) * np.uint64(bits)
+    return ((u[:, None] >> shifts) & np.uint64((1 << bits) - 1)).ravel()
+
+
+def _values_of(pieces: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """The int64 values that :func:`_pieces_of` cut into ``pieces``."""
+    parts = np.rint(pieces.astype(np.float64)).astype(np.uint64).reshape(-1, n)
+    shifts = np.arange(n, dtype=np.uint64) * np.uint64(bits)
+    return np.bitwise_or.reduce(parts << shifts, axis=1).view(np.int64)
