@@ -202,14 +202,17 @@ class CommState:
             raise value
         return value
 
-    def _watch_rides(self, link: int) -> int | None:
+    def _watch_rides(self, link: int, nbytes: int) -> int | None:
         """The ride's :attr:`~optcc_mpi.check.ride.Ride.links_ride`: a watched call rides
         when the watch needs nothing of it (:meth:`~optcc_mpi.watch.LinkWatch.quiet`:
-        the library's AllReduce serves it whatever it carries), carrying what the last
-        call observed (:meth:`~optcc_mpi.watch.LinkWatch.carried_size`). Only agreed
-        state is read: the watch's, and codes every rank made."""
+        the library's AllReduce serves a call of ``nbytes`` whatever it carries),
+        carrying what the last call observed
+        (:meth:`~optcc_mpi.watch.LinkWatch.carried_size`). Only agreed state is read: the
+        watch's, and codes every rank made."""
         watch = self.watch
-        if watch is None or link not in self.watch_codes or not watch.quiet():
+        if watch is None or link not in self.watch_codes:
+            return None
+        if not watch.quiet(watch.timeable(nbytes)):
             return None
         return watch.carried_size()
 

@@ -213,7 +213,7 @@ def _plan(st: CommState, call: CheckedCall, links: Links) -> Plan:
         and links.healthy
         # (the watch learns from the messages of a schedule: on healthy links it asks
         # for one every few calls, the library serving the others)
-        and not (call.watched and st.watch_made().observes())
+        and not (call.watched and _observes(st, call))
         and not emulated
         and st.transport.caps.library_optimal
         and st.transport.native(call.arrays, call.name, call.opn)
@@ -254,6 +254,13 @@ def _plan(st: CommState, call: CheckedCall, links: Links) -> Plan:
     return st.plans.put(key, Plan(name, sched, coll_only))
 
 
+def _observes(st: CommState, call: CheckedCall) -> bool:
+    """Whether the watch times this watched call (:meth:`~optcc_mpi.watch.LinkWatch.
+    observes`)."""
+    watch = st.watch_made()
+    return watch.observes(watch.timeable(call.nbytes))
+
+
 def _plan_call(st: CommState, call: CheckedCall) -> None:
     """Settle the profile every rank agreed on ("probe": measured now; "watch": from the
     observations every rank gathered) and the link rate (learnt now where the schedule
@@ -277,7 +284,7 @@ def _plan_call(st: CommState, call: CheckedCall) -> None:
             rows = np.array(st.transport.allgather(watch.contribution()), dtype=np.int64)
             call.epoch = perf_counter()
         # Where the traffic suspects a change, every rank probes on the transport.
-        call.link_obj = watch.agree(rows, st.transport, call.emu)
+        call.link_obj = watch.agree(rows, st.transport, call.emu, watch.timeable(call.nbytes))
     if settled or call.plan is None:
         # (a profile told, and a rate to learn first, leaves the plan to here: _settings)
         _learn_rate(st, call, probed)
@@ -299,6 +306,6 @@ def settle_ridden(st: CommState, call: CheckedCall, carried: np.ndarray | None) 
     rows = carried
     if rows is None:
         rows = np.zeros((st.size, watch.contribution_size()), dtype=np.int64)
-    watch.agree(rows, st.transport, call.emu)
+    watch.agree(rows, st.transport, call.emu, watch.timeable(call.nbytes))
     call.link_obj = _HEALTHY
     watch.unobserved(st.rank, call.plan.schedule)

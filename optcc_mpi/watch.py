@@ -437,6 +437,12 @@ class LinkWatch:
     #: A rank named by the probe within this much under ``healthy_above``, where the
     #: profile holds it healthy, is probed once more before it is adopted.
     probe_margin: float = 0.1
+    #: On links held healthy, the spans (seconds from the first timed message's start to
+    #: the last one's arrival, read from every rank's values alike) of the last observed
+    #: calls, per schedule and size (:meth:`_slower`).
+    _spans: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    #: Calls agreed that could show anything (:meth:`timeable`): what the sample counts.
+    _sampled: int = 0
     #: The probe of the call being agreed (None: none can run, adopt what the traffic
     #: shows).
     _prober: Callable[[], RankProbe] | None = None
@@ -492,10 +498,12 @@ class LinkWatch:
         gathered: np.ndarray,
         wire: Communicator | None = None,
         emulate: Emulation | None = None,
+        timeable: bool = True,
     ) -> Links:
         """Take every rank's :meth:`contribution` (one row per rank; a 1-D vector is read
         as the rates already reduced) and return the profile to run this call with (the
-        same on every rank).
+        same on every rank). ``timeable``: whether this call could be observed
+        (:meth:`timeable`); only such calls count for the sample (:meth:`observes`).
 
         ``wire``: the communicator's transport, on which every rank runs the probe at the
         same call where the traffic suspects a change (:meth:`_decide`; ``emulate``: the
@@ -511,19 +519,22 @@ class LinkWatch:
                 emulate=emulate,
             )
         try:
-            return self._agree(gathered)
+            return self._agree(gathered, timeable)
         finally:
             self._prober = None
 
-    def _agree(self, gathered: np.ndarray) -> Links:
+    def _agree(self, gathered: np.ndarray, timeable: bool = True) -> Links:
         self.calls += 1
+        self._sampled += timeable
         self._mine = np.zeros(self.p)
         gathered = np.asarray(gathered)
         tag = self._layout.tag if self._layout is not None else None
+        span: tuple[tuple[int, int], float] | None = None
         if gathered.ndim == 1:
             v = gathered.astype(float)
         else:
             v = self.observed(gathered)
+            span = self._span(gathered)
         self._values, self._layout, self._pending = None, None, None
         measured = self.measured = self.estimate(v)
         explored, self._exploring = self._exploring, False
@@ -587,7 +598,9 @@ class LinkWatch:
         # counts as healthy, and the plan that follows (the ring, if it is the only one)
         # measures it in full.
         new = np.where(new > ref + self.threshold, 1.0, new)
-        if not self._departs(new, ref):
+        # (on healthy links a departure needs the call to have been slower too: _slower)
+        slower = self._slower(span)
+        if not self._departs(new, ref) or slower is False:
             self._recent, self._recent_raw = [], []
             return self._steady_call()
         need = self._need
@@ -728,10 +741,20 @@ class LinkWatch:
         self._steady, self._exploring = 0, True
         return Links()
 
-    def observes(self) -> bool:
-        """Whether the call being planned (after :meth:`agree`) should run a schedule of
-        ours, whose messages the watch times: always under a degraded profile; on
-        healthy links every ``sample``-th call, the library's AllReduce serving the
+    def timeable(self, nbytes: int) -> bool:
+        """Whether a call of ``nbytes`` could show the watch anything on healthy links:
+        the ring's messages (``nbytes / p``) are at least :data:`MIN_BYTES`, the
+        shortest it times. A shorter call is left to the library (a schedule of ours
+        would cost a ring in Python and time nothing) and does not count for the
+        sample, so that a pattern of calls (DDP's buckets) cannot keep it from the
+        longer ones."""
+        return nbytes >= self.p * MIN_BYTES
+
+    def observes(self, timeable: bool = True) -> bool:
+        """Whether the call being planned (after :meth:`agree`; ``timeable``: as told
+        to it) should run a schedule of ours, whose messages the watch times: always
+        under a degraded profile; on healthy links every ``sample``-th call that
+        could show anything (:meth:`timeable`), the library's AllReduce serving the
         others where it is bandwidth-optimal (what the watch costs there: on the 4-rank
         testbed a ring per call made DDP's step 1.017x the step told healthy links, which
         gloo's AllReduce served; one call in two 1.013-1.016x; one in four 1.007x). A
@@ -739,32 +762,73 @@ class LinkWatch:
         observed, and so is every call while departing calls are being confirmed (two
         observed departing calls, then the probe). The same answer on every rank (the
         calls are counted alike, the streak is agreed)."""
-        return (
+        return timeable and (
             bool(self.profile.fractions)
             or bool(self._recent)
-            or (self.calls - 1) % max(self.sample, 1) == 0
+            or (self._sampled - 1) % max(self.sample, 1) == 0
         )
 
-    def quiet(self) -> bool:
-        """Whether the next call needs nothing of its own from the watch: links held
-        healthy, no departure being confirmed, not a call the sample takes, no emulated
-        rates. Such a call is served by the library's AllReduce whatever it carries
+    def quiet(self, timeable: bool = True) -> bool:
+        """Whether the next call (``timeable``: :meth:`timeable`) needs nothing of its
+        own from the watch: links held healthy, no emulated rates, and a call that could
+        show nothing, or one while no departure is being confirmed that the sample does
+        not take. Such a call is served by the library's AllReduce whatever it carries
         (:meth:`observes` is False after it), so it may ride
         (:mod:`optcc_mpi.check.ride`), carrying :meth:`carried_size` values. The same
         answer on every rank: it reads only what every rank agreed."""
         assert self._mine is not None
-        return (
-            not self.profile.fractions
-            and not self._recent
-            and self.calls % max(self.sample, 1) != 0
-            and not self._mine.any()
-        )
+        if self.profile.fractions or self._mine.any():
+            return False
+        return not timeable or (not self._recent and self._sampled % max(self.sample, 1) != 0)
 
     def carried_size(self) -> int:
         """Int64 values each rank carries to the next call: :meth:`contribution_size`
         where the last call was observed (its message values), else 0 (nothing to
         tell; a contribution of zeros says the same)."""
         return self.contribution_size() if self._layout is not None else 0
+
+    def _span(self, rows: np.ndarray) -> tuple[tuple[int, int], float] | None:
+        """The last call's schedule and size, and the span of its timed messages read
+        from every rank's values ``rows`` (the same on every rank), or None."""
+        lay, p = self._layout, self.p
+        if lay is None or lay.ids.size == 0 or rows.shape[1] < p + _HEAD:
+            return None
+        if not (
+            np.all(rows[:, p + 1] == lay.tag)
+            and np.array_equal(rows[:, p], lay.sends + 2 * lay.recvs)
+        ):
+            return None
+        lo, hi = lay.intervals(rows[:, p + _HEAD :])
+        if np.all(np.isnan(lo)):
+            return None
+        return (lay.tag, int(lay.nbytes.sum())), float(np.nanmax(hi) - np.nanmin(lo))
+
+    def _slower(self, span: tuple[tuple[int, int], float] | None) -> bool | None:
+        """On links held healthy, whether the call just observed took longer than its
+        schedule's calls usually do by as much as a link departing by ``threshold``
+        would make it (``1 / (1 - threshold)``: a bandwidth-optimal AllReduce on healthy
+        links, the ring, goes at its slowest link's pace); None where that cannot be
+        told (a degraded profile, no span, fewer than three earlier spans of the same
+        schedule and size to compare with). The span is kept for the calls to come.
+
+        Why: a single message's rate is a lower bound that noise only lowers, and
+        where messages last a few milliseconds that noise is most of it (at 1 Gbit/s
+        on the 4-rank testbed, 4 ranks on 2 cores, every other observed 1 MiB call read
+        some healthy rank at 0.02-0.8, while the calls' spans stayed within 0.9-1.2x
+        their median): a link slow enough to matter slows the whole call, noise in a
+        message's stamps does not."""
+        if span is None or self.profile.fractions:
+            return None
+        key, secs = span
+        seen = self._spans.setdefault(key, [])
+        slower = None
+        if len(seen) >= 3:
+            slower = secs >= float(np.median(seen)) / (1.0 - self.threshold)
+        if len(self._spans) > 64 and len(seen) == 0:
+            self._spans = {key: seen}  # (a handful of schedules: DDP's buckets)
+        seen.append(secs)
+        del seen[:-9]
+        return slower
 
     def _departs(self, new: np.ndarray, cur: np.ndarray) -> bool:
         """Whether ``new`` departs from ``cur``: some rank slower by more than

@@ -72,7 +72,7 @@ def test_a_watched_call_rides_where_its_owner_says() -> None:
     watched = header(links=code("watch"))
     assert not ride.takes(watched)
     answers: dict[int, int | None] = {code("watch"): 7}
-    ride.links_ride = answers.get
+    ride.links_ride = lambda link, nbytes: answers.get(link)
     assert ride.takes(watched) and ride.takes(header())
     assert not ride.takes(header(links=code("0:0.5")))
     answers[code("watch")] = None  # the watch needs the call: it does not ride

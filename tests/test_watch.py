@@ -27,25 +27,37 @@ def test_send_rates_union_of_busy_intervals() -> None:
     assert r[1] == pytest.approx(MB)
 
 
-def observations(
-    name: str, truth: Links, p: int, plan: Links | None = None
-) -> tuple[np.ndarray, LinkWatch]:
-    """The gathered contributions after one call of ``name`` (planned for ``plan``) on
-    NICs at ``truth``: each rank's side of every message, as the executor would record it,
-    taken from the simulator's trace of the schedule (a send is posted when it is ready, a
-    receive at the start, and completes when the data is in)."""
+def simulated_call(
+    name: str, truth: Links, p: int, plan: Links | None = None, slowdown: float = 1.0
+) -> tuple[object, list[ExecStats]]:
+    """One call of ``name`` (planned for ``plan``) on NICs at ``truth``: its schedule and
+    each rank's side of every message, as the executor would record it, taken from the
+    simulator's trace of the schedule (a send is posted when it is ready, a receive at
+    the start, and completes when the data is in); every time ``slowdown`` times as
+    late (a call that took that much longer or shorter, every message alike)."""
     # Over a network, as the collectives build it (OptCC's sections follow the fabric).
     params = {"fabric": "network"} if "fabric" in algorithms.get(name).params else {}
     count = (16 << 20) // 4
     sched = algorithms.build(name, p, count, plan or Links(), itemsize=4, **params)
     trace = simulate(sched, truth, bw=50 * MB, latency=50e-6, trace=True).trace
     stats = [ExecStats(start=10.0) for _ in range(p)]
+    k = slowdown
     for gid, src, dst, nbytes, ready, *_, done in trace:
         gid, src, dst = int(gid), int(src), int(dst)
         mine = int(np.searchsorted(sched.op_ids(src), gid))
         theirs = int(np.searchsorted(sched.op_ids(dst), sched.partner[gid]))
-        stats[src].sends.append((mine, dst, int(nbytes), ready, done - 0.3 * (done - ready)))
-        stats[dst].recvs.append((theirs, src, int(nbytes), 0.0, done))
+        sent = k * (done - 0.3 * (done - ready))
+        stats[src].sends.append((mine, dst, int(nbytes), k * ready, sent))
+        stats[dst].recvs.append((theirs, src, int(nbytes), 0.0, k * done))
+    return sched, stats
+
+
+def observations(
+    name: str, truth: Links, p: int, plan: Links | None = None
+) -> tuple[np.ndarray, LinkWatch]:
+    """The gathered contributions after one call of ``name`` (planned for ``plan``) on
+    NICs at ``truth`` (:func:`simulated_call`), and rank 0's watch."""
+    sched, stats = simulated_call(name, truth, p, plan)
     rows, watches = [], []
     for rank in range(p):
         w = LinkWatch(p)
@@ -417,6 +429,59 @@ def test_on_healthy_links_every_other_call_is_observed_and_a_streak_spans_the_ot
     assert w.agree(np.zeros(p)) == Links()  # call 8: nothing observed after all
     assert w.agree(slow) == Links({1: 0.5})  # call 9: the second, adopted (no probe here)
     assert w.observes() and w.changes == [(9, Links({1: 0.5}))]
+
+
+def test_on_healthy_links_a_departure_needs_a_slower_call() -> None:
+    """On links held healthy a slow link slows the ring's whole call; noise in a
+    message's stamps does not. A call whose messages read a slow rank but whose span is
+    its schedule's usual one is not a departure (no streak, no probe, nothing adopted);
+    once the calls are as slow as that rank would make them, it is."""
+    p = 4
+    w = LinkWatch(p, confirm=2, sample=1)  # (every call observed)
+
+    def call(truth: Links, slowdown: float = 1.0) -> Links:
+        sched, stats = simulated_call("ring", truth, p, slowdown=slowdown)
+        rows = []
+        for rank in range(p):
+            other = LinkWatch(p)
+            other.record_messages(rank, sched, 4, stats[rank], epoch=9.5)
+            rows.append(other.contribution())
+        w.record_messages(0, sched, 4, stats[0], epoch=9.5)
+        return w.agree(np.array(rows))
+
+    for _ in range(4):
+        assert call(Links()) == Links()
+    # Rank 1 read at half its rate by every message, in a call no longer than usual
+    # (the slow call's times, each half as late):
+    for _ in range(4):
+        assert call(Links({1: 0.5}), slowdown=0.5) == Links()
+        assert w.measured == Links({1: 0.5})  # (what the traffic read)
+    assert w.changes == []
+    # The same reading in calls that took twice as long: two of them, adopted.
+    assert call(Links({1: 0.5})) == Links()
+    assert call(Links({1: 0.5})) == Links({1: 0.5})
+    assert w.changes == [(10, Links({1: 0.5}))]
+
+
+def test_calls_too_short_to_time_are_left_to_the_library_and_not_sampled() -> None:
+    """On healthy links a call whose ring messages are under MIN_BYTES shows the watch
+    nothing: it is never observed and may ride, and it does not count for the sample,
+    so the longer calls between short ones are still observed one in ``sample``."""
+    from optcc_mpi.watch import MIN_BYTES
+
+    p = 4
+    w = LinkWatch(p, sample=2)
+    short, long = p * MIN_BYTES - 4, p * MIN_BYTES
+    assert not w.timeable(short) and w.timeable(long)
+    observed = []
+    for i in range(12):
+        size = short if i % 2 else long  # (a pattern the sample would otherwise alias)
+        ok = w.timeable(size)
+        assert w.quiet(ok) is (not ok or i % 4 != 0)
+        w.agree(np.zeros(p), timeable=ok)
+        observed.append(w.observes(ok))
+    assert observed == [i % 4 == 0 for i in range(12)]
+    assert not any(observed[1::2])
 
 
 def test_a_healthy_rank_named_just_under_the_threshold_is_probed_again(

@@ -112,11 +112,12 @@ class Ride:
         self.transport = transport
         self.size = transport.size
         self.rank = transport.rank
-        #: For a link code other than healthy's (0): None where a call of it does not ride
-        #: now, else how many int64 values each rank carries in its round (0: none). The
+        #: For a link code other than healthy's (0) and a size in bytes: None where such a
+        #: call does not ride now, else how many int64 values each rank carries in its
+        #: round (0: none). The
         #: owner's (the communicator's watch); it must read only what every rank agreed,
         #: so that every rank expects the same.
-        self.links_ride: Callable[[int], int | None] | None = None
+        self.links_ride: Callable[[int, int], int | None] | None = None
         #: What every rank carried in the last guessed round, one row per rank (None:
         #: nothing was carried).
         self.carried: np.ndarray | None = None
@@ -138,7 +139,7 @@ class Ride:
         if not (
             fields[_OP] == _SUM
             and fields[_ALGORITHM] == _AUTO
-            and self._carries(fields[_LINKS]) is not None
+            and self._carries(fields[_LINKS], fields[_BYTES]) is not None
             and fields[_EMULATION] == 0
             and fields[_ARRAYS] == _NUMPY
             and 0 < fields[_BYTES] <= RIDE_MAX
@@ -147,13 +148,14 @@ class Ride:
         name = _NAMES[fields[_DTYPE]] if 0 <= fields[_DTYPE] < len(_NAMES) else ""
         return self.transport.native(NUMPY, name, "sum")
 
-    def _carries(self, link: int) -> int | None:
-        """None where a call of link code ``link`` does not ride; else the int64 values
-        each rank carries in its round (:attr:`links_ride`; healthy links: 0)."""
+    def _carries(self, link: int, nbytes: int) -> int | None:
+        """None where a call of link code ``link`` and ``nbytes`` does not ride; else the
+        int64 values each rank carries in its round (:attr:`links_ride`; healthy links:
+        0)."""
         if link == 0:
             return 0
         hook = self.links_ride
-        return None if hook is None else hook(link)
+        return None if hook is None else hook(link, nbytes)
 
     # -- what every rank expects ----------------------------------------------------------
     def expected(self) -> Signature | None:
@@ -245,7 +247,7 @@ class Ride:
         count = sig[_COUNT]
         name = _NAMES[sig[_DTYPE]]
         dtype = DTYPES[name]
-        carry = self._carries(sig[_LINKS]) or 0
+        carry = self._carries(sig[_LINKS], sig[_BYTES]) or 0
         mine = (
             fields is not None
             and data is not None
