@@ -8,7 +8,8 @@ Under torchrun (``OPTCC_BOARD=0``: every call as across machines) or the testbed
     optcc-mpi testbed run [--env OPTCC_LINKS=healthy] -- .venv/bin/python docs/backend/ride.py
 
 Rank 0 prints one line per size: gloo's two medians, optcc's two, their ratio (sum of
-optcc's over sum of gloo's), the calls that rode and the rounds dropped so far.
+optcc's over sum of gloo's), the same ratio of the means (the total over the calls: the
+calls a watch observes included), the calls that rode and the rounds dropped so far.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from optcc_mpi import collectives
 from optcc_mpi.transports.distributed import group_of
 
 
-def median_us(fn: Callable[[], object], n: int = 300, warmup: int = 20) -> float:
+def timed_us(fn: Callable[[], object], n: int = 300, warmup: int = 20) -> tuple[float, float]:
+    """The median and the mean (the total a user pays, over ``n``) of ``n`` calls, in us."""
     for _ in range(warmup):
         fn()
     times = []
@@ -34,7 +36,7 @@ def median_us(fn: Callable[[], object], n: int = 300, warmup: int = 20) -> float
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return statistics.median(times) * 1e6, statistics.fmean(times) * 1e6
 
 
 def main() -> None:
@@ -48,13 +50,18 @@ def main() -> None:
     for count in (1, 16384, 262144):
         x = torch.ones(count)
         hits = ride.hits if ride is not None else 0
-        gloo = [median_us(lambda x=x: dist.all_reduce(x)) for _ in range(2)]
-        ours = [median_us(lambda x=x: dist.all_reduce(x, group=optcc)) for _ in range(2)]
+        gloo, ours = [], []
+        for _ in range(2):  # (interleaved blocks)
+            gloo.append(timed_us(lambda x=x: dist.all_reduce(x)))
+            ours.append(timed_us(lambda x=x: dist.all_reduce(x, group=optcc)))
         if rank == 0:
             rode = "no ride" if ride is None else f"rode {ride.hits - hits}, dropped {ride.misses}"
+            med = sum(o[0] for o in ours) / sum(g[0] for g in gloo)
+            mean = sum(o[1] for o in ours) / sum(g[1] for g in gloo)
             print(
-                f"{count * 4:>8} B  gloo {gloo[0]:.0f} {gloo[1]:.0f} us  optcc {ours[0]:.0f} "
-                f"{ours[1]:.0f} us  ratio {sum(ours) / sum(gloo):.2f}  {rode}",
+                f"{count * 4:>8} B  gloo {gloo[0][0]:.0f} {gloo[1][0]:.0f} us  optcc "
+                f"{ours[0][0]:.0f} {ours[1][0]:.0f} us  ratio {med:.2f} (means {mean:.2f})  "
+                f"{rode}",
                 flush=True,
             )
     dist.destroy_process_group()

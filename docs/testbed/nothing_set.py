@@ -8,7 +8,8 @@ Run on the testbed (as root)::
     optcc-mpi testbed up --ranks 4 --rate 400mbit --links 0:0.5
     optcc-mpi testbed run -- .venv/bin/python docs/testbed/nothing_set.py --steps 30 --told 0:0.5
 
-The model is ``lab ddp``'s default (10.35 M parameters), ``bucket_cap_mb=25``.
+The model is ``lab ddp``'s default (10.35 M parameters), ``bucket_cap_mb=25`` unless
+``--bucket-cap-mb`` says otherwise.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from optcc_mpi.torch import OptccOptions
 QUIET = ("OPTCC_TESTBED", "OPTCC_LINKS_LOG")
 
 
-def model(group: object, width: int, layers: int) -> tuple[object, object]:
+def model(group: object, width: int, layers: int, bucket_mb: float) -> tuple[object, object]:
     torch.manual_seed(0)
     mods = [torch.nn.Linear(256, width), torch.nn.ReLU()]
     for _ in range(layers):
         mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     mods += [torch.nn.Linear(width, 10)]
     ddp = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(*mods), process_group=group, bucket_cap_mb=25
+        torch.nn.Sequential(*mods), process_group=group, bucket_cap_mb=bucket_mb
     )
     return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1600)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--told", default=None, help="also a group told this profile")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     ap.add_argument("--out", default=None, help="append the row as a JSON line")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -60,7 +62,9 @@ def main() -> None:
     groups = {"gloo": dist.new_group(backend="gloo"), "optcc": dist.new_group(backend="optcc")}
     if args.told:
         groups["told"] = dist.new_group(backend="optcc", pg_options=OptccOptions(links=args.told))
-    copies = {name: model(g, args.width, args.layers) for name, g in groups.items()}
+    copies = {
+        name: model(g, args.width, args.layers, args.bucket_cap_mb) for name, g in groups.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in copies}
     gen = torch.Generator().manual_seed(1 + rank)
     for _ in range(args.steps):
@@ -85,6 +89,7 @@ def main() -> None:
             "ranks": dist.get_world_size(),
             "steps": args.steps,
             "told": args.told,
+            "bucket_cap_mb": args.bucket_cap_mb,
             "total_s": {n: round(v, 3) for n, v in total.items()},
             "median_s": {n: round(statistics.median(t[1:]), 4) for n, t in times.items()},
             "max_s": {n: round(max(t[1:]), 4) for n, t in times.items()},
