@@ -336,6 +336,41 @@ def test_one_abort_poll_for_the_board_and_the_torch_transport(
     assert polls == [datetime.timedelta(seconds=0.125)] * 3
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_collective_that_completes_as_its_timed_wait_expires_has_succeeded(
+    fails: bool,
+) -> None:
+    """torch's timed wait raises "Operation timed out!" when the work is not complete at
+    the deadline; the work may complete a moment later, before the poll asks. That is a
+    success (the poll once re-raised the timeout: one rank's call failed and the others
+    waited); a work that failed still raises its own error."""
+    import datetime
+
+    pytest.importorskip("torch")
+    from optcc_mpi.transports import distributed as torch_transport
+
+    class Work:  # completes just after the first timed wait gives up
+        done = False
+
+        def wait(self, timeout: datetime.timedelta | None = None) -> None:
+            if not self.done:
+                self.done = True
+                raise RuntimeError("Operation timed out!")
+            if fails:
+                raise RuntimeError("Connection closed by peer")
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    t = object.__new__(torch_transport.TorchTransport)
+    t._closed, t._abortable, t._aborted = False, True, False
+    if fails:
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            t._poll(Work())
+    else:
+        t._poll(Work())
+
+
 def test_an_exception_inside_an_exchange_breaks_the_board_for_every_rank(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

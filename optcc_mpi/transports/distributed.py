@@ -487,8 +487,14 @@ class TorchTransport(Transport["dist.Work"]):
                 work.wait(poll)
                 return
             except RuntimeError:
-                if work.is_completed():  # it failed: its own error
-                    raise
+                if work.is_completed():
+                    # Its own outcome: the timed wait may have lost a race with the
+                    # collective's completion (torch's "Operation timed out!" for a work
+                    # that completed a moment later: re-raising that failed a riding
+                    # DDP bucket on one rank of four, which left the others waiting),
+                    # so the untimed wait says whether it failed.
+                    work.wait()
+                    return
                 if self._aborted:
                     raise ArgumentError(
                         f"{self.describe()}: the process group was {self._ended}"
