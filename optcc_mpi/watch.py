@@ -790,15 +790,10 @@ class LinkWatch:
     def _span(self, rows: np.ndarray) -> tuple[tuple[int, int], float] | None:
         """The last call's schedule and size, and the span of its timed messages read
         from every rank's values ``rows`` (the same on every rank), or None."""
-        lay, p = self._layout, self.p
-        if lay is None or lay.ids.size == 0 or rows.shape[1] < p + _HEAD:
+        lay, values = self._layout, self._message_values(rows)
+        if lay is None or values is None or lay.ids.size == 0:
             return None
-        if not (
-            np.all(rows[:, p + 1] == lay.tag)
-            and np.array_equal(rows[:, p], lay.sends + 2 * lay.recvs)
-        ):
-            return None
-        lo, hi = lay.intervals(rows[:, p + _HEAD :])
+        lo, hi = lay.intervals(values)
         if np.all(np.isnan(lo)):
             return None
         return (lay.tag, int(lay.nbytes.sum())), float(np.nanmax(hi) - np.nanmin(lo))
@@ -840,16 +835,26 @@ class LinkWatch:
     def observed(self, rows: np.ndarray) -> np.ndarray:
         """Per rank, bytes/s observed in the gathered contributions ``rows``: the larger
         of the emulated rates' maximum and the paired messages' estimate."""
-        p = self.p
-        v = rows[:, :p].max(axis=0).astype(float)
-        lay = self._layout
-        if lay is None or rows.shape[1] < p + _HEAD:
+        v = rows[:, : self.p].max(axis=0).astype(float)
+        values = self._message_values(rows)
+        if values is None:
             return v
-        count, tags = rows[:, p], rows[:, p + 1]
-        want = lay.sends + 2 * lay.recvs
-        if not (np.all(tags == lay.tag) and np.array_equal(count, want)):
-            return v  # not every rank recorded the last call: nothing to pair
-        return np.maximum(v, lay.rates(rows[:, p + _HEAD :]))
+        assert self._layout is not None  # (_message_values: there is one)
+        return np.maximum(v, self._layout.rates(values))
+
+    def _message_values(self, rows: np.ndarray) -> np.ndarray | None:
+        """The message values of the gathered contributions ``rows`` (one row per rank),
+        where every rank recorded the last call under its layout; else None (nothing to
+        pair)."""
+        lay, p = self._layout, self.p
+        if lay is None or rows.shape[1] < p + _HEAD:
+            return None
+        if not (
+            np.all(rows[:, p + 1] == lay.tag)
+            and np.array_equal(rows[:, p], lay.sends + 2 * lay.recvs)
+        ):
+            return None
+        return rows[:, p + _HEAD :]
 
     def estimate(self, v: np.ndarray) -> Links | None:
         """The profile the observations ``v`` (bytes/s per rank) indicate, or None when
