@@ -90,6 +90,7 @@ class _Call:
         check: bool,
         label: tuple[str, str] | None = None,
         classified: ArrayOps | None = None,
+        observe: bool = True,
     ) -> None:
         self.sendbuf, self.result = sendbuf, recvbuf
         self.label = label
@@ -121,7 +122,7 @@ class _Call:
         self.count = self.nbytes = 0
         try:
             self._buffers(st.transport, sendbuf, recvbuf, classified)
-            self._settings(st, op, links, emulate)
+            self._settings(st, op, links, emulate, observe)
         except Exception as exc:  # anything at all: the other ranks must hear of it
             self.err = as_ours(exc)
             self.fold = False
@@ -188,9 +189,12 @@ class _Call:
         op: str | MPI.Op,
         links: Links | str | None,
         emulate: Emulation | str | None,
+        observe: bool = True,
     ) -> None:
         """The reduction, the algorithm's parameters, the link profile, the emulation,
-        the plan where it is known already, and the header this rank sends."""
+        the plan where it is known already, and the header this rank sends (``observe``:
+        and, for a watched call, what the watch observed: False for a header made ahead
+        of its calls, which must not touch the watch, :func:`~optcc_mpi.collectives.prepare`)."""
         if not self.opn:
             self.opn = op_name(op)
         if (self.opn, self.name) not in VALID_PAIRS:
@@ -219,6 +223,10 @@ class _Call:
                 self.plan = _plan(st, self, profile)
         p = st.size
         if self.check and p > 1:
+            if observe and self.link_obj is WATCH:
+                # What the last call measured rides in the check's data room (the data of
+                # a watched call never does: its plan waits for the agreed profile).
+                self.seen = st.watch_made().contribution()
             self.fields = self._header(st)
             # A short sum that rides (check.ride): its data goes with a flag in the
             # library's AllReduce, never in the check nor gathered.
@@ -236,10 +244,6 @@ class _Call:
 
     def _header(self, st: CommState) -> tuple[int, ...]:
         link, emu, params = self.link_obj, self.emu, self.params
-        if link is WATCH:
-            # What the last call measured rides in the check's data room (the data of a
-            # watched call never does: its plan waits for the agreed profile).
-            self.seen = st.watch_made().contribution()
         lcode = (
             _PROBE_CODE
             if link is PROBE

@@ -65,13 +65,21 @@ from optcc_mpi.arrays import NUMPY, Array, ArrayOps, result_like
 from optcc_mpi.check import crossover, protocol
 from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch
 from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, room_for
-from optcc_mpi.communicators import _STATES, CallRecord, CommState, _known
+from optcc_mpi.communicators import _STATES, CallRecord, CommState, Plan, _known
 from optcc_mpi.compiled_path import _enable_compiled, _try_compiled
 from optcc_mpi.dtypes import CATEGORY, NAME_OF
 from optcc_mpi.emulation import Emulation, Pacer
 from optcc_mpi.executor import ExecStats, execute
 from optcc_mpi.links import Links
-from optcc_mpi.planning import _HEALTHY, WATCH, _plan_call, choose_algorithm, settle_ridden
+from optcc_mpi.planning import (
+    _HEALTHY,
+    WATCH,
+    _plan,
+    _plan_call,
+    choose_algorithm,
+    settle_ridden,
+    watch_ridden,
+)
 from optcc_mpi.probe import ProbeResult, probe
 from optcc_mpi.reductions import reduce_rows
 from optcc_mpi.schedule import Params, Schedule
@@ -319,17 +327,22 @@ class Started:
         The call, checked on this rank.
     defer : bool
         Leave the library's AllReduce in flight (:attr:`request`) rather than waiting.
+    guessed : bool
+        The ride's round of this call was made already, and every rank dropped it
+        (:meth:`Prepared.start`): the call goes on to the check.
     """
 
     __slots__ = ("st", "call", "request", "result")
 
-    def __init__(self, st: CommState, call: _Call, defer: bool = False) -> None:
+    def __init__(
+        self, st: CommState, call: _Call, defer: bool = False, guessed: bool = False
+    ) -> None:
         self.st, self.call = st, call
         call.defer = defer
         #: The library's AllReduce still in flight (a request of the transport), or None.
         self.request: object | None = None
         self.result: Any = None  # what allreduce returns
-        if st.ride is not None and _guessed(st, call):
+        if not guessed and st.ride is not None and _guessed(st, call):
             self.result = _finish(st, call)
             return
         if _agree_call(st, call):
@@ -412,15 +425,25 @@ class Prepared:
     What it serves: NumPy arrays of a type and op the transport reduces exactly as we do,
     on healthy links, ``auto``, no emulation, on a transport whose AllReduce is
     bandwidth-optimal and gives the same bits on every rank (gloo's ring): the calls of
-    the ``optcc`` torch backend on CPU tensors.
+    the ``optcc`` torch backend on CPU tensors. Also watched calls (the links learnt, as
+    across machines by default) where calls ride (:mod:`optcc_mpi.check.ride`): a call
+    the ride expects and the watch needs nothing of (:meth:`Ride.expected
+    <optcc_mpi.check.ride.Ride.expected>`) is one round and the watch's bookkeeping;
+    any other goes the whole way (:func:`start_call`'s steps, waited for).
     """
 
     __slots__ = ("st", "fields", "fold", "opn", "name", "dtype", "count", "nbytes",
-                 "short", "check", "shown", "records", "env", "rides")  # fmt: skip
+                 "short", "check", "shown", "records", "env", "rides", "watched",
+                 "schedule", "rate", "args")  # fmt: skip
 
-    def __init__(self, st: CommState, call: _Call, env: tuple[object, object]) -> None:
-        plan = call.plan
-        assert plan is not None  # (prepare: a planned call)
+    def __init__(
+        self,
+        st: CommState,
+        call: _Call,
+        env: tuple[object, object],
+        plan: Plan,
+        args: tuple[str, str, Links | str | None, tuple[str, str] | None],
+    ) -> None:
         flat = cast(np.ndarray, call.flat_in)
         self.st, self.fields, self.fold, self.check = st, call.fields, call.fold, call.check
         self.opn, self.name, self.dtype = call.opn, call.name, flat.dtype
@@ -430,6 +453,11 @@ class Prepared:
         self.rides = call.rides
         self.shown = call.shown()
         self.env = env
+        self.watched = call.link_obj is WATCH
+        #: The plan's schedule (a watched call's: the one the library's AllReduce runs),
+        #: the link rate the header was made with (a watched call's header names it),
+        #: and the arguments of the whole path (op, algorithm, links, label).
+        self.schedule, self.rate, self.args = plan.schedule, st.rate, args
         name, on = st.transport.name, st.transport.board_state
         #: The record of a call whose data travelled in the check, and of one that did not.
         self.records = tuple(
@@ -441,9 +469,14 @@ class Prepared:
 
     def current(self) -> bool:
         """Whether the settings it was prepared under still hold (``$OPTCC_LINKS`` and
-        ``$OPTCC_EMULATE`` as read now)."""
+        ``$OPTCC_EMULATE`` as read now; a watched call's link rate, which its header
+        names)."""
         rc = config.rc
-        return self.env[0] is rc.links and self.env[1] is rc.emulate
+        return (
+            self.env[0] is rc.links
+            and self.env[1] is rc.emulate
+            and (not self.watched or self.rate == self.st.rate)
+        )
 
     def start(self, flat: np.ndarray) -> tuple[CallRecord, object | None]:
         """Reduce ``flat`` (an array of the signature) in place: ``(record, request)``,
@@ -452,6 +485,8 @@ class Prepared:
         arguments differ (then ``flat`` is unchanged)."""
         st = self.st
         ride = st.ride
+        if self.watched:
+            return self._start_watched(flat)
         if ride is not None and ride.guess(self.fields if self.rides else None, flat, flat):
             _STATES.last = record = self.records[0]
             return record, None
@@ -477,6 +512,32 @@ class Prepared:
             return record, None
         return record, st.transport.allreduce(NUMPY, flat, self.name, self.opn)
 
+    def _start_watched(self, flat: np.ndarray) -> tuple[CallRecord, object | None]:
+        """:meth:`start` of a watched call: where the ride expects this signature (then
+        the watch needs nothing of the call), its round, carrying what the last call
+        observed, and the watch's bookkeeping (:func:`~optcc_mpi.planning.settle_ridden`'s);
+        else, or where every rank dropped the round, :func:`start_call`'s steps from
+        where the round left them, waited for (a call the watch observes, a probe, the
+        first calls of a pattern)."""
+        st = self.st
+        ride = st.ride
+        assert ride is not None  # (prepare: a watched call is prepared where calls ride)
+        guessed = ride.expects(self.fields)
+        if guessed:
+            if ride.guess(self.fields, flat, flat, st.watch_made().contribution()):
+                watch_ridden(st, self.schedule, self.nbytes, ride.carried)
+                _STATES.last = record = self.records[0]
+                return record, None
+        op, algorithm, links, label = self.args
+        call = _Call(
+            st, IN_PLACE_MARK, flat, op, algorithm, links, None, None, True, label=label,
+            classified=NUMPY,
+        )  # fmt: skip
+        started = Started(st, call, guessed=guessed)
+        started.wait()
+        assert call.record is not None  # (complete)
+        return call.record, None
+
 
 def prepare(
     buf: np.ndarray,
@@ -501,16 +562,20 @@ def prepare(
     env = (rc.links, rc.emulate)
     call = _Call(
         st, IN_PLACE_MARK, buf, op, algorithm, links, None, None, check, label=label,
-        classified=NUMPY if classified else None,
+        classified=NUMPY if classified else None, observe=False,
     )  # fmt: skip
     transport = st.transport
     plan = call.plan
+    watched = call.link_obj is WATCH
+    if watched and call.err is None and st.ride is not None and call.fields:
+        # (what a watched call the watch needs nothing of runs: settle_ridden)
+        plan = _plan(st, call, _HEALTHY)
     if (
         call.err is not None
         or call.arrays is not NUMPY
         or not call.in_place
         or call.algorithm != "auto"
-        or call.link_obj is not _HEALTHY
+        or not (call.link_obj is _HEALTHY or (watched and call.fields and st.ride is not None))
         or call.emu is not None
         or plan is None
         or not (plan.library_only or st.size == 1)
@@ -519,7 +584,7 @@ def prepare(
         or not transport.native(NUMPY, call.name, call.opn)
     ):
         return None
-    return Prepared(st, call, env)
+    return Prepared(st, call, env, plan, (call.opn, algorithm, links, label))
 
 
 def _state(comm: Communicator) -> CommState:

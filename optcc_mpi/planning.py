@@ -40,7 +40,7 @@ from optcc_mpi.emulation import Emulation
 from optcc_mpi.errors import ArgumentError
 from optcc_mpi.links import Links
 from optcc_mpi.probe import ProbeResult, link_rate, probe
-from optcc_mpi.schedule import COLL, Params
+from optcc_mpi.schedule import COLL, Params, Schedule
 from optcc_mpi.units import parse_rate
 from optcc_mpi.watch import MIN_BYTES
 
@@ -296,16 +296,24 @@ def _plan_call(st: CommState, call: CheckedCall) -> None:
 def settle_ridden(st: CommState, call: CheckedCall, carried: np.ndarray | None) -> None:
     """A watched call that rode (:mod:`optcc_mpi.check.ride`: the watch was quiet, the
     library's AllReduce served it): the plan it ran, and the watch given what
-    :func:`_plan_call` would have given it, every rank's ``carried`` observations of the
-    last call (None: nothing to tell), agreed alike on every rank. What they decide
-    (a probe, a departure to confirm) holds from the next call on."""
-    watch = st.watch_made()
+    :func:`_plan_call` would have given it (:func:`watch_ridden`)."""
     # (call.watched still False: the plan a healthy call the library serves runs)
     call.plan = _plan(st, call, _HEALTHY)
     call.watched = True
+    watch_ridden(st, call.plan.schedule, call.nbytes, carried)
+    call.link_obj = _HEALTHY
+
+
+def watch_ridden(
+    st: CommState, schedule: Schedule, nbytes: int, carried: np.ndarray | None
+) -> None:
+    """Give the watch a watched call of ``nbytes`` that rode and ran ``schedule`` (the
+    library's): every rank's ``carried`` observations of the last call (None: nothing to
+    tell), agreed alike on every rank, then the call as one it did not observe. What they
+    decide (a probe, a departure to confirm) holds from the next call on."""
+    watch = st.watch_made()
     rows = carried
     if rows is None:
         rows = np.zeros((st.size, watch.contribution_size()), dtype=np.int64)
-    watch.agree(rows, st.transport, call.emu, watch.timeable(call.nbytes))
-    call.link_obj = _HEALTHY
-    watch.unobserved(st.rank, call.plan.schedule)
+    watch.agree(rows, st.transport, None, watch.timeable(nbytes))
+    watch.unobserved(st.rank, schedule)

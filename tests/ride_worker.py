@@ -136,6 +136,40 @@ def main() -> None:
     out["after"] = after
     out["hits"], out["misses"] = ride.hits, ride.misses
 
+    # 7. A NaN first in rank 0's data of an expected call: every rank flagged the round, so
+    #    it stands (one more AllReduce says so); then, expected again, rank P-1 passes
+    #    another size while rank 0's data starts with NaN: the check's error on every
+    #    rank, every tensor unchanged.
+    for i in range(4):
+        one(1200 + i, 1000, into=after)
+    t = data(1300, RANK, 1000, torch.float32)
+    if RANK == 0:
+        t[0] = float("nan")
+    before = (ride.hits, ride.misses)
+    dist.all_reduce(t)
+    ref = exact(1300, 1000, torch.float32)[1:]
+    got = t.numpy()[1:].astype(np.float64)
+    out["nan"] = {
+        "first": bool(np.isnan(t[0].item())),
+        "error": float(np.abs(got - ref).max() / np.abs(ref).max()),
+        "hit": ride.hits > before[0],
+        "digest": digest(t),
+    }
+    for i in range(3):
+        one(1310 + i, 1000, into=after)
+    bad = data(1320, RANK, 1001 if RANK == P - 1 else 1000, torch.float32)
+    if RANK == 0:
+        bad[0] = float("nan")
+    kept = bad.numpy().tobytes()
+    before = (ride.hits, ride.misses)
+    try:
+        dist.all_reduce(bad)
+        out["nan_mismatch"] = None
+    except ArgumentError as exc:
+        out["nan_mismatch"] = str(exc)
+    out["nan_dropped"] = ride.misses > before[1]
+    out["nan_unchanged"] = bad.numpy().tobytes() == kept
+
     # 6. A group whose links are watched (what a job across machines gets by default):
     #    calls the watch needs nothing of ride, carrying what an observed call measured.
     wg = dist.new_group(backend="optcc", pg_options=OptccOptions(links="watch"))
@@ -146,9 +180,11 @@ def main() -> None:
     for i in range(24):
         before = (wride.hits, wride.misses)
         t = data(1100 + i, RANK, 65536, torch.float32)  # 256 KiB: the watch times them
+        if RANK == 1 and i in (9, 14, 16):  # (rank 1 alone on the whole path: the same rounds)
+            t = t.as_subclass(_Own)
         dist.all_reduce(t, group=wg)
         ref = exact(1100 + i, 65536, torch.float32)
-        got = t.numpy().astype(np.float64)
+        got = t.as_subclass(torch.Tensor).numpy().astype(np.float64)
         watch = wst.watch
         watched.append(
             {
@@ -165,6 +201,9 @@ def main() -> None:
             }
         )
     out["watched"] = watched
+    # (the calls took the short path of a watched signature: collectives.Prepared)
+    lanes = group_of(wg)._lanes.values()
+    out["watched_lane"] = any(ln is not None and ln.prepared.watched for ln in lanes)
     (OUT / f"ride-{RANK}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

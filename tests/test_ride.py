@@ -99,6 +99,54 @@ def test_carried_values_come_back_exact_from_a_sum(dtype: str) -> None:
     assert np.array_equal(_values_of(total, bits, n).reshape(p, k), values)
 
 
+class _Summing(_Gloo):
+    """A transport whose every rank passes what this one does (a sum is the buffer times
+    ``p``); it records each AllReduce's type and length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rounds: list[tuple[str, int]] = []
+
+    def allreduce_now(self, arrays: object, arr: np.ndarray, dtype_name: str, op: str) -> None:
+        self.rounds.append((dtype_name, arr.size))
+        arr *= self.size
+
+
+def _expecting(transport: _Gloo, h: tuple[int, ...]) -> Ride:
+    ride = Ride(transport)  # type: ignore[arg-type]
+    for _ in range(3):
+        ride.agreed(h)
+    assert ride.expected() == h[:11]
+    return ride
+
+
+def test_a_float_round_is_the_data_alone_and_a_nan_first_asks_every_rank() -> None:
+    """A float round has no element for the flags (one element more costs gloo's ring a
+    step at the shortest sizes): a rank that does not flag it writes NaN first, and a NaN
+    first (the data's or a flag's) costs one more AllReduce of one integer, in which every
+    rank says whether it flagged. Integers keep their flag element."""
+    wire = _Summing()
+    h = header(count=1)
+    ride = _expecting(wire, h)
+    out = np.zeros(1, dtype=np.float32)
+    assert ride.guess(h, np.ones(1, dtype=np.float32), out)
+    assert wire.rounds == [("float32", 1)] and out[0] == 3.0
+    wire.rounds.clear()
+    assert ride.guess(h, np.full(1, np.nan, dtype=np.float32), out)  # NaN data: it stands
+    assert wire.rounds == [("float32", 1), ("int64", 1)] and np.isnan(out[0])
+    wire.rounds.clear()
+    out[0] = 5.0
+    assert not ride.guess(None, np.ones(1, dtype=np.float32), out)  # not flagged: dropped
+    assert wire.rounds == [("float32", 1), ("int64", 1)] and out[0] == 5.0
+    assert (ride.hits, ride.misses) == (2, 1)
+    ints = _Summing()
+    h64 = header(count=1, dtype="int64")
+    ride = _expecting(ints, h64)
+    got = np.zeros(1, dtype=np.int64)
+    assert ride.guess(h64, np.full(1, 7, dtype=np.int64), got)
+    assert ints.rounds == [("int64", 2)] and got[0] == 21
+
+
 def test_only_transports_that_allow_it_ride() -> None:
     assert serves(_Gloo())  # type: ignore[arg-type]
     assert not serves(_Gloo(ride=False))  # type: ignore[arg-type]
@@ -188,12 +236,30 @@ def test_a_mismatch_while_expected_is_the_checks_error(ranks: list[dict]) -> Non
     assert all(c["error"] <= 1e-6 for c in ranks[0]["after"])
 
 
+def test_a_nan_in_the_data_stands_and_a_mismatch_beside_one_is_the_checks_error(
+    ranks: list[dict],
+) -> None:
+    """Float rounds carry no flag element: a rank that does not flag one writes NaN first.
+    A NaN first in the data of a call every rank flagged stands (every rank says so in
+    one more AllReduce); beside a rank whose call differs, it is the check's error on
+    every rank, every tensor unchanged."""
+    assert all(r["nan"]["hit"] and r["nan"]["first"] for r in ranks), [r["nan"] for r in ranks]
+    assert all(r["nan"]["error"] <= 1e-6 for r in ranks)
+    assert len({r["nan"]["digest"] for r in ranks}) == 1
+    errors = {r["nan_mismatch"] for r in ranks}
+    assert len(errors) == 1
+    (message,) = errors
+    assert message is not None and "element count differs" in message
+    assert all(r["nan_dropped"] and r["nan_unchanged"] for r in ranks)
+
+
 def test_watched_calls_the_watch_needs_nothing_of_ride(ranks: list[dict]) -> None:
     """A group with ``links="watch"``: the calls the watch leaves to the library ride
     (one round, no check), every call is counted by the watch, a call it observes (every
     fourth, on healthy links) runs its schedule and never rides, and the call after one
     carries what it measured in the round: the watch reads a profile from it."""
     calls = ranks[0]["watched"]
+    assert all(r["watched_lane"] for r in ranks)  # (the short path of watched calls)
     assert [c["watch_calls"] for c in calls] == list(range(1, len(calls) + 1))
     hits = [i for i, c in enumerate(calls) if c["hit"]]
     assert len(hits) >= len(calls) // 3, calls

@@ -7,10 +7,14 @@ gloo's own (about 0.3 ms of a 1 MiB call's 1 ms on two ranks). Most calls repeat
 training loop's gradients, the same buckets in the same order at every step. So where the
 transport allows it (:attr:`~optcc_mpi.transports.base.Capabilities.ride`: an AllReduce that
 gives every rank the same bits, and no compiled path that would skip this module), a sum
-of a signature that *rides* (:meth:`Ride.takes`) carries one more element: each rank's
-flag of agreement, 1 or 0.
+of a signature that *rides* (:meth:`Ride.takes`) carries each rank's flag of agreement:
+in integers, one more element, 1 or 0; in floats, no element of its own (at one element
+or two, gloo's ring takes a step more for each element): a rank that does not flag the
+round writes NaN as its first element, and a NaN in the sum's first element, which may
+also be the data's, makes every rank say whether it flagged in one more AllReduce of one
+integer (:meth:`Ride._flagged`).
 
-- After a checked call, the data's AllReduce is that of the data and a flag of 1, in a
+- After a checked call, the data's AllReduce is that of the data and its flag, in a
   scratch buffer, copied into the result (:meth:`Ride.reduce`).
 - Before a call, every rank knows the signature every rank expects next
   (:meth:`Ride.expected`): the one that followed the last call's signature the last two
@@ -18,17 +22,18 @@ flag of agreement, 1 or 0.
   one, every rank's call starts with one AllReduce of that signature's shape
   (:meth:`Ride.guess`): a rank whose call is of that signature contributes its data and a
   flag of 1, any other rank (another signature, an error of its own, a call that skips the
-  check) zeros and a flag of 0. The flags' sum is the same on every rank: ``p`` means every
-  rank's arguments equal the expected header, field by field, which is what the check would
-  have established, and the call is complete; anything less and every rank drops the round
-  and checks the call as usual (its error, if any, is the check's, on every rank). The
-  user's buffer is written only after a round every rank flagged.
+  check) zeros and a flag of 0 (the NaN, in floats). The flags' sum is the same on every
+  rank: ``p`` means every rank's arguments equal the expected header, field by field,
+  which is what the check would have established, and the call is complete; anything
+  less and every rank drops the round and checks the call as usual (its error, if any, is
+  the check's, on every rank). The user's buffer is written only after a round every rank
+  flagged.
 
 So a rank never waits in a collective its peers did not post: every rank posts the same
 round, of the same shape, whatever it was passed. The result of a riding signature is the
-library's AllReduce of the same ``count + 1`` elements whether or not the call was
-expected, so what a call returns never depends on the calls before it. A signature's
-route follows from the signature (sums of the transport's exact types up to
+library's AllReduce of the same elements (the data's, then the flag's, if any) whether or
+not the call was expected, so what a call returns never depends on the calls before it.
+A signature's route follows from the signature (sums of the transport's exact types up to
 :data:`RIDE_MAX` bytes, ``auto``, healthy links, no emulation, NumPy data): its data never
 travels in the check (the fold) nor is gathered in rank order, since the library's
 AllReduce gives every rank the same bits already.
@@ -169,6 +174,12 @@ class Ride:
             return None
         return seen[0]
 
+    def expects(self, fields: tuple[int, ...]) -> bool:
+        """Whether the signature every rank expects of the next call is that of header
+        ``fields`` (then :meth:`guess` with it makes the round)."""
+        sig = self.expected()
+        return sig is not None and tuple(fields[:_SIGNATURE]) == sig
+
     def agreed(self, fields: tuple[int, ...]) -> None:
         """Record a call every rank agreed on by the check (its header)."""
         self._follow(tuple(fields[:_SIGNATURE]))
@@ -205,25 +216,44 @@ class Ride:
         carry: int = 0,
         values: np.ndarray | None = None,
     ) -> np.ndarray:
-        """One AllReduce of ``count`` elements, a flag and ``carry`` int64 values per rank
-        (:func:`_pieces`) in the scratch buffer: ``data``, 1 and ``values`` in this rank's
-        slot, or (``data`` None) zeros and 0; the buffer, summed."""
+        """One AllReduce of ``count`` elements, the flag (:func:`_flag_element`) and
+        ``carry`` int64 values per rank (:func:`_pieces`) in the scratch buffer: ``data``,
+        1 and ``values`` in this rank's slot, or (``data`` None) zeros, 0 and a NaN as
+        the first element where the flag is not an element of its own; the buffer,
+        summed."""
         bits, n = _pieces(dtype)
         slot = carry * n
-        buf = self._buffer(dtype, count + 1 + self.size * slot)
+        flag = _flag_element(dtype)
+        buf = self._buffer(dtype, count + flag + self.size * slot)
         if data is None:
             buf.fill(0)
+            if not flag:
+                buf[0] = np.nan
         else:
             np.copyto(buf[:count], data)
-            buf[count] = 1
+            if flag:
+                buf[count] = 1
             if slot:
-                rest = buf[count + 1 :]
+                rest = buf[count + flag :]
                 rest.fill(0)
                 assert values is not None and values.size == carry  # (guess: mine)
                 at = self.rank * slot
                 rest[at : at + slot] = _pieces_of(values, bits, n)
         self.transport.allreduce_now(NUMPY, buf, name, "sum")
         return buf
+
+    def _flagged(self, buf: np.ndarray, count: int, mine: bool) -> bool:
+        """Whether every rank flagged the round summed in ``buf`` (``mine``: this rank
+        did); the same answer on every rank, since every rank holds the same bits. A
+        float round whose first element is NaN may be a NaN of the data: every rank then
+        says in one more AllReduce (of one integer) whether it flagged."""
+        if _flag_element(buf.dtype):
+            return int(buf[count]) == self.size
+        if not np.isnan(buf[0]):
+            return True
+        votes = np.array([int(mine)], dtype=np.int64)
+        self.transport.allreduce_now(NUMPY, votes, "int64", "sum")
+        return int(votes[0]) == self.size
 
     def guess(
         self,
@@ -258,14 +288,15 @@ class Ride:
         buf = self._round(
             dtype, name, count, data if mine else None, carry, values if mine else None
         )
-        if int(buf[count]) != self.size:
+        if not self._flagged(buf, count, mine):
             self.misses += 1
             return False
         self.hits += 1
         self.carried = None
         if carry:
             bits, n = _pieces(dtype)
-            self.carried = _values_of(buf[count + 1 :], bits, n).reshape(self.size, carry)
+            rest = buf[count + _flag_element(dtype) :]
+            self.carried = _values_of(rest, bits, n).reshape(self.size, carry)
         target = out() if callable(out) else out
         np.copyto(target, buf[:count])
         self._follow(sig)
@@ -277,6 +308,14 @@ class Ride:
         bits, as a guessed round of the same data); ``name``: the type's name."""
         count = data.shape[0]
         np.copyto(out, self._round(data.dtype, name, count, data)[:count])
+
+
+def _flag_element(dtype: np.dtype) -> int:
+    """1 where a round of ``dtype`` carries the flags as an element of their own (integers),
+    0 where a rank that does not flag it poisons the first element with NaN (floats): an
+    element more can cost gloo's ring a whole step at the shortest sizes (one element or
+    two: 1.0 against 1.35 ms on the 4-rank testbed, docs/results.md)."""
+    return 0 if dtype.kind == "f" else 1
 
 
 def _pieces(dtype: np.dtype) -> tuple[int, int]:
