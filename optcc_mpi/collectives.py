@@ -64,6 +64,7 @@ from optcc_mpi.arguments import _NDARRAY, _Call
 from optcc_mpi.arrays import NUMPY, Array, ArrayOps, result_like
 from optcc_mpi.check import crossover, protocol
 from optcc_mpi.check.protocol import GATHER_MAX_P, Mismatch
+from optcc_mpi.check.ride import RIDE_MAX
 from optcc_mpi.check.state import FOLD_MIN, FOLD_TOTAL, room_for
 from optcc_mpi.communicators import _STATES, CallRecord, CommState, Plan, _known
 from optcc_mpi.compiled_path import _enable_compiled, _try_compiled
@@ -566,8 +567,16 @@ def prepare(
     )  # fmt: skip
     transport = st.transport
     plan = call.plan
-    watched = call.link_obj is WATCH
-    if watched and call.err is None and st.ride is not None and call.fields:
+    # A watched signature only where it may ride: the others' calls take the whole path,
+    # where the library's AllReduce stays in flight as the group's thread goes on.
+    watched = (
+        call.link_obj is WATCH
+        and call.err is None
+        and st.ride is not None
+        and bool(call.fields)
+        and call.nbytes <= RIDE_MAX
+    )
+    if watched:
         # (what a watched call the watch needs nothing of runs: settle_ridden)
         plan = _plan(st, call, _HEALTHY)
     if (
@@ -575,7 +584,7 @@ def prepare(
         or call.arrays is not NUMPY
         or not call.in_place
         or call.algorithm != "auto"
-        or not (call.link_obj is _HEALTHY or (watched and call.fields and st.ride is not None))
+        or not (call.link_obj is _HEALTHY or watched)
         or call.emu is not None
         or plan is None
         or not (plan.library_only or st.size == 1)

@@ -201,9 +201,16 @@ def main() -> None:
             }
         )
     out["watched"] = watched
-    # (the calls took the short path of a watched signature: collectives.Prepared)
-    lanes = group_of(wg)._lanes.values()
-    out["watched_lane"] = any(ln is not None and ln.prepared.watched for ln in lanes)
+    big = data(1200, RANK, 600_000, torch.float32)  # above RIDE_MAX: never rides
+    dist.all_reduce(big, group=wg)
+    ref = exact(1200, 600_000, torch.float32)
+    out["watched_big_error"] = float(np.abs(big.numpy() - ref).max() / np.abs(ref).max())
+    # (the calls took the short path of a watched signature, collectives.Prepared, but
+    # one that cannot ride did not: the whole path leaves its AllReduce in flight)
+    lanes = group_of(wg)._lanes
+    out["watched_lanes"] = {
+        str(key[1]): ln is not None and ln.prepared.watched for key, ln in lanes.items()
+    }
     (OUT / f"ride-{RANK}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

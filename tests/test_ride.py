@@ -259,7 +259,9 @@ def test_watched_calls_the_watch_needs_nothing_of_ride(ranks: list[dict]) -> Non
     fourth, on healthy links) runs its schedule and never rides, and the call after one
     carries what it measured in the round: the watch reads a profile from it."""
     calls = ranks[0]["watched"]
-    assert all(r["watched_lane"] for r in ranks)  # (the short path of watched calls)
+    # (the short path of watched calls, but not for a size that cannot ride)
+    assert all(r["watched_lanes"] == {"65536": True, "600000": False} for r in ranks), ranks
+    assert all(r["watched_big_error"] <= 1e-6 for r in ranks)
     assert [c["watch_calls"] for c in calls] == list(range(1, len(calls) + 1))
     hits = [i for i, c in enumerate(calls) if c["hit"]]
     assert len(hits) >= len(calls) // 3, calls
