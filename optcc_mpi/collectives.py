@@ -685,7 +685,9 @@ def _run_data(st: CommState, call: _Call) -> None:
         st.ride.reduce(cast(np.ndarray, call.flat_in), cast(np.ndarray, flat_out), call.name)
         call.work = flat_out
         if call.watched:
-            st.watch_made().unobserved(st.rank, plan.schedule)
+            watch = st.watch_made()
+            watch.unobserved(st.rank, plan.schedule)
+            watch.ridden(call.nbytes, st.ride.took)
         return
     short = call.algorithm == "auto" and coll_only and call.emu is None and 1 < p <= GATHER_MAX_P
     if short and 0 < call.nbytes and _gathered(st, call.nbytes):

@@ -212,7 +212,7 @@ class CommState:
         watch = self.watch
         if watch is None or link not in self.watch_codes:
             return None
-        if not watch.quiet(watch.timeable(nbytes)):
+        if not watch.quiet(watch.timeable(nbytes), nbytes):
             return None
         return watch.carried_size()
 

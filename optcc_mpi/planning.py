@@ -258,7 +258,7 @@ def _observes(st: CommState, call: CheckedCall) -> bool:
     """Whether the watch times this watched call (:meth:`~optcc_mpi.watch.LinkWatch.
     observes`)."""
     watch = st.watch_made()
-    return watch.observes(watch.timeable(call.nbytes))
+    return watch.observes(watch.timeable(call.nbytes), call.nbytes)
 
 
 def _plan_call(st: CommState, call: CheckedCall) -> None:
@@ -309,11 +309,14 @@ def watch_ridden(
 ) -> None:
     """Give the watch a watched call of ``nbytes`` that rode and ran ``schedule`` (the
     library's): every rank's ``carried`` observations of the last call (None: nothing to
-    tell), agreed alike on every rank, then the call as one it did not observe. What they
-    decide (a probe, a departure to confirm) holds from the next call on."""
+    tell), agreed alike on every rank, then the call as one it did not observe, and its
+    round's time here (:meth:`~optcc_mpi.watch.LinkWatch.ridden`). What they decide (a
+    probe, a departure to confirm) holds from the next call on."""
     watch = st.watch_made()
     rows = carried
     if rows is None:
         rows = np.zeros((st.size, watch.contribution_size()), dtype=np.int64)
     watch.agree(rows, st.transport, None, watch.timeable(nbytes))
     watch.unobserved(st.rank, schedule)
+    assert st.ride is not None  # (it rode)
+    watch.ridden(nbytes, st.ride.took)

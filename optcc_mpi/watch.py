@@ -162,13 +162,18 @@ WATCH = "watch"
 MIN_BYTES = 64 * 1024
 #: Most int64 one rank contributes (16 KiB).
 _MOST = 2048
-#: Header of the message values: how many values, and the layout's tag.
-_HEAD = 2
+#: Header of the message values: how many values, the layout's tag, and this rank's time
+#: of the last call, where it rode and was timed (ns; :meth:`LinkWatch.ridden`).
+_HEAD = 3
+#: Timed calls of a size before their times arm the tripwire (:meth:`LinkWatch.armed`).
+_ARMED = 5
+#: How many of a size's last timed calls the tripwire compares with (their median).
+_TIMES = 9
 
 
 def watch_length(p: int) -> int:
     """Int64 values each of ``p`` ranks contributes per call: the emulated rates (``p``),
-    a header of two, and the message values, within ``FOLD_TOTAL`` bytes over all ranks
+    a header of three, and the message values, within ``FOLD_TOTAL`` bytes over all ranks
     (a power of two while it fits, so that it is a room size of the check)."""
     room = min(_MOST, FOLD_TOTAL // (8 * max(p, 1)))
     return max(room, p + _HEAD)
@@ -434,6 +439,18 @@ class LinkWatch:
     #: On healthy links, one call in this many runs a schedule whose messages are timed
     #: (:meth:`observes`).
     sample: int = 4
+    #: The same where the library's calls of the call's size are timed (:meth:`armed`):
+    #: a slow link slows the library's ring as much as ours, and the next call sees it
+    #: (the tripwire), so samples are needed less often.
+    sample_armed: int = 16
+    #: Per size (bytes), the times of the last library calls that rode (seconds, the
+    #: fastest rank's: :meth:`_timed`); the size of the last call, where it rode and was
+    #: timed, and this rank's time of it; whether that call took longer than its size's
+    #: calls usually do (then the next call that can show anything is observed).
+    _times: dict[int, list[float]] = field(default_factory=dict)
+    _timed_bytes: int | None = None
+    _my_time: float = 0.0
+    _tripped: bool = False
     #: A rank named by the probe within this much under ``healthy_above``, where the
     #: profile holds it healthy, is probed once more before it is adopted.
     probe_margin: float = 0.1
@@ -491,6 +508,8 @@ class LinkWatch:
             out[self.p] = vals.size
             out[self.p + 1] = self._layout.tag
             out[self.p + _HEAD : self.p + _HEAD + vals.size] = vals
+        if self._timed_bytes is not None:
+            out[self.p + 2] = max(round(self._my_time * 1e9), 1)
         return out
 
     def agree(
@@ -528,6 +547,10 @@ class LinkWatch:
         self._sampled += timeable
         self._mine = np.zeros(self.p)
         gathered = np.asarray(gathered)
+        self._tripped = False
+        timed, self._timed_bytes = self._timed_bytes, None
+        if timed is not None and gathered.ndim == 2 and gathered.shape[1] >= self.p + _HEAD:
+            self._timed(timed, gathered[:, self.p + 2])
         tag = self._layout.tag if self._layout is not None else None
         span: tuple[tuple[int, int], float] | None = None
         if gathered.ndim == 1:
@@ -719,8 +742,9 @@ class LinkWatch:
         """Make ``fracs`` the profile from this call on (``why``: the link log's reason;
         ``found``: the probe's fractions, if one decided)."""
         self.profile = _links(fracs)
-        # (another plan: its traffic reads anew)
+        # (another plan: its traffic reads anew; another network: its times too)
         self._baseline, self._calibrating, self._calibration = {}, 0, {}
+        self._times = {}
         self.changes.append((self.calls, self.profile))
         self.why = why or None
         if self.log is not None and self.rank in (None, 0):
@@ -741,6 +765,45 @@ class LinkWatch:
         self._steady, self._exploring = 0, True
         return Links()
 
+    def ridden(self, nbytes: int, took: float) -> None:
+        """The call just agreed rode (the library's AllReduce served it in one round) and
+        took this rank ``took`` seconds from posting to completion: where it could show
+        anything (:meth:`timeable`) on links held healthy, that time goes with this rank's
+        next contribution (:meth:`_timed`). Called on every rank alike."""
+        if self.timeable(nbytes) and not self.profile.fractions:
+            self._timed_bytes, self._my_time = nbytes, took
+
+    def _timed(self, nbytes: int, ns: np.ndarray) -> None:
+        """Every rank's time of the last call (``ns``, one per rank), which rode and was
+        ``nbytes``: the fastest rank's is the ring's own time (the last rank to post waits
+        for nothing else; the others' add how long they waited for it). Where it is at
+        least ``1 / (1 - threshold)`` times the median of the size's last calls (a slow
+        link slows the whole ring), the next call that can show anything is observed
+        (:meth:`observes`); the rate-based tests decide as before. On the 4-rank testbed
+        (1 Gbit/s, 1 MiB) that time varied little (median 12.49 ms, 90th percentile
+        12.73 ms: 1.7% of calls over the gate), and a rank at 0.6 made it 20.34 ms
+        (docs/results.md)."""
+        if not np.all(ns > 0):
+            return
+        t = float(ns.min()) / 1e9
+        times = self._times.setdefault(nbytes, [])
+        if len(times) >= _ARMED:
+            self._tripped = t * (1 - self.threshold) >= float(np.median(times))
+        times.append(t)
+        del times[:-_TIMES]
+
+    def armed(self, nbytes: int) -> bool:
+        """Whether the library's calls of ``nbytes`` are timed often enough that a slow
+        link shows at the next one (:meth:`_timed`): then the sample is
+        ``sample_armed``."""
+        return len(self._times.get(nbytes, ())) >= _ARMED
+
+    def _sample(self, nbytes: int | None) -> int:
+        """One timeable call in how many a healthy profile samples, for a call of
+        ``nbytes`` (None: not known, ``sample``)."""
+        armed = nbytes is not None and self.armed(nbytes)
+        return max(self.sample_armed if armed else self.sample, 1)
+
     def timeable(self, nbytes: int) -> bool:
         """Whether a call of ``nbytes`` could show the watch anything on healthy links:
         the ring's messages (``nbytes / p``) are at least :data:`MIN_BYTES`, the
@@ -750,25 +813,28 @@ class LinkWatch:
         longer ones."""
         return nbytes >= self.p * MIN_BYTES
 
-    def observes(self, timeable: bool = True) -> bool:
+    def observes(self, timeable: bool = True, nbytes: int | None = None) -> bool:
         """Whether the call being planned (after :meth:`agree`; ``timeable``: as told
         to it) should run a schedule of ours, whose messages the watch times: always
         under a degraded profile; on healthy links every ``sample``-th call that
         could show anything (:meth:`timeable`), the library's AllReduce serving the
         others where it is bandwidth-optimal (what the watch costs there: on the 4-rank
         testbed a ring per call made DDP's step 1.017x the step told healthy links, which
-        gloo's AllReduce served; one call in two 1.013-1.016x; one in four 1.007x). A
-        slow rank is still found within a few calls: the first call of a job is
-        observed, and so is every call while departing calls are being confirmed (two
-        observed departing calls, then the probe). The same answer on every rank (the
-        calls are counted alike, the streak is agreed)."""
+        gloo's AllReduce served; one call in two 1.013-1.016x; one in four 1.007x); one
+        in ``sample_armed`` where the library's calls of this size (``nbytes``) are
+        timed (:meth:`armed`). A slow rank is still found within a few calls: the first
+        call of a job is observed, and so is every call while departing calls are being
+        confirmed (two observed departing calls, then the probe), and the call after a
+        timed one that was slow (:meth:`_timed`). The same answer on every rank (the
+        calls are counted alike, the streak and the times are agreed)."""
         return timeable and (
             bool(self.profile.fractions)
             or bool(self._recent)
-            or (self._sampled - 1) % max(self.sample, 1) == 0
+            or self._tripped
+            or (self._sampled - 1) % self._sample(nbytes) == 0
         )
 
-    def quiet(self, timeable: bool = True) -> bool:
+    def quiet(self, timeable: bool = True, nbytes: int | None = None) -> bool:
         """Whether the next call (``timeable``: :meth:`timeable`) needs nothing of its
         own from the watch: links held healthy, no emulated rates, and a call that could
         show nothing, or one while no departure is being confirmed that the sample does
@@ -779,13 +845,16 @@ class LinkWatch:
         assert self._mine is not None
         if self.profile.fractions or self._mine.any():
             return False
-        return not timeable or (not self._recent and self._sampled % max(self.sample, 1) != 0)
+        return not timeable or (
+            not self._recent and not self._tripped and self._sampled % self._sample(nbytes) != 0
+        )
 
     def carried_size(self) -> int:
         """Int64 values each rank carries to the next call: :meth:`contribution_size`
-        where the last call was observed (its message values), else 0 (nothing to
-        tell; a contribution of zeros says the same)."""
-        return self.contribution_size() if self._layout is not None else 0
+        where the last call was observed (its message values) or timed (:meth:`ridden`),
+        else 0 (nothing to tell; a contribution of zeros says the same)."""
+        told = self._layout is not None or self._timed_bytes is not None
+        return self.contribution_size() if told else 0
 
     def _span(self, rows: np.ndarray) -> tuple[tuple[int, int], float] | None:
         """The last call's schedule and size, and the span of its timed messages read

@@ -198,6 +198,7 @@ def main() -> None:
                 "watch_calls": watch.calls if watch is not None else -1,
                 "profile": str(watch.profile) if watch is not None else "",
                 "measured": str(watch.measured) if watch is not None else "",
+                "armed": watch is not None and watch.armed(65536 * 4),
             }
         )
     out["watched"] = watched

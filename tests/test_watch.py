@@ -102,7 +102,7 @@ def test_layout_subsamples_the_same_messages_everywhere() -> None:
     assert wide.stride == 1 and narrow.stride > 1
     assert set(narrow.ids) <= set(wide.ids)
     assert int((narrow.sends + 2 * narrow.recvs).max()) <= 8
-    assert watch_length(8) * 8 * 8 <= 256 * 1024 and watch_length(1024) == 1026
+    assert watch_length(8) * 8 * 8 <= 256 * 1024 and watch_length(1024) == 1027
 
 
 def ring_rates(fracs: np.ndarray, bw: float = 100 * MB) -> np.ndarray:
@@ -609,3 +609,39 @@ def test_told_nothing_ranks_on_several_machines_learn_their_links(
         assert [profile for profile, _ in got] == [str(truth)] * p
     else:
         assert [profile for profile, _ in got] == [None] * p
+
+
+def test_the_library_calls_times_are_a_tripwire_that_thins_the_sample() -> None:
+    """On healthy links a call that rode carries, in the next round, each rank's time of
+    it; the fastest rank's is the ring's own. Once five calls of a size are timed, one
+    call in ``sample_armed`` is sampled instead of one in ``sample``; and where the ring
+    turns slow (at least ``1 / (1 - threshold)`` its size's median, as any slow link makes
+    it), a call is observed within three, whatever the sample."""
+    from optcc_mpi.watch import MIN_BYTES
+
+    p, size = 4, 4 * MIN_BYTES
+    w = LinkWatch(p, sample=4, sample_armed=16)
+    last = [0.0]
+
+    def call(ms: float) -> bool:
+        """One timeable call whose ring took ``ms`` on the fastest rank: whether it was
+        observed (it rode if the watch was quiet)."""
+        quiet = w.quiet(True, size)
+        rows = np.tile(w.contribution(), (p, 1))
+        if rows[0, p + 2]:  # (the last call rode and was timed: every rank's time)
+            rows[:, p + 2] = np.round(last[0] * 1e6 * np.array([1.0, 1.1, 1.2, 1.3]))
+        w.agree(rows, timeable=True)
+        if quiet:
+            w.ridden(size, last[0] / 1e3)
+            last[0] = ms
+            return False
+        return w.observes(True, size)
+
+    early = [call(12.5) for _ in range(8)]
+    assert early == [i % 4 == 0 for i in range(8)]  # (the sample, not yet armed)
+    assert w.armed(size)
+    steady = [call(12.5 + 0.3 * (i % 3)) for i in range(32)]
+    assert sum(steady) == 2, steady  # (one in sixteen)
+    assert w.profile == Links() and not w.probes
+    slow = [call(20.3) for _ in range(3)]  # (a rank at 0.6: the ring 1.63x)
+    assert any(slow), slow

@@ -55,6 +55,7 @@ inside the AllReduce (:attr:`Ride.carried`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import perf_counter
 
 import numpy as np
 
@@ -110,7 +111,7 @@ class Ride:
 
     __slots__ = (
         "transport", "size", "rank", "_last", "_next", "_scratch", "hits", "misses",
-        "links_ride", "carried",
+        "links_ride", "carried", "took",
     )  # fmt: skip
 
     def __init__(self, transport: Transport) -> None:
@@ -126,6 +127,8 @@ class Ride:
         #: What every rank carried in the last guessed round, one row per rank (None:
         #: nothing was carried).
         self.carried: np.ndarray | None = None
+        #: Seconds this rank's last round took from posting to completion.
+        self.took = 0.0
         # The last agreed call's signature (None: none, or the chain was broken).
         self._last: Signature | None = None
         # Each signature's successor the last time and how many times in a row it was.
@@ -239,7 +242,9 @@ class Ride:
                 assert values is not None and values.size == carry  # (guess: mine)
                 at = self.rank * slot
                 rest[at : at + slot] = _pieces_of(values, bits, n)
+        t0 = perf_counter()
         self.transport.allreduce_now(NUMPY, buf, name, "sum")
+        self.took = perf_counter() - t0
         return buf
 
     def _flagged(self, buf: np.ndarray, count: int, mine: bool) -> bool:
