@@ -443,14 +443,17 @@ class LinkWatch:
     #: a slow link slows the library's ring as much as ours, and the next call sees it
     #: (the tripwire), so samples are needed less often.
     sample_armed: int = 16
-    #: Per size (bytes), the times of the last library calls that rode (seconds, the
-    #: fastest rank's: :meth:`_timed`); the size of the last call, where it rode and was
-    #: timed, and this rank's time of it; whether that call took longer than its size's
-    #: calls usually do (then the next call that can show anything is observed).
-    _times: dict[int, list[float]] = field(default_factory=dict)
-    _timed_bytes: int | None = None
+    #: Per size (bytes) of the library calls that rode, and per schedule (its layout's
+    #: tag, as ``("plan", tag)``) of the calls a degraded profile's plan ran, the times
+    #: of the last calls (seconds, the fastest rank's: :meth:`_timed`); the key of the
+    #: last call, where it was timed, and this rank's time of it; whether that call took
+    #: longer than its key's calls usually do (then the next call that can show anything
+    #: is observed), or less.
+    _times: dict[object, list[float]] = field(default_factory=dict)
+    _timed_bytes: object | None = None
     _my_time: float = 0.0
     _tripped: bool = False
+    _faster: bool = False
     #: A rank named by the probe within this much under ``healthy_above``, where the
     #: profile holds it healthy, is probed once more before it is adopted.
     probe_margin: float = 0.1
@@ -547,7 +550,7 @@ class LinkWatch:
         self._sampled += timeable
         self._mine = np.zeros(self.p)
         gathered = np.asarray(gathered)
-        self._tripped = False
+        self._tripped = self._faster = False
         timed, self._timed_bytes = self._timed_bytes, None
         if timed is not None and gathered.ndim == 2 and gathered.shape[1] >= self.p + _HEAD:
             self._timed(timed, gathered[:, self.p + 2])
@@ -564,6 +567,16 @@ class LinkWatch:
         if measured is None:
             # Nothing observed (the library served the call, or its messages were too
             # short to time): a streak of departing calls goes on at the next one that is.
+            if self.profile.fractions and timeable and not explored:
+                # A degraded profile's plan whose messages are all too short to time
+                # (OptCC's at 1 MiB over 8 ranks): its traffic can show no change, so its
+                # calls count toward the next exploring call (whose ring's messages are
+                # timed), and a call that took longer or less than the plan's calls
+                # usually do (:meth:`_timed`) makes this one explore: without it, the 8-rank
+                # testbed held 0:0.5 for 900 calls while the links changed every 100.
+                if self._tripped or self._faster:
+                    self._steady = max(self._steady, self._gap)
+                return self._steady_call()
             return self.profile
         cur = self.profile.vector(self.p)
         new = measured.vector(self.p)
@@ -773,9 +786,11 @@ class LinkWatch:
         if self.timeable(nbytes) and not self.profile.fractions:
             self._timed_bytes, self._my_time = nbytes, took
 
-    def _timed(self, nbytes: int, ns: np.ndarray) -> None:
+    def _timed(self, nbytes: object, ns: np.ndarray) -> None:
         """Every rank's time of the last call (``ns``, one per rank), which rode and was
-        ``nbytes``: the fastest rank's is the ring's own time (the last rank to post waits
+        ``nbytes`` (or ran a degraded profile's plan, keyed by its schedule: the same
+        test, slower or faster, makes a plan too short to time explore, :meth:`_agree`):
+        the fastest rank's is the ring's own time (the last rank to post waits
         for nothing else; the others' add how long they waited for it). Where it is at
         least ``1 / (1 - threshold)`` times the median of the size's last calls (a slow
         link slows the whole ring), the next call that can show anything is observed
@@ -788,7 +803,9 @@ class LinkWatch:
         t = float(ns.min()) / 1e9
         times = self._times.setdefault(nbytes, [])
         if len(times) >= _ARMED:
-            self._tripped = t * (1 - self.threshold) >= float(np.median(times))
+            usual = float(np.median(times))
+            self._tripped = t * (1 - self.threshold) >= usual
+            self._faster = t <= usual * (1 - self.threshold)
         times.append(t)
         del times[:-_TIMES]
 
@@ -970,6 +987,9 @@ class LinkWatch:
         if lay is None:
             lay = cache[key] = MessageLayout(schedule, itemsize, self.length - self.p - _HEAD)
         self._layout = lay
+        if self.profile.fractions:
+            # (the plan's call time: the tripwire of a plan too short to time, _agree)
+            self._timed_bytes, self._my_time = ("plan", lay.tag), stats.seconds
         if stats.settle():
             self._values, self._pending = lay.values(rank, schedule, stats, epoch), None
         else:

@@ -645,3 +645,34 @@ def test_the_library_calls_times_are_a_tripwire_that_thins_the_sample() -> None:
     assert w.profile == Links() and not w.probes
     slow = [call(20.3) for _ in range(3)]  # (a rank at 0.6: the ring 1.63x)
     assert any(slow), slow
+
+
+def test_a_degraded_plan_too_short_to_time_explores_when_its_call_time_moves() -> None:
+    """Under a degraded profile a plan whose messages are all under MIN_BYTES shows the
+    watch nothing (OptCC's at 1 MiB over 8 ranks). Its calls count toward the next
+    exploring call, and one that took longer or less than the plan's calls usually do
+    (every rank's time of it, the fastest's) makes the next call explore: the healthy
+    ring, whose messages are timed."""
+    p = 4
+    w = LinkWatch(p, explore=4, explore_max=64)
+    w._adopt(np.array([0.5, 1.0, 1.0, 1.0]))
+    w._gap = 64  # (long after an adoption: no periodic exploration soon)
+    sched = algorithms.build("ring", p, 4096, Links())  # (messages of 1 KiB: never timed)
+
+    def call(seconds: float) -> Links:
+        """One blind call of the plan that took ``seconds``: the profile its successor
+        runs (what agree returns for it)."""
+        rows = np.tile(w.contribution(), (p, 1))
+        if rows[0, p + 2]:
+            rows[:, p + 2] = np.round(last[0] * 1e9 * np.array([1.0, 1.05, 1.1, 1.2]))
+        got = w.agree(rows, timeable=True)
+        stats = [ExecStats(start=10.0, seconds=seconds) for _ in range(p)]
+        w.record_messages(0, sched, 4, stats[0], epoch=9.5)
+        last[0] = seconds
+        return got
+
+    last = [0.0]
+    assert all(call(0.05 + 0.002 * (i % 3)) == Links({0: 0.5}) for i in range(10))
+    assert not w._exploring
+    assert call(0.03) == Links({0: 0.5})  # (its time travels with the next call)
+    assert call(0.03) == Links() and w._exploring  # (rank 0 recovered: the call explores)
