@@ -165,6 +165,8 @@ _MOST = 2048
 #: Header of the message values: how many values, the layout's tag, and this rank's time
 #: of the last call, where it rode and was timed (ns; :meth:`LinkWatch.ridden`).
 _HEAD = 3
+#: Where in that header this rank's time of the last call is.
+_TIME = 2
 #: Timed calls of a size before their times arm the tripwire (:meth:`LinkWatch.armed`).
 _ARMED = 5
 #: How many of a size's last timed calls the tripwire compares with (their median).
@@ -512,7 +514,7 @@ class LinkWatch:
             out[self.p + 1] = self._layout.tag
             out[self.p + _HEAD : self.p + _HEAD + vals.size] = vals
         if self._timed_bytes is not None:
-            out[self.p + 2] = max(round(self._my_time * 1e9), 1)
+            out[self.p + _TIME] = max(round(self._my_time * 1e9), 1)
         return out
 
     def agree(
@@ -553,7 +555,7 @@ class LinkWatch:
         self._tripped = self._faster = False
         timed, self._timed_bytes = self._timed_bytes, None
         if timed is not None and gathered.ndim == 2 and gathered.shape[1] >= self.p + _HEAD:
-            self._timed(timed, gathered[:, self.p + 2])
+            self._timed(timed, gathered[:, self.p + _TIME])
         tag = self._layout.tag if self._layout is not None else None
         span: tuple[tuple[int, int], float] | None = None
         if gathered.ndim == 1:

@@ -37,7 +37,7 @@ from optcc_mpi.links import Links  # noqa: E402
 from optcc_mpi.transports import Completion  # noqa: E402
 from optcc_mpi.transports.base import Post  # noqa: E402
 from optcc_mpi.transports.distributed import Carriers, TorchTransport  # noqa: E402
-from optcc_mpi.watch import MessageLayout  # noqa: E402
+from optcc_mpi.watch import _HEAD, MessageLayout  # noqa: E402
 
 C10D = torch._C._distributed_c10d
 #: Stands for "has a default" in the signatures read from docstrings (pybind prints a
@@ -475,7 +475,7 @@ def test_nccl_levels_are_timed_on_the_device_and_read_without_waiting(
         levels = st.device.levels
         assert levels and len(clocks[rank].marks) == 1 + 2 * len(levels)
     assert len({c.size for c in early}) == 1
-    assert all(np.all(c[size + 2 : size + 2 + c[size]] == -1) for c in early)
+    assert all(np.all(c[size + _HEAD : size + _HEAD + c[size]] == -1) for c in early)
 
     stats, late, _ = call(passed=True)
     assert [c.size for c in late] == [c.size for c in early]
@@ -484,5 +484,5 @@ def test_nccl_levels_are_timed_on_the_device_and_read_without_waiting(
         assert all(0 <= m.posted <= m.completed for m in st.recvs)
         assert all(m.posted == 0.0 for m in st.sends)
     lay = MessageLayout(sched, 4, LinkWatch(size).length - size - 2)
-    rates = lay.rates(np.array(late)[:, size + 2 :])
+    rates = lay.rates(np.array(late)[:, size + _HEAD :])
     assert np.all(rates > 0), rates

@@ -10,7 +10,7 @@ from optcc_mpi import algorithms
 from optcc_mpi.executor import ExecStats
 from optcc_mpi.links import Links
 from optcc_mpi.simulate import simulate
-from optcc_mpi.watch import LinkWatch, MessageLayout, send_rates, watch_length
+from optcc_mpi.watch import _TIME, LinkWatch, MessageLayout, send_rates, watch_length
 
 MB = 1 << 20
 
@@ -628,8 +628,8 @@ def test_the_library_calls_times_are_a_tripwire_that_thins_the_sample() -> None:
         observed (it rode if the watch was quiet)."""
         quiet = w.quiet(True, size)
         rows = np.tile(w.contribution(), (p, 1))
-        if rows[0, p + 2]:  # (the last call rode and was timed: every rank's time)
-            rows[:, p + 2] = np.round(last[0] * 1e6 * np.array([1.0, 1.1, 1.2, 1.3]))
+        if rows[0, p + _TIME]:  # (the last call rode and was timed: every rank's time)
+            rows[:, p + _TIME] = np.round(last[0] * 1e6 * np.array([1.0, 1.1, 1.2, 1.3]))
         w.agree(rows, timeable=True)
         if quiet:
             w.ridden(size, last[0] / 1e3)
@@ -663,8 +663,8 @@ def test_a_degraded_plan_too_short_to_time_explores_when_its_call_time_moves() -
         """One blind call of the plan that took ``seconds``: the profile its successor
         runs (what agree returns for it)."""
         rows = np.tile(w.contribution(), (p, 1))
-        if rows[0, p + 2]:
-            rows[:, p + 2] = np.round(last[0] * 1e9 * np.array([1.0, 1.05, 1.1, 1.2]))
+        if rows[0, p + _TIME]:
+            rows[:, p + _TIME] = np.round(last[0] * 1e9 * np.array([1.0, 1.05, 1.1, 1.2]))
         got = w.agree(rows, timeable=True)
         stats = [ExecStats(start=10.0, seconds=seconds) for _ in range(p)]
         w.record_messages(0, sched, 4, stats[0], epoch=9.5)

@@ -16,6 +16,7 @@ from optcc_mpi.check.protocol import gathered_extra as _gathered_extra
 from optcc_mpi.collectives import choose_algorithm, comm_state, last_stats
 from optcc_mpi.emulation import Emulation
 from optcc_mpi.links import Links
+from optcc_mpi.watch import _HEAD
 
 MPI = pytest.importorskip("mpi4py.MPI")
 pytestmark = pytest.mark.mpi
@@ -100,13 +101,13 @@ def test_watch_pairs_both_ends_of_every_message_on_a_real_transport(check: bool)
         watch = comm_state(comm).watch_made()
         mine = watch.contribution()
         count = int(mine[p])
-        assert count > 0 and np.all(mine[p + 2 : p + 2 + count] >= 0)  # every message timed
+        assert count > 0 and np.all(mine[p + _HEAD : p + _HEAD + count] >= 0)  # every message timed
         if check:
             assert comm_state(comm).check.agreed >= 8 * mine.size  # rides on the next check
         rows = np.array(comm.allgather(mine))
         # Both ends of every message found (not asserted: that durations are positive;
         # in shared memory a message takes microseconds, less than the clock's skew).
-        lo, hi = watch._layout.intervals(rows[:, p + 2 :])
+        lo, hi = watch._layout.intervals(rows[:, p + _HEAD :])
         assert lo.size > 0 and np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))
         v = watch.observed(rows)
         assert np.all(v >= 0) and np.all(np.isfinite(v))
