@@ -452,7 +452,7 @@ class LinkWatch:
     #: longer than its key's calls usually do (then the next call that can show anything
     #: is observed), or less.
     _times: dict[object, list[float]] = field(default_factory=dict)
-    _timed_bytes: object | None = None
+    _timed_key: object | None = None
     _my_time: float = 0.0
     _tripped: bool = False
     _faster: bool = False
@@ -513,7 +513,7 @@ class LinkWatch:
             out[self.p] = vals.size
             out[self.p + 1] = self._layout.tag
             out[self.p + _HEAD : self.p + _HEAD + vals.size] = vals
-        if self._timed_bytes is not None:
+        if self._timed_key is not None:
             out[self.p + _TIME] = max(round(self._my_time * 1e9), 1)
         return out
 
@@ -553,7 +553,7 @@ class LinkWatch:
         self._mine = np.zeros(self.p)
         gathered = np.asarray(gathered)
         self._tripped = self._faster = False
-        timed, self._timed_bytes = self._timed_bytes, None
+        timed, self._timed_key = self._timed_key, None
         if timed is not None and gathered.ndim == 2 and gathered.shape[1] >= self.p + _HEAD:
             self._timed(timed, gathered[:, self.p + _TIME])
         tag = self._layout.tag if self._layout is not None else None
@@ -786,15 +786,15 @@ class LinkWatch:
         anything (:meth:`timeable`) on links held healthy, that time goes with this rank's
         next contribution (:meth:`_timed`). Called on every rank alike."""
         if self.timeable(nbytes) and not self.profile.fractions:
-            self._timed_bytes, self._my_time = nbytes, took
+            self._timed_key, self._my_time = nbytes, took
 
-    def _timed(self, nbytes: object, ns: np.ndarray) -> None:
-        """Every rank's time of the last call (``ns``, one per rank), which rode and was
-        ``nbytes`` (or ran a degraded profile's plan, keyed by its schedule: the same
-        test, slower or faster, makes a plan too short to time explore, :meth:`_agree`):
-        the fastest rank's is the ring's own time (the last rank to post waits
-        for nothing else; the others' add how long they waited for it). Where it is at
-        least ``1 / (1 - threshold)`` times the median of the size's last calls (a slow
+    def _timed(self, key: object, ns: np.ndarray) -> None:
+        """Every rank's time of the last call (``ns``, one per rank), of ``key``: its size
+        in bytes where it rode (or ``("plan", tag)`` where it ran a degraded profile's
+        plan: the same test, slower or faster, makes a plan too short to time explore,
+        :meth:`_agree`): the fastest rank's is the ring's own time (the last rank to post
+        waits for nothing else; the others' add how long they waited for it). Where it is
+        at least ``1 / (1 - threshold)`` times the median of the key's last calls (a slow
         link slows the whole ring), the next call that can show anything is observed
         (:meth:`observes`); the rate-based tests decide as before. On the 4-rank testbed
         (1 Gbit/s, 1 MiB) that time varied little (median 12.49 ms, 90th percentile
@@ -803,7 +803,7 @@ class LinkWatch:
         if not np.all(ns > 0):
             return
         t = float(ns.min()) / 1e9
-        times = self._times.setdefault(nbytes, [])
+        times = self._times.setdefault(key, [])
         if len(times) >= _ARMED:
             usual = float(np.median(times))
             self._tripped = t * (1 - self.threshold) >= usual
@@ -872,7 +872,7 @@ class LinkWatch:
         """Int64 values each rank carries to the next call: :meth:`contribution_size`
         where the last call was observed (its message values) or timed (:meth:`ridden`),
         else 0 (nothing to tell; a contribution of zeros says the same)."""
-        told = self._layout is not None or self._timed_bytes is not None
+        told = self._layout is not None or self._timed_key is not None
         return self.contribution_size() if told else 0
 
     def _span(self, rows: np.ndarray) -> tuple[tuple[int, int], float] | None:
@@ -991,7 +991,7 @@ class LinkWatch:
         self._layout = lay
         if self.profile.fractions:
             # (the plan's call time: the tripwire of a plan too short to time, _agree)
-            self._timed_bytes, self._my_time = ("plan", lay.tag), stats.seconds
+            self._timed_key, self._my_time = ("plan", lay.tag), stats.seconds
         if stats.settle():
             self._values, self._pending = lay.values(rank, schedule, stats, epoch), None
         else:
