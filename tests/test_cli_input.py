@@ -118,3 +118,30 @@ def test_an_error_every_rank_meets_is_printed_once(args: list[str], once: str) -
     # Nothing aborted (Open MPI's launcher still reports the non-zero exit in a box).
     assert "aborting all ranks" not in res.stderr and "MPI_Abort" not in res.stderr, res.stderr
     assert "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["-b", "8M", "-e", "1M"], "-e/--end 1048576 is smaller than -b/--begin 8388608"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("variable", ["SLURM_PROCID", "RANK"])
+def test_an_error_found_first_by_another_rank_is_not_lost(
+    args: list[str], says: str, variable: str
+) -> None:
+    """Launchers that end the job at the first non-zero exit (srun --kill-on-bad-exit,
+    torchrun, prterun) stop rank 0 the moment another rank leaves: when rank 1 finds the
+    error first and rank 0 is still starting, rank 1's exit alone must carry the line.
+    Here rank 0 never starts at all (the slowest it can be)."""
+    from optcc_mpi.cli._common import _RANK_VARIABLES
+
+    env = {k: v for k, v in ENV.items() if k not in {"HYDI_CONTROL_FD", *_RANK_VARIABLES}}
+    env.update({variable: "1", "WORLD_SIZE": "2", "SLURM_NTASKS": "2"})
+    cmd = [*EXE, "bench", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    assert res.returncode == 2, res.stderr
+    assert f"[rank 1] optcc-mpi bench: error: {says}" in res.stderr, res.stderr
+    assert res.stderr.count(says) == 1 and "usage:" not in res.stderr, res.stderr

@@ -28,7 +28,7 @@ from optcc_mpi.cli import (
     testbed,
     train,
 )
-from optcc_mpi.cli._common import job_rank, run_command
+from optcc_mpi.cli._common import hold_for_rank0, job_rank, run_command
 
 # Command modules, in the order ``--help`` lists them. A command's heavy imports (MPI,
 # h5py, matplotlib) stay inside its functions, so importing them all costs little.
@@ -78,8 +78,10 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """Usage and ``message`` on standard error, status 2; under a launcher every rank
-        parsed the same command line, so rank 0 alone says what is wrong with it."""
+        parsed the same command line, so rank 0 alone says what is wrong with it (the
+        others hold back their exit until it has: :func:`~optcc_mpi.cli._common.hold_for_rank0`)."""
         if job_rank() != 0:
+            hold_for_rank0(f"{self.prog}: error: {message}")
             self.exit(2)
         super().error(message)
 

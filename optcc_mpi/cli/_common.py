@@ -243,6 +243,33 @@ def leave_now(status: int) -> NoReturn:
 #: Seconds the ranks of a job wait for each other before leaving with an error.
 _MEET_SECONDS = 10.0
 
+#: Seconds a rank other than 0 holds back its exit after an error every rank found
+#: before any communication (:func:`hold_for_rank0`).
+_HOLD_SECONDS = 3.0
+
+
+def hold_for_rank0(message: str) -> None:
+    """On a rank other than 0 of a launched job, about to leave with an error that every
+    rank found by itself before any communication (a bad command line): hold back the
+    exit, so that rank 0 is the one that says it.
+
+    Launchers that end the whole job at the first non-zero exit (srun with
+    ``--kill-on-bad-exit``, which :mod:`optcc_mpi.lab.launch` passes; torchrun; Open MPI's
+    prterun) would otherwise stop rank 0 before its line is out whenever another rank got
+    there first, and the error would vanish from the log. Such a launcher ends this
+    process once rank 0 has printed and left. If it has not within :data:`_HOLD_SECONDS`
+    (rank 0 started later, or a launcher that waits for every task), this rank prints the
+    line itself, with its number, and leaves: the error is never lost. MPICH's Hydra
+    waits for every rank and forwards all of their output, so under it nothing is held.
+    Does nothing on rank 0 or outside a launcher.
+    """
+    rank = job_rank()
+    if rank == 0 or "HYDI_CONTROL_FD" in os.environ:
+        return
+    time.sleep(_HOLD_SECONDS)
+    print(f"[rank {rank}] {message}", file=sys.stderr)
+    sys.stderr.flush()
+
 
 def _meet() -> None:
     """Wait (at most :data:`_MEET_SECONDS`) until every rank of the running job has come
@@ -297,6 +324,8 @@ def _fail(args: argparse.Namespace, exc: BaseException) -> int:
         torchrun_report(message)
         if running:
             _meet()
+        else:
+            hold_for_rank0(message)
         return 2
     message = f"optcc-mpi {args.command}: error: {exc}"
     if _mpi_world_size() > 1:
