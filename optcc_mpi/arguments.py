@@ -52,6 +52,8 @@ from optcc_mpi.transports import Transport
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+    from optcc_mpi.watch import Stopwatch
+
 __all__ = ["Overlap"]
 
 _OPSET = frozenset(OPS)
@@ -74,7 +76,7 @@ class _Call:
         "sendbuf", "result", "flat_in", "flat_out", "arrays", "in_place", "opn", "name",
         "count", "nbytes", "algorithm", "link_obj", "emu", "params", "check", "plan",
         "fold", "fields", "seen", "err", "epoch", "stats", "work", "keyed", "watched",
-        "library", "label", "defer", "request", "record", "learnt", "rides",
+        "library", "label", "defer", "request", "record", "learnt", "rides", "clock",
     )  # fmt: skip
 
     def __init__(
@@ -96,6 +98,7 @@ class _Call:
         self.label = label
         self.defer = False
         self.request: object | None = None
+        self.clock: Stopwatch | None = None  # (a watched call's library AllReduce in flight)
         self.record: CallRecord | None = None
         self.algorithm, self.params, self.check = algorithm, params, check
         self.plan: Plan | None = None

@@ -85,7 +85,7 @@ from optcc_mpi.probe import ProbeResult, probe
 from optcc_mpi.reductions import reduce_rows
 from optcc_mpi.schedule import Params, Schedule
 from optcc_mpi.transports import Communicator
-from optcc_mpi.watch import MIN_BYTES
+from optcc_mpi.watch import MIN_BYTES, Stopwatch
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -367,6 +367,8 @@ class Started:
         """Complete the call once :attr:`request` completed; the result."""
         if self.request is not None:
             self.request = None
+            if self.call.clock is not None:
+                self.call.clock.stop()
             self.result = _finish(self.st, self.call)
         return self.result
 
@@ -685,9 +687,7 @@ def _run_data(st: CommState, call: _Call) -> None:
         st.ride.reduce(cast(np.ndarray, call.flat_in), cast(np.ndarray, flat_out), call.name)
         call.work = flat_out
         if call.watched:
-            watch = st.watch_made()
-            watch.unobserved(st.rank, plan.schedule)
-            watch.ridden(call.nbytes, st.ride.took)
+            st.watch_made().served(st.rank, plan.schedule, call.nbytes, st.ride.took)
         return
     short = call.algorithm == "auto" and coll_only and call.emu is None and 1 < p <= GATHER_MAX_P
     if short and 0 < call.nbytes and _gathered(st, call.nbytes):
@@ -728,13 +728,18 @@ def _run_data(st: CommState, call: _Call) -> None:
         # as every rank must: MPI_IN_PLACE is all or none).
         if source is not None:
             arrays.copyto(work, source)
+        # (a watched call is timed: on links held healthy the tripwire, LinkWatch._timed)
+        clock = Stopwatch() if call.watched else None
         if call.defer:
             call.request = transport.allreduce(arrays, work, wname, call.opn)
+            call.clock = clock  # (stopped when the request completes: Started.finish)
         else:
             transport.allreduce_now(arrays, work, wname, call.opn)
+            if clock is not None:
+                clock.stop()
         call.library = short and not call.keyed  # (the compiled path can take the next)
-        if call.watched:  # (a healthy call the watch left to the library: nothing timed)
-            st.watch_made().unobserved(st.rank, plan.schedule)
+        if clock is not None:
+            st.watch_made().served(st.rank, plan.schedule, call.nbytes, clock)
         return
     # Each rank reduces different parts: a floating-point warning or exception
     # (np.seterr) on one rank alone would leave the others waiting.

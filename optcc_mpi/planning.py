@@ -310,13 +310,12 @@ def watch_ridden(
     """Give the watch a watched call of ``nbytes`` that rode and ran ``schedule`` (the
     library's): every rank's ``carried`` observations of the last call (None: nothing to
     tell), agreed alike on every rank, then the call as one it did not observe, and its
-    round's time here (:meth:`~optcc_mpi.watch.LinkWatch.ridden`). What they decide (a
+    round's time here (:meth:`~optcc_mpi.watch.LinkWatch.served`). What they decide (a
     probe, a departure to confirm) holds from the next call on."""
     watch = st.watch_made()
     rows = carried
     if rows is None:
         rows = np.zeros((st.size, watch.contribution_size()), dtype=np.int64)
     watch.agree(rows, st.transport, None, watch.timeable(nbytes))
-    watch.unobserved(st.rank, schedule)
     assert st.ride is not None  # (it rode)
-    watch.ridden(nbytes, st.ride.took)
+    watch.served(st.rank, schedule, nbytes, st.ride.took)

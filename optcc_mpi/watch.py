@@ -132,6 +132,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import numpy as np
 
@@ -152,7 +153,9 @@ from optcc_mpi.probe import (
 from optcc_mpi.schedule import SEND, Schedule
 from optcc_mpi.transports import Communicator
 
-__all__ = ["WATCH", "MIN_BYTES", "LinkWatch", "MessageLayout", "send_rates", "watch_length"]
+__all__ = [
+    "WATCH", "MIN_BYTES", "LinkWatch", "MessageLayout", "Stopwatch", "send_rates", "watch_length",
+]  # fmt: skip
 
 #: The value of ``links`` that turns watching on.
 WATCH = "watch"
@@ -163,7 +166,8 @@ MIN_BYTES = 64 * 1024
 #: Most int64 one rank contributes (16 KiB).
 _MOST = 2048
 #: Header of the message values: how many values, the layout's tag, and this rank's time
-#: of the last call, where it rode and was timed (ns; :meth:`LinkWatch.ridden`).
+#: of the last call, where the library served it and it was timed (ns; 0: not known here;
+#: :meth:`LinkWatch.served`).
 _HEAD = 3
 #: Where in that header this rank's time of the last call is.
 _TIME = 2
@@ -171,6 +175,28 @@ _TIME = 2
 _ARMED = 5
 #: How many of a size's last timed calls the tripwire compares with (their median).
 _TIMES = 9
+
+
+class Stopwatch:
+    """This rank's time of a call the library's AllReduce serves in flight: from its
+    posting (the stopwatch's making) to the moment its wait returned here
+    (:meth:`stop`); 0.0 until then. Read (called) when the next call's contribution is
+    made (:meth:`LinkWatch.served`): a call still in flight then is not timed, on any
+    rank (a time of 0 on one rank sets the whole call's aside)."""
+
+    __slots__ = ("t0", "took")
+
+    def __init__(self) -> None:
+        self.t0 = perf_counter()
+        self.took = 0.0
+
+    def stop(self) -> None:
+        """The call completed, as seen here now (the first stop counts)."""
+        if not self.took:
+            self.took = max(perf_counter() - self.t0, 1e-9)
+
+    def __call__(self) -> float:
+        return self.took
 
 
 def watch_length(p: int) -> int:
@@ -445,7 +471,7 @@ class LinkWatch:
     #: a slow link slows the library's ring as much as ours, and the next call sees it
     #: (the tripwire), so samples are needed less often.
     sample_armed: int = 16
-    #: Per size (bytes) of the library calls that rode, and per schedule (its layout's
+    #: Per size (bytes) of the calls the library's AllReduce served, and per schedule (its layout's
     #: tag, as ``("plan", tag)``) of the calls a degraded profile's plan ran, the times
     #: of the last calls (seconds, the fastest rank's: :meth:`_timed`); the key of the
     #: last call, where it was timed, and this rank's time of it; whether that call took
@@ -453,7 +479,7 @@ class LinkWatch:
     #: is observed), or less.
     _times: dict[object, list[float]] = field(default_factory=dict)
     _timed_key: object | None = None
-    _my_time: float = 0.0
+    _my_time: float | Callable[[], float] = 0.0
     _tripped: bool = False
     _faster: bool = False
     #: A rank named by the probe within this much under ``healthy_above``, where the
@@ -514,7 +540,9 @@ class LinkWatch:
             out[self.p + 1] = self._layout.tag
             out[self.p + _HEAD : self.p + _HEAD + vals.size] = vals
         if self._timed_key is not None:
-            out[self.p + _TIME] = max(round(self._my_time * 1e9), 1)
+            mine = self._my_time
+            took = mine() if callable(mine) else mine
+            out[self.p + _TIME] = max(round(took * 1e9), 1) if took > 0 else 0
         return out
 
     def agree(
@@ -780,17 +808,22 @@ class LinkWatch:
         self._steady, self._exploring = 0, True
         return Links()
 
-    def ridden(self, nbytes: int, took: float) -> None:
-        """The call just agreed rode (the library's AllReduce served it in one round) and
-        took this rank ``took`` seconds from posting to completion: where it could show
-        anything (:meth:`timeable`) on links held healthy, that time goes with this rank's
-        next contribution (:meth:`_timed`). Called on every rank alike."""
+    def served(self, rank: int, schedule: Schedule, nbytes: int, took: float | Stopwatch) -> None:
+        """The library's AllReduce serves the call just agreed (it rode, or the watch left
+        it to the library: :meth:`observes` said no), running ``schedule``, and took this
+        rank ``took`` seconds from posting to completion, or will have once the
+        :class:`Stopwatch` stopped (a call left in flight). The link log is told what it
+        ran (:meth:`unobserved`), and where it could show anything (:meth:`timeable`) on
+        links held healthy, its time goes with this rank's next contribution
+        (:meth:`_timed`). Called on every rank alike, when the call is posted, so that
+        every rank's next contribution has a place for the time (:meth:`carried_size`)."""
+        self._ran(rank, schedule)
         if self.timeable(nbytes) and not self.profile.fractions:
             self._timed_key, self._my_time = nbytes, took
 
     def _timed(self, key: object, ns: np.ndarray) -> None:
         """Every rank's time of the last call (``ns``, one per rank), of ``key``: its size
-        in bytes where it rode (or ``("plan", tag)`` where it ran a degraded profile's
+        in bytes where the library served it (or ``("plan", tag)`` where it ran a degraded profile's
         plan: the same test, slower or faster, makes a plan too short to time explore,
         :meth:`_agree`): the fastest rank's is the ring's own time (the last rank to post
         waits for nothing else; the others' add how long they waited for it). Where it is
@@ -870,7 +903,7 @@ class LinkWatch:
 
     def carried_size(self) -> int:
         """Int64 values each rank carries to the next call: :meth:`contribution_size`
-        where the last call was observed (its message values) or timed (:meth:`ridden`),
+        where the last call was observed (its message values) or timed (:meth:`served`),
         else 0 (nothing to tell; a contribution of zeros says the same)."""
         told = self._layout is not None or self._timed_key is not None
         return self.contribution_size() if told else 0

@@ -281,3 +281,21 @@ def test_watched_calls_the_watch_needs_nothing_of_ride(ranks: list[dict]) -> Non
     after = [c for i, c in enumerate(calls) if c["hit"] and i - 1 in observed]
     assert after and all(c["carried"] and c["measured"] != "None" for c in after), calls
     assert any(c["carried"] for i, c in enumerate(calls) if c["hit"] and i - 1 not in observed)
+
+
+def test_the_library_calls_left_in_flight_are_timed_too(ranks: list[dict]) -> None:
+    """Above RIDE_MAX a watched call's AllReduce is the library's, left in flight: its
+    time on each rank (posting to the wait's return) travels in the next call's header
+    and arms the tripwire as a riding call's does (the sample then thins); a call
+    still in flight when the next one is checked (pairs posted together) is set aside on
+    every rank alike. Every sum right, the same bits on every rank."""
+    bigs = [r["watched_bigs"] for r in ranks]
+    assert all(b["error"] <= 1e-6 for rank in bigs for b in rank), bigs
+    assert all([b["digest"] for b in rank] == [b["digest"] for b in bigs[0]] for rank in bigs)
+    armed = [[b["armed"] for b in rank] for rank in bigs]
+    # (the calls waited for at once are always timed, the sampled ones are not; how thin
+    # the sample then is, test_watch.py tests without the machine's noise)
+    first = armed[0].index(True)
+    assert all(a == armed[0] for a in armed) and all(armed[0][first:]), armed
+    served = {b["algorithm"] for b in bigs[0] if b["algorithm"]}
+    assert len(served) == 2, served  # (the library's AllReduce, and the sample's ring)

@@ -621,7 +621,8 @@ def test_the_library_calls_times_are_a_tripwire_that_thins_the_sample() -> None:
 
     p, size = 4, 4 * MIN_BYTES
     w = LinkWatch(p, sample=4, sample_armed=16)
-    last = [0.0]
+    ring = algorithms.build("ring", p, size // 4, Links())  # (what the library's runs)
+    last = [12.5]
 
     def call(ms: float) -> bool:
         """One timeable call whose ring took ``ms`` on the fastest rank: whether it was
@@ -632,7 +633,7 @@ def test_the_library_calls_times_are_a_tripwire_that_thins_the_sample() -> None:
             rows[:, p + _TIME] = np.round(last[0] * 1e6 * np.array([1.0, 1.1, 1.2, 1.3]))
         w.agree(rows, timeable=True)
         if quiet:
-            w.ridden(size, last[0] / 1e3)
+            w.served(0, ring, size, last[0] / 1e3)
             last[0] = ms
             return False
         return w.observes(True, size)
