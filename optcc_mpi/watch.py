@@ -482,6 +482,10 @@ class LinkWatch:
     _my_time: float | Callable[[], float] = 0.0
     _tripped: bool = False
     _faster: bool = False
+    #: A trip that no observed call has answered yet: one found while agreeing a call
+    #: already served (a riding call agrees after its round), or by a call that could
+    #: show nothing (:meth:`served`). It holds until a call observes.
+    _trip_pending: bool = False
     #: A rank named by the probe within this much under ``healthy_above``, where the
     #: profile holds it healthy, is probed once more before it is adopted.
     probe_margin: float = 0.1
@@ -580,7 +584,9 @@ class LinkWatch:
         self._sampled += timeable
         self._mine = np.zeros(self.p)
         gathered = np.asarray(gathered)
-        self._tripped = self._faster = False
+        # (a trip no call answered yet stands: the next call that can show anything
+        # observes, :meth:`observes`)
+        self._tripped, self._trip_pending, self._faster = self._trip_pending, False, False
         timed, self._timed_key = self._timed_key, None
         if timed is not None and gathered.ndim == 2 and gathered.shape[1] >= self.p + _HEAD:
             self._timed(timed, gathered[:, self.p + _TIME])
@@ -787,7 +793,7 @@ class LinkWatch:
         self.profile = _links(fracs)
         # (another plan: its traffic reads anew; another network: its times too)
         self._baseline, self._calibrating, self._calibration = {}, 0, {}
-        self._times = {}
+        self._times, self._tripped, self._trip_pending = {}, False, False
         self.changes.append((self.calls, self.profile))
         self.why = why or None
         if self.log is not None and self.rank in (None, 0):
@@ -818,6 +824,8 @@ class LinkWatch:
         (:meth:`_timed`). Called on every rank alike, when the call is posted, so that
         every rank's next contribution has a place for the time (:meth:`carried_size`)."""
         self._ran(rank, schedule)
+        # (a trip this call did not answer, observing, stands for the next: _agree)
+        self._trip_pending = self._tripped
         if self.timeable(nbytes) and not self.profile.fractions:
             self._timed_key, self._my_time = nbytes, took
 
@@ -839,7 +847,7 @@ class LinkWatch:
         times = self._times.setdefault(key, [])
         if len(times) >= _ARMED:
             usual = float(np.median(times))
-            self._tripped = t * (1 - self.threshold) >= usual
+            self._tripped = self._tripped or t * (1 - self.threshold) >= usual
             self._faster = t <= usual * (1 - self.threshold)
         times.append(t)
         del times[:-_TIMES]
@@ -1016,6 +1024,7 @@ class LinkWatch:
         """Keep this rank's side of the call's timed messages for the next call (a real
         network: see the module's estimator). ``epoch``: when the check ended here."""
         self._ran(rank, schedule)
+        self._tripped = False  # (answered: this call observed)
         cache = schedule.__dict__.setdefault("_watch_layouts", {})
         key = (itemsize, self.length)
         lay = cache.get(key)

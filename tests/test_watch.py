@@ -616,7 +616,8 @@ def test_the_library_calls_times_are_a_tripwire_that_thins_the_sample() -> None:
     it; the fastest rank's is the ring's own. Once five calls of a size are timed, one
     call in ``sample_armed`` is sampled instead of one in ``sample``; and where the ring
     turns slow (at least ``1 / (1 - threshold)`` its size's median, as any slow link makes
-    it), a call is observed within three, whatever the sample."""
+    it), the second call after it is observed, whatever the sample (the first rode before
+    the slow time was agreed)."""
     from optcc_mpi.watch import MIN_BYTES
 
     p, size = 4, 4 * MIN_BYTES
@@ -644,8 +645,11 @@ def test_the_library_calls_times_are_a_tripwire_that_thins_the_sample() -> None:
     steady = [call(12.5 + 0.3 * (i % 3)) for i in range(32)]
     assert sum(steady) == 2, steady  # (one in sixteen)
     assert w.profile == Links() and not w.probes
-    slow = [call(20.3) for _ in range(3)]  # (a rank at 0.6: the ring 1.63x)
-    assert any(slow), slow
+    # One slow call (a rank at 0.6: the ring 1.63x) rides; the next rides too, before its
+    # round's agreement finds the slow time; the trip stands until a call observes.
+    assert not call(20.3)
+    assert not call(12.5)
+    assert call(12.5)
 
 
 def test_a_degraded_plan_too_short_to_time_explores_when_its_call_time_moves() -> None:
