@@ -525,9 +525,11 @@ class Prepared:
         st = self.st
         ride = st.ride
         assert ride is not None  # (prepare: a watched call is prepared where calls ride)
-        guessed = ride.expects(self.fields)
+        sig = ride.expects(self.fields)
+        guessed = sig is not None
         if guessed:
-            if ride.guess(self.fields, flat, flat, st.watch_made().contribution()):
+            contribution = st.watch_made().contribution()
+            if ride.guess(self.fields, flat, flat, contribution, expected=sig):
                 watch_ridden(st, self.schedule, self.nbytes, ride.carried)
                 _STATES.last = record = self.records[0]
                 return record, None

@@ -177,11 +177,12 @@ class Ride:
             return None
         return seen[0]
 
-    def expects(self, fields: tuple[int, ...]) -> bool:
-        """Whether the signature every rank expects of the next call is that of header
-        ``fields`` (then :meth:`guess` with it makes the round)."""
+    def expects(self, fields: tuple[int, ...]) -> Signature | None:
+        """The signature every rank expects of the next call where it is that of header
+        ``fields``, else None; :meth:`guess` given it (``expected``) makes the round
+        without working it out again."""
         sig = self.expected()
-        return sig is not None and tuple(fields[:_SIGNATURE]) == sig
+        return sig if sig is not None and tuple(fields[:_SIGNATURE]) == sig else None
 
     def agreed(self, fields: tuple[int, ...]) -> None:
         """Record a call every rank agreed on by the check (its header)."""
@@ -266,8 +267,10 @@ class Ride:
         data: np.ndarray | None,
         out: np.ndarray | Callable[[], np.ndarray],
         values: np.ndarray | None = None,
+        expected: Signature | None = None,
     ) -> bool:
-        """The round of the signature every rank expects (:meth:`expected`), where there is
+        """The round of the signature every rank expects (:meth:`expected`, or
+        ``expected`` where the caller has it from :meth:`expects` just now), where there is
         one; True if every rank flagged it (then ``out`` holds the sum), False with
         nothing communicated where nothing is expected. ``fields``: this rank's header
         (None: its call is checked otherwise, or not at all); ``data``: its 1-D NumPy
@@ -276,7 +279,7 @@ class Ride:
         flagged); ``values``: the int64 values this rank carries, where the expected
         signature carries some (:attr:`links_ride`; every rank's, as rows, in
         :attr:`carried` after a round every rank flagged)."""
-        sig = self.expected()
+        sig = self.expected() if expected is None else expected
         if sig is None:
             return False
         count = sig[_COUNT]
