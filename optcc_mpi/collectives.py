@@ -528,7 +528,10 @@ class Prepared:
         sig = ride.expects(self.fields)
         guessed = sig is not None
         if guessed:
-            contribution = st.watch_made().contribution()
+            # (what the last call observed, where it has anything to tell: the round
+            # carries nothing else, ride.Ride.guess)
+            watch = st.watch_made()
+            contribution = watch.contribution() if watch.carried_size() else None
             if ride.guess(self.fields, flat, flat, contribution, expected=sig):
                 watch_ridden(st, self.schedule, self.nbytes, ride.carried)
                 _STATES.last = record = self.records[0]

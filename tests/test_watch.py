@@ -681,3 +681,55 @@ def test_a_degraded_plan_too_short_to_time_explores_when_its_call_time_moves() -
     assert not w._exploring
     assert call(0.03) == Links({0: 0.5})  # (its time travels with the next call)
     assert call(0.03) == Links() and w._exploring  # (rank 0 recovered: the call explores)
+
+
+def _state(w: LinkWatch) -> dict[str, object]:
+    """Everything a watch holds, comparable (arrays as lists)."""
+    return {
+        k: v.tolist() if isinstance(v, np.ndarray) else v
+        for k, v in vars(w).items()
+        if k not in ("log", "_prober")
+    }
+
+
+def test_a_quiet_call_agreed_without_arrays_leaves_what_zero_rows_leave() -> None:
+    """agree_quiet (a call that rode carrying nothing) leaves the watch as agree of every
+    rank's contribution of zeros does, over a run of short and timeable calls that ride
+    (timed, carried), observed calls, a measurement left from an earlier call, and the
+    tripwire's trips (some standing over a short call); where something is carried or the
+    links are not held healthy, it is agree itself."""
+    from optcc_mpi.watch import MIN_BYTES
+
+    p, big = 4, 4 * MIN_BYTES
+    full, fast = LinkWatch(p, sample=4, sample_armed=8), LinkWatch(p, sample=4, sample_armed=8)
+    ring = algorithms.build("ring", p, MIN_BYTES, Links())
+    sizes = [big, big, 4, big, 4096, big, big, 4, 4, big, 4, big, 4096]
+    last, quiet_trips, quiet_measured = 12.5, 0, 0
+    for i in range(260):
+        nbytes = sizes[i % len(sizes)]
+        timeable = full.timeable(nbytes)
+        quiet = full.quiet(timeable, nbytes)
+        assert quiet == fast.quiet(timeable, nbytes), i
+        rows = np.tile(full.contribution(), (p, 1))
+        assert np.array_equal(rows, np.tile(fast.contribution(), (p, 1)))
+        if rows[0, p + _TIME]:  # (the last call was timed: every rank's time of it)
+            rows[:, p + _TIME] = np.round(last * 1e6 * np.array([1.0, 1.1, 1.2, 1.3]))
+        if quiet and not full.carried_size():
+            if i % 5 == 0:  # (what an earlier call measured, as agree leaves it)
+                full.measured = fast.measured = Links({1: 0.5})
+                quiet_measured += 1
+            quiet_trips += full._trip_pending
+            full.agree(np.zeros((p, full.contribution_size()), dtype=np.int64), timeable=timeable)
+            fast.agree_quiet(timeable)
+        else:
+            full.agree(rows.copy(), timeable=timeable)
+            fast.agree(rows.copy(), timeable=timeable)
+        if quiet:  # (it rode: the library served it)
+            for w in (full, fast):
+                w.served(1, ring, nbytes, last / 1e3)
+        # (now and then a slow ring: the next call carries it and trips, the short calls
+        # after it ride with the trip standing)
+        last = 20.3 if i % len(sizes) == 5 else 12.5 + 0.3 * (i % 3)
+        assert _state(full) == _state(fast), i
+    assert full.armed(big) and full.calls == 260
+    assert quiet_trips and quiet_measured, (quiet_trips, quiet_measured)
