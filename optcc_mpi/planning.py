@@ -313,9 +313,6 @@ def watch_ridden(
     round's time here (:meth:`~optcc_mpi.watch.LinkWatch.served`). What they decide (a
     probe, a departure to confirm) holds from the next call on."""
     watch = st.watch_made()
-    if carried is None:
-        watch.agree_quiet(watch.timeable(nbytes))
-    else:
-        watch.agree(carried, st.transport, None, watch.timeable(nbytes))
+    watch.agree(carried, st.transport, None, watch.timeable(nbytes))
     assert st.ride is not None  # (it rode)
     watch.served(st.rank, schedule, nbytes, st.ride.took)

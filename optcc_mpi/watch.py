@@ -552,15 +552,16 @@ class LinkWatch:
 
     def agree(
         self,
-        gathered: np.ndarray,
+        gathered: np.ndarray | None,
         wire: Communicator | None = None,
         emulate: Emulation | None = None,
         timeable: bool = True,
     ) -> Links:
         """Take every rank's :meth:`contribution` (one row per rank; a 1-D vector is read
-        as the rates already reduced) and return the profile to run this call with (the
-        same on every rank). ``timeable``: whether this call could be observed
-        (:meth:`timeable`); only such calls count for the sample (:meth:`observes`).
+        as the rates already reduced; None: every rank's was zeros, a call that rode
+        carrying nothing) and return the profile to run this call with (the same on every
+        rank). ``timeable``: whether this call could be observed (:meth:`timeable`); only
+        such calls count for the sample (:meth:`observes`).
 
         ``wire``: the communicator's transport, on which every rank runs the probe at the
         same call where the traffic suspects a change (:meth:`_decide`; ``emulate``: the
@@ -576,23 +577,24 @@ class LinkWatch:
                 emulate=emulate,
             )
         try:
+            if gathered is None:
+                return self._agree_nothing(timeable)
             return self._agree(gathered, timeable)
         finally:
             self._prober = None
 
-    def agree_quiet(self, timeable: bool = True) -> Links:
-        """:meth:`agree` of a call that rode with nothing carried (:meth:`carried_size`
-        was 0, so every rank's contribution was zeros), on links held healthy with no
-        emulated rates (:meth:`quiet`): the same state as :meth:`agree` of zero rows
-        leaves, without its arrays (a short call riding across machines spends a fifth
-        of its Python here otherwise: docs/results.md)."""
+    def _agree_nothing(self, timeable: bool) -> Links:
+        """:meth:`_agree` of every rank's contribution of zeros: where the links are held
+        healthy with no emulated rates and nothing was to be carried (:meth:`quiet`,
+        :meth:`carried_size` 0: no layout, no time to clear), the same state without its
+        arrays (a short call riding across machines spent a fifth of its Python there:
+        docs/results.md)."""
         assert self._mine is not None
         if self.profile.fractions or self._mine.any() or self.carried_size():
-            return self.agree(np.zeros((self.p, self.contribution_size()), dtype=np.int64))
+            return self._agree(np.zeros((self.p, self.contribution_size()), np.int64), timeable)
         self.calls += 1
         self._sampled += timeable
         self._tripped, self._trip_pending, self._faster = self._trip_pending, False, False
-        self._timed_key = self._values = self._layout = self._pending = None
         self.measured = None
         self._exploring = False
         return self.profile

@@ -693,8 +693,8 @@ def _state(w: LinkWatch) -> dict[str, object]:
 
 
 def test_a_quiet_call_agreed_without_arrays_leaves_what_zero_rows_leave() -> None:
-    """agree_quiet (a call that rode carrying nothing) leaves the watch as agree of every
-    rank's contribution of zeros does, over a run of short and timeable calls that ride
+    """agree of nothing (None: a call that rode carrying nothing) leaves the watch as agree
+    of every rank's contribution of zeros does, over a run of short and timeable calls that ride
     (timed, carried), observed calls, a measurement left from an earlier call, and the
     tripwire's trips (some standing over a short call); where something is carried or the
     links are not held healthy, it is agree itself."""
@@ -720,7 +720,7 @@ def test_a_quiet_call_agreed_without_arrays_leaves_what_zero_rows_leave() -> Non
                 quiet_measured += 1
             quiet_trips += full._trip_pending
             full.agree(np.zeros((p, full.contribution_size()), dtype=np.int64), timeable=timeable)
-            fast.agree_quiet(timeable)
+            fast.agree(None, timeable=timeable)
         else:
             full.agree(rows.copy(), timeable=timeable)
             fast.agree(rows.copy(), timeable=timeable)
