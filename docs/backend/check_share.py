@@ -12,27 +12,15 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from ride_phases import PARTS as TIMES  # (this folder)
+from ride_phases import timed
 
 import optcc_mpi.torch
 from optcc_mpi.check import protocol
 from optcc_mpi.transports import distributed as tdist
-
-TIMES: dict[str, list[float]] = {"check": [], "wait": []}
-
-
-def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapped(*args: object, **kwargs: object) -> Any:
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        TIMES[part].append(time.perf_counter() - t0)
-        return out
-
-    return wrapped
 
 
 def main() -> None:
@@ -44,8 +32,8 @@ def main() -> None:
     x = torch.ones(int(sys.argv[1]) if len(sys.argv) > 1 else 4194304)
     for _ in range(5):
         dist.all_reduce(x, group=optcc)
-    for values in TIMES.values():
-        values.clear()
+    TIMES.clear()
+    TIMES.update(check=[], wait=[])
     calls, gloo = [], []
     for _ in range(40):
         t0 = time.perf_counter()

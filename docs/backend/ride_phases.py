@@ -32,7 +32,7 @@ def timed(part: str, fn: Callable[..., object], less_took: bool = False) -> Call
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
         spent = time.perf_counter() - t0
-        PARTS[part].append(spent - (args[0].took if less_took else 0.0))  # type: ignore[attr-defined]
+        PARTS.setdefault(part, []).append(spent - (args[0].took if less_took else 0.0))  # type: ignore[attr-defined]
         return out
 
     return wrapped

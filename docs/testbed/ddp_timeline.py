@@ -16,7 +16,6 @@ them the first rank posted its AllReduce (the check's round waits for the last r
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -28,12 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import optcc_mpi.torch as ot
 from optcc_mpi.torch import OptccOptions
 from optcc_mpi.transports import distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nothing_set import model  # noqa: E402
+from nothing_set import model, start, timed_step  # noqa: E402
 
 Event = tuple[int, int, float, float]  # bucket index, bytes, handed over, completed
 POSTS: list[tuple[int, float]] = []  # (bytes, when) of the library's AllReduces
@@ -72,11 +70,7 @@ def main() -> None:
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     ap.add_argument("--no-check", action="store_true", help="also a copy with check=False")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        ot.init_process_group_from_mpi("gloo")
+    start()
     rank, p = dist.get_rank(), dist.get_world_size()
     groups = {
         "gloo": dist.new_group(backend="gloo"),
@@ -103,15 +97,10 @@ def main() -> None:
         for name, (ddp, opt) in copies.items():
             events[name].clear()
             POSTS.clear()
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-            dist.barrier()
+            t0, took = timed_step(ddp, opt, x, y)
             seen = [(i, n, a - t0, b - t0) for i, n, a, b in events[name]]
             posts = [(n, t - t0) for n, t in POSTS]
-            steps[name].append((time.perf_counter() - t0, seen, posts))
+            steps[name].append((took, seen, posts))
     # Every rank's first bucket: when DDP handed it over, and when the library's
     # AllReduce of it was posted (the told copy's), per step after the first.
     mine = []

@@ -52,14 +52,9 @@ def main() -> None:
     if args.torch:
         import torch
         import torch.distributed as dist
+        from nothing_set import start
 
-        import optcc_mpi.torch as ot
-
-        torch.set_num_threads(1)
-        if "RANK" in os.environ:
-            dist.init_process_group("gloo")
-        else:
-            ot.init_process_group_from_mpi("gloo")
+        start()
         rank, p = dist.get_rank(), dist.get_world_size()
         group = dist.new_group(backend="optcc")
         wire = group

@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,28 @@ def model(group: object, width: int, layers: int, bucket_mb: float) -> tuple[obj
     return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
 
 
+def start() -> None:
+    """One thread of compute per rank, and the default group: under torchrun, or over MPI
+    (``mpiexec``, the testbed's ``run``)."""
+    torch.set_num_threads(1)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        ot.init_process_group_from_mpi("gloo")
+
+
+def timed_step(ddp: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """One training step of ``ddp`` between two barriers: when it started
+    (``time.perf_counter``) and how long it took, seconds."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    dist.barrier()
+    return t0, time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -50,14 +73,10 @@ def main() -> None:
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     ap.add_argument("--out", default=None, help="append the row as a JSON line")
     args = ap.parse_args()
-    torch.set_num_threads(1)
     # (the testbed's own variables name it; a links log records, it tells nothing)
     told = [k for k in os.environ if k.startswith("OPTCC_") and not k.startswith(QUIET)]
     assert not told, f"nothing may be set: {told}"
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        ot.init_process_group_from_mpi("gloo")
+    start()
     rank = dist.get_rank()
     groups = {"gloo": dist.new_group(backend="gloo"), "optcc": dist.new_group(backend="optcc")}
     if args.told:
@@ -71,13 +90,7 @@ def main() -> None:
         x = torch.randn(16, 256, generator=gen)
         y = torch.randint(0, 10, (16,), generator=gen)
         for name, (ddp, opt) in copies.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-            dist.barrier()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(timed_step(ddp, opt, x, y)[1])
     params = {
         name: torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
         for name, (ddp, _) in copies.items()
