@@ -92,6 +92,29 @@ def test_error_on_one_rank_aborts_the_job() -> None:
     assert "OPTCC_LINKS" in res.stderr or "zero" in res.stderr
 
 
+ABORT_LONG = """
+import sys
+from mpi4py import MPI
+from optcc_mpi.cli._common import _abort
+if MPI.COMM_WORLD.Get_rank() == 1:
+    _abort(3, "x" * 60000 + " the last words")
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_an_abort_s_last_lines_reach_the_log() -> None:
+    """The abort goes to the launcher on another channel than the output: a launcher that
+    takes it first ended the job with the rank's last lines unread, and the job failed
+    with no word of why (about 1 run in 5 with a 60 KB message under MPICH's Hydra before
+    the abort waited for its lines to be read). Ten runs, every one must say it."""
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-c", ABORT_LONG]
+    for _ in range(10):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+        assert res.returncode == 3, res.stderr[-300:]
+        assert "the last words\n[rank 1] aborting all ranks" in res.stderr, res.stderr[-300:]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("args", "once"),
