@@ -265,21 +265,29 @@ def test_watched_calls_the_watch_needs_nothing_of_ride(ranks: list[dict]) -> Non
     assert all(r["watched_big_error"] <= 1e-6 for r in ranks)
     assert [c["watch_calls"] for c in calls] == list(range(1, len(calls) + 1))
     hits = [i for i, c in enumerate(calls) if c["hit"]]
-    assert len(hits) >= len(calls) // 3, calls
+    degraded = [c for c in calls if c["profile"] != "healthy"]
     served = {calls[i]["algorithm"] for i in hits}
     assert len(served) == 1, calls
     observed = {i for i, c in enumerate(calls) if c["algorithm"] not in served}
     assert not observed & set(hits), calls  # (an observed call never rides)
-    # Every fourth call is sampled until five of the size's calls that rode were timed
-    # (the watch's calls count from 1: the one before call i was its i-th); then the
-    # library's times are the tripwire and the sample is thinner (test_watch.py).
-    armed = next(i for i, c in enumerate(calls) if c["armed"])
-    assert all(i in observed for i in range(0, armed, 4)), calls
-    assert 0 < armed < 16, calls
     # A round after an observed call carries what it measured: the watch reads it. (A
     # round after one that rode carries every rank's time of it: the tripwire's.)
     after = [c for i, c in enumerate(calls) if c["hit"] and i - 1 in observed]
-    assert after and all(c["carried"] and c["measured"] != "None" for c in after), calls
+    assert all(c["carried"] and c["measured"] != "None" for c in after), calls
+    if degraded:
+        # Three ranks on two loaded cores can make the watch hold a rank slow (the probe
+        # times the CPUs' noise too; test_the_library_calls_left_in_flight_are_timed_too):
+        # that profile's plan then serves the calls, which do not ride, and the sample
+        # and the tripwire below are not what they test.
+        return
+    # Every fourth call is sampled until five of the size's calls that rode were timed
+    # (the watch's calls count from 1: the one before call i was its i-th); then the
+    # library's times are the tripwire and the sample is thinner (test_watch.py).
+    assert len(hits) >= len(calls) // 3, calls
+    armed = next(i for i, c in enumerate(calls) if c["armed"])
+    assert all(i in observed for i in range(0, armed, 4)), calls
+    assert 0 < armed < 16, calls
+    assert after, calls
     assert any(c["carried"] for i, c in enumerate(calls) if c["hit"] and i - 1 not in observed)
 
 
