@@ -280,10 +280,10 @@ def test_watched_calls_the_watch_needs_nothing_of_ride(ranks: list[dict]) -> Non
         # that profile's plan then serves the calls, which do not ride, and the sample
         # and the tripwire below are not what they test.
         return
+    assert len(hits) >= len(calls) // 3, calls
     # Every fourth call is sampled until five of the size's calls that rode were timed
     # (the watch's calls count from 1: the one before call i was its i-th); then the
     # library's times are the tripwire and the sample is thinner (test_watch.py).
-    assert len(hits) >= len(calls) // 3, calls
     armed = next(i for i, c in enumerate(calls) if c["armed"])
     assert all(i in observed for i in range(0, armed, 4)), calls
     assert 0 < armed < 16, calls
